@@ -1,0 +1,34 @@
+"""pdactors: prefill/decode disaggregation for vLLM, as Trio actors.
+
+This module only re-exports the public API; the code lives in the submodules.
+"""
+
+from pdactors.actors.bootstrap import serve_bootstrap as serve_bootstrap
+from pdactors.actors.receiver import PullResults as PullResults
+from pdactors.actors.receiver import Receiver as Receiver
+from pdactors.actors.receiver import serve_receiver as serve_receiver
+from pdactors.actors.sender import Sender as Sender
+from pdactors.actors.sender import serve_sender as serve_sender
+from pdactors.bootstrap_client import BootstrapClient as BootstrapClient
+from pdactors.bootstrap_client import open_bootstrap_client as open_bootstrap_client
+from pdactors.config import BootstrapConfig as BootstrapConfig
+from pdactors.config import DataPlaneConfig as DataPlaneConfig
+from pdactors.config import RankInfo as RankInfo
+from pdactors.config import ReceiverConfig as ReceiverConfig
+from pdactors.config import SenderConfig as SenderConfig
+from pdactors.dataplane import DataPlane as DataPlane
+from pdactors.dataplane import MooncakeDataPlane as MooncakeDataPlane
+from pdactors.dataplane import open_mooncake as open_mooncake
+from pdactors.errors import BootstrapError as BootstrapError
+from pdactors.errors import DataPlaneError as DataPlaneError
+from pdactors.errors import IllegalTransition as IllegalTransition
+from pdactors.errors import LayoutMismatch as LayoutMismatch
+from pdactors.errors import PdError as PdError
+from pdactors.errors import PlanError as PlanError
+from pdactors.errors import PullFailedError as PullFailedError
+from pdactors.errors import TransferError as TransferError
+from pdactors.messages import BlockLayout as BlockLayout
+from pdactors.messages import KVTransferParams as KVTransferParams
+from pdactors.messages import Layout as Layout
+
+__version__ = "0.1.0"

@@ -1,0 +1,331 @@
+"""The D receiver actor: asks P workers to write KV into D's blocks, and reports how each pull ended.
+
+Embed it with ``receiver = await nursery.start(serve_receiver, config, dataplane, layout)``.
+The engine side starts pulls with :meth:`Receiver.start_pull` (synchronous, never blocks),
+aborts them with :meth:`Receiver.abort`, and collects ends with :meth:`Receiver.take_results`
+(vLLM's ``finished_recving`` and failed loads). Trio callers can ``await receiver.pull(...)``.
+
+Per P worker, one DEALER socket is opened on first use and kept; D's layout travels with the
+first pull to each P worker only. Bootstrap answers are cached per bootstrap address and
+re-read when an engine id is not in them (P restarted) or a pull to it timed out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import trio
+
+from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
+from pdactors.config import ReceiverConfig
+from pdactors.core.plan import check_layout, peer_tp_rank
+from pdactors.core.pull_table import Completed, PullEffect, PullTable, SendCancel
+from pdactors.dataplane.base import DataPlane
+from pdactors.errors import BootstrapError, PlanError, PullFailedError
+from pdactors.messages import (
+    BootstrapAnswer,
+    CancelPull,
+    ErrorReply,
+    FrameError,
+    Layout,
+    LayoutUnknown,
+    Msg,
+    PullDone,
+    PullFailed,
+    PullRequest,
+    decode_frames,
+    encode_frames,
+    layout_id,
+)
+from pdactors.transport import DealerSocket, open_dealer
+
+__all__ = ["PullResults", "Receiver", "serve_receiver"]
+
+log = logging.getLogger("pdactors.receiver")
+
+
+@dataclass(frozen=True, slots=True)
+class PullResults:
+    """Pulls that ended since the last :meth:`Receiver.take_results`."""
+
+    finished: frozenset[str]
+    failed: dict[str, str]
+
+
+@dataclass(slots=True)
+class _Peer:
+    address: str
+    dealer: DealerSocket
+    knows_layout: bool = False
+
+
+@dataclass(slots=True)
+class _Waiter:
+    done: trio.Event = field(default_factory=trio.Event)
+    result: Completed | None = None
+
+
+class Receiver:
+    """Handle of a running receiver actor. Its methods must be called from the actor's trio thread."""
+
+    def __init__(
+        self,
+        config: ReceiverConfig,
+        dataplane: DataPlane,
+        layout: Layout,
+        client: BootstrapClient,
+        nursery: trio.Nursery,
+    ) -> None:
+        check_layout(layout)
+        self.config = config
+        self.layout = layout
+        self._session = dataplane.session
+        self._layout_id = layout_id(dataplane.session, layout)
+        self._client = client
+        self._nursery = nursery
+        self._table = PullTable(timeout=config.pull_timeout)
+        self._requests: dict[str, PullRequest] = {}
+        self._lookups: dict[str, BootstrapAnswer] = {}
+        self._lookup_locks: defaultdict[str, trio.Lock] = defaultdict(trio.Lock)
+        self._peers: dict[str, _Peer] = {}
+        self._peer_locks: defaultdict[str, trio.Lock] = defaultdict(trio.Lock)
+        self._origin: dict[str, str] = {}  # transfer id -> bootstrap url, to drop stale answers
+        self._waiters: dict[str, _Waiter] = {}
+        self._finished: set[str] = set()
+        self._failed: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ engine side (sync)
+
+    def start_pull(
+        self,
+        transfer_id: str,
+        *,
+        bootstrap_url: str,
+        engine_id: str,
+        block_ids: list[int] | tuple[int, ...],
+    ) -> None:
+        """Ask P (``engine_id``, found at ``bootstrap_url``) to write ``transfer_id`` into
+        ``block_ids``. Never blocks; the end is reported by :meth:`take_results`.
+
+        Raises :class:`~pdactors.errors.IllegalTransition` when that pull is already in flight.
+        """
+        self._table.start(transfer_id, trio.current_time())
+        self._origin[transfer_id] = bootstrap_url
+        self._nursery.start_soon(self._run_pull, transfer_id, bootstrap_url, engine_id, block_ids)
+
+    def abort(self, transfer_id: str, reason: str = "aborted by D") -> None:
+        """Give up on ``transfer_id``: it ends as failed, and P is told to free its blocks."""
+        self._apply(self._table.abort(transfer_id, reason))
+
+    def take_results(self) -> PullResults:
+        """The pulls that ended since the last call (vLLM's ``finished_recving`` / failed)."""
+        results = PullResults(frozenset(self._finished), self._failed)
+        self._finished, self._failed = set(), {}
+        return results
+
+    @property
+    def in_flight(self) -> int:
+        """Pulls that have not ended yet."""
+        return len(self._table)
+
+    # ------------------------------------------------------------------ trio callers
+
+    async def pull(
+        self,
+        transfer_id: str,
+        *,
+        bootstrap_url: str,
+        engine_id: str,
+        block_ids: list[int] | tuple[int, ...],
+    ) -> None:
+        """Pull ``transfer_id`` and wait for its end. Checkpoint.
+
+        Raises :class:`~pdactors.errors.PullFailedError` when it does not land. If this task is
+        cancelled, the pull is aborted (and P told).
+        """
+        waiter = self._waiters[transfer_id] = _Waiter()
+        try:
+            self.start_pull(
+                transfer_id, bootstrap_url=bootstrap_url, engine_id=engine_id, block_ids=block_ids
+            )
+            await waiter.done.wait()
+        finally:
+            del self._waiters[transfer_id]
+            if waiter.result is None:
+                self.abort(transfer_id, "the waiting task was cancelled")
+        assert waiter.result is not None
+        if not waiter.result.ok:
+            raise PullFailedError(transfer_id, waiter.result.reason)
+
+    # ------------------------------------------------------------------ the work
+
+    async def _run_pull(
+        self, tid: str, url: str, engine_id: str, block_ids: list[int] | tuple[int, ...]
+    ) -> None:
+        try:
+            address = await self._resolve(url, engine_id)
+            peer = await self._peer(address)
+        except (BootstrapError, PlanError, OSError) as exc:
+            self._apply(self._table.fail(tid, f"cannot reach P {engine_id} via {url}: {exc}"))
+            return
+        if tid not in self._table:  # aborted or timed out while looking P up
+            return
+        ranks = self.config.ranks
+        request = PullRequest(
+            transfer_id=tid,
+            session=self._session,
+            tp_rank=ranks.tp_rank,
+            tp_size=ranks.tp_size,
+            pp_rank=ranks.pp_rank,
+            pp_size=ranks.pp_size,
+            block_ids=tuple(block_ids),
+            layout_id=self._layout_id,
+        )
+        self._requests[tid] = request
+        if not peer.knows_layout:
+            # Messages on one connection arrive in order: whoever sends first carries the layout.
+            peer.knows_layout = True
+            request = self._with_layout(request)
+        # Recorded before the send: P's answer may arrive before this task runs again.
+        self._apply(self._table.sent(tid, address))
+        await peer.dealer.send(encode_frames(request))
+
+    def _with_layout(self, request: PullRequest) -> PullRequest:
+        return PullRequest(
+            transfer_id=request.transfer_id,
+            session=request.session,
+            tp_rank=request.tp_rank,
+            tp_size=request.tp_size,
+            pp_rank=request.pp_rank,
+            pp_size=request.pp_size,
+            block_ids=request.block_ids,
+            layout_id=request.layout_id,
+            layout=self.layout,
+        )
+
+    async def _resolve(self, url: str, engine_id: str) -> str:
+        """The side-channel address of ``engine_id``'s worker that serves my rank."""
+        address = self._find(url, engine_id)
+        if address is not None:
+            return address
+        async with self._lookup_locks[url]:  # one query in flight per bootstrap
+            address = self._find(url, engine_id)  # another task may have just refreshed it
+            if address is not None:
+                return address
+            timeout = self.config.lookup_timeout
+            with trio.move_on_after(timeout) as scope:
+                self._lookups[url] = await self._client.query(url, timeout=timeout)
+            if scope.cancelled_caught:
+                raise BootstrapError(f"no answer from the bootstrap at {url} in {timeout:g} s")
+        address = self._find(url, engine_id)
+        if address is None:
+            raise BootstrapError(f"engine {engine_id!r} is not registered at {url}")
+        return address
+
+    def _find(self, url: str, engine_id: str) -> str | None:
+        answer = self._lookups.get(url)
+        if answer is None:
+            return None
+        ranks = self.config.ranks
+        for entry in answer.values():
+            if entry.engine_id != engine_id:
+                continue
+            tp = peer_tp_rank(ranks.tp_rank, ranks.tp_size, len(entry.worker_addr))
+            by_pp = entry.worker_addr.get(tp, {})
+            return by_pp.get(ranks.pp_rank)
+        return None
+
+    async def _peer(self, address: str) -> _Peer:
+        peer = self._peers.get(address)
+        if peer is not None:
+            return peer
+        async with self._peer_locks[address]:
+            peer = self._peers.get(address)
+            if peer is None:
+                peer = await self._nursery.start(self._serve_peer, address)
+            return peer
+
+    async def _serve_peer(
+        self, address: str, *, task_status: trio.TaskStatus[_Peer] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        async with open_dealer(address) as dealer:
+            peer = self._peers[address] = _Peer(address, dealer)
+            task_status.started(peer)
+            try:
+                while True:
+                    frames = await dealer.receive()
+                    try:
+                        msg = decode_frames(frames)
+                    except FrameError as exc:
+                        log.warning("bad frame from P worker %s: %s", address, exc)
+                        continue
+                    self._on_answer(peer, msg)
+            finally:
+                del self._peers[address]
+
+    def _on_answer(self, peer: _Peer, msg: Msg) -> None:
+        match msg:
+            case PullDone(transfer_id=tid):
+                self._apply(self._table.answered(tid, ok=True))
+            case PullFailed(transfer_id=tid, reason=reason):
+                self._apply(self._table.answered(tid, ok=False, reason=f"P: {reason}"))
+            case LayoutUnknown(transfer_id=tid):
+                request = self._requests.get(tid)
+                if request is not None:  # P forgot us (restart): resend with the layout
+                    frames = encode_frames(self._with_layout(request))
+                    self._nursery.start_soon(peer.dealer.send, frames)
+            case ErrorReply(reason=reason):
+                log.warning("P worker %s could not read our message: %s", peer.address, reason)
+            case _:
+                log.warning("unexpected %s from P worker %s", type(msg).__name__, peer.address)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.tick_interval)
+            self._apply(self._table.tick(trio.current_time()))
+
+    async def _send_cancel(self, cancel: SendCancel) -> None:
+        peer = self._peers.get(cancel.peer)
+        if peer is not None:
+            await peer.dealer.send(encode_frames(CancelPull(cancel.transfer_id, cancel.reason)))
+
+    def _apply(self, effects: list[PullEffect]) -> None:
+        for effect in effects:
+            match effect:
+                case SendCancel():
+                    self._nursery.start_soon(self._send_cancel, effect)
+                case Completed(transfer_id=tid, ok=ok, reason=reason):
+                    self._requests.pop(tid, None)
+                    url = self._origin.pop(tid, None)
+                    if not ok:
+                        log.info("pull %s failed: %s", tid, reason)
+                        if url is not None and "timed out" in reason:
+                            self._lookups.pop(url, None)  # P may have moved: look again
+                    waiter = self._waiters.get(tid)
+                    if waiter is not None:
+                        waiter.result = effect
+                        waiter.done.set()
+                    elif ok:
+                        self._finished.add(tid)
+                    else:
+                        self._failed[tid] = reason
+
+
+async def serve_receiver(
+    config: ReceiverConfig,
+    dataplane: DataPlane,
+    layout: Layout,
+    *,
+    task_status: trio.TaskStatus[Receiver] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a D receiver until cancelled; ``task_status.started`` gets its :class:`Receiver`.
+
+    ``layout`` is D's KV memory, already registered with ``dataplane`` (P writes into it).
+    """
+    async with open_bootstrap_client() as client, trio.open_nursery() as nursery:
+        receiver = Receiver(config, dataplane, layout, client, nursery)
+        nursery.start_soon(receiver._tick_loop)
+        log.info("receiver %s rank %s ready", config.engine_id, config.ranks)
+        task_status.started(receiver)

@@ -1,0 +1,262 @@
+"""The P sender actor: answers D's pulls by writing P's KV blocks into D's memory.
+
+Embed it with ``sender = await nursery.start(serve_sender, config, dataplane, layout)``. The
+engine side tells it about transfers with the synchronous methods of :class:`Sender`
+(``transfer_pending`` / ``transfer_ready`` / ``transfer_dropped``) and learns which transfers
+P may free with ``take_finished`` (vLLM's ``finished_sending``).
+
+The actor is a thin trio shell around :class:`~pdactors.core.send_table.SendTable`: a receive
+loop feeds D's messages in, a tick loop feeds the clock in, and the effects come out as
+replies (through one outbox task), writes (one task per transfer) and released ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+
+import trio
+
+from pdactors.bootstrap_client import open_bootstrap_client
+from pdactors.config import SenderConfig
+from pdactors.core.plan import check_layout, peer_tp_rank, plan_transfer
+from pdactors.core.send_table import (
+    Effect,
+    Release,
+    Reply,
+    SendState,
+    SendTable,
+    SendTableStats,
+    StartSend,
+)
+from pdactors.dataplane.base import DataPlane
+from pdactors.errors import DataPlaneError, PlanError
+from pdactors.messages import (
+    CancelPull,
+    ErrorReply,
+    FrameError,
+    Layout,
+    LayoutUnknown,
+    Msg,
+    PullFailed,
+    PullRequest,
+    RegisterWorker,
+    decode_frames,
+    encode_frames,
+)
+from pdactors.transport import RouterSocket, open_router
+from pdactors.transport.zmq import PeerUnreachable
+
+__all__ = ["Sender", "serve_sender"]
+
+log = logging.getLogger("pdactors.sender")
+
+_MAX_LAYOUTS = 1024
+
+
+class Sender:
+    """Handle of a running sender actor. Its methods must be called from the actor's trio thread.
+
+    The synchronous methods never block; they raise
+    :class:`~pdactors.errors.IllegalTransition` when the engine reports an impossible sequence.
+    """
+
+    def __init__(
+        self,
+        config: SenderConfig,
+        dataplane: DataPlane,
+        layout: Layout,
+        router: RouterSocket,
+        nursery: trio.Nursery,
+    ) -> None:
+        check_layout(layout)
+        self.config = config
+        self.layout = layout
+        self._dataplane = dataplane
+        self._router = router
+        self._nursery = nursery
+        self._table = SendTable(
+            ready_timeout=config.ready_timeout,
+            unclaimed_ttl=config.unclaimed_ttl,
+            tombstone_ttl=config.tombstone_ttl,
+        )
+        self._layouts: OrderedDict[str, Layout] = OrderedDict()
+        self._outbox_send, self._outbox_recv = trio.open_memory_channel[tuple[bytes, Msg]](
+            math.inf
+        )
+        self._finished: set[str] = set()
+        self._finished_changed = trio.Event()
+        self._bad_peers: set[bytes] = set()
+        self.bytes_sent = 0
+        self.descriptors_sent = 0
+
+    @property
+    def address(self) -> str:
+        """The side-channel address D workers connect to (``tcp://host:port``)."""
+        return self._router.address
+
+    # ------------------------------------------------------------------ engine side (sync)
+
+    def transfer_pending(self, transfer_id: str) -> None:
+        """P's prefill of ``transfer_id`` started (its KV is not ready yet)."""
+        self._apply(self._table.prefill_started(transfer_id, trio.current_time()))
+
+    def transfer_ready(self, transfer_id: str, block_ids: list[int] | tuple[int, ...]) -> None:
+        """P's prefill finished; its KV sits in ``block_ids`` until the id is released."""
+        self._apply(self._table.prefill_ready(transfer_id, tuple(block_ids), trio.current_time()))
+
+    def transfer_dropped(self, transfer_id: str, reason: str = "") -> None:
+        """P will not finish ``transfer_id``; a waiting D is told at once."""
+        self._apply(self._table.prefill_dropped(transfer_id, trio.current_time(), reason))
+
+    def take_finished(self) -> set[str]:
+        """Transfer ids whose P blocks may now be freed (vLLM's ``finished_sending``)."""
+        finished, self._finished = self._finished, set()
+        return finished
+
+    async def wait_finished(self) -> set[str]:
+        """Wait until some transfer is released, then take them all. Checkpoint."""
+        while not self._finished:
+            await self._finished_changed.wait()
+        await trio.lowlevel.checkpoint()
+        return self.take_finished()
+
+    def transfer_state(self, transfer_id: str) -> SendState | None:
+        """Where ``transfer_id`` stands (None: unknown or forgotten)."""
+        return self._table.state(transfer_id)
+
+    def statistics(self) -> SendTableStats:
+        return self._table.statistics()
+
+    # ------------------------------------------------------------------ the loops
+
+    async def _receive_loop(self) -> None:
+        while True:
+            identity, frames = await self._router.receive()
+            try:
+                msg = decode_frames(frames)
+            except FrameError as exc:
+                self._bad_frame(identity, str(exc))
+                continue
+            now = trio.current_time()
+            match msg:
+                case PullRequest():
+                    self._apply(self._on_pull(identity, msg, now))
+                case CancelPull(transfer_id=tid, reason=reason):
+                    log.info("transfer %s cancelled by D: %s", tid, reason or "no reason")
+                    self._apply(self._table.pull_cancelled(tid, now, reason))
+                case _:
+                    self._bad_frame(identity, f"unexpected message {type(msg).__name__}")
+
+    def _bad_frame(self, identity: bytes, reason: str) -> None:
+        if identity not in self._bad_peers:  # log once per peer, answer every time
+            self._bad_peers.add(identity)
+            log.warning("bad frame from peer %s: %s", identity.hex(), reason)
+        self._outbox_send.send_nowait((identity, ErrorReply(reason)))
+
+    def _on_pull(self, identity: bytes, pull: PullRequest, now: float) -> list[Effect]:
+        tid = pull.transfer_id
+        if pull.layout is not None:
+            try:
+                check_layout(pull.layout)
+            except PlanError as exc:
+                return [Reply(identity, PullFailed(tid, f"bad layout: {exc}"))]
+            self._layouts[pull.layout_id] = pull.layout
+            self._layouts.move_to_end(pull.layout_id)
+            while len(self._layouts) > _MAX_LAYOUTS:
+                self._layouts.popitem(last=False)
+        elif pull.layout_id not in self._layouts:
+            return [Reply(identity, LayoutUnknown(tid, pull.layout_id))]
+        ranks = self.config.ranks
+        try:
+            mine = peer_tp_rank(pull.tp_rank, pull.tp_size, ranks.tp_size)
+        except PlanError as exc:
+            return [Reply(identity, PullFailed(tid, str(exc)))]
+        if mine != ranks.tp_rank or pull.pp_rank != ranks.pp_rank:
+            reason = f"pull for tp {pull.tp_rank}/pp {pull.pp_rank} reached P worker {ranks}"
+            return [Reply(identity, PullFailed(tid, reason))]
+        return self._table.pull_arrived(tid, identity, pull, now)
+
+    async def _outbox_loop(self) -> None:
+        async for identity, msg in self._outbox_recv:
+            try:
+                await self._router.send(identity, encode_frames(msg))
+            except PeerUnreachable:
+                log.warning("cannot answer %s: D worker %s is gone", msg, identity.hex())
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.tick_interval)
+            self._apply(self._table.tick(trio.current_time()))
+
+    async def _send(self, job: StartSend) -> None:
+        pull = job.pull
+        error: str | None = None
+        nbytes = descriptors = 0
+        try:
+            dst_layout = self._layouts.get(pull.layout_id)
+            if dst_layout is None:
+                raise PlanError(f"D's layout {pull.layout_id} was forgotten; retry")
+            plan = plan_transfer(self.layout, job.src_blocks, dst_layout, pull.block_ids)
+            nbytes, descriptors = plan.nbytes, plan.descriptors
+            await self._dataplane.write(pull.session, plan.src, plan.dst, plan.lengths)
+        except (PlanError, DataPlaneError) as exc:
+            error = str(exc)
+            log.warning("transfer %s to %s failed: %s", job.transfer_id, pull.session, error)
+        else:
+            self.bytes_sent += nbytes
+            self.descriptors_sent += descriptors
+        now = trio.current_time()
+        self._apply(
+            self._table.send_finished(
+                job.transfer_id, now, error=error, nbytes=nbytes, descriptors=descriptors
+            )
+        )
+
+    def _apply(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            match effect:
+                case Reply(identity=identity, msg=msg):
+                    self._outbox_send.send_nowait((identity, msg))
+                case StartSend():
+                    self._nursery.start_soon(self._send, effect)
+                case Release(transfer_id=tid, state=state):
+                    log.debug("transfer %s released (%s)", tid, state.value)
+                    self._finished.add(tid)
+                    self._finished_changed.set()
+                    self._finished_changed = trio.Event()
+
+
+async def serve_sender(
+    config: SenderConfig,
+    dataplane: DataPlane,
+    layout: Layout,
+    *,
+    task_status: trio.TaskStatus[Sender] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a P sender until cancelled; ``task_status.started`` gets its :class:`Sender`.
+
+    Binds the side channel on ``config.host`` (``config.port``, 0 for any), registers it with
+    the bootstrap at ``config.bootstrap_url`` when one is given (retrying with backoff for
+    ``config.register_timeout``), then serves. Raises
+    :class:`~pdactors.errors.BootstrapError` when registration never succeeds.
+    """
+    async with open_router(config.host, config.port) as router, trio.open_nursery() as nursery:
+        sender = Sender(config, dataplane, layout, router, nursery)
+        if config.bootstrap_url is not None:
+            ranks = config.ranks
+            worker = RegisterWorker(
+                engine_id=config.engine_id,
+                dp_rank=ranks.dp_rank,
+                tp_rank=ranks.tp_rank,
+                pp_rank=ranks.pp_rank,
+                addr=router.address,
+            )
+            async with open_bootstrap_client() as client:
+                await client.register(config.bootstrap_url, worker, timeout=config.register_timeout)
+        nursery.start_soon(sender._receive_loop)
+        nursery.start_soon(sender._outbox_loop)
+        nursery.start_soon(sender._tick_loop)
+        log.info("sender %s rank %s serving on %s", config.engine_id, config.ranks, router.address)
+        task_status.started(sender)

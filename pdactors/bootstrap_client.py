@@ -1,0 +1,137 @@
+"""An HTTP client for the bootstrap registry's upstream-compatible routes.
+
+``async with open_bootstrap_client() as client:`` then ``await client.register(url, worker,
+timeout=...)`` or ``await client.query(url, timeout=...)``. It speaks to ours
+(:func:`pdactors.actors.bootstrap.serve_bootstrap`) and to upstream vLLM's bootstrap server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Final
+
+import httpx
+import msgspec
+import trio
+
+from pdactors.errors import BootstrapError
+from pdactors.messages import BootstrapAnswer, BootstrapEntry, RegisterWorker
+
+__all__ = ["BootstrapClient", "open_bootstrap_client"]
+
+_FIRST_DELAY: Final = 0.05
+_MAX_DELAY: Final = 1.0
+# 4xx answers that may succeed if asked again; any other 4xx is a refusal and ends the retries.
+_RETRYABLE_4XX: Final = frozenset({408, 425, 429})
+
+_answer_decoder = msgspec.json.Decoder(dict[int, BootstrapEntry])
+
+
+class _Refused(Exception):
+    """The registry answered, and asking again will not change its answer."""
+
+
+class BootstrapClient:
+    """Registers workers with, and looks engines up in, a bootstrap registry over HTTP.
+
+    Wraps an ``httpx.AsyncClient`` that the caller owns (see :func:`open_bootstrap_client`).
+    URLs are the registry's base URL, e.g. ``"http://127.0.0.1:8998"``.
+    """
+
+    def __init__(self, http: httpx.AsyncClient) -> None:
+        self._http = http
+
+    # ASYNC109 (use fail_after): ``timeout`` is a retry budget, and the error it ends in must
+    # name the last failed attempt, which a caller's fail_after could not do.
+    async def register(
+        self,
+        url: str,
+        worker: RegisterWorker,
+        *,
+        timeout: float,  # noqa: ASYNC109
+    ) -> None:
+        """``POST /register`` ``worker`` at ``url``, retrying until it is accepted.
+
+        Connection failures, 5xx and 408/425/429 answers are retried with exponential backoff
+        (0.05 s, doubling, at most 1 s apart) until ``timeout`` seconds have passed. A checkpoint.
+
+        Raises :class:`BootstrapError`, naming ``url`` and the last error, when the time runs
+        out or at once when the registry refuses the registration (any other 4xx).
+        """
+        body = msgspec.json.encode(worker)
+
+        async def attempt() -> None:
+            resp = await self._http.post(
+                _route(url, "register"),
+                content=body,
+                headers={"content-type": "application/json"},
+            )
+            if resp.status_code == 200:
+                return
+            detail = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            if 400 <= resp.status_code < 500 and resp.status_code not in _RETRYABLE_4XX:
+                raise _Refused(detail)
+            raise BootstrapError(detail)
+
+        await _retry(f"registering {worker.engine_id} with {url}", attempt, timeout)
+
+    async def query(self, url: str, *, timeout: float) -> BootstrapAnswer:  # noqa: ASYNC109
+        """``GET /query`` at ``url``: every registered engine, keyed by DP rank.
+
+        Connection failures are retried with exponential backoff until ``timeout`` seconds
+        have passed. A checkpoint.
+
+        Raises :class:`BootstrapError`, naming ``url``, on a non-200 answer, an answer that is
+        not the bootstrap JSON shape, or when the time runs out.
+        """
+        result: BootstrapAnswer = {}
+
+        async def attempt() -> None:
+            nonlocal result
+            resp = await self._http.get(_route(url, "query"))
+            if resp.status_code != 200:
+                raise _Refused(f"HTTP {resp.status_code}: {resp.text[:200]}")
+            try:
+                result = _answer_decoder.decode(resp.content)
+            except msgspec.DecodeError as exc:
+                raise _Refused(f"undecodable answer: {exc}") from None
+
+        await _retry(f"querying {url}", attempt, timeout)
+        return result
+
+
+@asynccontextmanager
+async def open_bootstrap_client() -> AsyncIterator[BootstrapClient]:
+    """Open a :class:`BootstrapClient` that owns its HTTP connection pool.
+
+    Proxy settings in the environment are ignored: the registry is always dialled directly.
+    """
+    async with httpx.AsyncClient(trust_env=False) as http:
+        yield BootstrapClient(http)
+
+
+def _route(url: str, route: str) -> str:
+    return f"{url.rstrip('/')}/{route}"
+
+
+async def _retry(what: str, attempt: Callable[[], Awaitable[None]], budget: float) -> None:
+    """Run ``attempt`` until it returns, backing off between failures, for ``budget`` seconds.
+
+    Retried: transport errors and :class:`BootstrapError`. :class:`_Refused` ends at once.
+    Raises :class:`BootstrapError` naming ``what`` and the last error.
+    """
+    last_error = "no attempt finished"
+    delay = _FIRST_DELAY
+    with trio.move_on_after(budget):
+        while True:
+            try:
+                await attempt()
+                return
+            except _Refused as exc:
+                raise BootstrapError(f"{what}: {exc}") from None
+            except (httpx.HTTPError, BootstrapError) as exc:
+                last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            await trio.sleep(delay)
+            delay = min(delay * 2, _MAX_DELAY)
+    raise BootstrapError(f"{what}: gave up after {budget:g} s; last error: {last_error}")

@@ -1,0 +1,304 @@
+"""P side: the rendezvous of D's pull and P's finished prefill, by ``transfer_id``.
+
+Sans-IO: every method takes the current time, changes state, and returns the effects the
+actor must carry out (:class:`Reply`, :class:`StartSend`, :class:`Release`). Nothing here
+blocks, sleeps or talks to the network.
+
+Rules (``state`` of one transfer id):
+
+============  ==============================  ==============================================
+state         entered when                    leaves when
+============  ==============================  ==============================================
+PENDING       P's prefill started, or D's     P: ready → SENDING if a pull waits, else READY;
+              pull came first                 P: dropped → DROPPED (waiting pull failed now);
+                                              the waiting pull passes ``ready_timeout`` →
+                                              TIMED_OUT; D cancels → CANCELLED
+READY         P finished: its block ids       pull arrives → SENDING; ``unclaimed_ttl``
+              are known, no pull yet          passes → EXPIRED (+Release); D cancels or P
+                                              drops → CANCELLED / DROPPED (+Release)
+SENDING       a pull met P's blocks           the write ends → DONE or FAILED (+Reply,
+                                              +Release); cancels wait for the write
+DONE, FAILED, an end                          ``tombstone_ttl`` passes → forgotten
+TIMED_OUT,
+EXPIRED,
+DROPPED,
+CANCELLED
+============  ==============================  ==============================================
+
+An ended transfer stays as a *tombstone* for ``tombstone_ttl`` so that a late pull is answered
+at once (no long waits), and a late "ready" for a transfer D gave up on is released at once.
+P's blocks are released (``Release``) exactly once for every transfer that was READY.
+Anything else — a second "ready", a send result for a transfer not being sent — raises
+:class:`IllegalTransition`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from pdactors.errors import IllegalTransition
+from pdactors.messages import Msg, PullDone, PullFailed, PullRequest
+
+__all__ = [
+    "Effect",
+    "IllegalTransition",
+    "Release",
+    "Reply",
+    "SendState",
+    "SendTable",
+    "StartSend",
+]
+
+
+class SendState(enum.Enum):
+    PENDING = "pending"
+    READY = "ready"
+    SENDING = "sending"
+    DONE = "done"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    EXPIRED = "expired"
+    DROPPED = "dropped"
+    CANCELLED = "cancelled"
+
+    @property
+    def ended(self) -> bool:
+        return self not in _LIVE
+
+
+_LIVE = frozenset({SendState.PENDING, SendState.READY, SendState.SENDING})
+
+_END_REASONS = {
+    SendState.DONE: "already delivered",
+    SendState.FAILED: "the transfer failed",
+    SendState.TIMED_OUT: "P's prefill was not ready in time",
+    SendState.EXPIRED: "P's KV expired before the pull arrived",
+    SendState.DROPPED: "P dropped the request (aborted or failed)",
+    SendState.CANCELLED: "the transfer was cancelled by D",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Send ``msg`` to the D worker behind ROUTER identity ``identity``."""
+
+    identity: bytes
+    msg: Msg
+
+
+@dataclass(frozen=True, slots=True)
+class StartSend:
+    """Write P's ``src_blocks`` into the blocks named by ``pull``; then call ``send_finished``."""
+
+    transfer_id: str
+    pull: PullRequest
+    src_blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """P may free the blocks of ``transfer_id`` (reported as ``finished_sending``)."""
+
+    transfer_id: str
+    state: SendState
+
+
+Effect = Reply | StartSend | Release
+
+
+@dataclass(slots=True)
+class _Entry:
+    state: SendState
+    since: float
+    blocks: tuple[int, ...] | None = None
+    identity: bytes = b""
+    pull: PullRequest | None = None
+    pull_deadline: float = float("inf")
+    expires_at: float = float("inf")
+    reason: str = ""
+    had_blocks: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SendTableStats:
+    live: int
+    tombstones: int
+    sent: int
+    failed: int
+    expired: int
+    timed_out: int
+
+
+class SendTable:
+    """The rendezvous table of one P worker (see the module docstring for the rules)."""
+
+    def __init__(self, *, ready_timeout: float, unclaimed_ttl: float, tombstone_ttl: float):
+        self.ready_timeout = ready_timeout
+        self.unclaimed_ttl = unclaimed_ttl
+        self.tombstone_ttl = tombstone_ttl
+        self._entries: dict[str, _Entry] = {}
+        self._counts = {s: 0 for s in SendState}
+
+    # ------------------------------------------------------------------ queries
+
+    def state(self, transfer_id: str) -> SendState | None:
+        """The state of ``transfer_id``, or None when unknown (or forgotten)."""
+        entry = self._entries.get(transfer_id)
+        return entry.state if entry else None
+
+    def statistics(self) -> SendTableStats:
+        live = sum(1 for e in self._entries.values() if not e.state.ended)
+        return SendTableStats(
+            live=live,
+            tombstones=len(self._entries) - live,
+            sent=self._counts[SendState.DONE],
+            failed=self._counts[SendState.FAILED],
+            expired=self._counts[SendState.EXPIRED],
+            timed_out=self._counts[SendState.TIMED_OUT],
+        )
+
+    # ------------------------------------------------------------------ P's engine
+
+    def prefill_started(self, transfer_id: str, now: float) -> list[Effect]:
+        """P scheduled the prefill of ``transfer_id``."""
+        entry = self._entries.get(transfer_id)
+        if entry is None:
+            self._entries[transfer_id] = _Entry(SendState.PENDING, now)
+        elif entry.state in (SendState.READY, SendState.SENDING):
+            raise IllegalTransition(f"{transfer_id}: started again while {entry.state.value}")
+        return []
+
+    def prefill_ready(self, transfer_id: str, blocks: tuple[int, ...], now: float) -> list[Effect]:
+        """P finished the prefill; its KV is in ``blocks`` until a :class:`Release`."""
+        entry = self._entries.get(transfer_id)
+        if entry is None:
+            entry = self._entries[transfer_id] = _Entry(SendState.PENDING, now)
+        if entry.had_blocks:
+            raise IllegalTransition(f"{transfer_id}: ready again ({entry.state.value})")
+        entry.had_blocks = True
+        if entry.state.ended:
+            # D gave up (or P dropped it) before the KV was ready: nobody will pull it.
+            return [Release(transfer_id, entry.state)]
+        entry.blocks = blocks
+        if entry.pull is not None:
+            return self._start_send(transfer_id, entry, now)
+        self._move(entry, SendState.READY, now)
+        entry.expires_at = now + self.unclaimed_ttl
+        return []
+
+    def prefill_dropped(self, transfer_id: str, now: float, reason: str = "") -> list[Effect]:
+        """P will not finish ``transfer_id`` (aborted, failed); a waiting D hears at once."""
+        entry = self._entries.get(transfer_id)
+        if entry is None:
+            self._entries[transfer_id] = _Entry(SendState.DROPPED, now, reason=reason)
+            self._counts[SendState.DROPPED] += 1
+            return []
+        if entry.state.ended or entry.state is SendState.SENDING:
+            # A write in flight cannot be stopped; its end releases the blocks.
+            return []
+        return self._end(transfer_id, entry, SendState.DROPPED, now, reason)
+
+    # ------------------------------------------------------------------ D's side channel
+
+    def pull_arrived(
+        self, transfer_id: str, identity: bytes, pull: PullRequest, now: float
+    ) -> list[Effect]:
+        """D asks for ``transfer_id``; answered now, when P is ready, or at the deadline."""
+        entry = self._entries.get(transfer_id)
+        if entry is None:
+            entry = self._entries[transfer_id] = _Entry(SendState.PENDING, now)
+        if entry.state.ended:
+            reason = entry.reason or _END_REASONS[entry.state]
+            return [Reply(identity, PullFailed(transfer_id, reason))]
+        if entry.pull is not None:
+            return [Reply(identity, PullFailed(transfer_id, "duplicate pull for this transfer"))]
+        entry.identity, entry.pull = identity, pull
+        if entry.state is SendState.READY:
+            return self._start_send(transfer_id, entry, now)
+        entry.pull_deadline = now + self.ready_timeout
+        return []
+
+    def pull_cancelled(self, transfer_id: str, now: float, reason: str = "") -> list[Effect]:
+        """D gave up on ``transfer_id``: free P's blocks now or as soon as they are ready."""
+        entry = self._entries.get(transfer_id)
+        if entry is None:
+            self._entries[transfer_id] = _Entry(SendState.CANCELLED, now, reason=reason)
+            self._counts[SendState.CANCELLED] += 1
+            return []
+        if entry.state.ended or entry.state is SendState.SENDING:
+            # A write in flight cannot be stopped; its end releases the blocks.
+            return []
+        entry.pull = None  # D is gone: no reply
+        return self._end(transfer_id, entry, SendState.CANCELLED, now, reason)
+
+    # ------------------------------------------------------------------ the actor's write
+
+    def send_finished(
+        self,
+        transfer_id: str,
+        now: float,
+        *,
+        error: str | None = None,
+        nbytes: int = 0,
+        descriptors: int = 0,
+    ) -> list[Effect]:
+        """The write started by :class:`StartSend` ended (``error`` None: it landed)."""
+        entry = self._entries.get(transfer_id)
+        if entry is None or entry.state is not SendState.SENDING:
+            state = entry.state.value if entry else "unknown"
+            raise IllegalTransition(f"{transfer_id}: send finished while {state}")
+        identity = entry.identity
+        if error is None:
+            reply: Msg = PullDone(transfer_id, nbytes, descriptors)
+            effects = self._end(transfer_id, entry, SendState.DONE, now, "")
+        else:
+            reply = PullFailed(transfer_id, error)
+            effects = self._end(transfer_id, entry, SendState.FAILED, now, error)
+        return [Reply(identity, reply), *effects]
+
+    # ------------------------------------------------------------------ time
+
+    def tick(self, now: float) -> list[Effect]:
+        """Time out waiting pulls, expire unclaimed KV, forget old tombstones."""
+        effects: list[Effect] = []
+        forget: list[str] = []
+        for tid, entry in self._entries.items():
+            if entry.state is SendState.PENDING and entry.pull is not None:
+                if now >= entry.pull_deadline:
+                    reason = f"P's prefill was not ready within {self.ready_timeout:g} s"
+                    effects += self._end(tid, entry, SendState.TIMED_OUT, now, reason)
+            elif entry.state is SendState.READY:
+                if now >= entry.expires_at:
+                    reason = f"P's KV expired: no pull within {self.unclaimed_ttl:g} s"
+                    effects += self._end(tid, entry, SendState.EXPIRED, now, reason)
+            elif entry.state.ended and now >= entry.since + self.tombstone_ttl:
+                forget.append(tid)
+        for tid in forget:
+            del self._entries[tid]
+        return effects
+
+    # ------------------------------------------------------------------ internals
+
+    def _move(self, entry: _Entry, state: SendState, now: float) -> None:
+        entry.state, entry.since = state, now
+
+    def _start_send(self, transfer_id: str, entry: _Entry, now: float) -> list[Effect]:
+        assert entry.pull is not None and entry.blocks is not None
+        self._move(entry, SendState.SENDING, now)
+        return [StartSend(transfer_id, entry.pull, entry.blocks)]
+
+    def _end(
+        self, transfer_id: str, entry: _Entry, state: SendState, now: float, reason: str
+    ) -> list[Effect]:
+        """Move a live entry to the end ``state``: answer a waiting pull, release blocks."""
+        effects: list[Effect] = []
+        if entry.pull is not None and entry.state is SendState.PENDING:
+            effects.append(Reply(entry.identity, PullFailed(transfer_id, reason or _END_REASONS[state])))
+        if entry.blocks is not None:
+            effects.append(Release(transfer_id, state))
+        self._move(entry, state, now)
+        entry.reason, entry.pull, entry.blocks = reason, None, None
+        entry.identity = b""
+        self._counts[state] += 1
+        return effects

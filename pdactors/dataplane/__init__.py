@@ -1,0 +1,5 @@
+"""The data plane: moves KV bytes from P's memory into D's memory."""
+
+from pdactors.dataplane.base import DataPlane as DataPlane
+from pdactors.dataplane.mooncake import MooncakeDataPlane as MooncakeDataPlane
+from pdactors.dataplane.mooncake import open_mooncake as open_mooncake

@@ -1,0 +1,58 @@
+"""Typed exceptions of pdactors. Every error the library raises on purpose is a :class:`PdError`."""
+
+from __future__ import annotations
+
+__all__ = [
+    "BootstrapError",
+    "DataPlaneError",
+    "IllegalTransition",
+    "LayoutMismatch",
+    "PdError",
+    "PlanError",
+    "PullFailedError",
+    "TransferError",
+]
+
+
+class PdError(Exception):
+    """Base class of pdactors' errors."""
+
+
+class IllegalTransition(PdError):
+    """An event that a transfer's state does not allow (a bug in the caller)."""
+
+
+class PlanError(PdError, ValueError):
+    """A transfer cannot be planned: bad block ids, or layouts that do not match."""
+
+
+class LayoutMismatch(PlanError):
+    """P's and D's KV layouts (region count or bytes per block) are not compatible."""
+
+
+class DataPlaneError(PdError):
+    """The data plane could not start, register memory, or do what it was asked."""
+
+
+class TransferError(DataPlaneError):
+    """A batched write failed: names the peer, the bytes asked for and the engine's code."""
+
+    def __init__(self, peer: str, nbytes: int, code: int, detail: str = "") -> None:
+        self.peer = peer
+        self.nbytes = nbytes
+        self.code = code
+        msg = f"write of {nbytes} bytes to {peer} failed with code {code}"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+class BootstrapError(PdError):
+    """The bootstrap registry could not be reached or did not know the engine asked for."""
+
+
+class PullFailedError(PdError):
+    """A pull ended without the KV: P refused, failed, the pull timed out or was aborted."""
+
+    def __init__(self, transfer_id: str, reason: str) -> None:
+        self.transfer_id = transfer_id
+        self.reason = reason
+        super().__init__(f"transfer {transfer_id}: {reason}")

@@ -1,0 +1,90 @@
+"""TrioHost: a Trio run in a background thread, for synchronous callers (vLLM's hooks, tests).
+
+One host per process is the intent: actors live in the host's nursery, and synchronous code
+reaches them through :meth:`TrioHost.run` (await something in the Trio thread) and
+:meth:`TrioHost.run_sync` (call a non-blocking function there).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import trio
+
+from pdactors.errors import PdError
+
+__all__ = ["TrioHost"]
+
+T = TypeVar("T")
+
+
+class TrioHost:
+    """Owns a thread running ``trio.run`` with one nursery that lives until :meth:`close`.
+
+    Usable as a context manager. If the nursery dies of an error, :meth:`close` re-raises it
+    (wrapped in :class:`PdError`).
+    """
+
+    def __init__(self, name: str = "pdactors-trio") -> None:
+        self._ready = threading.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._nursery: trio.Nursery | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise PdError("the Trio thread failed to start") from self._error
+
+    def _main(self) -> None:
+        try:
+            trio.run(self._serve)
+        except BaseException as exc:  # reported by close(); the thread must not die silently
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._token = trio.lowlevel.current_trio_token()
+            self._nursery = nursery
+            self._ready.set()
+            await trio.sleep_forever()
+
+    @property
+    def nursery(self) -> trio.Nursery:
+        assert self._nursery is not None
+        return self._nursery
+
+    def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``await fn(*args)`` in the Trio thread and return its result (blocks the caller)."""
+        return trio.from_thread.run(fn, *args, trio_token=self._token)
+
+    def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """Call ``fn(*args)`` in the Trio thread (it must not block) and return its result."""
+        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+
+    def start(self, serve: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """``nursery.start(serve, *args)`` in the host's nursery; returns what it reports."""
+        return self.run(self.nursery.start, serve, *args)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel everything in the host and wait (at most ``timeout`` s) for the thread."""
+        if self._thread.is_alive() and self._nursery is not None:
+            try:
+                self.run_sync(self._nursery.cancel_scope.cancel)
+            except trio.RunFinishedError:
+                pass
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise PdError(f"the Trio thread did not stop within {timeout:g} s")
+        if self._error is not None:
+            raise PdError("the Trio thread died") from self._error
+
+    def __enter__(self) -> TrioHost:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

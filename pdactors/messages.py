@@ -1,0 +1,234 @@
+"""Every wire type of pdactors, in one module.
+
+Three families live here:
+
+* **Side-channel messages** (D ⇄ P over ZMQ ROUTER/DEALER), msgpack-encoded tagged Structs.
+  A frame on the side channel is a two-part ZMQ message ``[HEADER, payload]``; the header
+  carries the protocol version and is checked before the payload is decoded
+  (:func:`decode_frames`).
+* **Bootstrap bodies** (JSON over HTTP), in the same shapes as upstream vLLM's Mooncake
+  bootstrap server, so upstream proxies and tools can talk to ours.
+* **kv_transfer_params keys**, the dictionary vLLM carries per request between the proxy, P
+  and D.
+
+Hot-path structs are ``array_like`` (smaller, faster to decode): they are append-only; new
+fields go at the end with a default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Final, Literal
+
+import msgspec
+
+__all__ = [
+    "HEADER",
+    "PROTOCOL_VERSION",
+    "BlockLayout",
+    "BootstrapEntry",
+    "CancelPull",
+    "ErrorReply",
+    "FrameError",
+    "KVTransferParams",
+    "Layout",
+    "LayoutUnknown",
+    "Msg",
+    "PullDone",
+    "PullFailed",
+    "PullRequest",
+    "RegisterWorker",
+    "decode_frames",
+    "encode_frames",
+    "layout_id",
+]
+
+PROTOCOL_VERSION: Final = 1
+#: First frame of every side-channel message: a magic and the protocol version.
+HEADER: Final = b"PDA" + bytes([PROTOCOL_VERSION])
+
+
+class FrameError(ValueError):
+    """A side-channel frame could not be decoded (wrong version, malformed, unknown type)."""
+
+
+# --------------------------------------------------------------------------- memory layout
+
+
+class BlockLayout(msgspec.Struct, frozen=True, array_like=True):
+    """One registered KV region: ``num_blocks`` blocks, block ``i`` at ``base + i*stride``.
+
+    ``block_bytes`` bytes of each block are transferred (``block_bytes <= stride``). A vLLM
+    engine has one region per layer (or two, for layouts that keep K and V apart).
+    """
+
+    base: int
+    num_blocks: int
+    block_bytes: int
+    stride: int
+
+
+class Layout(msgspec.Struct, frozen=True, array_like=True):
+    """An engine rank's KV memory: its regions in a fixed order shared by P and D."""
+
+    regions: tuple[BlockLayout, ...]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes moved per block id, summed over all regions."""
+        return sum(r.block_bytes for r in self.regions)
+
+
+def layout_id(session: str, layout: Layout) -> str:
+    """A short, stable id for ``layout`` at data-plane ``session`` (sent instead of the layout)."""
+    digest = hashlib.blake2b(session.encode() + msgspec.msgpack.encode(layout), digest_size=12)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- side channel
+
+
+class _Msg(msgspec.Struct, frozen=True, array_like=True, tag_field="t"):
+    """Base of side-channel messages (the tag names the type)."""
+
+
+class PullRequest(_Msg, frozen=True, tag="pull"):
+    """D → P: write the KV of ``transfer_id`` into these blocks of mine.
+
+    ``layout`` is sent the first time D talks to this P worker; afterwards only ``layout_id``
+    (P answers :class:`LayoutUnknown` when it has forgotten it, and D resends with the layout).
+    """
+
+    transfer_id: str
+    session: str
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    block_ids: tuple[int, ...]
+    layout_id: str
+    layout: Layout | None = None
+
+
+class CancelPull(_Msg, frozen=True, tag="cancel"):
+    """D → P: D gave up on ``transfer_id`` (aborted or timed out); P may free its blocks."""
+
+    transfer_id: str
+    reason: str = ""
+
+
+class PullDone(_Msg, frozen=True, tag="done"):
+    """P → D: every block of ``transfer_id`` has landed in D's memory."""
+
+    transfer_id: str
+    nbytes: int = 0
+    descriptors: int = 0
+
+
+class PullFailed(_Msg, frozen=True, tag="failed"):
+    """P → D: ``transfer_id`` will not be delivered; ``reason`` says why."""
+
+    transfer_id: str
+    reason: str
+
+
+class LayoutUnknown(_Msg, frozen=True, tag="layout?"):
+    """P → D: resend the pull for ``transfer_id`` with the full layout."""
+
+    transfer_id: str
+    layout_id: str
+
+
+class ErrorReply(_Msg, frozen=True, tag="error"):
+    """Either way: the frame you sent could not be decoded; ``reason`` says why."""
+
+    reason: str
+
+
+Msg = PullRequest | CancelPull | PullDone | PullFailed | LayoutUnknown | ErrorReply
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Msg)
+
+
+def encode_frames(msg: Msg) -> list[bytes]:
+    """Encode ``msg`` as the two ZMQ frames of the side channel."""
+    return [HEADER, _encoder.encode(msg)]
+
+
+def decode_frames(frames: list[bytes]) -> Msg:
+    """Check the header, then decode the payload. Raises :class:`FrameError`."""
+    if len(frames) != 2:
+        raise FrameError(f"expected 2 frames (header, payload), got {len(frames)}")
+    header, payload = frames
+    if header != HEADER:
+        if header[:3] == HEADER[:3] and len(header) == len(HEADER):
+            raise FrameError(
+                f"protocol version {header[3]} is not supported (this is {PROTOCOL_VERSION})"
+            )
+        raise FrameError(f"bad header {bytes(header[:8])!r}")
+    try:
+        return _decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise FrameError(f"undecodable payload: {exc}") from None
+
+
+# --------------------------------------------------------------------------- bootstrap (JSON)
+
+
+class RegisterWorker(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``POST /register`` body: one worker's side-channel address (upstream's shape)."""
+
+    engine_id: str
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+    addr: str
+
+    def __post_init__(self) -> None:
+        if min(self.dp_rank, self.tp_rank, self.pp_rank) < 0:
+            raise ValueError("ranks must be >= 0")
+        if not self.engine_id:
+            raise ValueError("engine_id must not be empty")
+        if not self.addr.startswith("tcp://"):
+            raise ValueError("addr must be a tcp:// address")
+
+
+class BootstrapEntry(msgspec.Struct):
+    """One DP rank of the ``GET /query`` answer: ``{"engine_id", "worker_addr": {tp: {pp: addr}}}``.
+
+    The whole answer is ``dict[int, BootstrapEntry]`` keyed by DP rank (JSON object keys are
+    strings on the wire; msgspec converts them).
+    """
+
+    engine_id: str
+    worker_addr: dict[int, dict[int, str]]
+
+
+BootstrapAnswer = dict[int, BootstrapEntry]
+
+
+# --------------------------------------------------------------------------- kv_transfer_params
+
+
+class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The per-request ``kv_transfer_params`` keys, as upstream's MooncakeConnector uses them.
+
+    P's request carries ``do_remote_decode=True`` (and a ``transfer_id``); D's request carries
+    ``do_remote_prefill=True``, ``remote_bootstrap_addr``, ``remote_engine_id`` and the same
+    ``transfer_id``. Unknown keys are ignored so other tools can add their own.
+    """
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_bootstrap_addr: str | None = None
+    remote_engine_id: str | None = None
+    transfer_id: str | None = None
+
+    @property
+    def role(self) -> Literal["prefill", "decode", "none"]:
+        if self.do_remote_decode:
+            return "prefill"
+        if self.do_remote_prefill:
+            return "decode"
+        return "none"

@@ -1,0 +1,319 @@
+"""Tests of the sans-IO transfer planner (plain synchronous tests)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdactors.core.plan import TransferPlan, check_layout, peer_tp_rank, plan_transfer
+from pdactors.errors import LayoutMismatch, PlanError
+from pdactors.messages import BlockLayout, Layout
+
+KiB = 1024
+
+
+def stacked(base: int, regions: int, num_blocks: int, block_bytes: int, gap: int = 0) -> Layout:
+    """Regions laid out back to back (``gap`` bytes apart), blocks dense within each."""
+    step = num_blocks * block_bytes + gap
+    return Layout(
+        tuple(
+            BlockLayout(base + r * step, num_blocks, block_bytes, block_bytes)
+            for r in range(regions)
+        )
+    )
+
+
+def triples(plan: TransferPlan) -> list[tuple[int, int, int]]:
+    return list(zip(plan.src.tolist(), plan.dst.tolist(), plan.lengths.tolist(), strict=True))
+
+
+# --------------------------------------------------------------------------- coalescing
+
+
+def test_contiguous_run_collapses_to_one_descriptor_per_region() -> None:
+    src = stacked(0x1000_0000, 2, 100, 4 * KiB, gap=4 * KiB)
+    dst = stacked(0x9000_0000, 2, 100, 4 * KiB, gap=4 * KiB)
+    plan = plan_transfer(src, [3, 4, 5, 6], dst, [10, 11, 12, 13])
+    assert triples(plan) == [
+        (0x1000_0000 + 3 * 4 * KiB, 0x9000_0000 + 10 * 4 * KiB, 16 * KiB),
+        (0x1000_0000 + 101 * 4 * KiB + 3 * 4 * KiB, 0x9000_0000 + 111 * 4 * KiB, 16 * KiB),
+    ]
+    assert plan.nbytes == 32 * KiB
+    assert plan.descriptors == 2
+    assert plan.src.dtype == plan.dst.dtype == plan.lengths.dtype == np.uint64
+
+
+def test_non_contiguous_ids_split_runs() -> None:
+    src = stacked(0, 1, 50, 1 * KiB)
+    dst = stacked(1 << 30, 1, 50, 1 * KiB)
+    plan = plan_transfer(src, [1, 2, 7, 8, 9, 20], dst, [1, 2, 3, 4, 5, 6])
+    # runs break where either side jumps: src 2→7 and 9→20
+    assert triples(plan) == [
+        (1 * KiB, (1 << 30) + 1 * KiB, 2 * KiB),
+        (7 * KiB, (1 << 30) + 3 * KiB, 3 * KiB),
+        (20 * KiB, (1 << 30) + 6 * KiB, 1 * KiB),
+    ]
+
+
+def test_destination_discontinuity_alone_splits() -> None:
+    src = stacked(0, 1, 50, 1 * KiB)
+    dst = stacked(1 << 30, 1, 50, 1 * KiB)
+    plan = plan_transfer(src, [0, 1, 2], dst, [0, 1, 5])
+    assert plan.descriptors == 2
+    assert plan.lengths.tolist() == [2 * KiB, 1 * KiB]
+
+
+def test_reversed_ids_do_not_merge() -> None:
+    src = stacked(0, 1, 10, 256)
+    dst = stacked(1 << 20, 1, 10, 256)
+    plan = plan_transfer(src, [5, 4, 3], dst, [5, 4, 3])
+    assert triples(plan) == [
+        (5 * 256, (1 << 20) + 5 * 256, 256),
+        (4 * 256, (1 << 20) + 4 * 256, 256),
+        (3 * 256, (1 << 20) + 3 * 256, 256),
+    ]
+
+
+def test_padding_between_blocks_prevents_merge() -> None:
+    # block_bytes < stride: consecutive ids are not contiguous in memory.
+    src = Layout((BlockLayout(0, 10, 100, 128),))
+    dst = Layout((BlockLayout(1 << 20, 10, 100, 100),))
+    plan = plan_transfer(src, [0, 1, 2], dst, [0, 1, 2])
+    assert plan.descriptors == 3
+    assert plan.src.tolist() == [0, 128, 256]
+    assert plan.dst.tolist() == [1 << 20, (1 << 20) + 100, (1 << 20) + 200]
+
+
+def test_adjacent_whole_regions_merge_across_regions() -> None:
+    src = stacked(0x1000, 3, 8, 512)
+    dst = stacked(0x10_0000, 3, 8, 512)
+    plan = plan_transfer(src, range(8), dst, range(8))
+    assert triples(plan) == [(0x1000, 0x10_0000, 3 * 8 * 512)]
+
+
+def test_regions_adjacent_on_one_side_only_do_not_merge() -> None:
+    src = stacked(0x1000, 2, 8, 512)
+    dst = stacked(0x10_0000, 2, 8, 512, gap=512)
+    plan = plan_transfer(src, range(8), dst, range(8))
+    assert plan.descriptors == 2
+
+
+def test_reference_request_shape() -> None:
+    # Qwen3-8B, 36 layers x 63 blocks of 64 KiB, layer-outermost like vLLM's CPU cache.
+    src = stacked(1 << 32, 36, 1000, 64 * KiB)
+    dst = stacked(1 << 40, 36, 1000, 64 * KiB)
+    plan = plan_transfer(src, range(200, 263), dst, range(500, 563))
+    assert plan.descriptors == 36
+    assert plan.nbytes == 36 * 63 * 64 * KiB
+    scattered = plan_transfer(src, range(0, 126, 2), dst, range(0, 126, 2))
+    assert scattered.descriptors == 36 * 63
+
+
+def test_plan_arrays_are_read_only() -> None:
+    plan = plan_transfer(stacked(0, 1, 4, 8), [0, 1], stacked(64, 1, 4, 8), [2, 3])
+    with pytest.raises(ValueError):
+        plan.src[0] = 1
+
+
+def test_planning_the_reference_request_is_fast() -> None:
+    rng = np.random.default_rng(0)
+    src = stacked(1 << 32, 36, 2000, 64 * KiB)
+    dst = stacked(1 << 40, 36, 2000, 64 * KiB)
+    s_ids = rng.choice(2000, 63, replace=False).tolist()
+    d_ids = rng.choice(2000, 63, replace=False).tolist()
+    plan_transfer(src, s_ids, dst, d_ids)
+    rounds = 200
+    best = min(_timed(src, s_ids, dst, d_ids, rounds) for _ in range(5))
+    # ~30 µs on the 2-core CI machine; the bound leaves room for noisy neighbours.
+    assert best < 100e-6, f"planning took {best * 1e6:.1f} µs"
+
+
+def _timed(src: Layout, s_ids: list[int], dst: Layout, d_ids: list[int], rounds: int) -> float:
+    start = time.perf_counter()
+    for _ in range(rounds):
+        plan_transfer(src, s_ids, dst, d_ids)
+    return (time.perf_counter() - start) / rounds
+
+
+# --------------------------------------------------------------------------- prefix cache
+
+
+def test_prefix_cached_on_d_sends_ps_last_blocks() -> None:
+    src = stacked(0, 1, 20, 100)
+    dst = stacked(1 << 20, 1, 20, 100)
+    plan = plan_transfer(src, [0, 1, 2, 3, 9], dst, [7, 8])
+    assert triples(plan) == [(3 * 100, (1 << 20) + 700, 100), (9 * 100, (1 << 20) + 800, 100)]
+
+
+def test_empty_destination_is_an_empty_plan() -> None:
+    src = stacked(0, 2, 20, 100)
+    dst = stacked(1 << 20, 2, 20, 100)
+    plan = plan_transfer(src, [1, 2, 3], dst, [])
+    assert plan.descriptors == 0
+    assert plan.nbytes == 0
+    assert plan_transfer(src, [], dst, []).descriptors == 0
+
+
+def test_more_destination_blocks_than_source_blocks_is_refused() -> None:
+    with pytest.raises(PlanError, match="asks for 3 blocks but P holds only 2"):
+        plan_transfer(stacked(0, 1, 10, 8), [0, 1], stacked(1 << 20, 1, 10, 8), [0, 1, 2])
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_region_count_mismatch() -> None:
+    with pytest.raises(LayoutMismatch, match="P has 2 KV regions, D has 3"):
+        plan_transfer(stacked(0, 2, 10, 8), [0], stacked(1 << 20, 3, 10, 8), [0])
+
+
+def test_block_bytes_mismatch_names_the_region() -> None:
+    dst = Layout((BlockLayout(1 << 20, 10, 8, 8), BlockLayout(1 << 21, 10, 16, 16)))
+    with pytest.raises(LayoutMismatch, match="region 1 moves 8 bytes per block on P but 16"):
+        plan_transfer(stacked(0, 2, 10, 8), [0], dst, [0])
+
+
+def test_layout_mismatch_is_checked_before_block_ids() -> None:
+    with pytest.raises(LayoutMismatch):
+        plan_transfer(stacked(0, 1, 10, 8), [99], stacked(1 << 20, 2, 10, 8), [99])
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids", "message"),
+    [
+        ([10], [0], r"P block id 10 is out of range \[0, 10\) of P region 0"),
+        ([-1], [0], r"P block id -1 is out of range \[0, 10\) of P region 0"),
+        ([0], [12], r"D block id 12 is out of range \[0, 12\) of D region 1"),
+        ([0], [-3], r"D block id -3 is out of range \[0, 20\) of D region 0"),
+        ([0], [2**70], "D block ids are not 64-bit integers"),
+        ([0, 1], [3, 3], "D block ids contain duplicates"),
+    ],
+)
+def test_bad_block_ids(src_ids: list[int], dst_ids: list[int], message: str) -> None:
+    dst = Layout((BlockLayout(1 << 20, 20, 8, 8), BlockLayout(1 << 21, 12, 8, 8)))
+    with pytest.raises(PlanError, match=message):
+        plan_transfer(stacked(0, 2, 10, 8), src_ids, dst, dst_ids)
+
+
+def test_every_source_id_is_checked_even_those_of_the_prefix() -> None:
+    # A bad id anywhere in P's list means P's bookkeeping is wrong: refuse the whole plan.
+    with pytest.raises(PlanError, match="P block id 99"):
+        plan_transfer(stacked(0, 1, 10, 8), [99, 1], stacked(1 << 20, 1, 10, 8), [4])
+
+
+@pytest.mark.parametrize(
+    ("region", "message"),
+    [
+        (BlockLayout(0, 0, 8, 8), "sizes > 0"),
+        (BlockLayout(0, 4, 0, 8), "sizes > 0"),
+        (BlockLayout(0, 4, 8, 0), "sizes > 0"),
+        (BlockLayout(-8, 4, 8, 8), "base must be >= 0"),
+        (BlockLayout(0, 4, 16, 8), "block_bytes 16 exceeds stride 8"),
+        (BlockLayout(2**64 - 16, 4, 8, 8), "64-bit address space"),
+    ],
+)
+def test_check_layout_rejects(region: BlockLayout, message: str) -> None:
+    layout = Layout((BlockLayout(0, 4, 8, 8), region))
+    with pytest.raises(PlanError, match=f"region 1: .*{message}"):
+        check_layout(layout)
+    with pytest.raises(PlanError, match=message):
+        plan_transfer(layout, [0], layout, [0])
+
+
+def test_check_layout_rejects_empty_layout_and_accepts_good_one() -> None:
+    with pytest.raises(PlanError, match="no regions"):
+        check_layout(Layout(()))
+    check_layout(stacked(0, 3, 10, 64))
+    check_layout(Layout((BlockLayout(2**64 - 16, 2, 8, 8),)))
+
+
+def test_peer_tp_rank() -> None:
+    assert peer_tp_rank(0, 1, 1) == 0
+    assert peer_tp_rank(3, 4, 4) == 3
+    with pytest.raises(PlanError, match=r"heterogeneous TP .* not supported yet"):
+        peer_tp_rank(0, 2, 4)
+    with pytest.raises(PlanError, match="outside tp_size"):
+        peer_tp_rank(2, 2, 2)
+    with pytest.raises(PlanError, match="outside tp_size"):
+        peer_tp_rank(-1, 2, 2)
+
+
+# --------------------------------------------------------------------------- property
+
+
+@st.composite
+def side(draw: st.DrawFn, block_bytes: list[int]) -> tuple[Layout, int]:
+    """A layout whose regions lie in one buffer (addresses are offsets), and the buffer size.
+
+    Regions sit back to back or apart, and blocks may be padded (stride > block_bytes), so
+    every coalescing case comes up.
+    """
+    regions = []
+    cursor = draw(st.integers(0, 16))
+    for bb in block_bytes:
+        num_blocks = draw(st.integers(1, 12))
+        stride = bb + draw(st.sampled_from([0, 0, 0, 1, 5]))
+        regions.append(BlockLayout(cursor, num_blocks, bb, stride))
+        cursor += num_blocks * stride + draw(st.sampled_from([0, 0, 3]))
+    return Layout(tuple(regions)), cursor
+
+
+Case = tuple[Layout, list[int], Layout, list[int], int, int]
+
+
+@st.composite
+def transfer(draw: st.DrawFn) -> Case:
+    block_bytes = draw(st.lists(st.integers(1, 9), min_size=1, max_size=4))
+    src, src_size = draw(side(block_bytes))
+    dst, dst_size = draw(side(block_bytes))
+    src_limit = min(r.num_blocks for r in src.regions)
+    dst_limit = min(r.num_blocks for r in dst.regions)
+    src_ids = draw(st.lists(st.integers(0, src_limit - 1), max_size=10))
+    n_dst = draw(st.integers(0, min(len(src_ids), dst_limit)))
+    dst_ids = draw(
+        st.lists(st.integers(0, dst_limit - 1), min_size=n_dst, max_size=n_dst, unique=True)
+    )
+    return src, src_ids, dst, dst_ids, src_size, dst_size
+
+
+def block_mask(layout: Layout, size: int) -> np.ndarray:
+    """True at every byte that belongs to some block of some region."""
+    mask = np.zeros(size, dtype=np.bool_)
+    for r in layout.regions:
+        for i in range(r.num_blocks):
+            mask[r.base + i * r.stride : r.base + i * r.stride + r.block_bytes] = True
+    return mask
+
+
+@settings(max_examples=300, deadline=None)
+@given(transfer())
+def test_plan_copies_exactly_what_a_naive_block_copy_does(case: Case) -> None:
+    src, src_ids, dst, dst_ids, src_size, dst_size = case
+    source = np.random.default_rng(len(src_ids)).integers(1, 256, src_size, dtype=np.uint8)
+    expected = np.zeros(dst_size, dtype=np.uint8)
+    sent = src_ids[len(src_ids) - len(dst_ids) :]
+    for s_reg, d_reg in zip(src.regions, dst.regions, strict=True):
+        for s, d in zip(sent, dst_ids, strict=True):
+            a = s_reg.base + s * s_reg.stride
+            b = d_reg.base + d * d_reg.stride
+            expected[b : b + d_reg.block_bytes] = source[a : a + s_reg.block_bytes]
+
+    plan = plan_transfer(src, src_ids, dst, dst_ids)
+    got = np.zeros(dst_size, dtype=np.uint8)
+    for a, b, n in triples(plan):
+        got[b : b + n] = source[a : a + n]
+    np.testing.assert_array_equal(got, expected)
+    assert plan.nbytes == len(dst_ids) * src.bytes_per_block
+    assert plan.descriptors <= len(dst_ids) * len(src.regions)
+
+    # No descriptor leaves its regions: every byte it covers is a block byte on its side
+    # (never padding between blocks, a gap between regions, or outside the buffer).
+    for layout, size, addrs in ((src, src_size, plan.src), (dst, dst_size, plan.dst)):
+        mask = block_mask(layout, size)
+        for addr, n in zip(addrs.tolist(), plan.lengths.tolist(), strict=True):
+            assert addr + n <= size
+            assert mask[addr : addr + n].all()

@@ -1,0 +1,187 @@
+"""The P-side rendezvous table: plain synchronous tests of every transition."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdactors.core.send_table import Release, Reply, SendState, SendTable, StartSend
+from pdactors.errors import IllegalTransition
+from pdactors.messages import PullDone, PullFailed, PullRequest
+
+D = b"d-worker"
+
+
+def pull(tid: str = "t1", blocks: tuple[int, ...] = (5, 6)) -> PullRequest:
+    return PullRequest(tid, "127.0.0.1:1", 0, 1, 0, 1, blocks, "layout")
+
+
+def table() -> SendTable:
+    return SendTable(ready_timeout=5.0, unclaimed_ttl=30.0, tombstone_ttl=60.0)
+
+
+def test_ready_then_pull_starts_send_then_done_replies_and_releases() -> None:
+    t = table()
+    assert t.prefill_started("t1", 0.0) == []
+    assert t.prefill_ready("t1", (1, 2), 1.0) == []
+    assert t.state("t1") is SendState.READY
+    p = pull()
+    assert t.pull_arrived("t1", D, p, 2.0) == [StartSend("t1", p, (1, 2))]
+    assert t.state("t1") is SendState.SENDING
+    effects = t.send_finished("t1", 3.0, nbytes=10, descriptors=1)
+    assert effects == [Reply(D, PullDone("t1", 10, 1)), Release("t1", SendState.DONE)]
+    assert t.statistics().sent == 1
+
+
+def test_pull_before_prefill_waits_then_starts_when_ready() -> None:
+    t = table()
+    p = pull()
+    assert t.pull_arrived("t1", D, p, 0.0) == []
+    assert t.state("t1") is SendState.PENDING
+    assert t.prefill_started("t1", 0.5) == []
+    assert t.prefill_ready("t1", (3,), 1.0) == [StartSend("t1", p, (3,))]
+
+
+def test_failed_send_replies_failure_and_still_releases() -> None:
+    t = table()
+    t.prefill_ready("t1", (1,), 0.0)
+    t.pull_arrived("t1", D, pull(), 0.0)
+    effects = t.send_finished("t1", 1.0, error="boom")
+    assert effects == [Reply(D, PullFailed("t1", "boom")), Release("t1", SendState.FAILED)]
+
+
+def test_dropped_prefill_answers_waiting_pull_at_once() -> None:
+    t = table()
+    t.prefill_started("t1", 0.0)
+    t.pull_arrived("t1", D, pull(), 0.1)
+    effects = t.prefill_dropped("t1", 0.2, "aborted")
+    assert effects == [Reply(D, PullFailed("t1", "aborted"))]
+    assert t.state("t1") is SendState.DROPPED
+
+
+def test_pull_after_drop_is_answered_from_the_tombstone() -> None:
+    t = table()
+    assert t.prefill_dropped("t1", 0.0) == []
+    (reply,) = t.pull_arrived("t1", D, pull(), 1.0)
+    assert isinstance(reply, Reply) and isinstance(reply.msg, PullFailed)
+    assert "dropped" in reply.msg.reason
+
+
+def test_drop_of_ready_transfer_releases_blocks() -> None:
+    t = table()
+    t.prefill_ready("t1", (1,), 0.0)
+    assert t.prefill_dropped("t1", 1.0) == [Release("t1", SendState.DROPPED)]
+
+
+def test_waiting_pull_times_out() -> None:
+    t = table()
+    t.pull_arrived("t1", D, pull(), 0.0)
+    assert t.tick(4.9) == []
+    (reply,) = t.tick(5.0)
+    assert isinstance(reply, Reply) and isinstance(reply.msg, PullFailed)
+    assert "not ready within 5 s" in reply.msg.reason
+    assert t.state("t1") is SendState.TIMED_OUT
+    # P finishes late: nobody will pull, the blocks go back at once.
+    assert t.prefill_ready("t1", (9,), 6.0) == [Release("t1", SendState.TIMED_OUT)]
+
+
+def test_unclaimed_ready_transfer_expires_and_releases() -> None:
+    t = table()
+    t.prefill_ready("t1", (1,), 0.0)
+    assert t.tick(29.0) == []
+    assert t.tick(30.0) == [Release("t1", SendState.EXPIRED)]
+    (reply,) = t.pull_arrived("t1", D, pull(), 31.0)
+    assert isinstance(reply.msg, PullFailed) and "expired" in reply.msg.reason
+
+
+def test_tombstones_are_forgotten_after_their_ttl() -> None:
+    t = table()
+    t.prefill_dropped("t1", 0.0)
+    t.tick(59.0)
+    assert t.state("t1") is SendState.DROPPED
+    t.tick(60.0)
+    assert t.state("t1") is None
+    assert t.statistics().tombstones == 0
+
+
+def test_cancel_by_d_releases_ready_blocks() -> None:
+    t = table()
+    t.prefill_ready("t1", (1,), 0.0)
+    assert t.pull_cancelled("t1", 1.0) == [Release("t1", SendState.CANCELLED)]
+
+
+def test_cancel_before_ready_releases_when_ready_comes() -> None:
+    t = table()
+    t.prefill_started("t1", 0.0)
+    t.pull_arrived("t1", D, pull(), 0.0)
+    assert t.pull_cancelled("t1", 1.0) == []  # no reply to a D that left
+    assert t.prefill_ready("t1", (1,), 2.0) == [Release("t1", SendState.CANCELLED)]
+
+
+def test_cancel_for_unknown_transfer_leaves_a_tombstone() -> None:
+    t = table()
+    assert t.pull_cancelled("t1", 0.0) == []
+    assert t.prefill_ready("t1", (4,), 1.0) == [Release("t1", SendState.CANCELLED)]
+
+
+def test_cancel_or_drop_while_sending_waits_for_the_write() -> None:
+    t = table()
+    t.prefill_ready("t1", (1,), 0.0)
+    t.pull_arrived("t1", D, pull(), 0.0)
+    assert t.pull_cancelled("t1", 0.5) == []
+    assert t.prefill_dropped("t1", 0.6) == []
+    effects = t.send_finished("t1", 1.0)
+    assert Release("t1", SendState.DONE) in effects
+
+
+def test_duplicate_pull_is_refused() -> None:
+    t = table()
+    t.pull_arrived("t1", D, pull(), 0.0)
+    (reply,) = t.pull_arrived("t1", b"other", pull(), 0.1)
+    assert reply.identity == b"other" and isinstance(reply.msg, PullFailed)
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        lambda t: t.prefill_ready("t1", (1,), 0.0),
+        lambda t: (t.prefill_ready("t1", (1,), 0.0), t.tick(100.0)),  # expired
+        lambda t: (t.prefill_ready("t1", (1,), 0.0), t.prefill_dropped("t1", 0.0)),
+    ],
+)
+def test_second_ready_is_illegal(setup: object) -> None:
+    t = table()
+    setup(t)  # type: ignore[operator]
+    with pytest.raises(IllegalTransition):
+        t.prefill_ready("t1", (2,), 1.0)
+
+
+def test_send_finished_without_send_is_illegal() -> None:
+    t = table()
+    with pytest.raises(IllegalTransition):
+        t.send_finished("t1", 0.0)
+    t.prefill_ready("t1", (1,), 0.0)
+    with pytest.raises(IllegalTransition):
+        t.send_finished("t1", 0.0)
+
+
+def test_started_while_ready_is_illegal() -> None:
+    t = table()
+    t.prefill_ready("t1", (1,), 0.0)
+    with pytest.raises(IllegalTransition):
+        t.prefill_started("t1", 0.0)
+
+
+def test_every_ready_transfer_is_released_exactly_once() -> None:
+    """Whatever happens after "ready", exactly one Release comes out."""
+    endings = [
+        lambda t: t.tick(1000.0),
+        lambda t: t.prefill_dropped("t1", 1.0),
+        lambda t: t.pull_cancelled("t1", 1.0),
+        lambda t: t.pull_arrived("t1", D, pull(), 1.0) + t.send_finished("t1", 2.0),
+        lambda t: t.pull_arrived("t1", D, pull(), 1.0) + t.send_finished("t1", 2.0, error="x"),
+    ]
+    for ending in endings:
+        t = table()
+        effects = t.prefill_ready("t1", (1,), 0.0) + ending(t)
+        effects += t.tick(1e6) + t.prefill_dropped("t1", 1e6) + t.pull_cancelled("t1", 1e6)
+        assert sum(isinstance(e, Release) for e in effects) == 1
