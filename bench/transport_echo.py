@@ -25,7 +25,7 @@ import zmq
 
 # Runnable from a checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pdactors.transport import open_dealer, open_router  # noqa: E402
+from pdactors.transport import open_dealer, open_router
 
 Send = Callable[[list[bytes]], Awaitable[Any]]
 Receive = Callable[[], Awaitable[list[bytes]]]
@@ -88,33 +88,46 @@ async def echo(pair: Pair) -> None:
         await pair.router_send(await pair.router_receive())
 
 
-async def measure(pair: Pair, concurrency: int, requests: int, size: int) -> tuple[list[float], float]:
+async def measure(
+    pair: Pair, concurrency: int, requests: int, size: int
+) -> tuple[list[float], float]:
+    """Warm up, then time ``requests`` round trips; return the latencies (s) and the wall time.
+
+    One nursery for both phases: a zmq-anyio future abandoned by a cancelled task still takes
+    the next message, so echo and dispatch must not be restarted on the same sockets.
+    """
     payload = b"x" * size
     waiting: dict[int, trio.Event] = {}
     latencies: list[float] = []
-    per_task = requests // concurrency
 
     async def dispatch() -> None:
         while True:
             frames = await pair.dealer_receive()
             waiting.pop(int.from_bytes(frames[0], "little")).set()
 
-    async def client(first: int) -> None:
-        for request in range(first, first + per_task):
+    async def client(first: int, count: int) -> None:
+        for request in range(first, first + count):
             done = waiting[request] = trio.Event()
             start = time.perf_counter()
             await pair.dealer_send([request.to_bytes(8, "little"), payload])
             await done.wait()
             latencies.append(time.perf_counter() - start)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(echo, pair)
-        nursery.start_soon(dispatch)
+    async def run_clients(first: int, total: int) -> float:
+        per_task = total // concurrency
         start = time.perf_counter()
         async with trio.open_nursery() as clients:
             for task in range(concurrency):
-                clients.start_soon(client, task * per_task)
-        elapsed = time.perf_counter() - start
+                clients.start_soon(client, first + task * per_task, per_task)
+        return time.perf_counter() - start
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(echo, pair)
+        nursery.start_soon(dispatch)
+        warm_up = min(requests, 2_000)
+        await run_clients(0, warm_up)
+        latencies.clear()
+        elapsed = await run_clients(warm_up, requests)
         nursery.cancel_scope.cancel()
     return latencies, elapsed
 
@@ -125,7 +138,6 @@ async def main(requests: int, size: int) -> None:
     for concurrency in (1, 64):
         for name, adapter in adapters.items():
             async with adapter() as pair:
-                await measure(pair, concurrency, min(requests, 2_000), size)  # warm up
                 latencies, elapsed = await measure(pair, concurrency, requests, size)
             cuts = statistics.quantiles(latencies, n=100)
             print(

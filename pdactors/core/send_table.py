@@ -189,6 +189,7 @@ class SendTable:
 
     def prefill_dropped(self, transfer_id: str, now: float, reason: str = "") -> list[Effect]:
         """P will not finish ``transfer_id`` (aborted, failed); a waiting D hears at once."""
+        reason = _END_REASONS[SendState.DROPPED] + (f": {reason}" if reason else "")
         entry = self._entries.get(transfer_id)
         if entry is None:
             self._entries[transfer_id] = _Entry(SendState.DROPPED, now, reason=reason)
@@ -221,6 +222,7 @@ class SendTable:
 
     def pull_cancelled(self, transfer_id: str, now: float, reason: str = "") -> list[Effect]:
         """D gave up on ``transfer_id``: free P's blocks now or as soon as they are ready."""
+        reason = _END_REASONS[SendState.CANCELLED] + (f": {reason}" if reason else "")
         entry = self._entries.get(transfer_id)
         if entry is None:
             self._entries[transfer_id] = _Entry(SendState.CANCELLED, now, reason=reason)

@@ -102,6 +102,11 @@ class MooncakeDataPlane:
         return self._session
 
     @property
+    def engine(self) -> MooncakeEngine:
+        """The Mooncake engine underneath (benchmarks compare against its raw calls)."""
+        return self._live_engine()
+
+    @property
     def config(self) -> DataPlaneConfig:
         """The configuration this data plane was made with."""
         return self._config
@@ -203,12 +208,13 @@ class MooncakeDataPlane:
                 )
             if rc != 0:
                 self._failures += 1
+                landed = "; the calls before it landed" if index else ""
                 raise TransferError(
                     peer,
                     nbytes,
                     rc,
-                    f"call {index + 1} of {len(chunks)} ({min(step, count - start)} "
-                    f"descriptors) failed; earlier calls landed",
+                    f"engine call {index + 1} of {len(chunks)} "
+                    f"({min(step, count - start)} descriptors) failed{landed}",
                 )
         self._writes += 1
         self._bytes += nbytes
@@ -309,6 +315,8 @@ async def open_mooncake(config: DataPlaneConfig) -> AsyncIterator[MooncakeDataPl
     from cancellation and bounded to :data:`CLOSE_TIMEOUT` seconds (past that the thread is
     left to finish on its own). Destruction takes ~1 s with the GIL held (a Mooncake binding
     fact), so the whole process, Trio loop included, stalls for that second.
+    Every write must have finished before the block exits (run writers in a nursery inside
+    it): the engine must not be destroyed under a call in flight.
 
     Raises :class:`DataPlaneError` when Mooncake cannot be imported (with a hint) or the
     engine fails to start.

@@ -15,31 +15,30 @@ numbers.
 
 How a call waits
 ----------------
-Every call first tries the operation with ``zmq.NOBLOCK``. ``send_multipart`` and
-``recv_multipart`` are all-or-nothing with NOBLOCK: ZMQ only refuses a message at its first frame
-(the high water mark counts whole messages) and only makes a message readable once all of its
-frames have arrived, so a call that gives up has done nothing and one that returns did everything.
+Every call first tries the operation with ``zmq.NOBLOCK``. Sending and receiving a multipart
+message are all-or-nothing with NOBLOCK: ZMQ refuses a message only at its first frame (the high
+water mark counts whole messages) and makes a message readable only once all its frames are in,
+so a call that gives up has done nothing, and one that returns has done everything.
 
 On ``zmq.Again`` the task must sleep until the socket's state changes. The only signal is
 ``zmq.FD``, which is edge-triggered: it is readable while ZMQ has unprocessed internal commands,
 and *any* touch of the socket (send, recv, reading ``zmq.EVENTS``) may process them and clear it,
-in any task. Three rules follow:
+whichever task does it. So:
 
-1. Read ``zmq.EVENTS`` (which processes every pending command) as the last touch before sleeping;
-   if it shows the wanted flag, retry instead of sleeping. A ROUTER with ROUTER_MANDATORY reports
-   POLLOUT when *any* peer has room, so a retry may fail again: the second failure sleeps.
-2. trio lets one task at a time wait on an fd, so the first sleeper waits on ``zmq.FD`` inside a
-   cancel scope and the other (at most one: see 3) parks in a ParkingLot. When the fd watcher
-   wakes or leaves, for any reason, it unparks the parked task so that it re-checks and, if
-   need be, takes over the fd.
-3. A touch by a running task can clear the signal a sleeper waits for. So after each touch, while
-   anyone sleeps, the toucher reads ``zmq.EVENTS`` and wakes the sleepers if their flag is set
-   (the watcher by cancelling its scope). Only a set flag wakes them, so two sleepers never wake
-   each other in a loop.
+1. One watcher task per socket waits on ``zmq.FD`` (trio allows one waiter per fd); when it
+   fires, the watcher reads ``zmq.EVENTS`` and wakes the sleepers whose flag is set. Sleepers
+   park in a ParkingLot per direction, so waking one is cheap.
+2. Before sleeping, a task reads ``zmq.EVENTS`` as its last touch: if its flag is set it retries
+   instead. (A ROUTER with ROUTER_MANDATORY reports POLLOUT when *any* peer has room, so a retry
+   can fail again; the second failure sleeps.)
+3. A touch by a running task can consume the fd signal a sleeper waits for; the watcher will not
+   see it. So after each successful operation, while anyone sleeps, the task reads
+   ``zmq.EVENTS`` and wakes the sleepers whose flag is set. Only a set flag wakes a sleeper, so
+   two sleepers never wake each other in a loop.
 
-A :class:`trio.Lock` per direction lets many tasks send and receive at once while only one task
-per direction retries and sleeps (FIFO, no thundering herd); the fast path takes it without a
-schedule point so that each call yields exactly once.
+Only one task per direction tries and sleeps at a time; others queue behind it in FIFO order
+(a turn, like a :class:`trio.Lock` that the fast path never takes). An uncontended call thus
+costs one NOBLOCK operation and one schedule point.
 """
 
 from __future__ import annotations
@@ -69,6 +68,14 @@ DEFAULT_HWM = 100_000
 
 _T = TypeVar("_T")
 
+# pyzmq's constants are enum.Flag members, whose | and & cost microseconds on this hot path.
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+_EVENTS = int(zmq.EVENTS)
+_RCVMORE = int(zmq.RCVMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+
 
 class PeerUnreachable(PdError):
     """A ROUTER was asked to send to an identity that is not (or no longer) connected."""
@@ -78,6 +85,25 @@ class PeerUnreachable(PdError):
         super().__init__(f"no connected peer with identity {identity!r}")
 
 
+class _Direction:
+    """Sending or receiving on one socket: whose turn it is, and where the turn-holder sleeps."""
+
+    __slots__ = ("busy", "flag", "turns", "wakeup")
+
+    def __init__(self, flag: int) -> None:
+        self.flag = flag  # the zmq.EVENTS bit that says the operation can go ahead
+        self.busy = False  # a task holds the turn: it sleeps, or was just woken
+        self.turns = trio.lowlevel.ParkingLot()  # tasks waiting for the turn, FIFO
+        self.wakeup = trio.lowlevel.ParkingLot()  # the turn-holder, waiting for ``flag``
+
+    def pass_turn(self) -> None:
+        # Hand the turn straight to the next task, so that a newcomer cannot take it first.
+        if self.turns:
+            self.turns.unpark()
+        else:
+            self.busy = False
+
+
 class _TrioSocket:
     """One ZMQ socket driven from trio tasks; the waiting rules are in the module docstring."""
 
@@ -85,11 +111,8 @@ class _TrioSocket:
         self._socket = socket
         self._fd = cast(int, socket.getsockopt(zmq.FD))
         self._closed = False
-        self._send_lock = trio.Lock()
-        self._receive_lock = trio.Lock()
-        self._sleeping = 0  # zmq.POLLIN / zmq.POLLOUT bits of the tasks now asleep
-        self._fd_watch: trio.CancelScope | None = None
-        self._parked = trio.lowlevel.ParkingLot()
+        self._send = _Direction(_POLLOUT)
+        self._receive = _Direction(_POLLIN)
 
     def close(self) -> None:
         """Close the socket at once (linger 0), dropping unsent messages. Idempotent.
@@ -101,17 +124,28 @@ class _TrioSocket:
             return
         self._closed = True
         trio.lowlevel.notify_closing(self._fd)
-        self._parked.unpark_all()
+        for direction in (self._send, self._receive):
+            direction.turns.unpark_all()
+            direction.wakeup.unpark_all()
         self._socket.close(linger=0)
 
-    async def _io(self, flag: int, lock: trio.Lock, attempt: Callable[[], _T]) -> _T:
-        await trio.lowlevel.checkpoint_if_cancelled()
-        yielded = False
+    async def _watch_fd(self) -> None:
+        """Run by ``open_*`` for the socket's lifetime: rule 1 of the module docstring."""
         try:
-            lock.acquire_nowait()
-        except trio.WouldBlock:
-            await lock.acquire()
-            yielded = True
+            while True:
+                await trio.lowlevel.wait_readable(self._fd)
+                if self._closed:
+                    return
+                self._poll_events()
+        except trio.ClosedResourceError:
+            return
+
+    async def _io(self, direction: _Direction, attempt: Callable[[], _T]) -> _T:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        has_turn = yielded = False
+        if direction.busy:
+            await direction.turns.park()
+            has_turn = yielded = True
         try:
             retried = False
             while True:
@@ -121,15 +155,17 @@ class _TrioSocket:
                     result = attempt()
                     break
                 except zmq.Again:
-                    if self._poll_events() & flag and not retried:
+                    if self._poll_events() & direction.flag and not retried:
                         retried = True
                         continue
-                    await self._sleep(flag)
+                    has_turn = direction.busy = True
+                    await direction.wakeup.park()
                     yielded = True
                     retried = False
         finally:
-            lock.release()
-        if self._sleeping:
+            if has_turn:
+                direction.pass_turn()
+        if self._send.wakeup or self._receive.wakeup:
             self._poll_events()
         if not yielded:
             # The operation is done and cannot be undone, so this schedule point ignores
@@ -137,34 +173,29 @@ class _TrioSocket:
             await trio.lowlevel.cancel_shielded_checkpoint()
         return result
 
+    def _receive_now(self) -> list[bytes]:
+        # A message becomes readable only once all its frames are in, so only the first recv
+        # can raise zmq.Again.
+        frames = [self._socket.recv(_NOBLOCK)]
+        while self._socket.getsockopt(_RCVMORE):
+            frames.append(self._socket.recv(_NOBLOCK))
+        return frames
+
+    def _send_now(self, frames: Sequence[bytes]) -> None:
+        # ZMQ refuses a message only at its first frame, so once that is accepted the rest are
+        # too: a message goes whole or not at all.
+        *head, last = frames
+        for frame in head:
+            self._socket.send(frame, _MORE_NOBLOCK)
+        self._socket.send(last, _NOBLOCK)
+
     def _poll_events(self) -> int:
-        events = cast(int, self._socket.getsockopt(zmq.EVENTS))
-        if events & self._sleeping:
-            self._wake_sleepers()
+        events = cast(int, self._socket.getsockopt(_EVENTS))
+        if events & _POLLIN and self._receive.wakeup:
+            self._receive.wakeup.unpark_all()
+        if events & _POLLOUT and self._send.wakeup:
+            self._send.wakeup.unpark_all()
         return events
-
-    def _wake_sleepers(self) -> None:
-        if self._fd_watch is not None:
-            self._fd_watch.cancel()
-        self._parked.unpark_all()
-
-    async def _sleep(self, flag: int) -> None:
-        """Sleep until the fd signals or another task sees ``flag`` (or the other sleeper's) set."""
-        self._sleeping |= flag
-        try:
-            if self._fd_watch is not None:
-                await self._parked.park()
-                return
-            scope = self._fd_watch = trio.CancelScope()
-            try:
-                with scope:
-                    await trio.lowlevel.wait_readable(self._fd)
-            finally:
-                self._fd_watch = None
-                # The parked task relied on this one to watch the fd.
-                self._parked.unpark_all()
-        finally:
-            self._sleeping &= ~flag
 
 
 class RouterSocket(_TrioSocket):
@@ -185,7 +216,7 @@ class RouterSocket(_TrioSocket):
         A checkpoint. Cancelled, it has received nothing. Raises :class:`trio.ClosedResourceError`
         if the socket is or gets closed.
         """
-        identity, *frames = await self._io(zmq.POLLIN, self._receive_lock, self._receive_now)
+        identity, *frames = await self._io(self._receive, self._receive_now)
         return identity, frames
 
     async def send(self, identity: bytes, frames: Sequence[bytes]) -> None:
@@ -193,20 +224,17 @@ class RouterSocket(_TrioSocket):
 
         A checkpoint. Waits while that peer's queue is full (at the high water mark); cancelled,
         it has sent nothing. Raises :class:`PeerUnreachable` if no peer with that identity is
-        connected, :class:`ValueError` if ``frames`` is empty, and
-        :class:`trio.ClosedResourceError` if the socket is or gets closed.
+        connected, :class:`ValueError` if ``frames`` is empty, :class:`TypeError` if a frame is
+        not bytes-like, and :class:`trio.ClosedResourceError` if the socket is or gets closed.
         """
         if not frames:
             raise ValueError("a message needs at least one frame")
-        message = [identity, *frames]
-        await self._io(zmq.POLLOUT, self._send_lock, partial(self._send_now, message))
+        message = _checked([identity, *frames])
+        await self._io(self._send, partial(self._send_to, message))
 
-    def _receive_now(self) -> list[bytes]:
-        return self._socket.recv_multipart(zmq.NOBLOCK)
-
-    def _send_now(self, message: list[bytes]) -> None:
+    def _send_to(self, message: Sequence[bytes]) -> None:
         try:
-            self._socket.send_multipart(message, zmq.NOBLOCK)
+            self._send_now(message)
         except zmq.Again:
             raise
         except zmq.ZMQError as error:
@@ -224,25 +252,28 @@ class DealerSocket(_TrioSocket):
         A checkpoint. Cancelled, it has received nothing. Raises :class:`trio.ClosedResourceError`
         if the socket is or gets closed.
         """
-        return await self._io(zmq.POLLIN, self._receive_lock, self._receive_now)
+        return await self._io(self._receive, self._receive_now)
 
     async def send(self, frames: Sequence[bytes]) -> None:
         """Send ``frames`` as one message.
 
         A checkpoint. Until the connection is up, messages queue (up to the high water mark);
         beyond it the call waits, and cancelled, it has sent nothing. Raises :class:`ValueError`
-        if ``frames`` is empty and :class:`trio.ClosedResourceError` if the socket is or gets
-        closed.
+        if ``frames`` is empty, :class:`TypeError` if a frame is not bytes-like, and
+        :class:`trio.ClosedResourceError` if the socket is or gets closed.
         """
-        if not frames:
-            raise ValueError("a message needs at least one frame")
-        await self._io(zmq.POLLOUT, self._send_lock, partial(self._send_now, frames))
+        await self._io(self._send, partial(self._send_now, _checked(frames)))
 
-    def _receive_now(self) -> list[bytes]:
-        return self._socket.recv_multipart(zmq.NOBLOCK)
 
-    def _send_now(self, frames: Sequence[bytes]) -> None:
-        self._socket.send_multipart(frames, zmq.NOBLOCK)
+def _checked(frames: Sequence[bytes]) -> Sequence[bytes]:
+    # Checked before the first frame goes out: a bad frame in the middle would leave half a
+    # message in the socket, to be completed by the next one.
+    if not frames:
+        raise ValueError("a message needs at least one frame")
+    for frame in frames:
+        if not isinstance(frame, bytes | bytearray | memoryview):
+            raise TypeError(f"frames must be bytes-like, not {type(frame).__name__}")
+    return frames
 
 
 def _new_socket(context: zmq.Context[Any] | None, kind: int, hwm: int) -> zmq.Socket[bytes]:
@@ -251,6 +282,19 @@ def _new_socket(context: zmq.Context[Any] | None, kind: int, hwm: int) -> zmq.So
     socket.setsockopt(zmq.SNDHWM, hwm)
     socket.setsockopt(zmq.RCVHWM, hwm)
     return socket
+
+
+_S = TypeVar("_S", bound=_TrioSocket)
+
+
+@asynccontextmanager
+async def _watched(socket: _S) -> AsyncIterator[_S]:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(socket._watch_fd)
+        try:
+            yield socket
+        finally:
+            socket.close()  # also ends the watcher, so that the nursery can exit
 
 
 @asynccontextmanager
@@ -275,11 +319,8 @@ async def open_router(
     except BaseException:
         socket.close(linger=0)
         raise
-    router = RouterSocket(socket, address)
-    try:
+    async with _watched(RouterSocket(socket, address)) as router:
         yield router
-    finally:
-        router.close()
 
 
 @asynccontextmanager
@@ -301,8 +342,5 @@ async def open_dealer(
     except BaseException:
         socket.close(linger=0)
         raise
-    dealer = DealerSocket(socket)
-    try:
+    async with _watched(DealerSocket(socket)) as dealer:
         yield dealer
-    finally:
-        dealer.close()

@@ -1,0 +1,86 @@
+"""Shared set-up for the benchmarks: one P sender and one D receiver over real engines."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+import trio
+
+from pdactors import (
+    BlockLayout,
+    BootstrapConfig,
+    DataPlaneConfig,
+    Layout,
+    MooncakeDataPlane,
+    Receiver,
+    ReceiverConfig,
+    Sender,
+    SenderConfig,
+    open_mooncake,
+    serve_bootstrap,
+    serve_receiver,
+    serve_sender,
+)
+
+
+def layout(base: int, layers: int, pool: int, block_bytes: int) -> Layout:
+    """``layers`` regions of ``pool`` blocks, back to back from ``base``."""
+    region = pool * block_bytes
+    return Layout(
+        tuple(BlockLayout(base + i * region, pool, block_bytes, block_bytes) for i in range(layers))
+    )
+
+
+@dataclass
+class Pair:
+    url: str
+    sender: Sender
+    receiver: Receiver
+    p_plane: MooncakeDataPlane
+    d_plane: MooncakeDataPlane
+    p_layout: Layout
+    d_layout: Layout
+
+
+@asynccontextmanager
+async def open_pair(
+    cfg: DataPlaneConfig,
+    p_ptr: int,
+    d_ptr: int,
+    nbytes: int,
+    *,
+    layers: int,
+    pool: int,
+    block_bytes: int,
+    select_gpu: Callable[[int], None] | None = None,
+) -> AsyncIterator[Pair]:
+    """Bootstrap + sender over ``p_ptr`` + receiver over ``d_ptr`` (each ``nbytes``).
+
+    ``select_gpu(0)`` / ``select_gpu(1)`` runs before P's / D's memory is registered: CUDA
+    memory must be registered with its own device current.
+    """
+    if cfg.protocol == "nvlink_intra":
+        # Mooncake installs its intra-node NVLink transport only when this is set.
+        os.environ.setdefault("MC_INTRANODE_NVLINK", "1")
+    async with open_mooncake(cfg) as p_plane, open_mooncake(cfg) as d_plane:
+        for gpu, plane, ptr in ((0, p_plane, p_ptr), (1, d_plane, d_ptr)):
+            if select_gpu is not None:
+                select_gpu(gpu)
+            plane.register([(ptr, nbytes)])
+        if select_gpu is not None:
+            select_gpu(0)
+        p_layout = layout(p_ptr, layers, pool, block_bytes)
+        d_layout = layout(d_ptr, layers, pool, block_bytes)
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(serve_bootstrap, BootstrapConfig())
+            sender = await nursery.start(
+                serve_sender, SenderConfig(engine_id="p", bootstrap_url=url), p_plane, p_layout
+            )
+            receiver = await nursery.start(serve_receiver, ReceiverConfig(), d_plane, d_layout)
+            yield Pair(url, sender, receiver, p_plane, d_plane, p_layout, d_layout)
+            nursery.cancel_scope.cancel()

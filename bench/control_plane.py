@@ -1,0 +1,93 @@
+"""Control plane: 1-block transfers at concurrency 1, 64 and 256.
+
+One P sender and one D receiver with real Mooncake TCP engines on loopback; each transfer is
+one block of one layer (``--block-bytes``, 4 KiB by default) so the figures are dominated by
+the actors, the side channel and the worker-thread hop, not by bytes. Latency is measured
+on D from pull sent to answer received; P marks each transfer ready just before D pulls it.
+
+    python bench/control_plane.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import trio
+from common import open_pair
+
+from pdactors import DataPlaneConfig
+
+
+async def run(args: argparse.Namespace) -> None:
+    pool = max(args.concurrency_levels) * 2
+    p = np.zeros((1, pool, args.block_bytes), np.uint8)
+    d = np.zeros_like(p)
+    cfg = DataPlaneConfig()
+    async with open_pair(
+        cfg,
+        p.ctypes.data,
+        d.ctypes.data,
+        p.nbytes,
+        layers=1,
+        pool=pool,
+        block_bytes=args.block_bytes,
+    ) as pair:
+        sender, receiver, url = pair.sender, pair.receiver, pair.url
+        counter = 0
+
+        async def drain_released() -> None:
+            while True:
+                await sender.wait_finished()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain_released)
+            print(f"# control plane: 1-block transfers of {args.block_bytes} B, TCP loopback")
+            print("| concurrency | transfers | p50 ms | p99 ms | transfers/s |")
+            print("|---|---|---|---|---|")
+            for concurrency in args.concurrency_levels:
+                latencies: list[float] = []
+                total = max(args.transfers, concurrency * 8)
+
+                async def worker(slot: int, n: int, latencies: list[float] = latencies) -> None:
+                    nonlocal counter
+                    for _ in range(n):
+                        counter += 1
+                        tid = f"t{counter}"
+                        sender.transfer_pending(tid)
+                        sender.transfer_ready(tid, [slot])
+                        start = time.perf_counter()
+                        await receiver.pull(
+                            tid, bootstrap_url=url, engine_id="p", block_ids=[pool // 2 + slot]
+                        )
+                        latencies.append(time.perf_counter() - start)
+
+                # warm-up: connections, threads
+                async with trio.open_nursery() as warm:
+                    for slot in range(concurrency):
+                        warm.start_soon(worker, slot, 2)
+                latencies.clear()
+                start = time.perf_counter()
+                async with trio.open_nursery() as inner:
+                    for slot in range(concurrency):
+                        inner.start_soon(worker, slot, total // concurrency)
+                elapsed = time.perf_counter() - start
+                p50, p99 = np.percentile(latencies, [50, 99]) * 1e3
+                rate = len(latencies) / elapsed
+                print(f"| {concurrency} | {len(latencies)} | {p50:.3f} | {p99:.3f} | {rate:.0f} |")
+            nursery.cancel_scope.cancel()
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--block-bytes", type=int, default=4096)
+    ap.add_argument("--transfers", type=int, default=2000)
+    ap.add_argument("--concurrency-levels", type=int, nargs="+", default=[1, 64, 256])
+    return ap.parse_args()
+
+
+if __name__ == "__main__":
+    trio.run(run, parse())

@@ -1,0 +1,303 @@
+"""GPU data-plane efficiency: P on cuda:0 and D on cuda:1, in two processes, over NVLink.
+
+CUDA refuses to open an IPC handle in the process that made it, so Mooncake's
+``nvlink_intra`` transport needs P and D in different processes (as in a real deployment).
+This script is D (parent: bootstrap, receiver, timings); it starts P as a child process
+(``--role prefill``: sender, and the raw-engine comparison).
+
+* **ours**: D's receiver pulls a transfer P has marked ready; timed on D from pull sent to
+  answer received (planning, the side channel, the worker thread and the write included).
+* **raw**: P calls ``TransferEngine.batch_transfer_sync_write`` once with the same coalesced
+  descriptors, back to back.
+
+Run on a machine with two NVLink-linked GPUs and ``mooncake-transfer-engine-cuda13``:
+
+    python bench/gpu_dataplane.py --scenario whole
+    python bench/gpu_dataplane.py --scenario per-layer
+    python bench/gpu_dataplane.py --scenario scattered
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+os.environ.setdefault("MC_INTRANODE_NVLINK", "1")  # the intra-node NVLink transport
+
+import numpy as np
+import trio
+from common import layout
+
+from pdactors import (
+    BootstrapConfig,
+    DataPlaneConfig,
+    ReceiverConfig,
+    SenderConfig,
+    open_mooncake,
+    serve_bootstrap,
+    serve_receiver,
+    serve_sender,
+)
+from pdactors.core.plan import plan_transfer
+
+SCENARIOS = {"whole": (63, False), "per-layer": (128, False), "scattered": (128, True)}
+
+
+def block_ids(args: argparse.Namespace, pool: int, scattered: bool, side: int) -> list[int]:
+    if not scattered:
+        return list(range(args.blocks))
+    return np.random.default_rng(side).permutation(pool)[: args.blocks].tolist()
+
+
+def tensor(args: argparse.Namespace, pool: int, gpu: int) -> Any:
+    import torch
+
+    torch.cuda.set_device(gpu)
+    return torch.empty(
+        (args.layers, pool, args.block_bytes), dtype=torch.uint8, device=f"cuda:{gpu}"
+    )
+
+
+def pattern(t: Any) -> None:
+    """Every (layer, block) gets a byte ramp offset by its index: checkable on D."""
+    import torch
+
+    layers, pool, block_bytes = t.shape
+    ramp = torch.arange(block_bytes, device=t.device, dtype=torch.int64)
+    idx = torch.arange(layers * pool, device=t.device, dtype=torch.int64).reshape(layers, pool, 1)
+    t.copy_(((ramp + idx * 7) % 256).to(torch.uint8))
+
+
+class TimedPlane:
+    """Wraps P's data plane to time each write as the sender sees it (await included)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.session = inner.session
+        self.times: list[float] = []
+        self.engine_times: list[float] = []
+        engine = inner._engine
+        outer = self
+
+        class Engine:  # times the engine call itself, inside the worker thread
+            def batch_transfer_sync_write(self, *a: Any) -> int:
+                start = time.perf_counter()
+                rc = engine.batch_transfer_sync_write(*a)
+                outer.engine_times.append(time.perf_counter() - start)
+                return int(rc)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(engine, name)
+
+        inner._engine = Engine()
+
+    def register(self, regions: list[tuple[int, int]]) -> None:
+        self.inner.register(regions)
+
+    async def write(self, peer: str, src: Any, dst: Any, lengths: Any) -> None:
+        start = time.perf_counter()
+        await self.inner.write(peer, src, dst, lengths)
+        self.times.append(time.perf_counter() - start)
+
+
+async def prefill(args: argparse.Namespace) -> None:
+    """Child: P's sender over cuda:0, then raw writes into D's memory when asked."""
+    import torch
+
+    pool, scattered = SCENARIOS[args.scenario]
+    p_t = tensor(args, pool, 0)
+    pattern(p_t)
+    torch.cuda.synchronize()
+    src = block_ids(args, pool, scattered, 1)
+    dst = block_ids(args, pool, scattered, 2)
+    p_layout = layout(p_t.data_ptr(), args.layers, pool, args.block_bytes)
+    d_layout = layout(args.d_ptr, args.layers, pool, args.block_bytes)
+    cfg = DataPlaneConfig(
+        protocol=args.protocol, workers=args.workers, max_calls_per_peer=args.calls_per_peer
+    )
+    async with open_mooncake(cfg) as plane, trio.open_nursery() as nursery:
+        plane.register([(p_t.data_ptr(), p_t.numel())])
+        config = SenderConfig(engine_id="p", bootstrap_url=args.bootstrap, unclaimed_ttl=3600)
+        timed = TimedPlane(plane)
+        sender = await nursery.start(serve_sender, config, timed, p_layout)
+        for i in range(args.iters + args.requests + 1):
+            sender.transfer_ready(f"w-{i}", src)
+        for i in range(args.iters):
+            sender.transfer_ready(f"e-{i}", src)
+        print("READY", flush=True)
+        await trio.to_thread.run_sync(sys.stdin.readline)  # D finished its pulls
+        plan = plan_transfer(p_layout, src, d_layout, dst)
+        s, d, n = plan.src.tolist(), plan.dst.tolist(), plan.lengths.tolist()
+        k = cfg.max_descriptors_per_call
+        engine = plane.engine
+
+        def raw() -> float:
+            start = time.perf_counter()
+            for i in range(0, len(s), k):
+                rc = engine.batch_transfer_sync_write(
+                    args.d_session, s[i : i + k], d[i : i + k], n[i : i + k]
+                )
+                assert rc == 0, rc
+            return time.perf_counter() - start
+
+        for _ in range(2):
+            raw()
+        times = [raw() for _ in range(args.iters)]
+        threaded = [await trio.to_thread.run_sync(raw) for _ in range(args.iters)]
+        start = time.perf_counter()
+        for _ in range(args.requests):
+            raw()
+        total = time.perf_counter() - start
+        print(
+            json.dumps(
+                {
+                    "raw": times,
+                    "raw_total": total,
+                    "descriptors": plan.descriptors,
+                    "raw_in_thread": threaded,
+                    "ours_write": timed.times[1 : 1 + args.iters],
+                    "ours_engine": timed.engine_times[1 : 1 + args.iters],
+                }
+            ),
+            flush=True,
+        )
+        nursery.cancel_scope.cancel()
+
+
+async def decode(args: argparse.Namespace) -> None:
+    """Parent: bootstrap and D's receiver over cuda:1; times our path, then asks P for raw."""
+    import torch
+
+    pool, scattered = SCENARIOS[args.scenario]
+    d_t = tensor(args, pool, 1)
+    d_t.zero_()
+    torch.cuda.synchronize()
+    dst = block_ids(args, pool, scattered, 2)
+    src = block_ids(args, pool, scattered, 1)
+    d_layout = layout(d_t.data_ptr(), args.layers, pool, args.block_bytes)
+    cfg = DataPlaneConfig(
+        protocol=args.protocol, workers=args.workers, max_calls_per_peer=args.calls_per_peer
+    )
+    async with open_mooncake(cfg) as plane, trio.open_nursery() as nursery:
+        plane.register([(d_t.data_ptr(), d_t.numel())])
+        url = await nursery.start(serve_bootstrap, BootstrapConfig())
+        receiver = await nursery.start(serve_receiver, ReceiverConfig(), plane, d_layout)
+        child = subprocess.Popen(  # noqa: ASYNC220 (starting it does not block; reads go to threads)
+            [sys.executable, __file__, *sys.argv[1:], "--role", "prefill", "--bootstrap", url,
+             "--d-session", plane.session, "--d-ptr", str(d_t.data_ptr())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            line = await trio.to_thread.run_sync(child.stdout.readline)  # type: ignore[union-attr]
+            assert line.strip() == "READY", line
+
+            async def pull(i: int) -> float:
+                start = time.perf_counter()
+                await receiver.pull(f"w-{i}", bootstrap_url=url, engine_id="p", block_ids=dst)
+                return time.perf_counter() - start
+
+            await pull(0)
+            expected = torch.empty_like(d_t)
+            pattern(expected)
+            torch.cuda.synchronize()
+            ok = bool(torch.equal(d_t[:, dst, :], expected[:, src, :]))
+            ours = [await pull(1 + i) for i in range(args.iters)]
+            todo = iter(range(1 + args.iters, 1 + args.iters + args.requests))
+            start = time.perf_counter()
+
+            async def worker() -> None:
+                for i in todo:
+                    await pull(i)
+
+            async with trio.open_nursery() as inner:
+                for _ in range(args.concurrency):
+                    inner.start_soon(worker)
+            ours_total = time.perf_counter() - start
+            empty = []
+            for i in range(args.iters):  # D asks for no blocks: the control plane alone
+                start = time.perf_counter()
+                await receiver.pull(f"e-{i}", bootstrap_url=url, engine_id="p", block_ids=[])
+                empty.append(time.perf_counter() - start)
+            child.stdin.write("go\n")  # type: ignore[union-attr]
+            child.stdin.flush()  # type: ignore[union-attr]
+            result = json.loads(await trio.to_thread.run_sync(child.stdout.readline))  # type: ignore[union-attr]
+        finally:
+            child.stdin.close()  # type: ignore[union-attr]
+            await trio.to_thread.run_sync(child.wait)
+        # torch's own peer copy of the same bytes, for reference
+        a = torch.empty(
+            args.layers * args.blocks * args.block_bytes, dtype=torch.uint8, device="cuda:0"
+        )
+        b = torch.empty_like(a, device="cuda:1")
+        for _ in range(3):
+            b.copy_(a)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            b.copy_(a)
+        torch.cuda.synchronize()
+        peer = (time.perf_counter() - t0) / 20
+        nursery.cancel_scope.cancel()
+    nbytes = args.layers * args.blocks * args.block_bytes
+    o, r = statistics.median(ours), statistics.median(result["raw"])
+    w, t = statistics.median(result["ours_write"]), statistics.median(result["raw_in_thread"])
+    e, c = statistics.median(result["ours_engine"]), statistics.median(empty)
+    print(
+        f"# {args.scenario}: inside our sender: write p50 {w * 1e3:.3f} ms, of which the engine"
+        f" call {e * 1e3:.3f} ms; raw call in a worker thread p50 {t * 1e3:.3f} ms;"
+        f" empty pull (control plane only) p50 {c * 1e3:.3f} ms",
+        file=sys.stderr,
+    )
+    print(
+        f"| {args.scenario} | {result['descriptors']} | {ok} | {o * 1e3:.3f} | {r * 1e3:.3f}"
+        f" | {nbytes / o / 1e9:.1f} | {nbytes / r / 1e9:.1f} | {r / o:.3f}"
+        f" | {args.requests * nbytes / ours_total / 1e9:.1f}"
+        f" | {args.requests * nbytes / result['raw_total'] / 1e9:.1f}"
+        f" | {result['raw_total'] / ours_total:.3f} | {nbytes / peer / 1e9:.1f} |",
+        flush=True,
+    )
+
+
+HEADER = (
+    "| scenario | desc | bytes ok | ours p50 ms | raw p50 ms | ours GB/s | raw GB/s | latency ratio"
+    " | tput ours GB/s | tput raw GB/s | tput ratio | torch peer copy GB/s |"
+)
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--role", choices=["decode", "prefill"], default="decode")
+    ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="whole")
+    ap.add_argument("--protocol", default="nvlink_intra")
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--blocks", type=int, default=63)
+    ap.add_argument("--block-bytes", type=int, default=64 * 1024)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2, help="DataPlaneConfig.workers")
+    ap.add_argument("--calls-per-peer", type=int, default=1, help="max_calls_per_peer")
+    ap.add_argument("--header", action="store_true", help="print the table header first")
+    ap.add_argument("--bootstrap", default="")
+    ap.add_argument("--d-session", default="")
+    ap.add_argument("--d-ptr", type=int, default=0)
+    return ap.parse_args()
+
+
+if __name__ == "__main__":
+    ns = parse()
+    if ns.role == "prefill":
+        trio.run(prefill, ns)
+    else:
+        if ns.header:
+            print(HEADER + "\n|" + "---|" * 12, flush=True)
+        trio.run(decode, ns)
