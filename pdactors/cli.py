@@ -32,7 +32,9 @@ def harness(
     layers: Annotated[int, typer.Option(help="Layers (one KV region each).")] = 36,
     block_bytes: Annotated[int, typer.Option(help="Bytes per layer per block.")] = 64 * 1024,
     concurrency: Annotated[int, typer.Option(help="Transfers in flight at once.")] = 1,
-    protocol: Annotated[str, typer.Option(help="Mooncake protocol: tcp, rdma, nvlink_intra.")] = "tcp",
+    protocol: Annotated[
+        str, typer.Option(help="Mooncake protocol: tcp, rdma, nvlink_intra.")
+    ] = "tcp",
     device: Annotated[str, typer.Option(help="Mooncake device name (RDMA NIC).")] = "",
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:

@@ -54,7 +54,9 @@ def test_dropped_prefill_answers_waiting_pull_at_once() -> None:
     t.prefill_started("t1", 0.0)
     t.pull_arrived("t1", D, pull(), 0.1)
     effects = t.prefill_dropped("t1", 0.2, "aborted")
-    assert effects == [Reply(D, PullFailed("t1", "P dropped the request (aborted or failed): aborted"))]
+    assert effects == [
+        Reply(D, PullFailed("t1", "P dropped the request (aborted or failed): aborted"))
+    ]
     assert t.state("t1") is SendState.DROPPED
 
 

@@ -1,4 +1,4 @@
-"""The D receiver actor: asks P workers to write KV into D's blocks, and reports how each pull ended.
+"""The D receiver actor: asks P workers to write KV into D's blocks; reports how pulls end.
 
 Embed it with ``receiver = await nursery.start(serve_receiver, config, dataplane, layout)``.
 The engine side starts pulls with :meth:`Receiver.start_pull` (synchronous, never blocks),
@@ -68,7 +68,7 @@ class _Waiter:
 
 
 class Receiver:
-    """Handle of a running receiver actor. Its methods must be called from the actor's trio thread."""
+    """Handle of a running receiver actor; call its methods from the actor's trio thread."""
 
     def __init__(
         self,

@@ -82,9 +82,7 @@ class Sender:
             tombstone_ttl=config.tombstone_ttl,
         )
         self._layouts: OrderedDict[str, Layout] = OrderedDict()
-        self._outbox_send, self._outbox_recv = trio.open_memory_channel[tuple[bytes, Msg]](
-            math.inf
-        )
+        self._outbox_send, self._outbox_recv = trio.open_memory_channel[tuple[bytes, Msg]](math.inf)
         self._finished: set[str] = set()
         self._finished_changed = trio.Event()
         self._bad_peers: set[bytes] = set()

@@ -296,7 +296,9 @@ class SendTable:
         """Move a live entry to the end ``state``: answer a waiting pull, release blocks."""
         effects: list[Effect] = []
         if entry.pull is not None and entry.state is SendState.PENDING:
-            effects.append(Reply(entry.identity, PullFailed(transfer_id, reason or _END_REASONS[state])))
+            effects.append(
+                Reply(entry.identity, PullFailed(transfer_id, reason or _END_REASONS[state]))
+            )
         if entry.blocks is not None:
             effects.append(Release(transfer_id, state))
         self._move(entry, state, now)

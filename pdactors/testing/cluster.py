@@ -15,9 +15,9 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
-from msgspec.structs import replace
 import numpy.typing as npt
 import trio
+from msgspec.structs import replace
 
 from pdactors.actors.bootstrap import serve_bootstrap
 from pdactors.actors.receiver import Receiver, serve_receiver
@@ -46,6 +46,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
         self._used: set[int] = set()
+        self._freed = trio.Event()
 
     @property
     def in_use(self) -> int:
@@ -65,6 +66,14 @@ class BlockPool:
                 raise PdError(f"block {i} freed twice")
             self._used.remove(i)
             self._free.append(i)
+        self._freed.set()
+        self._freed = trio.Event()
+
+    async def wait_empty(self) -> None:
+        """Wait until no block is allocated. Checkpoint."""
+        while self._used:
+            await self._freed.wait()
+        await trio.lowlevel.checkpoint()
 
 
 class KVBuffer:
@@ -140,9 +149,21 @@ class Cluster:
     prefill: list[PrefillNode]
     decode: list[DecodeNode]
 
+    @property
+    def pools(self) -> list[BlockPool]:
+        return [n.pool for n in self.prefill] + [n.pool for n in self.decode]
+
     def blocks_in_use(self) -> int:
         """Blocks allocated anywhere in the cluster (0 once every transfer ended)."""
-        return sum(n.pool.in_use for n in [*self.prefill, *self.decode])
+        return sum(pool.in_use for pool in self.pools)
+
+    async def wait_settled(self) -> None:
+        """Wait until every block is back in its pool. Checkpoint.
+
+        Meant for when no new transfer starts: P's blocks come back as its sender releases them.
+        """
+        for pool in self.pools:
+            await pool.wait_empty()
 
 
 DataPlaneWrapper = Callable[[DataPlane], DataPlane]
@@ -236,7 +257,10 @@ async def run_transfer(
     start = trio.current_time()
     try:
         await dnode.receiver.pull(
-            transfer_id, bootstrap_url=cluster.bootstrap_url, engine_id=pnode.engine_id, block_ids=dst
+            transfer_id,
+            bootstrap_url=cluster.bootstrap_url,
+            engine_id=pnode.engine_id,
+            block_ids=dst,
         )
     except PdError as exc:
         reason = getattr(exc, "reason", str(exc))

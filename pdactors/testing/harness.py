@@ -111,8 +111,7 @@ async def run_harness(
             seconds = trio.current_time() - start
         # P frees its blocks when the sender releases them; give that a moment to land.
         with trio.move_on_after(5):
-            while cluster.blocks_in_use():
-                await trio.sleep(0.01)
+            await cluster.wait_settled()
         leaked = cluster.blocks_in_use()
     return HarnessReport(
         requests=requests,

@@ -132,11 +132,12 @@ class _TrioSocket:
     async def _watch_fd(self) -> None:
         """Run by ``open_*`` for the socket's lifetime: rule 1 of the module docstring."""
         try:
-            while True:
+            # Checked before every wait: after close the fd number may already belong to another
+            # file (close only interrupts a wait in progress).
+            while not self._closed:
                 await trio.lowlevel.wait_readable(self._fd)
-                if self._closed:
-                    return
-                self._poll_events()
+                if not self._closed:
+                    self._poll_events()
         except trio.ClosedResourceError:
             return
 
