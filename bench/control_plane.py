@@ -24,7 +24,11 @@ async def run(args: argparse.Namespace) -> None:
     pool = max(args.concurrency_levels) * 2
     p = np.zeros((1, pool, args.block_bytes), np.uint8)
     d = np.zeros_like(p)
-    cfg = DataPlaneConfig()
+    cfg = DataPlaneConfig(
+        workers=args.workers,
+        max_calls_per_peer=args.calls_per_peer,
+        max_descriptors_per_call=2048 // args.calls_per_peer,
+    )
     async with open_pair(
         cfg,
         p.ctypes.data,
@@ -43,7 +47,10 @@ async def run(args: argparse.Namespace) -> None:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(drain_released)
-            print(f"# control plane: 1-block transfers of {args.block_bytes} B, TCP loopback")
+            print(
+                f"# control plane: 1-block transfers of {args.block_bytes} B, TCP loopback;"
+                f" {args.workers} workers, {args.calls_per_peer} engine calls per peer"
+            )
             print("| concurrency | transfers | p50 ms | p99 ms | transfers/s |")
             print("|---|---|---|---|---|")
             for concurrency in args.concurrency_levels:
@@ -84,6 +91,8 @@ def parse() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--block-bytes", type=int, default=4096)
+    ap.add_argument("--workers", type=int, default=2, help="DataPlaneConfig.workers")
+    ap.add_argument("--calls-per-peer", type=int, default=1, help="max_calls_per_peer")
     ap.add_argument("--transfers", type=int, default=2000)
     ap.add_argument("--concurrency-levels", type=int, nargs="+", default=[1, 64, 256])
     return ap.parse_args()

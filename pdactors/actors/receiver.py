@@ -59,6 +59,7 @@ class _Peer:
     address: str
     dealer: DealerSocket
     knows_layout: bool = False
+    sent_garbage: bool = False
 
 
 @dataclass(slots=True)
@@ -259,7 +260,9 @@ class Receiver:
                     try:
                         msg = decode_frames(frames)
                     except FrameError as exc:
-                        log.warning("bad frame from P worker %s: %s", address, exc)
+                        if not peer.sent_garbage:  # log once per peer
+                            peer.sent_garbage = True
+                            log.warning("bad frame from P worker %s: %s", address, exc)
                         continue
                     self._on_answer(peer, msg)
             finally:

@@ -189,16 +189,7 @@ class SendTable:
 
     def prefill_dropped(self, transfer_id: str, now: float, reason: str = "") -> list[Effect]:
         """P will not finish ``transfer_id`` (aborted, failed); a waiting D hears at once."""
-        reason = _END_REASONS[SendState.DROPPED] + (f": {reason}" if reason else "")
-        entry = self._entries.get(transfer_id)
-        if entry is None:
-            self._entries[transfer_id] = _Entry(SendState.DROPPED, now, reason=reason)
-            self._counts[SendState.DROPPED] += 1
-            return []
-        if entry.state.ended or entry.state is SendState.SENDING:
-            # A write in flight cannot be stopped; its end releases the blocks.
-            return []
-        return self._end(transfer_id, entry, SendState.DROPPED, now, reason)
+        return self._give_up(transfer_id, SendState.DROPPED, now, reason)
 
     # ------------------------------------------------------------------ D's side channel
 
@@ -222,17 +213,7 @@ class SendTable:
 
     def pull_cancelled(self, transfer_id: str, now: float, reason: str = "") -> list[Effect]:
         """D gave up on ``transfer_id``: free P's blocks now or as soon as they are ready."""
-        reason = _END_REASONS[SendState.CANCELLED] + (f": {reason}" if reason else "")
-        entry = self._entries.get(transfer_id)
-        if entry is None:
-            self._entries[transfer_id] = _Entry(SendState.CANCELLED, now, reason=reason)
-            self._counts[SendState.CANCELLED] += 1
-            return []
-        if entry.state.ended or entry.state is SendState.SENDING:
-            # A write in flight cannot be stopped; its end releases the blocks.
-            return []
-        entry.pull = None  # D is gone: no reply
-        return self._end(transfer_id, entry, SendState.CANCELLED, now, reason)
+        return self._give_up(transfer_id, SendState.CANCELLED, now, reason)
 
     # ------------------------------------------------------------------ the actor's write
 
@@ -281,6 +262,21 @@ class SendTable:
         return effects
 
     # ------------------------------------------------------------------ internals
+
+    def _give_up(self, transfer_id: str, state: SendState, now: float, reason: str) -> list[Effect]:
+        """P (DROPPED) or D (CANCELLED) gave up: end a live transfer, or leave a tombstone."""
+        reason = _END_REASONS[state] + (f": {reason}" if reason else "")
+        entry = self._entries.get(transfer_id)
+        if entry is None:
+            self._entries[transfer_id] = _Entry(state, now, reason=reason)
+            self._counts[state] += 1
+            return []
+        if entry.state.ended or entry.state is SendState.SENDING:
+            # A write in flight cannot be stopped; its end releases the blocks.
+            return []
+        if state is SendState.CANCELLED:
+            entry.pull = None  # D is gone: no reply
+        return self._end(transfer_id, entry, state, now, reason)
 
     def _move(self, entry: _Entry, state: SendState, now: float) -> None:
         entry.state, entry.since = state, now

@@ -9,9 +9,9 @@ Usage::
         await dealer.send([b"a", b"b"])
         frames = await dealer.receive()
 
-Why not zmq-anyio: measured here it is about 4x slower on a round trip, and its futures hide
-cancellation behind a background task. docs/architecture.md ("trio ⇄ ZMQ transport") has the
-numbers.
+Why not zmq-anyio: measured here it is 2-3x slower per round trip, and a receive cancelled
+while waiting leaves its future queued, which then swallows the next message. The numbers are in
+docs/architecture.md ("trio ⇄ ZMQ transport").
 
 How a call waits
 ----------------
@@ -28,9 +28,10 @@ whichever task does it. So:
 1. One watcher task per socket waits on ``zmq.FD`` (trio allows one waiter per fd); when it
    fires, the watcher reads ``zmq.EVENTS`` and wakes the sleepers whose flag is set. Sleepers
    park in a ParkingLot per direction, so waking one is cheap.
-2. Before sleeping, a task reads ``zmq.EVENTS`` as its last touch: if its flag is set it retries
-   instead. (A ROUTER with ROUTER_MANDATORY reports POLLOUT when *any* peer has room, so a retry
-   can fail again; the second failure sleeps.)
+2. A failed attempt may itself have consumed the signal the *other* direction's sleeper waits
+   for, so before sleeping a task reads ``zmq.EVENTS`` too (waking the other sleeper if its flag
+   is set), and retries at once if its own flag is set. A ROUTER with ROUTER_MANDATORY reports
+   POLLOUT when *any* peer has room, so that retry can fail again; the second failure sleeps.
 3. A touch by a running task can consume the fd signal a sleeper waits for; the watcher will not
    see it. So after each successful operation, while anyone sleeps, the task reads
    ``zmq.EVENTS`` and wakes the sleepers whose flag is set. Only a set flag wakes a sleeper, so
@@ -124,9 +125,9 @@ class _TrioSocket:
             return
         self._closed = True
         trio.lowlevel.notify_closing(self._fd)
-        for direction in (self._send, self._receive):
-            direction.turns.unpark_all()
-            direction.wakeup.unpark_all()
+        # Each woken task raises and passes its turn on, so the tasks queued for a turn follow.
+        self._send.wakeup.unpark_all()
+        self._receive.wakeup.unpark_all()
         self._socket.close(linger=0)
 
     async def _watch_fd(self) -> None:
