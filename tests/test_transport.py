@@ -5,11 +5,13 @@ from __future__ import annotations
 import random
 import re
 import socket
+import time
 from collections import Counter
 
 import pytest
 import trio
 import trio.testing
+import zmq
 
 from pdactors.transport import DealerSocket, RouterSocket, open_dealer, open_router
 from pdactors.transport.zmq import PeerUnreachable
@@ -26,8 +28,8 @@ async def echo(router: RouterSocket) -> None:
 
 def free_port() -> int:
     """A port nothing listens on, below Linux's ephemeral range (32768 up), so that a DEALER
-    retrying a connection to it cannot end up connected to itself. Probed with a plain socket:
-    ZMQ closes a listener in the background, too late for an immediate re-bind."""
+    retrying a connection to it cannot end up connected to itself (TCP self-connect). Probed
+    with a plain socket: ZMQ closes a listener in the background, too late for a re-bind."""
     for port in random.sample(range(20_000, 32_000), 50):
         with socket.socket() as probe:
             try:
@@ -187,6 +189,72 @@ async def test_one_task_blocked_sending_another_receiving() -> None:
     assert replies == [[b"reply"]]
 
 
+async def test_a_send_that_consumes_the_fd_signal_wakes_the_receiver() -> None:
+    # Rule 3 of the transport's docstring: ZMQ processes pending commands during a send, which
+    # clears zmq.FD; a receiver asleep since before the reply arrived must still wake. The peer
+    # is a plain pyzmq socket, so that no trio checkpoint lets the fd watcher see the reply first.
+    peer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+    peer.setsockopt(zmq.LINGER, 0)
+    port = peer.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with trio.fail_after(10):
+            async with (
+                open_dealer(f"tcp://127.0.0.1:{port}") as dealer,
+                trio.open_nursery() as nursery,
+            ):
+                await dealer.send([b"hello"])
+                assert peer.poll(5000)
+                identity, _ = peer.recv_multipart()
+                replies: list[list[bytes]] = []
+                got_reply = trio.Event()
+
+                async def receive() -> None:
+                    replies.append(await dealer.receive())
+                    got_reply.set()
+
+                nursery.start_soon(receive)
+                await trio.testing.wait_all_tasks_blocked()
+                peer.send_multipart([identity, b"reply"])
+                # Block the trio thread while the reply lands, then send (ZMQ throttles command
+                # processing in send to about once a millisecond).
+                time.sleep(0.2)  # noqa: ASYNC251
+                await dealer.send([b"consumes the signal"])
+                with trio.fail_after(2):
+                    await got_reply.wait()
+                assert replies == [[b"reply"]]
+    finally:
+        peer.close()
+
+
+async def test_a_receive_that_consumes_the_fd_signal_wakes_the_sender() -> None:
+    # Rule 2 of the transport's docstring: a failed receive processes pending commands too; a
+    # sender asleep at the high water mark must still wake when its peer drains the queue.
+    port = free_port()
+    with trio.fail_after(10):
+        async with (
+            open_dealer(f"tcp://127.0.0.1:{port}", hwm=1) as dealer,
+            trio.open_nursery() as nursery,
+        ):
+            await dealer.send([b"1"])
+            sent = trio.Event()
+
+            async def send() -> None:
+                await dealer.send([b"2"])
+                sent.set()
+
+            nursery.start_soon(send)
+            await trio.testing.wait_all_tasks_blocked()
+            async with open_router("127.0.0.1", port=port) as router:
+                # Let the DEALER connect and its queue drain while no trio task runs.
+                time.sleep(0.5)  # noqa: ASYNC251
+                with trio.move_on_after(0.05):
+                    await dealer.receive()
+                with trio.fail_after(2):
+                    await sent.wait()
+                for expected in (b"1", b"2"):
+                    assert (await router.receive())[1] == [expected]
+
+
 async def test_cancellation_under_load_loses_and_splits_nothing() -> None:
     senders, per_sender = 16, 200
     rng = random.Random(1)
@@ -256,14 +324,16 @@ async def test_closed_socket_raises() -> None:
             with pytest.raises(trio.ClosedResourceError):
                 await dealer.receive()
 
-            async def close_soon() -> None:
-                await trio.testing.wait_all_tasks_blocked()
-                router.close()
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(close_soon)
+            async def receive_until_closed() -> None:
                 with pytest.raises(trio.ClosedResourceError):
                     await router.receive()
+
+            async with trio.open_nursery() as nursery:
+                # The first waits for a message, the second for its turn.
+                nursery.start_soon(receive_until_closed)
+                nursery.start_soon(receive_until_closed)
+                await trio.testing.wait_all_tasks_blocked()
+                router.close()
         with pytest.raises(trio.ClosedResourceError):
             await router.send(b"id", [b"x"])
 

@@ -45,8 +45,7 @@ from pdactors.messages import (
     decode_frames,
     encode_frames,
 )
-from pdactors.transport import RouterSocket, open_router
-from pdactors.transport.zmq import PeerUnreachable
+from pdactors.transport import PeerUnreachable, RouterSocket, open_router
 
 __all__ = ["Sender", "serve_sender"]
 

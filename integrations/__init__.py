@@ -1,0 +1,1 @@
+"""Integrations of pdactors with inference engines; each subpackage owns one engine's imports."""

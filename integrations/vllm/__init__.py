@@ -1,0 +1,1 @@
+"""The vLLM integration: the only code in pdactors that imports vllm or torch."""

@@ -1,0 +1,326 @@
+"""The project's own tiny Llama checkpoint, built locally so tests and demos never need a model hub.
+
+`ensure_tiny_model` builds (once per cache directory) a random-weight Llama-style causal LM with a
+byte-level BPE tokenizer trained on a small embedded corpus, and returns its directory, which both
+HF transformers and vLLM load offline. Weights come from a fixed-seed generator, so every machine
+builds the same model.
+
+vLLM must be started with ``dtype="float32"`` (``--dtype float32``): on CPU, ``"auto"`` turns a
+float32 checkpoint into bfloat16, and greedy tokens would then drift from HF's.
+
+`find_eos_first_prompts` finds prompts whose greedy first generated token is EOS, for tests of
+requests that finish at prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+MODEL_NAME = "tiny-llama-v1"
+"""Directory name of the model inside the cache directory; bump it with `_VERSION`."""
+
+_VERSION = "pdactors-tiny-llama-v1"
+_MARKER = ".pdactors-model-version"
+_SEED = 20240601
+_VOCAB_SIZE = 1024
+_INIT_STD = 0.5
+# The EOS row of lm_head is scaled up so that EOS wins the argmax for a few inputs in a thousand
+# (`find_eos_first_prompts` needs some) yet rarely cuts a generation short.
+_EOS_ROW_SCALE = 1.6
+
+UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
+_SPECIAL_TOKENS = [UNK, BOS, EOS, PAD]
+
+_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_CORPUS = """\
+The prefill engine reads the whole prompt at once and writes the keys and values of every token
+into its cache. The decode engine then produces one token at a time, reading that cache again and
+again. Splitting the two lets each machine do the kind of work it is good at: prefill is bound by
+arithmetic, decode by memory bandwidth. A request that arrives at the proxy goes to a prefill
+worker first; when the prompt is done, the blocks of the cache travel over the network to a decode
+worker, which continues the answer as if it had computed the prompt itself.
+
+Once upon a time there was a small town by the sea. Every morning the fishermen went out in their
+boats, and every evening they came back with baskets full of silver fish. The children ran along
+the harbour to meet them, and the old women sat on the benches, talking about the weather, the
+price of bread and the news from the city. In the summer the tourists came with their cameras and
+their maps, and in the winter the wind blew so hard that nobody left the house without a reason.
+
+A good program is written for people to read and only incidentally for machines to run. Names
+should say what a thing does; functions should be short; errors should never pass silently. When
+a test fails, read the message before you change the code. When the design is unclear, write down
+what you know, what you do not know, and what you would have to measure to find out.
+
+The quick brown fox jumps over the lazy dog. She sells sea shells by the sea shore. How much wood
+would a woodchuck chuck if a woodchuck could chuck wood? Peter Piper picked a peck of pickled
+peppers. Red lorry, yellow lorry. Unique New York. The rain in Spain stays mainly in the plain.
+
+Questions and answers. What is the capital of France? The capital of France is Paris. How many
+days are there in a week? There are seven days in a week. What colour is the sky on a clear day?
+It is blue. Who wrote the play about the prince of Denmark? William Shakespeare wrote Hamlet.
+Why do leaves fall in autumn? The trees stop feeding them to save water through the winter.
+
+Numbers and dates: one, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve,
+twenty, thirty, forty, fifty, one hundred, one thousand. Monday, Tuesday, Wednesday, Thursday,
+Friday, Saturday, Sunday. January, February, March, April, May, June, July, August, September,
+October, November, December. 0 1 2 3 4 5 6 7 8 9 10 11 12 100 1000 2024 3.14 42.
+"""
+
+
+def default_cache_dir() -> Path:
+    """The cache root: ``$PDACTORS_CACHE`` if set, else ``~/.cache/pdactors``."""
+    root = os.environ.get("PDACTORS_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "pdactors"
+
+
+def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
+    """Build the tiny model under ``cache_dir`` (default `default_cache_dir`) once; return its path.
+
+    The model directory is ``cache_dir / MODEL_NAME``. It holds ``config.json``,
+    ``model.safetensors``, ``generation_config.json`` and a ``PreTrainedTokenizerFast``
+    (``tokenizer.json``, ``tokenizer_config.json``, special tokens, chat template). An existing
+    directory is reused when its version marker matches. The model is built in a temporary
+    directory next to the target and renamed into place, so concurrent callers never see a
+    partial model. Raises `OSError` if the directory cannot be written.
+    """
+    root = (cache_dir if cache_dir is not None else default_cache_dir()).expanduser()
+    target = root / MODEL_NAME
+    if _is_complete(target):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=root))
+    try:
+        _build(tmp)
+        for _ in range(3):
+            if _is_complete(target):
+                return target
+            try:
+                tmp.rename(target)
+                return target
+            except OSError:
+                if _is_complete(target):
+                    return target
+                # A stale or foreign directory holds the name: move it aside, then retry.
+                _discard(target, root)
+        raise OSError(f"could not install the tiny model at {target}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def find_eos_first_prompts(model_dir: Path, n: int = 1, *, seed: int = 0) -> list[str]:
+    """Return ``n`` prompts whose greedy first generated token is EOS (checked with HF on CPU).
+
+    The search is deterministic for a given ``seed``: it tries short sequences of corpus words
+    in a seeded order. Raises `LookupError` if fewer than ``n`` are found within the search budget.
+    """
+    tokenizer = load_tokenizer(model_dir)
+    model = load_hf_model(model_dir)
+    words = sorted(set(_CORPUS.split()))
+    rng = random.Random(seed)
+    found: list[str] = []
+    seen: set[str] = set()
+    batch = 64
+    for _ in range(200):
+        candidates = []
+        while len(candidates) < batch:
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 8)))
+            if text not in seen:
+                seen.add(text)
+                candidates.append(text)
+        for text in candidates:
+            if first_greedy_token(model, tokenizer, text) == tokenizer.eos_token_id:
+                found.append(text)
+                if len(found) == n:
+                    return found
+    raise LookupError(f"found only {len(found)} of {n} EOS-first prompts")
+
+
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
+    """Load the tiny model's tokenizer from ``model_dir`` (offline)."""
+    return PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def load_hf_model(model_dir: Path) -> LlamaForCausalLM:
+    """Load the tiny model with HF transformers in float32 on CPU, in eval mode."""
+    model = LlamaForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, local_files_only=True
+    )
+    return model.eval()
+
+
+@torch.inference_mode()
+def first_greedy_token(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, text: str
+) -> int:
+    """The token id greedy decoding would emit first after ``text`` (tokenized with BOS)."""
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    logits = model(input_ids=ids).logits
+    return int(logits[0, -1].argmax())
+
+
+@torch.inference_mode()
+def hf_greedy(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    text: str,
+    max_new_tokens: int,
+) -> list[int]:
+    """Greedy-generate up to ``max_new_tokens`` after ``text`` with HF; return the new ids."""
+    enc = tokenizer(text, return_tensors="pt")
+    out = model.generate(
+        input_ids=enc["input_ids"],
+        attention_mask=enc["attention_mask"],
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+    )
+    return [int(t) for t in out[0, enc["input_ids"].shape[1] :]]
+
+
+def _is_complete(path: Path) -> bool:
+    try:
+        return (path / _MARKER).read_text().strip() == _VERSION
+    except OSError:
+        return False
+
+
+def _discard(path: Path, root: Path) -> None:
+    aside = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.stale-", dir=root))
+    try:
+        path.rename(aside / "old")
+    except OSError:
+        pass
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _build(out: Path) -> None:
+    tokenizer = _train_tokenizer()
+    tokenizer.save_pretrained(str(out))
+    config = _model_config(tokenizer)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(config)
+    model.load_state_dict(_deterministic_weights(model, tokenizer))
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+    )
+    model.save_pretrained(str(out), safe_serialization=True)
+    (out / _MARKER).write_text(_VERSION + "\n")
+
+
+def _train_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_VOCAB_SIZE,
+        min_frequency=1,
+        special_tokens=_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        pad_token=PAD,
+        chat_template=_CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=2048,
+    )
+
+
+def _model_config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+    kwargs: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "initializer_range": _INIT_STD,
+        "tie_word_embeddings": False,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "dtype": "float32",
+    }
+    return LlamaConfig(**kwargs)
+
+
+def _deterministic_weights(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast
+) -> dict[str, torch.Tensor]:
+    # Drawn here in sorted-name order from one seeded generator rather than by transformers'
+    # initialisers, so the weights do not depend on the transformers version.
+    gen = torch.Generator().manual_seed(_SEED)
+    state: dict[str, torch.Tensor] = {}
+    for name, param in sorted(model.state_dict().items()):
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones_like(param)
+        else:
+            state[name] = torch.randn(param.shape, generator=gen, dtype=torch.float32) * _INIT_STD
+    head = state["lm_head.weight"]
+    # Zero logits lose to the (mostly positive) maximum of the others, so greedy decoding never
+    # picks unk/bos/pad or a token that is not printable ASCII: outputs stay readable and
+    # detokenize the same incrementally as at once.
+    for token_id in range(head.shape[0]):
+        if token_id != tokenizer.eos_token_id and not _printable(tokenizer, token_id):
+            head[token_id] = 0.0
+    head[tokenizer.eos_token_id] *= _EOS_ROW_SCALE
+    return state
+
+
+def _printable(tokenizer: PreTrainedTokenizerFast, token_id: int) -> bool:
+    if token_id in tokenizer.all_special_ids:
+        return False
+    text = tokenizer.decode([token_id])
+    return all(c == "\n" or " " <= c <= "~" for c in text)
+
+
+__all__ = [
+    "BOS",
+    "EOS",
+    "MODEL_NAME",
+    "PAD",
+    "UNK",
+    "default_cache_dir",
+    "ensure_tiny_model",
+    "find_eos_first_prompts",
+    "first_greedy_token",
+    "hf_greedy",
+    "load_hf_model",
+    "load_tokenizer",
+]
