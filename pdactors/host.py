@@ -7,6 +7,7 @@ reaches them through :meth:`TrioHost.run` (await something in the Trio thread) a
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -18,6 +19,8 @@ from pdactors.errors import PdError
 __all__ = ["TrioHost"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("pdactors.host")
 
 
 class TrioHost:
@@ -65,6 +68,26 @@ class TrioHost:
     def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Call ``fn(*args)`` in the Trio thread (it must not block) and return its result."""
         return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+
+    def post(self, fn: Callable[..., object], *args: Any) -> None:
+        """Queue ``fn(*args)`` to run soon in the Trio thread; returns at once (never blocks).
+
+        ``fn`` must not block. A :class:`PdError` it raises is logged, not propagated: the
+        caller has long returned.
+        """
+        self._token_or_raise().run_sync_soon(self._run_logged, fn, args)
+
+    @staticmethod
+    def _run_logged(fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+        try:
+            fn(*args)
+        except PdError as exc:
+            log.warning("%s%r failed: %s", getattr(fn, "__name__", fn), args, exc)
+
+    def _token_or_raise(self) -> trio.lowlevel.TrioToken:
+        if self._token is None:
+            raise PdError("the Trio thread is not running")
+        return self._token
 
     def start(self, serve: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         """``nursery.start(serve, *args)`` in the host's nursery; returns what it reports."""

@@ -217,8 +217,10 @@ async def test_abort_on_d_frees_p_blocks() -> None:
             await wait_until(lambda: p.sender.statistics().live == 1 and d.receiver.in_flight == 1)
             await trio.sleep(0.05)  # let the pull reach P
             d.receiver.abort("t8", "client went away")
-            results = d.receiver.take_results()
-            assert results.failed == {"t8": "client went away"}
+            # the pull ends when P confirms it is not writing into D's blocks
+            assert d.receiver.take_results().failed == {}
+            await wait_until(lambda: d.receiver.in_flight == 0)
+            assert d.receiver.take_results().failed == {"t8": "client went away"}
             d.pool.free(dst)
             await wait_until(lambda: p.sender.transfer_state("t8") is SendState.CANCELLED)
             src = p.pool.allocate(4)

@@ -54,16 +54,24 @@ def test_abort_before_send_then_send_cancels() -> None:
     assert t.sent("t1", "tcp://p") == [SendCancel("tcp://p", "t1", "pull ended before it was sent")]
 
 
-def test_abort_after_send_cancels_at_p_and_ignores_late_answer() -> None:
+def test_abort_after_send_waits_for_p_to_confirm() -> None:
     t = PullTable(timeout=10.0)
     t.start("t1", 0.0)
     t.sent("t1", "tcp://p")
-    assert t.abort("t1", "client went away") == [
-        Completed("t1", False, "client went away"),
-        SendCancel("tcp://p", "t1", "client went away"),
-    ]
-    assert t.answered("t1", ok=True) == []
-    assert t.abort("t1") == []
+    assert t.abort("t1", "client went away") == [SendCancel("tcp://p", "t1", "client went away")]
+    assert t.state("t1") is PullState.ABORTING
+    assert t.abort("t1") == []  # once is enough
+    # P's write landed after all: D still reports the abort, and may now reuse its blocks
+    assert t.answered("t1", ok=True) == [Completed("t1", False, "client went away")]
+    assert "t1" not in t
+
+
+def test_abort_unconfirmed_ends_at_the_deadline() -> None:
+    t = PullTable(timeout=10.0)
+    t.start("t1", 0.0)
+    t.sent("t1", "tcp://p")
+    t.abort("t1", "bye")
+    assert t.tick(10.0) == [Completed("t1", False, "bye; P did not confirm within 10 s")]
 
 
 def test_local_failure_ends_pull() -> None:

@@ -108,20 +108,24 @@ def test_tombstones_are_forgotten_after_their_ttl() -> None:
 def test_cancel_by_d_releases_ready_blocks() -> None:
     t = table()
     t.prefill_ready("t1", (1,), 0.0)
-    assert t.pull_cancelled("t1", 1.0) == [Release("t1", SendState.CANCELLED)]
+    assert t.pull_cancelled("t1", D, 1.0) == [
+        Release("t1", SendState.CANCELLED),
+        Reply(D, PullFailed("t1", "cancelled")),
+    ]
 
 
 def test_cancel_before_ready_releases_when_ready_comes() -> None:
     t = table()
     t.prefill_started("t1", 0.0)
     t.pull_arrived("t1", D, pull(), 0.0)
-    assert t.pull_cancelled("t1", 1.0) == []  # no reply to a D that left
+    # the waiting pull gets no "failed"; the cancel itself is confirmed
+    assert t.pull_cancelled("t1", D, 1.0) == [Reply(D, PullFailed("t1", "cancelled"))]
     assert t.prefill_ready("t1", (1,), 2.0) == [Release("t1", SendState.CANCELLED)]
 
 
 def test_cancel_for_unknown_transfer_leaves_a_tombstone() -> None:
     t = table()
-    assert t.pull_cancelled("t1", 0.0) == []
+    assert t.pull_cancelled("t1", D, 0.0) == [Reply(D, PullFailed("t1", "cancelled"))]
     assert t.prefill_ready("t1", (4,), 1.0) == [Release("t1", SendState.CANCELLED)]
 
 
@@ -129,7 +133,7 @@ def test_cancel_or_drop_while_sending_waits_for_the_write() -> None:
     t = table()
     t.prefill_ready("t1", (1,), 0.0)
     t.pull_arrived("t1", D, pull(), 0.0)
-    assert t.pull_cancelled("t1", 0.5) == []
+    assert t.pull_cancelled("t1", D, 0.5) == []  # the write's own reply confirms it
     assert t.prefill_dropped("t1", 0.6) == []
     effects = t.send_finished("t1", 1.0)
     assert Release("t1", SendState.DONE) in effects
@@ -178,12 +182,12 @@ def test_every_ready_transfer_is_released_exactly_once() -> None:
     endings = [
         lambda t: t.tick(1000.0),
         lambda t: t.prefill_dropped("t1", 1.0),
-        lambda t: t.pull_cancelled("t1", 1.0),
+        lambda t: t.pull_cancelled("t1", D, 1.0),
         lambda t: t.pull_arrived("t1", D, pull(), 1.0) + t.send_finished("t1", 2.0),
         lambda t: t.pull_arrived("t1", D, pull(), 1.0) + t.send_finished("t1", 2.0, error="x"),
     ]
     for ending in endings:
         t = table()
         effects = t.prefill_ready("t1", (1,), 0.0) + ending(t)
-        effects += t.tick(1e6) + t.prefill_dropped("t1", 1e6) + t.pull_cancelled("t1", 1e6)
+        effects += t.tick(1e6) + t.prefill_dropped("t1", 1e6) + t.pull_cancelled("t1", D, 1e6)
         assert sum(isinstance(e, Release) for e in effects) == 1

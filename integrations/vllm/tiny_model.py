@@ -14,7 +14,6 @@ requests that finish at prefill.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -39,9 +38,11 @@ _MARKER = ".pdactors-model-version"
 _SEED = 20240601
 _VOCAB_SIZE = 1024
 _INIT_STD = 0.5
-# The EOS row of lm_head is scaled up so that EOS wins the argmax for a few inputs in a thousand
+_SEARCH_BATCH = 64
+_SEARCH_BATCHES = 200
+# The EOS row of lm_head is scaled up so that EOS wins the argmax for about one input in 400
 # (`find_eos_first_prompts` needs some) yet rarely cuts a generation short.
-_EOS_ROW_SCALE = 1.6
+_EOS_ROW_SCALE = 1.1
 
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 _SPECIAL_TOKENS = [UNK, BOS, EOS, PAD]
@@ -86,6 +87,10 @@ Numbers and dates: one, two, three, four, five, six, seven, eight, nine, ten, el
 twenty, thirty, forty, fifty, one hundred, one thousand. Monday, Tuesday, Wednesday, Thursday,
 Friday, Saturday, Sunday. January, February, March, April, May, June, July, August, September,
 October, November, December. 0 1 2 3 4 5 6 7 8 9 10 11 12 100 1000 2024 3.14 42.
+
+The train leaves the station at half past nine and arrives in the mountains just before noon,
+when the snow on the peaks shines brightest. Bring warm clothes, a flask of tea, a good book and
+enough patience for the long tunnel under the glacier.
 """
 
 
@@ -112,6 +117,7 @@ def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=root))
     try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would make a shared cache unreadable to others
         _build(tmp)
         for _ in range(3):
             if _is_complete(target):
@@ -137,20 +143,23 @@ def find_eos_first_prompts(model_dir: Path, n: int = 1, *, seed: int = 0) -> lis
     """
     tokenizer = load_tokenizer(model_dir)
     model = load_hf_model(model_dir)
+    eos = tokenizer.eos_token_id
     words = sorted(set(_CORPUS.split()))
     rng = random.Random(seed)
     found: list[str] = []
     seen: set[str] = set()
-    batch = 64
-    for _ in range(200):
-        candidates = []
-        while len(candidates) < batch:
+    for _ in range(_SEARCH_BATCHES):
+        candidates: list[str] = []
+        while len(candidates) < _SEARCH_BATCH:
             text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 8)))
             if text not in seen:
                 seen.add(text)
                 candidates.append(text)
-        for text in candidates:
-            if first_greedy_token(model, tokenizer, text) == tokenizer.eos_token_id:
+        for text, token in zip(
+            candidates, _batch_first_tokens(model, tokenizer, candidates), strict=True
+        ):
+            # The batched pass only screens; the answer is checked the way callers will check it.
+            if token == eos and first_greedy_token(model, tokenizer, text) == eos:
                 found.append(text)
                 if len(found) == n:
                     return found
@@ -159,15 +168,19 @@ def find_eos_first_prompts(model_dir: Path, n: int = 1, *, seed: int = 0) -> lis
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
     """Load the tiny model's tokenizer from ``model_dir`` (offline)."""
-    return PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
+    tokenizer: PreTrainedTokenizerFast = PreTrainedTokenizerFast.from_pretrained(
+        str(model_dir), local_files_only=True
+    )
+    return tokenizer
 
 
 def load_hf_model(model_dir: Path) -> LlamaForCausalLM:
     """Load the tiny model with HF transformers in float32 on CPU, in eval mode."""
-    model = LlamaForCausalLM.from_pretrained(
+    model: LlamaForCausalLM = LlamaForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, local_files_only=True
     )
-    return model.eval()
+    model.train(False)
+    return model
 
 
 @torch.inference_mode()
@@ -196,6 +209,19 @@ def hf_greedy(
         do_sample=False,
     )
     return [int(t) for t in out[0, enc["input_ids"].shape[1] :]]
+
+
+@torch.inference_mode()
+def _batch_first_tokens(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, texts: list[str]
+) -> list[int]:
+    # Right padding needs no attention mask: causal attention never looks at later positions.
+    rows = [tokenizer(t)["input_ids"] for t in texts]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+    logits = model(input_ids=ids).logits
+    last = torch.tensor([len(r) - 1 for r in rows])
+    return [int(t) for t in logits[torch.arange(len(rows)), last].argmax(-1)]
 
 
 def _is_complete(path: Path) -> bool:

@@ -96,6 +96,7 @@ class Receiver:
         self._waiters: dict[str, _Waiter] = {}
         self._finished: set[str] = set()
         self._failed: dict[str, str] = {}
+        self._results_changed = trio.Event()
 
     # ------------------------------------------------------------------ engine side (sync)
 
@@ -125,6 +126,14 @@ class Receiver:
         results = PullResults(frozenset(self._finished), self._failed)
         self._finished, self._failed = set(), {}
         return results
+
+    async def wait_results(self) -> PullResults:
+        """Wait until some pull started with :meth:`start_pull` ends, then take the results.
+        Checkpoint."""
+        while not (self._finished or self._failed):
+            await self._results_changed.wait()
+        await trio.lowlevel.checkpoint()
+        return self.take_results()
 
     @property
     def in_flight(self) -> int:
@@ -310,10 +319,13 @@ class Receiver:
                     if waiter is not None:
                         waiter.result = effect
                         waiter.done.set()
-                    elif ok:
+                        continue
+                    if ok:
                         self._finished.add(tid)
                     else:
                         self._failed[tid] = reason
+                    self._results_changed.set()
+                    self._results_changed = trio.Event()
 
 
 async def serve_receiver(

@@ -142,7 +142,7 @@ class Sender:
                     self._apply(self._on_pull(identity, msg, now))
                 case CancelPull(transfer_id=tid, reason=reason):
                     log.info("transfer %s cancelled by D: %s", tid, reason or "no reason")
-                    self._apply(self._table.pull_cancelled(tid, now, reason))
+                    self._apply(self._table.pull_cancelled(tid, identity, now, reason))
                 case _:
                     self._bad_frame(identity, f"unexpected message {type(msg).__name__}")
 

@@ -211,9 +211,19 @@ class SendTable:
         entry.pull_deadline = now + self.ready_timeout
         return []
 
-    def pull_cancelled(self, transfer_id: str, now: float, reason: str = "") -> list[Effect]:
-        """D gave up on ``transfer_id``: free P's blocks now or as soon as they are ready."""
-        return self._give_up(transfer_id, SendState.CANCELLED, now, reason)
+    def pull_cancelled(
+        self, transfer_id: str, identity: bytes, now: float, reason: str = ""
+    ) -> list[Effect]:
+        """D gave up on ``transfer_id``: free P's blocks now or as soon as they are ready.
+
+        D waits for P's word that its blocks are no longer being written: answered at once,
+        or by the reply of the write in flight.
+        """
+        sending = self.state(transfer_id) is SendState.SENDING
+        effects = self._give_up(transfer_id, SendState.CANCELLED, now, reason)
+        if not sending:
+            effects.append(Reply(identity, PullFailed(transfer_id, "cancelled")))
+        return effects
 
     # ------------------------------------------------------------------ the actor's write
 

@@ -1,0 +1,198 @@
+"""PdActorsConnector: vLLM's KV-connector interface, dispatched to the scheduler or worker side.
+
+Load it by name (``"kv_connector": "PdActorsConnector"``, registered by the vLLM plugin in
+:mod:`integrations.vllm.plugin`) or by path (``"kv_connector_module_path":
+"integrations.vllm.connector"``). Settings: :class:`~integrations.vllm.settings.ConnectorSettings`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from integrations.vllm.scheduler_side import PdActorsMetadata, SchedulerSide
+from integrations.vllm.settings import settings_from_extra_config
+from integrations.vllm.worker_side import WorkerPlace, WorkerSide
+from pdactors import RankInfo
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["PdActorsConnector", "PdActorsStats"]
+
+
+class PdActorsStats(KVConnectorStats):
+    """Counters of one interval, summed over workers: transfers sent (P), bytes and
+    descriptors written, pulls received and failed (D)."""
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {key: value for key, value in self.data.items() if isinstance(value, int | float)}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+    def reset(self) -> None:
+        self.data = {}
+
+
+class PdActorsConnector(KVConnectorBase_V1):
+    """Prefill/decode disaggregation over pdactors' Trio actors and Mooncake."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.settings = settings_from_extra_config(dict(transfer.kv_connector_extra_config))
+        assert transfer.engine_id is not None  # vLLM fills in a uuid when none is given
+        self.engine_id = transfer.engine_id
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            block_size = vllm_config.cache_config.block_size
+            self.scheduler_side = SchedulerSide(self.settings, self.engine_id, block_size)
+        else:
+            self.worker_side = WorkerSide(self.settings, _place(vllm_config, self.engine_id))
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def _scheduler(self) -> SchedulerSide:
+        if self.scheduler_side is None:
+            raise RuntimeError("PdActorsConnector: scheduler hook called on a worker")
+        return self.scheduler_side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._scheduler().build_connector_meta()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler().update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().request_finished(request, block_ids)
+
+    # ------------------------------------------------------------------ worker side
+
+    def _worker(self) -> WorkerSide:
+        if self.worker_side is None:
+            raise RuntimeError("PdActorsConnector: worker hook called on the scheduler")
+        return self.worker_side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker().register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PdActorsMetadata)
+        self._worker().start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are whole-request and asynchronous: nothing to wait for per layer."""
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """P's KV is read from its blocks after the request finishes: nothing per layer."""
+
+    def wait_for_save(self) -> None:
+        """Nothing is saved per layer (see :meth:`save_kv_layer`)."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sent, recvd, failed = self._worker().get_transfer_results()
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=recvd, failed_recving=failed
+        )
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker_side is None:
+            return None
+        stats = PdActorsStats(data=self.worker_side.take_counters())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return PdActorsStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+
+
+def _place(vllm_config: VllmConfig, engine_id: str) -> WorkerPlace:
+    from vllm.distributed.parallel_state import (
+        get_pp_group,
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    parallel = vllm_config.parallel_config
+    transfer = vllm_config.kv_transfer_config
+    assert transfer is not None
+    tp_rank = get_tensor_model_parallel_rank()
+    pp = get_pp_group()
+    ranks = RankInfo(
+        dp_rank=parallel.data_parallel_rank,
+        tp_rank=tp_rank,
+        tp_size=get_tensor_model_parallel_world_size(),
+        pp_rank=pp.rank_in_group,
+        pp_size=pp.world_size,
+    )
+    settings = settings_from_extra_config(dict(transfer.kv_connector_extra_config))
+    runs_bootstrap = (
+        transfer.is_kv_producer
+        and not settings.external_bootstrap
+        and tp_rank == 0
+        and pp.rank_in_group == 0
+        and parallel.data_parallel_rank == 0
+    )
+    return WorkerPlace(
+        engine_id=engine_id,
+        is_producer=transfer.is_kv_producer,
+        is_consumer=transfer.is_kv_consumer,
+        ranks=ranks,
+        runs_bootstrap=runs_bootstrap,
+    )

@@ -1,0 +1,200 @@
+"""Scheduler side of PdActorsConnector: pure bookkeeping, no IO, no threads.
+
+It turns vLLM's scheduler hooks into one :class:`PdActorsMetadata` per step, which vLLM hands to
+every worker. Observable behaviour follows upstream's MooncakeConnector (the same
+``kv_transfer_params``), without its gaps:
+
+* P (``do_remote_decode``): the prefill is announced as pending when its blocks are allocated;
+  at finish — ``length`` *or* ``stop`` (a first token that is EOS still delivers the KV) — the
+  blocks are kept and handed to the worker, and the response carries ``kv_transfer_params`` for
+  D. Any other end (abort, error) drops the transfer, and a waiting D hears at once.
+* D (``do_remote_prefill``): the prompt's uncached tokens are reported as loaded
+  asynchronously; D's block ids go to the worker once; a full local prefix hit or an abort
+  before scheduling still tells P to free its blocks (an empty pull); an abort while the KV is
+  in flight aborts the pull (vLLM keeps D's blocks until the worker reports it ended).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.v1.request import RequestStatus
+
+from integrations.vllm.settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["PdActorsMetadata", "PullSpec", "SchedulerSide", "SendSpec"]
+
+log = logging.getLogger("pdactors.vllm")
+
+# P ends that still deliver the KV: the prompt was computed in full.
+_DELIVER = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+@dataclass(frozen=True, slots=True)
+class SendSpec:
+    """P: the KV of ``transfer_id`` sits in ``block_ids`` until the worker reports it sent."""
+
+    transfer_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PullSpec:
+    """D: pull ``transfer_id`` from ``engine_id`` (found at ``bootstrap_url``) into ``block_ids``.
+
+    ``notify_only`` pulls carry no blocks: they only tell P to free its KV, and their end is not
+    reported to vLLM (the request is not waiting for them).
+    """
+
+    transfer_id: str
+    engine_id: str
+    bootstrap_url: str
+    block_ids: tuple[int, ...]
+    notify_only: bool = False
+
+
+@dataclass
+class PdActorsMetadata(KVConnectorMetadata):
+    """What the workers must do this step (request ids are vLLM's)."""
+
+    pending: list[str] = field(default_factory=list)  # P: transfer ids whose prefill started
+    ready: dict[str, SendSpec] = field(default_factory=dict)  # P: req id -> KV to send
+    dropped: list[str] = field(default_factory=list)  # P: transfer ids that will never be ready
+    pulls: dict[str, PullSpec] = field(default_factory=dict)  # D: req id -> what to pull
+    aborts: dict[str, str] = field(default_factory=dict)  # D: req id -> transfer id to abort
+
+
+class SchedulerSide:
+    """Bookkeeping for one engine's scheduler (P, D, or both for ``kv_both``)."""
+
+    def __init__(self, settings: ConnectorSettings, engine_id: str, block_size: int) -> None:
+        self.settings = settings
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self._meta = PdActorsMetadata()
+        self._pulling: dict[str, str] = {}  # D req id -> transfer id, while the KV is in flight
+
+    # ------------------------------------------------------------------ D: how much is remote
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if not _complete_remote_params(params):
+            return 0, False  # warned in update_state_after_alloc
+        remote = request.num_prompt_tokens - num_computed_tokens
+        return (remote, True) if remote > 0 else (0, False)
+
+    # ------------------------------------------------------------------ blocks were allocated
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        if params.get("do_remote_prefill"):
+            params["do_remote_prefill"] = False  # one transfer per request
+            if not _complete_remote_params(params):
+                log.warning(
+                    "request %s: kv_transfer_params %s lack remote_engine_id, "
+                    "remote_bootstrap_addr or transfer_id; computing the prompt locally",
+                    request.request_id,
+                    params,
+                )
+                return
+            if num_external_tokens > 0:
+                # The uncached tail of the prompt: the blocks vLLM just allocated for it.
+                (unhashed,) = blocks.get_unhashed_block_ids_all_groups()
+                wanted = math.ceil(num_external_tokens / self.block_size)
+                self._pull(request.request_id, params, tuple(unhashed[:wanted]))
+                self._pulling[request.request_id] = params["transfer_id"]
+            else:
+                # Everything was in D's prefix cache: P only needs to free its KV.
+                self._pull(request.request_id, params, (), notify_only=True)
+        elif params.get("do_remote_decode"):
+            # Routers that call P first may send no transfer id: make one, return it at finish.
+            params.setdefault("transfer_id", request.request_id)
+            if params.get("_pdactors_pending"):
+                return  # allocated again after preemption: already announced
+            params["_pdactors_pending"] = True
+            self._meta.pending.append(params["transfer_id"])
+
+    def _pull(
+        self,
+        req_id: str,
+        params: dict[str, Any],
+        block_ids: tuple[int, ...],
+        *,
+        notify_only: bool = False,
+    ) -> None:
+        self._meta.pulls[req_id] = PullSpec(
+            transfer_id=params["transfer_id"],
+            engine_id=params["remote_engine_id"],
+            bootstrap_url=params["remote_bootstrap_addr"],
+            block_ids=block_ids,
+            notify_only=notify_only,
+        )
+
+    # ------------------------------------------------------------------ each step
+
+    def build_connector_meta(self) -> PdActorsMetadata:
+        meta, self._meta = self._meta, PdActorsMetadata()
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for req_id in output.finished_recving or ():
+            self._pulling.pop(req_id, None)
+
+    # ------------------------------------------------------------------ the end of a request
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        req_id = request.request_id
+        if params.get("do_remote_prefill"):
+            # D: finished before it was ever scheduled (aborted): P only needs to free its KV.
+            params["do_remote_prefill"] = False
+            if _complete_remote_params(params):
+                self._pull(req_id, params, (), notify_only=True)
+            return False, None
+        if req_id in self._pulling:
+            # D: the KV is still in flight. vLLM keeps the blocks until the worker reports the
+            # pull ended; abort it so that happens now, not at the timeout.
+            if request.status not in _DELIVER:
+                self._meta.aborts[req_id] = self._pulling[req_id]
+            return False, None
+        if not params.get("do_remote_decode") or "transfer_id" not in params:
+            return False, None
+        transfer_id = params["transfer_id"]
+        if request.status not in _DELIVER or not block_ids:
+            self._meta.dropped.append(transfer_id)
+            return False, None
+        # The prompt's KV fills ceil(prompt / block) blocks; later blocks hold no prompt KV.
+        prompt_blocks = math.ceil(request.num_prompt_tokens / self.block_size)
+        self._meta.ready[req_id] = SendSpec(transfer_id, tuple(block_ids[:prompt_blocks]))
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_bootstrap_addr": self.settings.bootstrap_url,
+            "transfer_id": transfer_id,
+        }
+
+
+def _complete_remote_params(params: dict[str, Any]) -> bool:
+    return all(params.get(k) for k in ("remote_engine_id", "remote_bootstrap_addr", "transfer_id"))

@@ -1,0 +1,75 @@
+"""The connector's settings: read once from vLLM's ``kv_transfer_config`` into a frozen record.
+
+Every key lives in ``kv_connector_extra_config``; each has a default so that
+``{"kv_connector": "PdActorsConnector", "kv_role": "kv_producer"}`` works on one CPU machine.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+from pdactors.config import Protocol
+
+__all__ = ["ConnectorSettings", "settings_from_extra_config"]
+
+log = logging.getLogger("pdactors.vllm")
+
+
+class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """``kv_connector_extra_config`` keys (all optional).
+
+    * ``protocol``: Mooncake transport, ``tcp`` (default), ``rdma`` or ``nvlink_intra``.
+    * ``device_name``: RDMA NIC(s) for ``rdma`` (default: Mooncake picks).
+    * ``host``: address this worker's side channel and Mooncake engine bind and advertise
+      (default ``127.0.0.1``; set the machine's reachable address across hosts).
+    * ``bootstrap_host`` / ``bootstrap_port``: where P's TP-rank-0 worker serves the bootstrap
+      registry (defaults ``127.0.0.1`` / ``8998``, upstream's ``VLLM_MOONCAKE_BOOTSTRAP_PORT``).
+    * ``bootstrap_server_address``: ``host:port`` of an external bootstrap (``pdactors
+      bootstrap``); when set, no worker runs one (upstream's key).
+    * ``sender_workers``: engine calls P runs at once (worker threads), default 2.
+    * ``ready_timeout``: how long P holds a D pull waiting for the prefill (s), default 30.
+    * ``unclaimed_ttl``: how long P keeps finished KV that no D pulls (s), default 120.
+    * ``pull_timeout``: the longest a D pull may take (s), default 60.
+    * ``lookup_timeout``: the longest a bootstrap query may take (s), default 10.
+    * ``register_timeout``: how long P retries registering with the bootstrap (s), default 30.
+    """
+
+    protocol: Protocol = "tcp"
+    device_name: str = ""
+    host: str = "127.0.0.1"
+    bootstrap_host: str = "127.0.0.1"
+    bootstrap_port: int = 8998
+    bootstrap_server_address: str | None = None
+    sender_workers: int = 2
+    ready_timeout: float = 30.0
+    unclaimed_ttl: float = 120.0
+    pull_timeout: float = 60.0
+    lookup_timeout: float = 10.0
+    register_timeout: float = 30.0
+
+    @property
+    def external_bootstrap(self) -> bool:
+        return self.bootstrap_server_address is not None
+
+    @property
+    def bootstrap_url(self) -> str:
+        """The bootstrap's base URL, as P advertises it in ``remote_bootstrap_addr``."""
+        if self.bootstrap_server_address is not None:
+            address = self.bootstrap_server_address
+            return address if "://" in address else f"http://{address}"
+        return f"http://{self.bootstrap_host}:{self.bootstrap_port}"
+
+
+def settings_from_extra_config(extra: dict[str, Any]) -> ConnectorSettings:
+    """Validate ``kv_connector_extra_config``; bad values raise ValueError, unknown keys are
+    logged (other tools share the dict)."""
+    unknown = sorted(set(extra) - set(ConnectorSettings.__struct_fields__))
+    if unknown:
+        log.warning("PdActorsConnector ignores kv_connector_extra_config keys %s", unknown)
+    try:
+        return msgspec.convert(extra, ConnectorSettings)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"bad kv_connector_extra_config for PdActorsConnector: {exc}") from None

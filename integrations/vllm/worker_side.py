@@ -1,0 +1,298 @@
+"""Worker side of PdActorsConnector: KV-cache registration and the actors in one Trio thread.
+
+vLLM calls these hooks synchronously on its own thread; none of them waits on the network.
+Work goes into the Trio thread with :meth:`TrioHost.post` (queued, returns at once); results
+come back through sets guarded by a lock, filled by tasks in the Trio thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import trio
+
+from integrations.vllm.scheduler_side import PdActorsMetadata, PullSpec
+from integrations.vllm.settings import ConnectorSettings
+from pdactors import (
+    BlockLayout,
+    BootstrapConfig,
+    DataPlaneConfig,
+    Layout,
+    RankInfo,
+    Receiver,
+    ReceiverConfig,
+    Sender,
+    SenderConfig,
+    open_mooncake,
+    serve_bootstrap,
+    serve_receiver,
+    serve_sender,
+)
+from pdactors.errors import PdError
+from pdactors.host import TrioHost
+
+__all__ = ["TransferCounters", "WorkerSide", "layout_from_kv_caches"]
+
+log = logging.getLogger("pdactors.vllm")
+
+SHUTDOWN_TIMEOUT = 10.0
+
+
+def layout_from_kv_caches(
+    kv_caches: dict[str, torch.Tensor], num_blocks: int
+) -> tuple[Layout, list[tuple[int, int]]]:
+    """vLLM's per-layer KV tensors → our :class:`Layout`, and the memory to register.
+
+    A tensor whose first dimension is the block count is one region (vLLM CPU:
+    ``[blocks, kv_heads, block_size, 2*head]``); one whose second dimension is, with K and V
+    first (``[2, blocks, ...]``), is two. Regions are ordered by layer name so P and D agree.
+    Memory is registered by underlying storage, so views of one allocation count once.
+    """
+    regions: list[BlockLayout] = []
+    storages: dict[int, int] = {}
+    for name in sorted(kv_caches):
+        cache = kv_caches[name]
+        storage = cache.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        if cache.shape[0] == num_blocks:
+            parts = [cache]
+        elif cache.ndim > 1 and cache.shape[1] == num_blocks:
+            parts = list(cache.unbind(0))
+        else:
+            raise PdError(f"KV cache {name} of shape {tuple(cache.shape)} has no block dimension")
+        for part in parts:
+            if not part[0].is_contiguous():
+                raise PdError(f"KV cache {name}: a block is not contiguous in memory")
+            regions.append(
+                BlockLayout(
+                    base=part.data_ptr(),
+                    num_blocks=num_blocks,
+                    block_bytes=part[0].nbytes,
+                    stride=part.stride(0) * part.element_size(),
+                )
+            )
+    return Layout(tuple(regions)), sorted(storages.items())
+
+
+@dataclass
+class TransferCounters:
+    """What this worker's actors did since the last report (for vLLM's connector stats)."""
+
+    sent: int = 0
+    bytes_sent: int = 0
+    descriptors_sent: int = 0
+    received: int = 0
+    failed: int = 0
+
+    def take(self) -> dict[str, Any]:
+        data = {
+            "sent": self.sent,
+            "bytes_sent": self.bytes_sent,
+            "descriptors_sent": self.descriptors_sent,
+            "received": self.received,
+            "failed": self.failed,
+        }
+        self.sent = self.bytes_sent = self.descriptors_sent = self.received = self.failed = 0
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerPlace:
+    """Where this worker sits: engine, role and parallel ranks."""
+
+    engine_id: str
+    is_producer: bool
+    is_consumer: bool
+    ranks: RankInfo
+    runs_bootstrap: bool
+
+
+class WorkerSide:
+    """The actors of one vLLM worker process, in a :class:`TrioHost` thread."""
+
+    def __init__(self, settings: ConnectorSettings, place: WorkerPlace) -> None:
+        self.settings = settings
+        self.place = place
+        self._host: TrioHost | None = None
+        self._sender: Sender | None = None
+        self._receiver: Receiver | None = None
+        self._lock = threading.Lock()
+        self._finished_sending: set[str] = set()
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._send_req: dict[str, str] = {}  # transfer id -> P request id (Trio thread only)
+        self._recv_req: dict[str, str] = {}  # transfer id -> D request id (Trio thread only)
+        self.counters = TransferCounters()
+
+    # ------------------------------------------------------------------ start and stop
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        """Start the data plane with vLLM's KV memory, then the actors this role needs."""
+        layout, memory = layout_from_kv_caches(kv_caches, num_blocks)
+        if self.settings.protocol == "nvlink_intra":
+            # Mooncake installs its intra-node NVLink transport only when this is set.
+            os.environ.setdefault("MC_INTRANODE_NVLINK", "1")
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        self._host = TrioHost(name=f"pdactors-{self.place.engine_id}")
+        self._host.start(self._serve, layout, memory)
+        log.info(
+            "PdActorsConnector worker %s %s up: %d regions, %d bytes per block",
+            self.place.engine_id,
+            self.place.ranks,
+            len(layout.regions),
+            layout.bytes_per_block,
+        )
+
+    async def _serve(
+        self,
+        layout: Layout,
+        memory: list[tuple[int, int]],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        s, place = self.settings, self.place
+        plane_config = DataPlaneConfig(
+            protocol=s.protocol,
+            device_name=s.device_name,
+            hostname=s.host,
+            workers=s.sender_workers,
+        )
+        async with open_mooncake(plane_config) as plane, trio.open_nursery() as nursery:
+            plane.register(memory)
+            if place.runs_bootstrap:
+                config = BootstrapConfig(host=s.bootstrap_host, port=s.bootstrap_port)
+                await nursery.start(serve_bootstrap, config)
+            if place.is_producer:
+                sender_config = SenderConfig(
+                    engine_id=place.engine_id,
+                    ranks=place.ranks,
+                    host=s.host,
+                    bootstrap_url=s.bootstrap_url,
+                    ready_timeout=s.ready_timeout,
+                    unclaimed_ttl=s.unclaimed_ttl,
+                    register_timeout=s.register_timeout,
+                )
+                self._sender = await nursery.start(serve_sender, sender_config, plane, layout)
+                nursery.start_soon(self._collect_sent, self._sender)
+            if place.is_consumer:
+                receiver_config = ReceiverConfig(
+                    engine_id=place.engine_id,
+                    ranks=place.ranks,
+                    pull_timeout=s.pull_timeout,
+                    lookup_timeout=s.lookup_timeout,
+                )
+                self._receiver = await nursery.start(serve_receiver, receiver_config, plane, layout)
+                nursery.start_soon(self._collect_received, self._receiver)
+            task_status.started()
+
+    def shutdown(self) -> None:
+        """Stop the actors and the engine (bounded by :data:`SHUTDOWN_TIMEOUT`)."""
+        if self._host is not None:
+            host, self._host = self._host, None
+            host.close(timeout=SHUTDOWN_TIMEOUT)
+
+    # ------------------------------------------------------------------ each step (vLLM thread)
+
+    def start_load_kv(self, meta: PdActorsMetadata) -> None:
+        """Hand this step's work to the actors; returns at once."""
+        if self._host is None or not (
+            meta.pending or meta.ready or meta.dropped or meta.pulls or meta.aborts
+        ):
+            return
+        self._host.post(self._apply, meta)
+
+    def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call.
+
+        Failed pulls are in ``finished_recving`` too: vLLM then applies its
+        ``kv_load_failure_policy`` and never leaves the request waiting.
+        """
+        with self._lock:
+            sent, self._finished_sending = self._finished_sending, set()
+            recvd, self._finished_recving = self._finished_recving, set()
+            failed, self._failed_recving = self._failed_recving, set()
+        return sent, recvd | failed, failed
+
+    # ------------------------------------------------------------------ in the Trio thread
+
+    def _apply(self, meta: PdActorsMetadata) -> None:
+        sender, receiver = self._sender, self._receiver
+        if sender is not None:
+            for tid in meta.pending:
+                _logged(sender.transfer_pending, tid)
+            for req_id, send in meta.ready.items():
+                self._send_req[send.transfer_id] = req_id
+                _logged(sender.transfer_ready, send.transfer_id, list(send.block_ids))
+            for tid in meta.dropped:
+                _logged(sender.transfer_dropped, tid, "the prefill ended without its KV")
+        if receiver is not None:
+            for req_id, pull in meta.pulls.items():
+                self._start_pull(receiver, req_id, pull)
+            for tid in meta.aborts.values():
+                receiver.abort(tid, "the request was aborted on D")
+
+    def _start_pull(self, receiver: Receiver, req_id: str, pull: PullSpec) -> None:
+        if not pull.notify_only:
+            self._recv_req[pull.transfer_id] = req_id
+        try:
+            receiver.start_pull(
+                pull.transfer_id,
+                bootstrap_url=pull.bootstrap_url,
+                engine_id=pull.engine_id,
+                block_ids=list(pull.block_ids),
+            )
+        except PdError as exc:  # a pull for this transfer is already in flight
+            log.warning("request %s: cannot pull %s: %s", req_id, pull.transfer_id, exc)
+            if not pull.notify_only:
+                self._recv_req.pop(pull.transfer_id, None)
+                with self._lock:
+                    self._failed_recving.add(req_id)
+
+    async def _collect_sent(self, sender: Sender) -> None:
+        seen_bytes = seen_descriptors = seen_sent = 0
+        while True:
+            released = await sender.wait_finished()
+            reqs = {self._send_req.pop(tid) for tid in released if tid in self._send_req}
+            sent = sender.statistics().sent
+            with self._lock:
+                self._finished_sending |= reqs
+                self.counters.sent += sent - seen_sent
+                self.counters.bytes_sent += sender.bytes_sent - seen_bytes
+                self.counters.descriptors_sent += sender.descriptors_sent - seen_descriptors
+            seen_sent, seen_bytes, seen_descriptors = (
+                sent,
+                sender.bytes_sent,
+                sender.descriptors_sent,
+            )
+
+    async def _collect_received(self, receiver: Receiver) -> None:
+        while True:
+            results = await receiver.wait_results()
+            ok = {self._recv_req.pop(t) for t in results.finished if t in self._recv_req}
+            failed = {self._recv_req.pop(t) for t in results.failed if t in self._recv_req}
+            for tid, reason in results.failed.items():
+                log.warning("KV pull %s failed: %s", tid, reason)
+            with self._lock:
+                self._finished_recving |= ok
+                self._failed_recving |= failed
+                self.counters.received += len(ok)
+                self.counters.failed += len(failed)
+
+    def take_counters(self) -> dict[str, Any]:
+        """Counters since the last call (any thread)."""
+        with self._lock:
+            return self.counters.take()
+
+
+def _logged(fn: Callable[..., None], *args: Any) -> None:
+    """Engine-reported events the sender refuses (IllegalTransition) are logged, not fatal."""
+    try:
+        fn(*args)
+    except PdError as exc:
+        log.warning("%s%r refused: %s", fn.__name__, args, exc)

