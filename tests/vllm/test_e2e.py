@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from integrations.vllm.tiny_model import ensure_tiny_model, find_eos_first_prompts  # noqa: E402
-from tests.vllm.servers import Server, completion, free_port, servers  # noqa: E402
+from integrations.vllm.tiny_model import ensure_tiny_model, find_eos_first_prompts
+from tests.vllm.servers import Server, completion, free_port, servers
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -1,0 +1,254 @@
+"""PdActorsConnector's scheduler side inside vLLM's real Scheduler (no model runs, no actors).
+
+Each test checks the metadata handed to the workers, the request states, and that every block
+is back in the pool at the end.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from sched_utils import (
+    block_ids,
+    connector_of,
+    free_blocks,
+    make_request,
+    make_scheduler,
+    request_status,
+    step,
+    total_blocks,
+)
+from vllm.v1.engine import FinishReason
+from vllm.v1.request import RequestStatus
+
+from integrations.vllm.scheduler_side import PdActorsMetadata, PullSpec, SendSpec
+
+pytestmark = pytest.mark.vllm
+
+BS = 16
+D_PARAMS = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "prefill-0",
+    "remote_bootstrap_addr": "http://127.0.0.1:8998",
+}
+
+
+def meta_of(result: object) -> PdActorsMetadata:
+    meta = result.scheduled.kv_connector_metadata  # type: ignore[attr-defined]
+    assert isinstance(meta, PdActorsMetadata)
+    return meta
+
+
+def d_params(tid: str) -> dict[str, object]:
+    return {**D_PARAMS, "transfer_id": tid}
+
+
+# ---------------------------------------------------------------------------------- P side
+
+
+@pytest.mark.parametrize("eos", [False, True], ids=["length", "eos-first-token"])
+def test_p_holds_blocks_hands_them_over_and_returns_params_for_d(eos: bool) -> None:
+    sched = make_scheduler(kv_role="kv_producer", block_size=BS, engine_id="prefill-0")
+    params = {"do_remote_decode": True, "transfer_id": "t1"}
+    sched.add_request(make_request("p1", 40, max_tokens=1, kv_transfer_params=params))
+    result = step(sched, eos=eos)
+    output = result.outputs["p1"]
+    assert output.finish_reason == (FinishReason.STOP if eos else FinishReason.LENGTH)
+    meta = meta_of(result)
+    assert meta.pending == ["t1"]  # announced when its blocks were allocated
+    held = block_ids(sched, "p1")
+    assert len(held) == math.ceil(40 / BS)
+    # At finish: the blocks stay allocated and go to the worker with the response's params.
+    params_for_d = output.kv_transfer_params
+    assert params_for_d is not None
+    assert {k: v for k, v in params_for_d.items() if k != "remote_prefill_cached_tokens"} == {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "prefill-0",
+        "remote_bootstrap_addr": "http://127.0.0.1:8998",
+        "transfer_id": "t1",
+    }
+    meta = meta_of(step(sched))
+    assert meta.ready == {"p1": SendSpec("t1", tuple(held))}
+    assert free_blocks(sched) < total_blocks(sched)
+    step(sched, finished_sending={"p1"})
+    assert free_blocks(sched) == total_blocks(sched)
+    assert request_status(sched, "p1") is None
+
+
+def test_p_abort_drops_the_transfer_and_frees_at_once() -> None:
+    sched = make_scheduler(kv_role="kv_producer", block_size=BS, max_num_batched_tokens=16)
+    params = {"do_remote_decode": True, "transfer_id": "t2"}
+    sched.add_request(make_request("p2", 64, max_tokens=1, kv_transfer_params=params))
+    assert meta_of(step(sched)).pending == ["t2"]  # first chunk of a chunked prefill
+    sched.finish_requests("p2", RequestStatus.FINISHED_ABORTED)
+    meta = meta_of(step(sched))
+    assert meta.dropped == ["t2"] and meta.ready == {}
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+def test_p_chunked_prefill_sends_every_prompt_block() -> None:
+    sched = make_scheduler(kv_role="kv_producer", block_size=BS, max_num_batched_tokens=16)
+    params = {"do_remote_decode": True, "transfer_id": "t3"}
+    sched.add_request(make_request("p3", 70, max_tokens=1, kv_transfer_params=params))
+    readies: dict[str, SendSpec] = {}
+    pendings: list[str] = []
+    for _ in range(8):
+        meta = meta_of(step(sched))
+        readies |= meta.ready
+        pendings += meta.pending
+    assert pendings == ["t3"]
+    assert len(readies["p3"].block_ids) == math.ceil(70 / BS)
+    step(sched, finished_sending={"p3"})
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+def test_p_first_router_without_transfer_id_gets_one() -> None:
+    sched = make_scheduler(kv_role="kv_producer", block_size=BS, engine_id="prefill-0")
+    sched.add_request(
+        make_request("p4", 20, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    )
+    result = step(sched)
+    assert result.outputs["p4"].kv_transfer_params["transfer_id"] == "p4"
+    assert meta_of(result).pending == ["p4"]
+    step(sched)
+    step(sched, finished_sending={"p4"})
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+def test_plain_request_on_p_is_untouched() -> None:
+    sched = make_scheduler(kv_role="kv_producer", block_size=BS)
+    sched.add_request(make_request("plain", 20, max_tokens=2))
+    step(sched)
+    result = step(sched)
+    assert result.outputs["plain"].finish_reason == FinishReason.LENGTH
+    assert result.outputs["plain"].kv_transfer_params is None
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+# ---------------------------------------------------------------------------------- D side
+
+
+@pytest.mark.parametrize("prompt_len", [5, 16, 70], ids=["under-a-block", "one-block", "several"])
+def test_d_pulls_once_then_recomputes_only_the_last_token(prompt_len: int) -> None:
+    sched = make_scheduler(kv_role="kv_consumer", block_size=BS)
+    sched.add_request(
+        make_request("d1", prompt_len, max_tokens=3, kv_transfer_params=d_params("t1"))
+    )
+    first = step(sched)
+    assert request_status(sched, "d1") is RequestStatus.WAITING_FOR_REMOTE_KVS
+    (pull,) = meta_of(first).pulls.values()
+    assert pull == PullSpec(
+        "t1", "prefill-0", "http://127.0.0.1:8998", tuple(block_ids(sched, "d1"))
+    )
+    assert len(pull.block_ids) == math.ceil(prompt_len / BS)
+    assert meta_of(step(sched)).pulls == {}  # handed to the worker once
+    step(sched, finished_recving={"d1"})
+    result = step(sched)
+    assert result.scheduled.num_scheduled_tokens == {"d1": 1}  # only the last prompt token
+    while request_status(sched, "d1") is not None:
+        step(sched)
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+def test_d_with_a_local_prefix_hit_pulls_only_the_missing_blocks() -> None:
+    sched = make_scheduler(kv_role="kv_consumer", block_size=BS)
+    shared = make_request("warm", 48, max_tokens=1).prompt_token_ids
+    assert shared is not None
+    sched.add_request(make_request("warm", 48, max_tokens=1, prompt_token_ids=shared))
+    step(sched)  # caches 3 full blocks
+    prompt = [*shared, *shared[:20]]  # 68 tokens: 3 cached blocks + 2 to pull
+    sched.add_request(
+        make_request(
+            "d2", 68, max_tokens=1, prompt_token_ids=prompt, kv_transfer_params=d_params("t2")
+        )
+    )
+    (pull,) = meta_of(step(sched)).pulls.values()
+    assert len(pull.block_ids) == 2
+    assert pull.block_ids == tuple(block_ids(sched, "d2")[3:])
+    step(sched, finished_recving={"d2"})
+    while request_status(sched, "d2") is not None:
+        step(sched)
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+def test_d_prefix_hit_of_all_full_blocks_pulls_the_partial_tail() -> None:
+    """vLLM always leaves the last prompt token to compute, so some KV is always pulled."""
+    sched = make_scheduler(kv_role="kv_consumer", block_size=BS)
+    warm = make_request("warm", 33, max_tokens=1)
+    sched.add_request(warm)
+    step(sched)  # caches 2 full blocks
+    d3 = make_request(
+        "d3",
+        33,
+        max_tokens=1,
+        prompt_token_ids=warm.prompt_token_ids,
+        kv_transfer_params=d_params("t3"),
+    )
+    sched.add_request(d3)
+    (pull,) = meta_of(step(sched)).pulls.values()
+    assert not pull.notify_only
+    assert pull.block_ids == tuple(block_ids(sched, "d3")[2:])  # just the partial block
+    step(sched, finished_recving={"d3"})
+    while request_status(sched, "d3") is not None:
+        step(sched)
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_d_failed_pull_goes_through_the_failure_policy(policy: str) -> None:
+    sched = make_scheduler(kv_role="kv_consumer", block_size=BS, kv_load_failure_policy=policy)
+    sched.add_request(make_request("d4", 40, max_tokens=2, kv_transfer_params=d_params("t4")))
+    step(sched)
+    result = step(sched, failed_recving={"d4"})
+    if policy == "fail":
+        assert result.outputs["d4"].finish_reason == FinishReason.ERROR
+    else:
+        # recomputed locally: no second pull, the whole prompt is scheduled
+        nxt = step(sched)
+        assert meta_of(nxt).pulls == {}
+        assert nxt.scheduled.num_scheduled_tokens.get("d4") == 40
+        while request_status(sched, "d4") is not None:
+            step(sched)
+    assert request_status(sched, "d4") is None
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+def test_d_abort_while_kv_in_flight_aborts_the_pull_and_keeps_blocks_until_it_ends() -> None:
+    sched = make_scheduler(kv_role="kv_consumer", block_size=BS)
+    sched.add_request(make_request("d5", 40, max_tokens=2, kv_transfer_params=d_params("t5")))
+    step(sched)
+    sched.finish_requests("d5", RequestStatus.FINISHED_ABORTED)
+    meta = meta_of(step(sched))
+    assert meta.aborts == {"d5": "t5"}
+    assert free_blocks(sched) < total_blocks(sched)  # P may still be writing into them
+    step(sched, failed_recving={"d5"})  # the worker reports the aborted pull ended
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+def test_d_abort_before_scheduling_tells_p_to_free() -> None:
+    sched = make_scheduler(kv_role="kv_consumer", block_size=BS)
+    sched.add_request(make_request("d6", 40, max_tokens=2, kv_transfer_params=d_params("t6")))
+    sched.finish_requests("d6", RequestStatus.FINISHED_ABORTED)
+    meta = meta_of(step(sched))
+    assert meta.pulls == {"d6": PullSpec("t6", "prefill-0", "http://127.0.0.1:8998", (), True)}
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+def test_d_incomplete_params_compute_locally() -> None:
+    sched = make_scheduler(kv_role="kv_consumer", block_size=BS)
+    params = {"do_remote_prefill": True, "transfer_id": "t7"}  # no engine id, no bootstrap
+    sched.add_request(make_request("d7", 20, max_tokens=1, kv_transfer_params=params))
+    result = step(sched)
+    assert meta_of(result).pulls == {}
+    assert result.outputs["d7"].finish_reason == FinishReason.LENGTH
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+def test_connector_is_ours() -> None:
+    sched = make_scheduler(kv_role="kv_both", block_size=BS)
+    assert type(connector_of(sched)).__name__ == "PdActorsConnector"
