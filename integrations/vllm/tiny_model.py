@@ -202,7 +202,7 @@ def hf_greedy(
 ) -> list[int]:
     """Greedy-generate up to ``max_new_tokens`` after ``text`` with HF; return the new ids."""
     enc = tokenizer(text, return_tensors="pt")
-    out = model.generate(
+    out = model.generate(  # type: ignore[misc]  # transformers types self too narrowly
         input_ids=enc["input_ids"],
         attention_mask=enc["attention_mask"],
         max_new_tokens=max_new_tokens,

@@ -48,6 +48,14 @@ class Server:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
+    def kill(self) -> None:
+        """SIGKILL the server and its engine processes (a crash, not a shutdown)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=15)
+
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
@@ -139,11 +147,15 @@ def servers(
         yield started
 
 
+def post_completion(server: Server, prompt: str | list[int], **body: Any) -> httpx.Response:
+    """POST /v1/completions (greedy); returns the response whatever its status."""
+    payload = {"model": "tiny", "prompt": prompt, "temperature": 0, **body}
+    url = f"{server.url}/v1/completions"
+    return httpx.post(url, json=payload, timeout=120, trust_env=False)
+
+
 def completion(server: Server, prompt: str | list[int], **body: Any) -> dict[str, Any]:
     """POST /v1/completions (greedy) and return the JSON answer; raises on HTTP errors."""
-    payload = {"model": "tiny", "prompt": prompt, "temperature": 0, **body}
-    response = httpx.post(
-        f"{server.url}/v1/completions", json=payload, timeout=120, trust_env=False
-    )
+    response = post_completion(server, prompt, **body)
     response.raise_for_status()
     return dict(response.json())

@@ -1,0 +1,130 @@
+"""PdActorsConnector's worker side with real CPU KV tensors (vLLM's CPU layout) and real Mooncake
+TCP engines: a P worker and a D worker, each with its actors in its own Trio thread, driven
+through the same calls vLLM makes (register_kv_caches, start_load_kv, get_transfer_results)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+
+from integrations.vllm.scheduler_side import PdActorsMetadata, PullSpec, SendSpec
+from integrations.vllm.settings import ConnectorSettings
+from integrations.vllm.worker_side import WorkerPlace, WorkerSide, layout_from_kv_caches
+from pdactors import RankInfo
+from tests.vllm.servers import free_port
+
+pytestmark = pytest.mark.vllm
+
+BLOCKS, LAYERS = 32, 2
+
+
+def kv_caches() -> dict[str, torch.Tensor]:
+    """vLLM CPU's KV: per layer [blocks, kv_heads, block_size, 2*head], slices of one tensor."""
+    alloc = torch.zeros(LAYERS, BLOCKS, 2, 16, 64)
+    return {f"model.layers.{i}.self_attn.attn": alloc[i] for i in range(LAYERS)}
+
+
+class Pair:
+    def __init__(self) -> None:
+        self.settings = ConnectorSettings(bootstrap_port=free_port(), ready_timeout=30)
+        self.p_kv, self.d_kv = kv_caches(), kv_caches()
+        self.p = WorkerSide(self.settings, WorkerPlace("prefill-w", True, False, RankInfo(), True))
+        self.d = WorkerSide(self.settings, WorkerPlace("decode-w", False, True, RankInfo(), False))
+        self.p.register_kv_caches(self.p_kv, BLOCKS)
+        self.d.register_kv_caches(self.d_kv, BLOCKS)
+
+    def pull(self, req: str, tid: str, blocks: tuple[int, ...], engine: str = "prefill-w") -> None:
+        spec = PullSpec(tid, engine, self.settings.bootstrap_url, blocks)
+        self.d.start_load_kv(PdActorsMetadata(pulls={req: spec}))
+
+
+def wait_for(worker: WorkerSide, what: str, req: str, timeout: float = 10) -> dict[str, set[str]]:
+    """Poll get_transfer_results (as vLLM does every step) until ``req`` shows up in ``what``."""
+    seen: dict[str, set[str]] = {"sent": set(), "recved": set(), "failed": set()}
+    deadline = time.monotonic() + timeout
+    while req not in seen[what]:
+        assert time.monotonic() < deadline, f"{req} not in {what}: {seen}"
+        sent, recved, failed = worker.get_transfer_results()
+        seen["sent"] |= sent
+        seen["recved"] |= recved
+        seen["failed"] |= failed
+        time.sleep(0.005)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Pair]:
+    workers = Pair()
+    try:
+        yield workers
+    finally:
+        start = time.monotonic()
+        workers.p.shutdown()
+        workers.d.shutdown()
+        assert time.monotonic() - start < 25
+
+
+def test_layout_follows_vllm_cpu_tensors() -> None:
+    caches = kv_caches()
+    layout, memory = layout_from_kv_caches(caches, BLOCKS)
+    assert len(layout.regions) == LAYERS
+    assert layout.regions[0].block_bytes == 2 * 16 * 64 * 4
+    assert layout.regions[0].stride == layout.regions[0].block_bytes
+    assert len(memory) == 1  # both layers are views of one allocation
+
+
+def test_kv_moves_from_p_blocks_into_d_blocks(pair: Pair) -> None:
+    for layer in pair.p_kv.values():
+        layer[3:6].copy_(torch.randn(3, 2, 16, 64))
+    pair.p.start_load_kv(PdActorsMetadata(pending=["t1"]))
+    pair.pull("dreq1", "t1", (10, 11, 12))
+    pair.p.start_load_kv(PdActorsMetadata(ready={"preq1": SendSpec("t1", (3, 4, 5))}))
+    assert "dreq1" not in wait_for(pair.d, "recved", "dreq1")["failed"]
+    for name in pair.p_kv:
+        assert torch.equal(pair.d_kv[name][10:13], pair.p_kv[name][3:6])
+    wait_for(pair.p, "sent", "preq1")
+
+
+def test_failed_pull_is_reported_as_failed_and_finished(pair: Pair) -> None:
+    pair.pull("dreq2", "t2", (1,), engine="no-such-engine")
+    wait_for(pair.d, "failed", "dreq2")
+
+
+def test_p_drop_fails_the_waiting_pull_at_once(pair: Pair) -> None:
+    pair.p.start_load_kv(PdActorsMetadata(pending=["t3"]))
+    pair.pull("dreq3", "t3", (2,))
+    time.sleep(0.2)
+    start = time.monotonic()
+    pair.p.start_load_kv(PdActorsMetadata(dropped=["t3"]))
+    wait_for(pair.d, "failed", "dreq3")
+    assert time.monotonic() - start < 5  # not the 30 s ready_timeout
+
+
+def test_d_abort_frees_p_blocks(pair: Pair) -> None:
+    pair.p.start_load_kv(PdActorsMetadata(pending=["t4"]))
+    pair.pull("dreq4", "t4", (4,))
+    time.sleep(0.2)
+    pair.d.start_load_kv(PdActorsMetadata(aborts={"dreq4": "t4"}))
+    wait_for(pair.d, "failed", "dreq4")  # ends once P confirms it is not writing
+    # P finishes afterwards: nobody will pull, its blocks are released at once
+    pair.p.start_load_kv(PdActorsMetadata(ready={"preq4": SendSpec("t4", (7,))}))
+    wait_for(pair.p, "sent", "preq4")
+
+
+def test_counters_reach_connector_stats(pair: Pair) -> None:
+    pair.p.take_counters()
+    pair.p.start_load_kv(PdActorsMetadata(pending=["t5"]))
+    pair.p.start_load_kv(PdActorsMetadata(ready={"preq5": SendSpec("t5", (8, 9))}))
+    pair.pull("dreq5", "t5", (20, 21))
+    assert "dreq5" not in wait_for(pair.d, "recved", "dreq5")["failed"]
+    wait_for(pair.p, "sent", "preq5")
+    sent = pair.p.take_counters()
+    assert sent["sent"] == 1
+    assert sent["bytes_sent"] == 2 * LAYERS * 2 * 16 * 64 * 4
+    assert pair.d.take_counters()["received"] >= 1
