@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from integrations.vllm.metrics import PdActorsPromMetrics, PdActorsStats
 from integrations.vllm.scheduler_side import PdActorsMetadata, SchedulerSide
 from integrations.vllm.settings import settings_from_extra_config
 from integrations.vllm.worker_side import WorkerPlace, WorkerSide
@@ -33,26 +34,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["PdActorsConnector", "PdActorsStats"]
-
-
-class PdActorsStats(KVConnectorStats):
-    """Counters of one interval, summed over workers: transfers sent (P), bytes and
-    descriptors written, pulls received and failed (D)."""
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return {key: value for key, value in self.data.items() if isinstance(value, int | float)}
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
-
-    def reset(self) -> None:
-        self.data = {}
+__all__ = ["PdActorsConnector"]
 
 
 class PdActorsConnector(KVConnectorBase_V1):
@@ -156,6 +138,16 @@ class PdActorsConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         return PdActorsStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PdActorsPromMetrics:
+        return PdActorsPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker_side is not None:

@@ -7,11 +7,12 @@ come back through sets guarded by a lock, filled by tasks in the Trio thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -89,16 +90,15 @@ class TransferCounters:
     descriptors_sent: int = 0
     received: int = 0
     failed: int = 0
+    expired: int = 0
+    write_seconds: list[float] = field(default_factory=list)
+    pull_seconds: list[float] = field(default_factory=list)
 
     def take(self) -> dict[str, Any]:
-        data = {
-            "sent": self.sent,
-            "bytes_sent": self.bytes_sent,
-            "descriptors_sent": self.descriptors_sent,
-            "received": self.received,
-            "failed": self.failed,
-        }
-        self.sent = self.bytes_sent = self.descriptors_sent = self.received = self.failed = 0
+        """The counters as connector-stats data; resets them."""
+        data = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, [] if f.name.endswith("_seconds") else 0)
         return data
 
 
@@ -255,21 +255,23 @@ class WorkerSide:
                     self._failed_recving.add(req_id)
 
     async def _collect_sent(self, sender: Sender) -> None:
-        seen_bytes = seen_descriptors = seen_sent = 0
+        seen_bytes = seen_descriptors = seen_sent = seen_expired = 0
         while True:
             released = await sender.wait_finished()
             reqs = {self._send_req.pop(tid) for tid in released if tid in self._send_req}
-            sent = sender.statistics().sent
+            stats = sender.statistics()
+            writes = list(sender.write_seconds)
+            sender.write_seconds.clear()
             with self._lock:
                 self._finished_sending |= reqs
-                self.counters.sent += sent - seen_sent
-                self.counters.bytes_sent += sender.bytes_sent - seen_bytes
-                self.counters.descriptors_sent += sender.descriptors_sent - seen_descriptors
-            seen_sent, seen_bytes, seen_descriptors = (
-                sent,
-                sender.bytes_sent,
-                sender.descriptors_sent,
-            )
+                c = self.counters
+                c.sent += stats.sent - seen_sent
+                c.expired += stats.expired - seen_expired
+                c.bytes_sent += sender.bytes_sent - seen_bytes
+                c.descriptors_sent += sender.descriptors_sent - seen_descriptors
+                c.write_seconds += writes
+            seen_sent, seen_expired = stats.sent, stats.expired
+            seen_bytes, seen_descriptors = sender.bytes_sent, sender.descriptors_sent
 
     async def _collect_received(self, receiver: Receiver) -> None:
         while True:
@@ -283,6 +285,8 @@ class WorkerSide:
                 self._failed_recving |= failed
                 self.counters.received += len(ok)
                 self.counters.failed += len(failed)
+                self.counters.pull_seconds += receiver.pull_seconds
+            receiver.pull_seconds.clear()
 
     def take_counters(self) -> dict[str, Any]:
         """Counters since the last call (any thread)."""

@@ -13,7 +13,7 @@ re-read when an engine id is not in them (P restarted) or a pull to it timed out
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import trio
@@ -97,6 +97,9 @@ class Receiver:
         self._finished: set[str] = set()
         self._failed: dict[str, str] = {}
         self._results_changed = trio.Event()
+        self._started: dict[str, float] = {}
+        #: Seconds each delivered pull took (start to P's answer), newest last; readers drain it.
+        self.pull_seconds: deque[float] = deque(maxlen=10_000)
 
     # ------------------------------------------------------------------ engine side (sync)
 
@@ -113,8 +116,10 @@ class Receiver:
 
         Raises :class:`~pdactors.errors.IllegalTransition` when that pull is already in flight.
         """
-        self._table.start(transfer_id, trio.current_time())
+        now = trio.current_time()
+        self._table.start(transfer_id, now)
         self._origin[transfer_id] = bootstrap_url
+        self._started[transfer_id] = now
         self._nursery.start_soon(self._run_pull, transfer_id, bootstrap_url, engine_id, block_ids)
 
     def abort(self, transfer_id: str, reason: str = "aborted by D") -> None:
@@ -311,6 +316,9 @@ class Receiver:
                 case Completed(transfer_id=tid, ok=ok, reason=reason):
                     self._requests.pop(tid, None)
                     url = self._origin.pop(tid, None)
+                    started = self._started.pop(tid, None)
+                    if ok and started is not None:
+                        self.pull_seconds.append(trio.current_time() - started)
                     if not ok:
                         log.info("pull %s failed: %s", tid, reason)
                         if url is not None and "timed out" in reason:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import trio
 
@@ -87,6 +87,8 @@ class Sender:
         self._bad_peers: set[bytes] = set()
         self.bytes_sent = 0
         self.descriptors_sent = 0
+        #: Seconds each successful write took (plan + engine), newest last; readers drain it.
+        self.write_seconds: deque[float] = deque(maxlen=10_000)
 
     @property
     def address(self) -> str:
@@ -191,6 +193,7 @@ class Sender:
         pull = job.pull
         error: str | None = None
         nbytes = descriptors = 0
+        start = trio.current_time()
         try:
             dst_layout = self._layouts.get(pull.layout_id)
             if dst_layout is None:
@@ -201,10 +204,11 @@ class Sender:
         except (PlanError, DataPlaneError) as exc:
             error = str(exc)
             log.warning("transfer %s to %s failed: %s", job.transfer_id, pull.session, error)
-        else:
+        now = trio.current_time()
+        if error is None:
             self.bytes_sent += nbytes
             self.descriptors_sent += descriptors
-        now = trio.current_time()
+            self.write_seconds.append(now - start)
         self._apply(
             self._table.send_finished(
                 job.transfer_id, now, error=error, nbytes=nbytes, descriptors=descriptors

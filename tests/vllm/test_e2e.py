@@ -172,3 +172,14 @@ def test_prefill_that_never_happens_falls_back_to_recompute(cluster: Cluster) ->
     assert text_and_reason(d_answer) == text_and_reason(expected)
     local_after, _ = cluster.d_prompt_tokens()
     assert local_after - local_before == 50  # kv_load_failure_policy=recompute
+
+
+def test_connector_metrics_show_on_vllm_metrics(cluster: Cluster) -> None:
+    # Stats travel with each engine step: a few more requests flush the earlier transfers'.
+    for i in range(3):
+        cluster.disaggregated(prompt_ids(30, seed=900 + i), 2)
+    assert cluster.p.metric("vllm:pdactors_transfers_sent_total") > 0
+    assert cluster.p.metric("vllm:pdactors_bytes_sent_total") > 0
+    assert cluster.p.metric("vllm:pdactors_write_seconds_count") > 0
+    assert cluster.d.metric("vllm:pdactors_pulls_received_total") > 0
+    assert cluster.d.metric("vllm:pdactors_pulls_failed_total") >= 1  # the never-prefilled one

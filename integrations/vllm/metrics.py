@@ -1,0 +1,110 @@
+"""PdActorsConnector's metrics through vLLM's connector-stats hooks, shown on vLLM's /metrics.
+
+Workers report :class:`PdActorsStats` each step (``get_kv_connector_stats``); vLLM sums them
+across workers and hands the sum to :class:`PdActorsPromMetrics.observe` in the API server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+__all__ = ["COUNTERS", "DURATIONS", "PdActorsPromMetrics", "PdActorsStats"]
+
+#: name in the stats -> (Prometheus name, help)
+COUNTERS = {
+    "sent": ("vllm:pdactors_transfers_sent", "KV transfers P wrote into D (P workers)."),
+    "bytes_sent": ("vllm:pdactors_bytes_sent", "KV bytes P wrote into D (P workers)."),
+    "descriptors_sent": (
+        "vllm:pdactors_descriptors_sent",
+        "Mooncake descriptors P wrote, after coalescing (P workers).",
+    ),
+    "expired": ("vllm:pdactors_transfers_expired", "Finished prefills no D pulled in time (P)."),
+    "received": ("vllm:pdactors_pulls_received", "KV pulls that landed (D workers)."),
+    "failed": (
+        "vllm:pdactors_pulls_failed",
+        "KV pulls that failed, timed out or were aborted (D).",
+    ),
+}
+DURATIONS = {
+    "write_seconds": ("vllm:pdactors_write_seconds", "Time of one KV write, plan included (P)."),
+    "pull_seconds": (
+        "vllm:pdactors_pull_seconds",
+        "Time from D's pull to P's answer, waiting for P's prefill included (D).",
+    ),
+}
+_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+
+
+class PdActorsStats(KVConnectorStats):
+    """One interval's counters (ints) and durations (lists of seconds), summed over workers."""
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            if isinstance(value, list):
+                self.data[key] = [*self.data.get(key, []), *value]
+            else:
+                self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for key, value in self.data.items():
+            if isinstance(value, list):
+                out[f"{key}_count"] = len(value)
+                if value:
+                    out[f"{key}_avg"] = sum(value) / len(value)
+            else:
+                out[key] = value
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+    def reset(self) -> None:
+        self.data = {}
+
+
+class PdActorsPromMetrics(KVConnectorPromMetrics):
+    """Registers the counters and histograms above, labelled per engine."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for key, (name, doc) in COUNTERS.items()
+        }
+        histogram_cls: Any = self._histogram_cls  # typed by vLLM as any of the three kinds
+        self._histograms = {
+            key: create_metric_per_engine(
+                histogram_cls(
+                    name=name, documentation=doc, labelnames=labelnames, buckets=_BUCKETS
+                ),
+                per_engine_labelvalues,
+            )
+            for key, (name, doc) in DURATIONS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self._counters.items():
+            counter: Any = per_engine[engine_idx]
+            if transfer_stats_data.get(key):
+                counter.inc(transfer_stats_data[key])
+        for key, per_engine in self._histograms.items():
+            histogram: Any = per_engine[engine_idx]
+            for seconds in transfer_stats_data.get(key, ()):
+                histogram.observe(seconds)
