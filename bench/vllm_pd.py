@@ -147,7 +147,7 @@ def main() -> None:
             pull_ms = (pull1 - pull0) / max(pulls1 - pulls0, 1) * 1e3
             write_ms = (write1 - write0) / max(writes1 - writes0, 1) * 1e3
             for name, row, extra in (
-                ("single", one, " | |"),
+                ("single", one, " | | |"),
                 ("1P1D", pd, f" | {pull_ms:.2f} | {write_ms:.2f} |"),
             ):
                 cells = f"{row['ttft_p50']:.1f} | {row['ttft_p99']:.1f} | {row['tok_s']:.1f}"
