@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from pdactors._pulse import Pulse
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import ReceiverConfig
 from pdactors.core.plan import check_layout, peer_tp_rank
@@ -96,7 +97,7 @@ class Receiver:
         self._waiters: dict[str, _Waiter] = {}
         self._finished: set[str] = set()
         self._failed: dict[str, str] = {}
-        self._results_changed = trio.Event()
+        self._results_changed = Pulse()
         self._started: dict[str, float] = {}
         #: Seconds each delivered pull took (start to P's answer), newest last; readers drain it.
         self.pull_seconds: deque[float] = deque(maxlen=10_000)
@@ -332,8 +333,7 @@ class Receiver:
                         self._finished.add(tid)
                     else:
                         self._failed[tid] = reason
-                    self._results_changed.set()
-                    self._results_changed = trio.Event()
+                    self._results_changed.fire()
 
 
 async def serve_receiver(

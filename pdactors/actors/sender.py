@@ -18,6 +18,7 @@ from collections import OrderedDict, deque
 
 import trio
 
+from pdactors._pulse import Pulse
 from pdactors.bootstrap_client import open_bootstrap_client
 from pdactors.config import SenderConfig
 from pdactors.core.plan import check_layout, peer_tp_rank, plan_transfer
@@ -83,7 +84,7 @@ class Sender:
         self._layouts: OrderedDict[str, Layout] = OrderedDict()
         self._outbox_send, self._outbox_recv = trio.open_memory_channel[tuple[bytes, Msg]](math.inf)
         self._finished: set[str] = set()
-        self._finished_changed = trio.Event()
+        self._finished_changed = Pulse()
         self._bad_peers: set[bytes] = set()
         self.bytes_sent = 0
         self.descriptors_sent = 0
@@ -225,8 +226,7 @@ class Sender:
                 case Release(transfer_id=tid, state=state):
                     log.debug("transfer %s released (%s)", tid, state.value)
                     self._finished.add(tid)
-                    self._finished_changed.set()
-                    self._finished_changed = trio.Event()
+                    self._finished_changed.fire()
 
 
 async def serve_sender(

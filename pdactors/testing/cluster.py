@@ -19,6 +19,7 @@ import numpy.typing as npt
 import trio
 from msgspec.structs import replace
 
+from pdactors._pulse import Pulse
 from pdactors.actors.bootstrap import serve_bootstrap
 from pdactors.actors.receiver import Receiver, serve_receiver
 from pdactors.actors.sender import Sender, serve_sender
@@ -46,7 +47,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
         self._used: set[int] = set()
-        self._freed = trio.Event()
+        self._freed = Pulse()
 
     @property
     def in_use(self) -> int:
@@ -66,8 +67,7 @@ class BlockPool:
                 raise PdError(f"block {i} freed twice")
             self._used.remove(i)
             self._free.append(i)
-        self._freed.set()
-        self._freed = trio.Event()
+        self._freed.fire()
 
     async def wait_empty(self) -> None:
         """Wait until no block is allocated. Checkpoint."""
