@@ -252,3 +252,15 @@ def test_d_incomplete_params_compute_locally() -> None:
 def test_connector_is_ours() -> None:
     sched = make_scheduler(kv_role="kv_both", block_size=BS)
     assert type(connector_of(sched)).__name__ == "PdActorsConnector"
+
+
+def test_connector_loads_by_module_path_too() -> None:
+    sched = make_scheduler(
+        kv_role="kv_consumer", block_size=BS, module_path="integrations.vllm.connector"
+    )
+    assert type(connector_of(sched)).__module__ == "integrations.vllm.connector"
+
+
+def test_bad_settings_are_refused_with_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="kv_connector_extra_config"):
+        make_scheduler(kv_role="kv_producer", extra_config={"protocol": "carrier-pigeon"})
