@@ -4,6 +4,7 @@ This module only re-exports the public API; the code lives in the submodules.
 """
 
 from pdactors.actors.bootstrap import serve_bootstrap as serve_bootstrap
+from pdactors.actors.proxy import serve_proxy as serve_proxy
 from pdactors.actors.receiver import PullResults as PullResults
 from pdactors.actors.receiver import Receiver as Receiver
 from pdactors.actors.receiver import serve_receiver as serve_receiver
@@ -13,6 +14,8 @@ from pdactors.bootstrap_client import BootstrapClient as BootstrapClient
 from pdactors.bootstrap_client import open_bootstrap_client as open_bootstrap_client
 from pdactors.config import BootstrapConfig as BootstrapConfig
 from pdactors.config import DataPlaneConfig as DataPlaneConfig
+from pdactors.config import PrefillBackend as PrefillBackend
+from pdactors.config import ProxyConfig as ProxyConfig
 from pdactors.config import RankInfo as RankInfo
 from pdactors.config import ReceiverConfig as ReceiverConfig
 from pdactors.config import SenderConfig as SenderConfig

@@ -92,6 +92,83 @@ def bootstrap(
         pass
 
 
+#: Where a prefill engine's bootstrap listens when ``--prefill`` names only the engine
+#: (upstream's ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` default, and the connector's).
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+
+def _prefill_backend(value: str) -> tuple[str, str]:
+    """``URL@BOOTSTRAP_URL`` (or just ``URL``) → (engine URL, bootstrap URL)."""
+    from urllib.parse import urlsplit
+
+    engine, sep, bootstrap = value.partition("@")
+    if not sep:
+        parts = urlsplit(engine)
+        if not parts.hostname:
+            raise typer.BadParameter(f"{value!r} is not a URL", param_hint="--prefill")
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        bootstrap = f"http://{host}:{DEFAULT_BOOTSTRAP_PORT}"
+    return engine, bootstrap
+
+
+@app.command()
+def proxy(
+    prefill: Annotated[
+        list[str],
+        typer.Option(
+            help="A prefill engine as ENGINE_URL@BOOTSTRAP_URL, e.g. "
+            "http://10.0.0.5:8100@http://10.0.0.5:8998; a bare ENGINE_URL means its bootstrap "
+            f"is on port {DEFAULT_BOOTSTRAP_PORT} of the same host. Repeat for several.",
+        ),
+    ],
+    decode: Annotated[
+        list[str], typer.Option(help="A decode engine's URL, e.g. http://10.0.0.6:8200. Repeat.")
+    ],
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind (0: any free port).")] = 8000,
+    routing: Annotated[
+        str, typer.Option(help="round_robin or least_outstanding (per role).")
+    ] = "round_robin",
+    health_interval: Annotated[float, typer.Option(help="Seconds between health checks.")] = 2.0,
+    request_timeout: Annotated[
+        float, typer.Option(help="The longest one request may take, in seconds.")
+    ] = 600.0,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = True,
+) -> None:
+    """Serve the OpenAI-compatible PD proxy (/v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics) in front of prefill and decode engines until Ctrl-C."""
+    _setup(verbose)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # else a line per engine call
+    import trio
+
+    from pdactors.actors.proxy import serve_proxy
+    from pdactors.config import PrefillBackend, ProxyConfig
+
+    backends = tuple(PrefillBackend(*_prefill_backend(p)) for p in prefill)
+    try:
+        config = ProxyConfig(
+            prefill=backends,
+            decode=tuple(decode),
+            host=host,
+            port=port,
+            routing=routing,  # type: ignore[arg-type]  # checked by ProxyConfig
+            health_interval=health_interval,
+            request_timeout=request_timeout,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(serve_proxy, config)
+            typer.echo(f"proxy serving on {url}")
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        pass
+
+
 def main() -> None:
     app()
 

@@ -10,9 +10,12 @@ import msgspec
 __all__ = [
     "BootstrapConfig",
     "DataPlaneConfig",
+    "PrefillBackend",
     "Protocol",
+    "ProxyConfig",
     "RankInfo",
     "ReceiverConfig",
+    "Routing",
     "SenderConfig",
 ]
 
@@ -99,3 +102,59 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
     pull_timeout: float = 60.0
     lookup_timeout: float = 10.0
     tick_interval: float = 0.1
+
+
+Routing = Literal["round_robin", "least_outstanding"]
+
+
+class PrefillBackend(msgspec.Struct, frozen=True):
+    """A prefill engine: its OpenAI API base URL and the URL of the bootstrap registry it
+    registers with (where D looks it up, and where the proxy reads its engine id)."""
+
+    url: str
+    bootstrap_url: str
+
+
+class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The proxy actor (:func:`pdactors.actors.proxy.serve_proxy`).
+
+    * ``prefill`` / ``decode``: the engines, base URLs such as ``"http://127.0.0.1:8100"``.
+    * ``routing``: ``"round_robin"`` over the healthy engines of each role, or
+      ``"least_outstanding"`` (fewest requests in flight; ties go round robin).
+    * ``health_interval``: seconds between health rounds (engine ``GET /health``, bootstrap
+      ``GET /query``); ``health_timeout`` bounds each of those calls.
+    * ``request_timeout``: the longest one client request may take, start to last byte.
+    * ``connect_timeout``: the longest a connection to an engine may take to open.
+    * ``max_connections``: connections the proxy keeps open to the engines, all together.
+    * ``max_body_bytes``: request bodies above this are refused with 413.
+    """
+
+    prefill: tuple[PrefillBackend, ...]
+    decode: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 0
+    routing: Routing = "round_robin"
+    health_interval: float = 2.0
+    health_timeout: float = 2.0
+    request_timeout: float = 600.0
+    connect_timeout: float = 5.0
+    max_connections: int = 1024
+    max_body_bytes: int = 32 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ValueError("the proxy needs at least one prefill and one decode engine")
+        urls = [u for p in self.prefill for u in (p.url, p.bootstrap_url)] + list(self.decode)
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http:// or https:// URL")
+        engines = [p.url for p in self.prefill] + list(self.decode)
+        if len(set(engines)) != len(engines):
+            raise ValueError("an engine URL is listed twice")
+        if self.routing not in ("round_robin", "least_outstanding"):
+            raise ValueError(f"unknown routing {self.routing!r}")
+        timeouts = (self.health_interval, self.health_timeout, self.request_timeout)
+        if min(*timeouts, self.connect_timeout) <= 0:
+            raise ValueError("intervals and timeouts must be > 0")
+        if self.max_connections < 1 or self.max_body_bytes < 1:
+            raise ValueError("max_connections and max_body_bytes must be >= 1")

@@ -13,10 +13,10 @@ import pdactors
 PUBLIC = {
     "BlockLayout", "BootstrapClient", "BootstrapConfig", "BootstrapError", "DataPlane",
     "DataPlaneConfig", "DataPlaneError", "IllegalTransition", "KVTransferParams", "Layout",
-    "LayoutMismatch", "MooncakeDataPlane", "PdError", "PlanError", "PullFailedError",
-    "PullResults", "RankInfo", "Receiver", "ReceiverConfig", "Sender", "SenderConfig",
-    "TransferError", "open_bootstrap_client", "open_mooncake", "serve_bootstrap",
-    "serve_receiver", "serve_sender",
+    "LayoutMismatch", "MooncakeDataPlane", "PdError", "PlanError", "PrefillBackend",
+    "ProxyConfig", "PullFailedError", "PullResults", "RankInfo", "Receiver", "ReceiverConfig",
+    "Sender", "SenderConfig", "TransferError", "open_bootstrap_client", "open_mooncake",
+    "serve_bootstrap", "serve_proxy", "serve_receiver", "serve_sender",
 }  # fmt: skip
 
 ENV = {**os.environ, "MC_LOG_LEVEL": "ERROR"}

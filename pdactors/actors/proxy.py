@@ -1,0 +1,770 @@
+"""The proxy: an OpenAI-compatible front door for prefill/decode disaggregation.
+
+:func:`serve_proxy` serves ``POST /v1/completions`` and ``POST /v1/chat/completions`` (quart-trio
+on hypercorn). Each request goes to one prefill engine (P) and one decode engine (D) at once,
+with upstream vLLM's ``kv_transfer_params``:
+
+* P gets the client's body with ``max_tokens: 1`` (and ``max_completion_tokens: 1`` for chat),
+  ``stream: false`` and ``{"do_remote_decode": true, "transfer_id": T}``;
+* D gets the client's body with ``{"do_remote_prefill": true, "remote_engine_id": P's engine id,
+  "remote_bootstrap_addr": P's bootstrap URL, "transfer_id": T}``.
+
+Both calls run in one nursery owned by the request: when one fails, the other is cancelled
+(closing its connection, which makes vLLM abort the request) and the client gets the error at
+once: a 4xx passes through, anything else is a 502 naming the engine. The client's answer
+starts only once P has answered and D's answer has begun, so every failure of P is an HTTP
+status, never half a stream. This costs nothing in time to first token: D cannot decode before
+P's prefill is done, and P answers as soon as its prefill is. After that D's answer is relayed
+as it arrives (SSE chunks for ``stream: true``); a client that goes away cancels D.
+
+Other routes: ``GET /v1/models`` (a healthy D's answer), ``GET /health`` (200 when at least one P
+and one D are in rotation, else 503 with the reasons), ``GET /metrics`` (Prometheus text, one
+registry per proxy).
+
+A health loop checks every engine's ``GET /health`` and every P's bootstrap ``GET /query`` each
+``health_interval``: an engine that fails leaves the rotation and comes back when it answers
+again, and P's engine id (DP rank 0 of its bootstrap entry) is re-read every round, so a
+restarted P is used under its new id. A connection refused by an engine also takes it out at
+once.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Final, Literal
+
+import httpx
+import hypercorn.logging
+import hypercorn.trio
+import msgspec
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from quart import Response, request
+from quart_trio import QuartTrio
+from quart_trio.asgi import TrioASGIHTTPConnection
+from werkzeug.exceptions import HTTPException
+
+from pdactors.bootstrap_client import BootstrapClient
+from pdactors.config import ProxyConfig
+from pdactors.errors import BootstrapError
+
+__all__ = ["serve_proxy"]
+
+log = logging.getLogger("pdactors.proxy")
+# Hypercorn's own messages go here rather than to "hypercorn.error" (see bootstrap.py).
+_http_log = logging.getLogger("pdactors.proxy.http")
+
+#: How long closing a connection to an engine may take (it is done shielded).
+_CLOSE_TIMEOUT: Final = 2.0
+#: How long a relay waits to hand a final error event to a slow client.
+_LAST_EVENT_TIMEOUT: Final = 1.0
+_LATENCY_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+Role = Literal["prefill", "decode"]
+
+
+# --------------------------------------------------------------------------- backends, routing
+
+
+@dataclass(eq=False)
+class _Backend:
+    """One engine as the proxy sees it. ``up``: in rotation (for P: its engine id is known)."""
+
+    role: Role
+    url: str
+    bootstrap_url: str | None = None  # P only
+    engine_id: str | None = None  # P only: the last one read from the bootstrap
+    up: bool = False
+    problem: str = "not checked yet"
+    outstanding: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"url": self.url, "up": self.up, "outstanding": self.outstanding}
+        if self.role == "prefill":
+            out |= {"bootstrap_url": self.bootstrap_url, "engine_id": self.engine_id}
+        if not self.up:
+            out["problem"] = self.problem
+        return out
+
+
+class _Pool:
+    """The engines of one role and the routing rule that picks among those that are up."""
+
+    def __init__(self, role: Role, backends: list[_Backend], routing: str) -> None:
+        self.role = role
+        self.backends = backends
+        self._least_outstanding = routing == "least_outstanding"
+        self._next = 0  # round-robin cursor (also the tie-break for least_outstanding)
+
+    def pick(self) -> _Backend | None:
+        """The next engine to use, or None when none is up. Not a checkpoint."""
+        n = len(self.backends)
+        order = [(self._next + i) % n for i in range(n)]
+        candidates = [i for i in order if self.backends[i].up]
+        if not candidates:
+            return None
+        chosen = candidates[0]
+        if self._least_outstanding:
+            chosen = min(candidates, key=lambda i: self.backends[i].outstanding)
+        self._next = (chosen + 1) % n
+        return self.backends[chosen]
+
+    @property
+    def any_up(self) -> bool:
+        return any(b.up for b in self.backends)
+
+    def why_none(self) -> str:
+        problems = "; ".join(f"{b.url}: {b.problem}" for b in self.backends)
+        return f"no {self.role} engine is available ({problems})"
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+class _Metrics:
+    """The proxy's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pdactors_proxy_requests",
+            "Client requests by endpoint and outcome",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.backend_errors = Counter(
+            "pdactors_proxy_backend_errors",
+            "Failed calls to engines (connection errors, timeouts, 5xx answers)",
+            ["role", "backend"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "pdactors_proxy_requests_in_flight", "Client requests being served", registry=r
+        )
+        self.backend_up = Gauge(
+            "pdactors_proxy_backend_up", "1 when the engine is in rotation", ["role", "backend"],
+            registry=r,
+        )  # fmt: skip
+        pd = ["prefill", "decode"]
+        self.ttft = Histogram(
+            "pdactors_proxy_ttft_seconds",
+            "Time from a streaming request's arrival to D's first chunk",
+            pd,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "pdactors_proxy_request_seconds",
+            "Time from a successful request's arrival to its last byte",
+            pd,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    name: str  # metric label
+    path: str
+    input_field: str
+    chat: bool
+
+
+_COMPLETIONS: Final = _Endpoint("completions", "/v1/completions", "prompt", chat=False)
+_CHAT: Final = _Endpoint("chat_completions", "/v1/chat/completions", "messages", chat=True)
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Why a request cannot be answered: an HTTP status, an OpenAI-shaped body, a metric label."""
+
+    status: int
+    body: bytes
+    outcome: str
+
+    @classmethod
+    def of(cls, status: int, message: str, kind: str, outcome: str) -> _Failure:
+        error = {"message": message, "type": kind, "code": status}
+        return cls(status, msgspec.json.encode({"error": error}), outcome)
+
+    def response(self) -> Response:
+        return Response(self.body, status=self.status, content_type="application/json")
+
+    def sse_event(self) -> bytes:
+        return b"data: " + self.body + b"\n\n"
+
+
+def _validate(raw: bytes, endpoint: _Endpoint) -> dict[str, Any] | str:
+    """The decoded body, or what is wrong with it."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        return f"the body is not valid JSON: {exc}"
+    if not isinstance(body, dict):
+        return "the body must be a JSON object"
+    if not isinstance(body.get("model"), str):
+        return "`model` is required (a string)"
+    if body.get(endpoint.input_field) is None:
+        return f"`{endpoint.input_field}` is required"
+    if not isinstance(body.get("stream", False), bool | None):
+        return "`stream` must be true or false"
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            return f"`{key}` must be a positive integer"
+    return body
+
+
+@dataclass(eq=False)
+class _Exchange:
+    """One client request: where it goes, its transfer id, its deadline, what it holds."""
+
+    endpoint: _Endpoint
+    stream: bool
+    p: _Backend
+    d: _Backend
+    transfer_id: str
+    arrived: float
+    deadline: float
+    headers: dict[str, str]
+    prefill_released: bool = False
+    ended: bool = False
+
+
+@dataclass(eq=False)
+class _Head:
+    """What the two legs produced: a failure, or D's open answer (and its body unless streamed)."""
+
+    failure: _Failure | None = None
+    d_resp: httpx.Response | None = None
+    body: bytes = b""
+
+    def fail(self, failure: _Failure, scope: trio.CancelScope) -> None:
+        if self.failure is None:  # the first failure is the cause; later ones are its echo
+            self.failure = failure
+        scope.cancel()
+
+
+#: The nursery of the HTTP request being handled (see :class:`_RequestConnection`).
+_request_nursery: contextvars.ContextVar[trio.Nursery] = contextvars.ContextVar(
+    "pdactors_proxy_request_nursery"
+)
+
+
+class _RequestConnection(TrioASGIHTTPConnection):  # type: ignore[misc]
+    """quart-trio's HTTP connection, plus a nursery that lives exactly as long as the request.
+
+    A streamed answer outlives its handler: the task that relays D's answer runs in this
+    nursery, so it is cancelled (and D's connection closed) when the client goes away, even
+    if Quart never started iterating the body.
+    """
+
+    async def __call__(self, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+        async with trio.open_nursery() as nursery:
+            _request_nursery.set(nursery)
+            await super().__call__(receive, send)
+            nursery.cancel_scope.cancel()
+
+
+class _ProxyApp(QuartTrio):  # type: ignore[misc]
+    asgi_http_class = _RequestConnection
+
+
+async def _close(resp: httpx.Response) -> None:
+    with trio.move_on_after(_CLOSE_TIMEOUT, shield=True):
+        await resp.aclose()
+
+
+async def _drain(recv: trio.MemoryReceiveChannel[bytes]) -> AsyncIterator[bytes]:
+    """The streamed body: what the relay task hands over. Closing it tells the relay."""
+    try:
+        async for chunk in recv:
+            yield chunk
+    finally:
+        recv.close()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class _Proxy:
+    """The proxy's state and request handling; :func:`serve_proxy` runs it."""
+
+    def __init__(
+        self, config: ProxyConfig, http: httpx.AsyncClient, probe_http: httpx.AsyncClient
+    ) -> None:
+        self.config = config
+        self.http = http
+        self.probe_http = probe_http  # its own pool: busy request traffic never delays probes
+        self.bootstrap = BootstrapClient(probe_http)
+        prefill = [_Backend("prefill", p.url.rstrip("/"), p.bootstrap_url) for p in config.prefill]
+        decode = [_Backend("decode", url.rstrip("/")) for url in config.decode]
+        self.prefill = _Pool("prefill", prefill, config.routing)
+        self.decode = _Pool("decode", decode, config.routing)
+        self.metrics = _Metrics()
+        for b in (*prefill, *decode):
+            self.metrics.backend_up.labels(b.role, b.url).set(0)
+
+    # ------------------------------------------------------------------ health
+
+    async def watch_health(self) -> None:
+        """Probe every engine each ``health_interval``, forever. Never raises."""
+        backends = self.prefill.backends + self.decode.backends
+        while True:
+            async with trio.open_nursery() as nursery:
+                for backend in backends:
+                    nursery.start_soon(self._probe, backend)
+            await trio.sleep(self.config.health_interval)
+
+    async def _probe(self, b: _Backend) -> None:
+        problem, engine_id = await self._check(b)
+        self._set_health(b, problem, engine_id)
+
+    async def _check(self, b: _Backend) -> tuple[str | None, str | None]:
+        """``(problem, engine id)``; takes at most two ``health_timeout``s."""
+        timeout = self.config.health_timeout
+        with trio.move_on_after(timeout) as scope:
+            try:
+                resp = await self.probe_http.get(f"{b.url}/health")
+            except httpx.HTTPError as exc:
+                return f"GET /health failed: {_describe(exc)}", None
+        if scope.cancelled_caught:
+            return f"GET /health gave no answer within {timeout:g} s", None
+        if resp.status_code != 200:
+            return f"GET /health answered HTTP {resp.status_code}", None
+        if b.bootstrap_url is None:
+            return None, None
+        try:
+            answer = await self.bootstrap.query(b.bootstrap_url, timeout=timeout)
+        except BootstrapError as exc:
+            return f"bootstrap: {exc}", None
+        entry = answer.get(0)
+        if entry is None or not any(entry.worker_addr.values()):
+            return f"bootstrap {b.bootstrap_url} has no worker of DP rank 0", None
+        return None, entry.engine_id
+
+    def _set_health(self, b: _Backend, problem: str | None, engine_id: str | None) -> None:
+        was_up = b.up
+        b.up = problem is None
+        if problem is not None:
+            b.problem = problem
+        elif engine_id is not None:
+            if b.engine_id is not None and engine_id != b.engine_id:
+                log.warning("proxy: %s engine id changed %s -> %s", b.url, b.engine_id, engine_id)
+            b.engine_id = engine_id
+        self.metrics.backend_up.labels(b.role, b.url).set(1 if b.up else 0)
+        if was_up and not b.up:
+            log.warning("proxy: %s %s out of rotation: %s", b.role, b.url, b.problem)
+        elif b.up and not was_up:
+            suffix = f" (engine id {b.engine_id})" if b.role == "prefill" else ""
+            log.info("proxy: %s %s in rotation%s", b.role, b.url, suffix)
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        reasons = [pool.why_none() for pool in (self.prefill, self.decode) if not pool.any_up]
+        report: dict[str, Any] = {
+            "status": "unavailable" if reasons else "ok",
+            "prefill": [b.describe() for b in self.prefill.backends],
+            "decode": [b.describe() for b in self.decode.backends],
+        }
+        if reasons:
+            report["reason"] = "; ".join(reasons)
+        return (503 if reasons else 200), report
+
+    # ------------------------------------------------------------------ completions
+
+    async def complete(self, endpoint: _Endpoint) -> Response:
+        arrived = trio.current_time()
+        raw = await request.get_data(cache=False, as_text=False, parse_form_data=False)
+        body = _validate(raw, endpoint)
+        if isinstance(body, str):
+            self.metrics.requests.labels(endpoint.name, "invalid").inc()
+            return _Failure.of(400, body, "invalid_request_error", "invalid").response()
+        p, d = self.prefill.pick(), self.decode.pick()
+        if p is None or d is None:
+            why = (self.prefill if p is None else self.decode).why_none()
+            self.metrics.requests.labels(endpoint.name, "unavailable").inc()
+            return _Failure.of(503, why, "service_unavailable", "unavailable").response()
+        tid = uuid.uuid4().hex
+        headers = {"content-type": "application/json", "x-request-id": tid}
+        if auth := request.headers.get("authorization"):
+            headers["authorization"] = auth
+        ex = _Exchange(
+            endpoint, body.get("stream") is True, p, d, tid,
+            arrived, arrived + self.config.request_timeout, headers,
+        )  # fmt: skip
+        p.outstanding += 1
+        d.outstanding += 1
+        self.metrics.in_flight.inc()
+        try:
+            head = await self._open(ex, body)
+        except BaseException:
+            self._end(ex, "cancelled")
+            raise
+        if head.failure is not None:
+            self._end(ex, head.failure.outcome)
+            return head.failure.response()
+        if head.d_resp is None:  # not streamed: D's whole answer is in
+            self._end(ex, "ok")
+            headers = {"x-request-id": tid}
+            return Response(head.body, content_type="application/json", headers=headers)
+        send, recv = trio.open_memory_channel[bytes](0)
+        # The relay now owns D's answer; no checkpoint between _open returning and this.
+        _request_nursery.get().start_soon(self._relay, ex, head.d_resp, send)
+        headers = {"cache-control": "no-cache", "x-request-id": tid}
+        return Response(_drain(recv), content_type="text/event-stream", headers=headers)
+
+    def _bodies(self, ex: _Exchange, body: dict[str, Any]) -> tuple[bytes, bytes]:
+        p_body = {**body, "max_tokens": 1, "stream": False}
+        if ex.endpoint.chat:
+            p_body["max_completion_tokens"] = 1
+        for key in ("stream_options", "min_tokens"):  # vLLM refuses them with the above
+            p_body.pop(key, None)
+        p_body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": ex.transfer_id}
+        d_params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": ex.p.engine_id,
+            "remote_bootstrap_addr": ex.p.bootstrap_url,
+            "transfer_id": ex.transfer_id,
+        }
+        d_body = {**body, "kv_transfer_params": d_params}
+        return msgspec.json.encode(p_body), msgspec.json.encode(d_body)
+
+    async def _open(self, ex: _Exchange, body: dict[str, Any]) -> _Head:
+        """P's whole answer and the start of D's, concurrently, by the deadline.
+
+        Returns a failure, or D's answer: read whole when not streamed, else open (the caller
+        owns it). Whatever fails or is cancelled, D's connection is closed.
+        """
+        p_body, d_body = self._bodies(ex, body)
+        head = _Head()
+        try:
+            with trio.move_on_at(ex.deadline) as timer:
+                async with trio.open_nursery() as legs:
+                    legs.start_soon(self._prefill_leg, ex, p_body, head, legs.cancel_scope)
+                    legs.start_soon(self._decode_leg, ex, d_body, head, legs.cancel_scope)
+        except BaseException:
+            if head.d_resp is not None:
+                await _close(head.d_resp)
+            raise
+        if timer.cancelled_caught and head.failure is None:
+            head.failure = self._timeout_failure("no answer from P and D")
+        if head.d_resp is not None and (head.failure is not None or not ex.stream):
+            await _close(head.d_resp)
+            head.d_resp = None
+        if head.failure is not None:
+            log.warning("proxy: request %s failed: %s", ex.transfer_id, head.failure.body[:300])
+        return head
+
+    async def _prefill_leg(
+        self, ex: _Exchange, body: bytes, head: _Head, scope: trio.CancelScope
+    ) -> None:
+        try:
+            resp = await self.http.post(
+                f"{ex.p.url}{ex.endpoint.path}", content=body, headers=ex.headers
+            )
+        except httpx.HTTPError as exc:
+            head.fail(self._transport_failure(ex.p, exc), scope)
+            return
+        finally:
+            self._release_prefill(ex)
+        if resp.status_code != 200:
+            head.fail(self._status_failure(ex.p, resp), scope)
+
+    async def _decode_leg(
+        self, ex: _Exchange, body: bytes, head: _Head, scope: trio.CancelScope
+    ) -> None:
+        url = f"{ex.d.url}{ex.endpoint.path}"
+        req = self.http.build_request("POST", url, content=body, headers=ex.headers)
+        try:
+            head.d_resp = resp = await self.http.send(req, stream=True)
+            if resp.status_code != 200:
+                await resp.aread()
+                head.fail(self._status_failure(ex.d, resp), scope)
+            elif not ex.stream:
+                head.body = await resp.aread()
+        except httpx.HTTPError as exc:
+            head.fail(self._transport_failure(ex.d, exc), scope)
+
+    async def _relay(
+        self, ex: _Exchange, resp: httpx.Response, send: trio.MemorySendChannel[bytes]
+    ) -> None:
+        """Hand D's streamed answer to the client's body, chunk by chunk; owns ``resp``."""
+        outcome = "cancelled"
+        try:
+            with send:
+                outcome = await self._forward(ex, resp, send)
+        finally:
+            await _close(resp)
+            self._end(ex, outcome)
+
+    async def _forward(
+        self, ex: _Exchange, resp: httpx.Response, send: trio.MemorySendChannel[bytes]
+    ) -> str:
+        failure: _Failure | None = None
+        first = True
+        with trio.move_on_at(ex.deadline):
+            try:
+                async for chunk in resp.aiter_bytes():
+                    if first:
+                        first = False
+                        elapsed = trio.current_time() - ex.arrived
+                        self.metrics.ttft.labels(ex.p.url, ex.d.url).observe(elapsed)
+                    await send.send(chunk)
+                return "ok"
+            except trio.BrokenResourceError:
+                return "cancelled"  # the client's body was closed: the client went away
+            except httpx.HTTPError as exc:
+                failure = self._transport_failure(ex.d, exc)
+        if failure is None:
+            failure = self._timeout_failure("D did not finish")
+        log.warning("proxy: request %s failed mid-stream: %s", ex.transfer_id, failure.body[:300])
+        with trio.move_on_after(_LAST_EVENT_TIMEOUT):
+            try:
+                await send.send(failure.sse_event())
+            except trio.BrokenResourceError:
+                pass
+        return failure.outcome
+
+    def _timeout_failure(self, what: str) -> _Failure:
+        message = f"{what} within the request timeout ({self.config.request_timeout:g} s)"
+        return _Failure.of(504, message, "timeout", "timeout")
+
+    def _release_prefill(self, ex: _Exchange) -> None:
+        if not ex.prefill_released:
+            ex.prefill_released = True
+            ex.p.outstanding -= 1
+
+    def _end(self, ex: _Exchange, outcome: str) -> None:
+        if ex.ended:
+            return
+        ex.ended = True
+        self._release_prefill(ex)
+        ex.d.outstanding -= 1
+        self.metrics.in_flight.dec()
+        self.metrics.requests.labels(ex.endpoint.name, outcome).inc()
+        if outcome == "ok":
+            elapsed = trio.current_time() - ex.arrived
+            self.metrics.latency.labels(ex.p.url, ex.d.url).observe(elapsed)
+
+    def _transport_failure(self, b: _Backend, exc: httpx.HTTPError) -> _Failure:
+        self.metrics.backend_errors.labels(b.role, b.url).inc()
+        if isinstance(exc, httpx.ConnectError):  # the engine is gone: out of rotation now
+            self._set_health(b, f"connection failed: {_describe(exc)}", None)
+        message = f"{b.role} engine {b.url} failed: {_describe(exc)}"
+        return _Failure.of(502, message, "upstream_error", f"{b.role}_error")
+
+    def _status_failure(self, b: _Backend, resp: httpx.Response) -> _Failure:
+        """A 4xx passes through (vLLM's own error body); anything else becomes a 502."""
+        status, outcome = resp.status_code, f"{b.role}_error"
+        text = resp.text[:500]
+        if 400 <= status < 500:  # the request's fault, not the engine's
+            try:
+                passed = msgspec.json.decode(resp.content)
+            except msgspec.DecodeError:
+                passed = None
+            if isinstance(passed, dict) and "error" in passed:
+                return _Failure(status, resp.content, outcome)
+            message = f"{b.role} engine {b.url}: {text}"
+            return _Failure.of(status, message, "invalid_request_error", outcome)
+        self.metrics.backend_errors.labels(b.role, b.url).inc()
+        message = f"{b.role} engine {b.url} answered HTTP {status}: {text}"
+        return _Failure.of(502, message, "upstream_error", outcome)
+
+    # ------------------------------------------------------------------ models
+
+    async def models(self) -> Response:
+        d = next((b for b in self.decode.backends if b.up), None)
+        if d is None:
+            return _Failure.of(503, self.decode.why_none(), "service_unavailable", "").response()
+        with trio.move_on_after(self.config.health_timeout):
+            try:
+                resp = await self.http.get(f"{d.url}/v1/models")
+            except httpx.HTTPError as exc:
+                return self._transport_failure(d, exc).response()
+            content_type = resp.headers.get("content-type", "application/json")
+            return Response(resp.content, status=resp.status_code, content_type=content_type)
+        message = (
+            f"decode engine {d.url} sent no model list within {self.config.health_timeout:g} s"
+        )
+        return _Failure.of(504, message, "timeout", "").response()
+
+
+# --------------------------------------------------------------------------- HTTP face
+
+
+def _json(body: object, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status=status, content_type="application/json")
+
+
+def _make_app(proxy: _Proxy) -> QuartTrio:
+    app = _ProxyApp(__name__, static_folder=None)
+    app.config["MAX_CONTENT_LENGTH"] = proxy.config.max_body_bytes
+    # Quart would silently cut a streamed answer after RESPONSE_TIMEOUT (60 s); the proxy
+    # bounds each request itself, with an error the client can see.
+    app.config["RESPONSE_TIMEOUT"] = None
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await proxy.complete(_COMPLETIONS)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await proxy.complete(_CHAT)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await proxy.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        status, report = proxy.health()
+        return _json(report, status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(proxy.metrics.registry), content_type=CONTENT_TYPE_LATEST)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        # 404, 405, 413, ...: OpenAI's error shape.
+        code = exc.code or 500
+        return _Failure.of(
+            code, exc.description or exc.name, "invalid_request_error", ""
+        ).response()
+
+    @app.errorhandler(Exception)
+    async def internal_error(exc: Exception) -> Response:
+        # Handled here so that Quart never builds its own logger (it would start a queue
+        # listener thread); the bug is logged with its traceback and the server keeps going.
+        log.error("proxy: internal error on %s %s", request.method, request.path, exc_info=exc)
+        message = f"internal error: {type(exc).__name__}"
+        return _Failure.of(500, message, "internal_error", "").response()
+
+    return app
+
+
+class _QuietHypercornLogger(hypercorn.logging.Logger):  # type: ignore[misc]
+    """Hypercorn's logger, with its INFO lines ("Running on ...") demoted to DEBUG."""
+
+    async def info(self, message: str, *args: Any, **kwargs: Any) -> None:
+        await self.debug(message, *args, **kwargs)
+
+
+async def _bind(host: str, port: int) -> trio.socket.SocketType:
+    """Bind the listening address here, so that a failure is a plain :class:`OSError`."""
+    family = trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET
+    sock = trio.socket.socket(family, trio.socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+        sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
+        await sock.bind((host, port))
+    except BaseException as exc:
+        sock.close()
+        if isinstance(exc, OSError):
+            exc.add_note(f"binding the proxy to {host}:{port}")
+        raise
+    return sock
+
+
+def _hypercorn_config(fd: int) -> HypercornConfig:
+    hconfig = HypercornConfig()
+    hconfig.bind = [f"fd://{fd}"]  # hypercorn takes the bound socket over (and listens)
+    hconfig.accesslog = None
+    hconfig.errorlog = _http_log
+    hconfig.logger_class = _QuietHypercornLogger
+    return hconfig
+
+
+def _reachable_url(bound: str) -> str:
+    """``http://0.0.0.0:P`` → ``http://127.0.0.1:P`` (and ``[::]`` → ``[::1]``): a URL to dial."""
+    for wildcard, loopback in (("0.0.0.0", "127.0.0.1"), ("[::]", "[::1]")):
+        prefix = f"http://{wildcard}:"
+        if bound.startswith(prefix):
+            return f"http://{loopback}:{bound.removeprefix(prefix)}"
+    return bound
+
+
+@asynccontextmanager
+async def _open_http(
+    timeouts: httpx.Timeout, limits: httpx.Limits
+) -> AsyncIterator[httpx.AsyncClient]:
+    # Proxy settings in the environment are ignored: engines are always dialled directly.
+    client = httpx.AsyncClient(trust_env=False, timeout=timeouts, limits=limits)
+    try:
+        yield client
+    finally:
+        with trio.move_on_after(_CLOSE_TIMEOUT, shield=True):
+            await client.aclose()
+
+
+async def serve_proxy(
+    config: ProxyConfig,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the OpenAI-compatible proxy in front of ``config``'s engines until cancelled.
+
+    Binds ``config.host:config.port`` (port 0: a free port), starts the health loop, then
+    reports the bound URL, e.g. ``"http://127.0.0.1:40123"``, through ``task_status.started``
+    (a wildcard host is reported as loopback). Requests are refused with 503 until a P and a D
+    have passed a health check (``GET /health`` answers 200 from then on). Engine failures
+    become error answers to the requests they hit and take the engine out of rotation; they
+    never stop the proxy.
+
+    Usage: ``url = await nursery.start(serve_proxy, config)``.
+
+    Raises :class:`OSError` if the address cannot be bound (before ``started``). Never returns
+    normally.
+    """
+    request_timeout = httpx.Timeout(config.request_timeout, connect=config.connect_timeout)
+    limits = httpx.Limits(
+        max_connections=config.max_connections,
+        max_keepalive_connections=min(config.max_connections, 128),
+    )
+    probe_timeout = httpx.Timeout(config.health_timeout)
+    probe_limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with (
+        _open_http(request_timeout, limits) as http,
+        _open_http(probe_timeout, probe_limits) as probe_http,
+    ):
+        proxy = _Proxy(config, http, probe_http)
+        sock = await _bind(config.host, config.port)
+        hconfig = _hypercorn_config(sock.detach())
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(proxy.watch_health)
+            # shutdown_trigger never fires: the owner stops the server by cancelling us.
+            binds: list[str] = await nursery.start(
+                partial(
+                    hypercorn.trio.serve,
+                    _make_app(proxy),
+                    hconfig,
+                    shutdown_trigger=trio.sleep_forever,
+                )
+            )
+            url = _reachable_url(binds[0])
+            prefill = ", ".join(f"{p.url} (bootstrap {p.bootstrap_url})" for p in config.prefill)
+            log.info(
+                "proxy: listening on %s; prefill %s; decode %s; %s routing",
+                url, prefill, ", ".join(config.decode), config.routing,
+            )  # fmt: skip
+            task_status.started(url)

@@ -1,0 +1,659 @@
+"""The proxy against stand-in engines: small real HTTP servers that answer like vLLM.
+
+Each stand-in (:class:`FakeEngine`) serves ``/v1/completions``, ``/v1/chat/completions``
+(JSON or SSE), ``/v1/models``, ``/health`` and a bootstrap ``/query``, records every body it
+receives, and notes the transfer ids of requests that were cancelled under it (the proxy
+closed the connection). Tests switch its behaviour (health, status, holding an answer,
+releasing streamed chunks one by one) through its attributes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import httpx
+import hypercorn.trio
+import msgspec
+import pytest
+import trio
+from hypercorn.config import Config as HypercornConfig
+from prometheus_client.parser import text_string_to_metric_families
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from pdactors import PrefillBackend, ProxyConfig, serve_proxy
+
+TIMEOUT = 10.0
+
+# httpx and httpcore nest async generators: a stream closed before its end (a client that
+# hangs up, the proxy cancelling D) leaves the inner ones to the garbage collector, and trio
+# warns about each one (it still finalizes them).
+pytestmark = pytest.mark.filterwarnings(r"ignore:Async generator 'http(x|core)\._:ResourceWarning")
+
+
+# --------------------------------------------------------------------------- stand-in engines
+
+
+@dataclass(eq=False)
+class FakeEngine:
+    name: str
+    engine_id: str = ""
+    url: str = ""
+    healthy: bool = True
+    query_ok: bool = True
+    status: int = 200
+    error_body: dict[str, Any] | None = None
+    hold: trio.Event | None = None  # completions wait for it before answering
+    steps: trio.MemoryReceiveChannel[None] | None = None  # one item per streamed chunk
+    chunks: int = 3
+    received: list[dict[str, Any]] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    def tids(self) -> list[str]:
+        return [body["kv_transfer_params"]["transfer_id"] for body in self.received]
+
+
+def _json(body: object, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status=status, content_type="application/json")
+
+
+def sse(engine: FakeEngine, i: int) -> bytes:
+    chunk = {"object": "text_completion", "choices": [{"index": 0, "text": f"{engine.name}-{i}"}]}
+    return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
+
+def answer(engine: FakeEngine, body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    text = f"{engine.name} says hi"
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {
+        "id": f"cmpl-{engine.name}",
+        "object": "chat.completion" if chat else "text_completion",
+        "model": body["model"],
+        "choices": [choice],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
+
+
+def make_fake_app(engine: FakeEngine) -> QuartTrio:
+    app = QuartTrio(f"fake-{engine.name}", static_folder=None)
+
+    async def complete(chat: bool) -> Response:
+        body = await request.get_json()
+        engine.received.append(body)
+        tid = body["kv_transfer_params"]["transfer_id"]
+        try:
+            if engine.hold is not None:
+                await engine.hold.wait()
+        except trio.Cancelled:
+            engine.cancelled.append(tid)
+            raise
+        if engine.status != 200:
+            return _json(engine.error_body or {"detail": "boom"}, engine.status)
+        if body.get("stream"):
+            return Response(stream(tid), content_type="text/event-stream")
+        return _json(answer(engine, body, chat))
+
+    async def stream(tid: str) -> AsyncIterator[bytes]:
+        try:
+            for i in range(engine.chunks):
+                if engine.steps is not None:
+                    await engine.steps.receive()
+                yield sse(engine, i)
+            yield b"data: [DONE]\n\n"
+        except trio.Cancelled:
+            engine.cancelled.append(tid)
+            raise
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await complete(chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await complete(chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json({"object": "list", "data": [{"id": "tiny", "owned_by": engine.name}]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(b"", status=200 if engine.healthy else 503)
+
+    @app.get("/query")
+    async def query() -> Response:
+        if not engine.query_ok:
+            return _json({"error": "down"}, 500)
+        worker = {"0": {"0": "tcp://127.0.0.1:1"}}
+        return _json({"0": {"engine_id": engine.engine_id, "worker_addr": worker}})
+
+    return app
+
+
+async def serve_fake(engine: FakeEngine, *, task_status: trio.TaskStatus[str]) -> None:
+    config = HypercornConfig()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("tests.fake_engine")
+    with engine.scope:
+        async with trio.open_nursery() as nursery:
+            binds: list[str] = await nursery.start(
+                partial(
+                    hypercorn.trio.serve,
+                    make_fake_app(engine),
+                    config,
+                    shutdown_trigger=trio.sleep_forever,
+                )
+            )
+            engine.url = binds[0]
+            task_status.started(engine.url)
+
+
+# --------------------------------------------------------------------------- set-up
+
+
+@dataclass
+class Setup:
+    p: list[FakeEngine]
+    d: list[FakeEngine]
+    url: str
+    client: httpx.AsyncClient
+
+    async def health(self) -> tuple[int, dict[str, Any]]:
+        resp = await self.client.get("/health")
+        return resp.status_code, resp.json()
+
+    async def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        text = (await self.client.get("/metrics")).text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+
+async def eventually(check: Callable[[], bool]) -> None:
+    with trio.fail_after(5):
+        while not check():
+            await trio.sleep(0.01)
+
+
+async def wait_health(setup: Setup, status: int) -> dict[str, Any]:
+    with trio.fail_after(5):
+        while True:
+            code, report = await setup.health()
+            if code == status:
+                return report
+            await trio.sleep(0.02)
+
+
+@asynccontextmanager
+async def open_setup(
+    n_p: int = 1, n_d: int = 1, *, healthy: bool = True, **config: Any
+) -> AsyncIterator[Setup]:
+    p = [FakeEngine(f"p{i}", engine_id=f"prefill-{i}", healthy=healthy) for i in range(n_p)]
+    d = [FakeEngine(f"d{i}") for i in range(n_d)]
+    async with trio.open_nursery() as nursery:
+        for engine in p + d:
+            await nursery.start(serve_fake, engine)
+        proxy_config = ProxyConfig(
+            prefill=tuple(PrefillBackend(e.url, e.url) for e in p),
+            decode=tuple(e.url for e in d),
+            health_interval=0.05,
+            health_timeout=1.0,
+            **config,
+        )
+        url = await nursery.start(serve_proxy, proxy_config)
+        async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=TIMEOUT) as client:
+            setup = Setup(p, d, url, client)
+            if healthy:
+                await wait_health(setup, 200)
+            yield setup
+        nursery.cancel_scope.cancel()
+
+
+def total(endpoint: str, outcome: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """The key of ``pdactors_proxy_requests_total{endpoint, outcome}`` in :meth:`Setup.metrics`."""
+    return "pdactors_proxy_requests_total", (("endpoint", endpoint), ("outcome", outcome))
+
+
+def completion_body(**extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0, **extra}
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    messages = [{"role": "user", "content": "hello"}]
+    return {"model": "tiny", "messages": messages, "max_tokens": 5, **extra}
+
+
+async def next_event(lines: AsyncGenerator[str, None]) -> str:
+    """The next non-empty SSE line."""
+    while not (line := await anext(lines)):
+        pass
+    return line
+
+
+# --------------------------------------------------------------------------- the request flow
+
+
+async def test_p_and_d_get_upstreams_kv_transfer_params() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            resp = await s.client.post("/v1/completions", json=completion_body())
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["choices"][0]["text"] == "d0 says hi"  # D's answer
+            (p_body,) = s.p[0].received
+            (d_body,) = s.d[0].received
+            tid = p_body["kv_transfer_params"]["transfer_id"]
+            assert len(tid) == 32 and resp.headers["x-request-id"] == tid
+            assert p_body == {
+                **completion_body(),
+                "max_tokens": 1,
+                "stream": False,
+                "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid},
+            }
+            assert d_body == {
+                **completion_body(),
+                "kv_transfer_params": {
+                    "do_remote_prefill": True,
+                    "remote_engine_id": "prefill-0",
+                    "remote_bootstrap_addr": s.p[0].url,
+                    "transfer_id": tid,
+                },
+            }
+
+
+async def test_chat_caps_both_token_limits_on_p_and_drops_stream_options() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            body = chat_body(stream=True, stream_options={"include_usage": True}, min_tokens=2)
+            async with s.client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                assert resp.status_code == 200
+                assert resp.headers["content-type"].startswith("text/event-stream")
+                await resp.aread()
+            (p_body,) = s.p[0].received
+            assert p_body["max_tokens"] == p_body["max_completion_tokens"] == 1
+            assert p_body["stream"] is False
+            assert "stream_options" not in p_body and "min_tokens" not in p_body
+            (d_body,) = s.d[0].received
+            assert d_body["stream"] is True and d_body["stream_options"] == {"include_usage": True}
+            assert d_body["max_tokens"] == 5 and d_body["min_tokens"] == 2
+
+
+async def test_non_streamed_chat_returns_ds_json() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            resp = await s.client.post("/v1/chat/completions", json=chat_body())
+            assert resp.status_code == 200
+            assert resp.json()["choices"][0]["message"]["content"] == "d0 says hi"
+
+
+async def test_stream_is_relayed_chunk_by_chunk() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            steps_in, steps = trio.open_memory_channel[None](10)
+            s.d[0].steps = steps
+            body = completion_body(stream=True)
+            async with (
+                s.client.stream("POST", "/v1/completions", json=body) as resp,
+                aclosing(resp.aiter_lines()) as lines,
+            ):
+                assert resp.status_code == 200
+                for i in range(3):
+                    # chunk i reaches the client while D still holds chunk i+1
+                    await steps_in.send(None)
+                    assert await next_event(lines) == sse(s.d[0], i).decode().strip()
+                assert await next_event(lines) == "data: [DONE]"
+            ttft = await s.metrics()
+            labels = (("decode", s.d[0].url), ("prefill", s.p[0].url))
+            assert ttft["pdactors_proxy_ttft_seconds_count", labels] == 1
+
+
+# --------------------------------------------------------------------------- bad requests
+
+
+BAD_BODIES: list[tuple[str, bytes]] = [
+    ("/v1/completions", b"{not json"),
+    ("/v1/completions", b"[1, 2]"),
+    ("/v1/completions", b'{"prompt": "hi"}'),
+    ("/v1/completions", b'{"model": 3, "prompt": "hi"}'),
+    ("/v1/completions", b'{"model": "tiny"}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "stream": "yes"}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 0}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": "5"}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": true}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 2.5}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "prompt": "hi"}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [], "max_completion_tokens": -1}'),
+]
+
+
+async def test_bad_bodies_get_400_and_reach_no_engine() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            for path, raw in BAD_BODIES:
+                resp = await s.client.post(path, content=raw)
+                assert resp.status_code == 400, (raw, resp.text)
+                error = resp.json()["error"]
+                assert error["type"] == "invalid_request_error" and error["message"], raw
+            assert s.p[0].received == [] and s.d[0].received == []
+            metrics = await s.metrics()
+            key = total("completions", "invalid")
+            assert metrics[key] == 10
+
+
+async def test_unknown_route_and_huge_body_get_openai_errors() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(max_body_bytes=1000) as s:
+            resp = await s.client.get("/v1/nothing")
+            assert resp.status_code == 404 and "error" in resp.json()
+            big = completion_body(prompt="x" * 2000)
+            resp = await s.client.post("/v1/completions", json=big)
+            assert resp.status_code == 413 and "error" in resp.json()
+            assert s.p[0].received == []
+
+
+# --------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_prefill_500_fails_fast_and_cancels_decode(stream: bool) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            s.p[0].status = 500
+            s.d[0].hold = trio.Event()  # D would wait for the KV forever
+            start = trio.current_time()
+            resp = await s.client.post("/v1/completions", json=completion_body(stream=stream))
+            assert trio.current_time() - start < 2
+            assert resp.status_code == 502
+            message = resp.json()["error"]["message"]
+            assert s.p[0].url in message and "500" in message
+            (tid,) = s.d[0].tids()
+            await eventually(lambda: s.d[0].cancelled == [tid])
+
+
+async def test_prefill_4xx_passes_through_and_cancels_decode() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            error = {"error": {"message": "prompt too long", "type": "BadRequestError"}}
+            s.p[0].status, s.p[0].error_body = 400, error
+            s.d[0].hold = trio.Event()
+            resp = await s.client.post("/v1/completions", json=completion_body())
+            assert resp.status_code == 400 and resp.json() == error
+            await eventually(lambda: s.d[0].cancelled == s.d[0].tids())
+
+
+async def test_decode_failure_cancels_prefill() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            s.d[0].status = 503
+            s.p[0].hold = trio.Event()
+            resp = await s.client.post("/v1/completions", json=completion_body(stream=True))
+            assert resp.status_code == 502 and s.d[0].url in resp.json()["error"]["message"]
+            await eventually(lambda: s.p[0].cancelled == s.p[0].tids())
+
+
+async def test_client_disconnect_mid_stream_cancels_decode() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            steps_in, steps = trio.open_memory_channel[None](10)
+            s.d[0].steps = steps
+            body = completion_body(stream=True)
+            async with (
+                s.client.stream("POST", "/v1/completions", json=body) as resp,
+                aclosing(resp.aiter_lines()) as lines,
+            ):
+                await steps_in.send(None)
+                assert (await next_event(lines)).startswith("data: ")
+            # the client hung up with two chunks to go
+            await eventually(lambda: s.d[0].cancelled == s.d[0].tids())
+            key = total("completions", "cancelled")
+            await eventually_metric(s, key, 1)
+            assert (await s.metrics())["pdactors_proxy_requests_in_flight", ()] == 0
+
+
+async def eventually_metric(s: Setup, key: tuple[str, Any], value: float) -> None:
+    with trio.fail_after(5):
+        while (await s.metrics()).get(key) != value:
+            await trio.sleep(0.02)
+
+
+async def test_client_disconnect_while_waiting_cancels_p_and_d() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            s.p[0].hold = s.d[0].hold = trio.Event()
+            with trio.move_on_after(0.5):
+                await s.client.post("/v1/completions", json=completion_body(stream=True))
+            await eventually(lambda: s.p[0].cancelled == s.p[0].tids() != [])
+            await eventually(lambda: s.d[0].cancelled == s.d[0].tids() != [])
+
+
+async def test_request_timeout_answers_504_and_cancels_both() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(request_timeout=0.5) as s:
+            s.d[0].hold = trio.Event()
+            resp = await s.client.post("/v1/completions", json=completion_body())
+            assert resp.status_code == 504 and resp.json()["error"]["type"] == "timeout"
+            await eventually(lambda: s.d[0].cancelled == s.d[0].tids())
+
+
+async def test_stream_past_request_timeout_ends_with_an_error_event() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(request_timeout=1.0) as s:
+            steps_in, steps = trio.open_memory_channel[None](10)
+            s.d[0].steps = steps
+            body = completion_body(stream=True)
+            async with (
+                s.client.stream("POST", "/v1/completions", json=body) as resp,
+                aclosing(resp.aiter_lines()) as lines,
+            ):
+                await steps_in.send(None)
+                assert (await next_event(lines)).startswith("data: ")
+                last = await next_event(lines)  # D holds chunk 2 past the deadline
+                error = msgspec.json.decode(last.removeprefix("data: "))["error"]
+                assert error["type"] == "timeout"
+            await eventually(lambda: s.d[0].cancelled == s.d[0].tids())
+
+
+async def test_stopped_prefill_gives_502_and_leaves_rotation() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            s.p[0].scope.cancel()  # P's server is gone
+            await trio.sleep(0.1)
+            resp = await s.client.post("/v1/completions", json=completion_body())
+            assert resp.status_code in (502, 503)
+            assert s.p[0].url in resp.json()["error"]["message"]
+            report = await wait_health(s, 503)
+            assert s.p[0].url in report["reason"]
+
+
+# --------------------------------------------------------------------------- routing, health
+
+
+async def test_round_robin_over_two_p_and_two_d() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(2, 2) as s:
+            for _ in range(4):
+                resp = await s.client.post("/v1/completions", json=completion_body())
+                assert resp.status_code == 200
+            assert [len(e.received) for e in s.p + s.d] == [2, 2, 2, 2]
+            p_tids = [s.p[0].tids(), s.p[1].tids()]
+            for d in s.d:  # D is told the engine id and bootstrap of the P that prefilled
+                for body in d.received:
+                    params = body["kv_transfer_params"]
+                    i = 0 if params["transfer_id"] in p_tids[0] else 1
+                    assert params["remote_engine_id"] == f"prefill-{i}"
+                    assert params["remote_bootstrap_addr"] == s.p[i].url
+
+
+async def test_least_outstanding_avoids_a_busy_decode() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(1, 2, routing="least_outstanding") as s, trio.open_nursery() as n:
+            s.d[0].hold = trio.Event()
+            n.start_soon(partial(s.client.post, "/v1/completions", json=completion_body()))
+            await eventually(lambda: len(s.d[0].received) == 1)
+            for _ in range(3):  # round robin would send one of these to the busy d0
+                resp = await s.client.post("/v1/completions", json=completion_body())
+                assert resp.json()["choices"][0]["text"] == "d1 says hi"
+            s.d[0].hold.set()
+
+
+async def test_unhealthy_decode_leaves_rotation_and_comes_back() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(1, 2) as s:
+            s.d[1].healthy = False
+            await eventually_health(s, lambda r: not r["decode"][1]["up"])
+            code, report = await s.health()
+            assert code == 200 and "503" in report["decode"][1]["problem"]
+            for _ in range(3):
+                await s.client.post("/v1/completions", json=completion_body())
+            assert [len(d.received) for d in s.d] == [3, 0]
+            s.d[1].healthy = True
+            await eventually_health(s, lambda r: r["decode"][1]["up"])
+            for _ in range(2):
+                await s.client.post("/v1/completions", json=completion_body())
+            assert [len(d.received) for d in s.d] == [4, 1]
+
+
+async def eventually_health(s: Setup, check: Callable[[dict[str, Any]], bool]) -> None:
+    with trio.fail_after(5):
+        while not check((await s.health())[1]):
+            await trio.sleep(0.02)
+
+
+async def test_health_is_503_until_p_and_d_are_up_then_200() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(healthy=False) as s:
+            code, report = await s.health()
+            assert code == 503 and "prefill" in report["reason"]
+            resp = await s.client.post("/v1/completions", json=completion_body())
+            assert resp.status_code == 503 and s.p[0].url in resp.json()["error"]["message"]
+            s.p[0].healthy = True
+            report = await wait_health(s, 200)
+            assert report["prefill"][0]["engine_id"] == "prefill-0"
+            s.p[0].query_ok = False  # P's bootstrap fails: D could not find P; P is out
+            report = await wait_health(s, 503)
+            assert "bootstrap" in report["reason"] and "prefill" in report["reason"]
+            s.p[0].query_ok = True
+            await wait_health(s, 200)
+            s.d[0].healthy = False
+            report = await wait_health(s, 503)
+            assert "no decode engine" in report["reason"]
+
+
+async def test_engine_id_is_re_read_when_p_restarts() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            await s.client.post("/v1/completions", json=completion_body())
+            s.p[0].engine_id = "prefill-0-restarted"
+            await eventually_health(s, lambda r: r["prefill"][0]["engine_id"].endswith("ed"))
+            await s.client.post("/v1/completions", json=completion_body())
+            ids = [b["kv_transfer_params"]["remote_engine_id"] for b in s.d[0].received]
+            assert ids == ["prefill-0", "prefill-0-restarted"]
+
+
+async def test_models_come_from_a_healthy_decode() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(1, 2) as s:
+            s.d[0].healthy = False
+            await eventually_health(s, lambda r: not r["decode"][0]["up"])
+            resp = await s.client.get("/v1/models")
+            assert resp.status_code == 200 and resp.json()["data"][0]["owned_by"] == "d1"
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+async def test_metrics_count_requests_errors_and_latency_per_proxy() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s, open_setup() as other:
+            await s.client.post("/v1/completions", json=completion_body())
+            await s.client.post("/v1/chat/completions", json=chat_body())
+            await s.client.post("/v1/completions", content=b"{}")
+            s.p[0].status = 500
+            await s.client.post("/v1/completions", json=completion_body())
+            m = await s.metrics()
+            assert m[total("completions", "ok")] == 1
+            assert m[total("chat_completions", "ok")] == 1
+            assert m[total("completions", "invalid")] == 1
+            assert m[total("completions", "prefill_error")] == 1
+            errors = "pdactors_proxy_backend_errors_total"
+            assert m[errors, (("backend", s.p[0].url), ("role", "prefill"))] == 1
+            assert m["pdactors_proxy_requests_in_flight", ()] == 0
+            pd = (("decode", s.d[0].url), ("prefill", s.p[0].url))
+            assert m["pdactors_proxy_request_seconds_count", pd] == 2
+            assert m["pdactors_proxy_backend_up", (("backend", s.d[0].url), ("role", "decode"))]
+            # another proxy in the same process counts only its own requests
+            assert not any(k[0] == total("", "")[0] for k in await other.metrics())
+
+
+# --------------------------------------------------------------------------- config and CLI
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"prefill": ()},
+        {"decode": ()},
+        {"decode": ("127.0.0.1:8200",)},
+        {"routing": "random"},
+        {"request_timeout": 0},
+        {"decode": ("http://a:1", "http://a:1")},
+    ],
+)
+def test_config_rejects_bad_values(kwargs: dict[str, Any]) -> None:
+    base: dict[str, Any] = {
+        "prefill": (PrefillBackend("http://p:8100", "http://p:8998"),),
+        "decode": ("http://d:8200",),
+    }
+    with pytest.raises(ValueError):
+        ProxyConfig(**{**base, **kwargs})
+
+
+ENV = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
+
+
+def test_proxy_cli_serves_health() -> None:
+    args = [
+        "--prefill",
+        "http://127.0.0.1:9@http://127.0.0.1:10",
+        "--decode",
+        "http://127.0.0.1:11",
+    ]
+    with subprocess.Popen(
+        [sys.executable, "-m", "pdactors.cli", "proxy", "--port", "0", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV,
+    ) as proc:  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line.startswith("proxy serving on http://127.0.0.1:"), line
+            resp = httpx.get(f"{line.split()[-1]}/health", timeout=5, trust_env=False)
+            assert resp.status_code == 503
+            report = resp.json()
+            assert report["prefill"][0]["bootstrap_url"] == "http://127.0.0.1:10"
+            assert report["decode"][0]["url"] == "http://127.0.0.1:11"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def test_proxy_cli_rejects_bad_urls() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pdactors.cli", "proxy", "--prefill", "http://p:1", "--decode", "d"],
+        capture_output=True, text=True, timeout=60, env=ENV,
+    )  # fmt: skip
+    assert done.returncode == 2 and "not an http" in done.stderr
