@@ -169,6 +169,15 @@ def proxy(
         pass
 
 
+def _register_launch() -> None:
+    from pdactors.launch_cli import launch_command
+
+    app.command("launch")(launch_command)
+
+
+_register_launch()
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,75 @@
+"""``pdactors launch`` end to end: the README's main command (``--smoke``) and Ctrl-C, with
+real vLLM servers — and no process left behind either way."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+ENV = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
+MARKERS = ("vllm.entrypoints.openai.api_server", "pdactors.cli proxy", "EngineCore")
+
+
+def deployment_processes() -> list[str]:
+    """Command lines of live vLLM servers, engine cores and proxies on this machine."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if any(m in cmd for m in MARKERS):
+            found.append(f"{pid}: {cmd[:120]}")
+    return found
+
+
+def test_smoke_checks_answers_and_exits_clean() -> None:
+    assert deployment_processes() == []
+    done = subprocess.run(
+        [sys.executable, "-m", "pdactors.cli", "launch", "--smoke"],
+        capture_output=True, text=True, timeout=500, env=ENV,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "4/4 answers through the proxy equal the single server's — PASS" in done.stderr
+    assert "[prefill-0]" in done.stdout and "[decode-0]" in done.stdout  # forwarded logs
+    assert deployment_processes() == []
+
+
+def test_ctrl_c_stops_everything_in_bounded_time() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdactors.cli", "launch", "--proxy-port", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 400
+        for line in proc.stderr:
+            if line.startswith("proxy: http://"):
+                break
+            assert time.monotonic() < deadline
+        else:
+            raise AssertionError(f"launch exited early with {proc.wait()}")
+        assert len(deployment_processes()) >= 3
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert time.monotonic() - start < 60
+        assert deployment_processes() == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
