@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, Literal
+from typing import Literal
 
-import hypercorn.logging
-import hypercorn.trio
 import msgspec
 import trio
-from hypercorn.config import Config as HypercornConfig
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from pdactors.actors._http import bind_listener, serve_http
 from pdactors.config import BootstrapConfig
 from pdactors.messages import BootstrapAnswer, BootstrapEntry, RegisterWorker
 
@@ -157,47 +154,6 @@ def _make_app(registry: BootstrapRegistry) -> QuartTrio:
     return app
 
 
-class _QuietHypercornLogger(hypercorn.logging.Logger):  # type: ignore[misc]
-    """Hypercorn's logger, with its INFO lines ("Running on ...") demoted to DEBUG."""
-
-    async def info(self, message: str, *args: Any, **kwargs: Any) -> None:
-        await self.debug(message, *args, **kwargs)
-
-
-async def _bind(config: BootstrapConfig) -> trio.socket.SocketType:
-    """Bind the listening address here, so that a failure is a plain :class:`OSError`."""
-    family = trio.socket.AF_INET6 if ":" in config.host else trio.socket.AF_INET
-    sock = trio.socket.socket(family, trio.socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
-        sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
-        await sock.bind((config.host, config.port))
-    except BaseException as exc:
-        sock.close()
-        if isinstance(exc, OSError):
-            exc.add_note(f"binding the bootstrap registry to {config.host}:{config.port}")
-        raise
-    return sock
-
-
-def _hypercorn_config(fd: int) -> HypercornConfig:
-    hconfig = HypercornConfig()
-    hconfig.bind = [f"fd://{fd}"]  # hypercorn takes the bound socket over (and listens)
-    hconfig.accesslog = None
-    hconfig.errorlog = _http_log
-    hconfig.logger_class = _QuietHypercornLogger
-    return hconfig
-
-
-def _reachable_url(bound: str) -> str:
-    """``http://0.0.0.0:P`` → ``http://127.0.0.1:P`` (and ``[::]`` → ``[::1]``): a URL to dial."""
-    for wildcard, loopback in (("0.0.0.0", "127.0.0.1"), ("[::]", "[::1]")):
-        prefix = f"http://{wildcard}:"
-        if bound.startswith(prefix):
-            return f"http://{loopback}:{bound.removeprefix(prefix)}"
-    return bound
-
-
 async def serve_bootstrap(
     config: BootstrapConfig,
     *,
@@ -217,15 +173,11 @@ async def serve_bootstrap(
     Raises :class:`OSError` if the address cannot be bound (before ``started``). Never returns
     normally.
     """
-    registry = BootstrapRegistry()
-    app = _make_app(registry)
-    sock = await _bind(config)
-    hconfig = _hypercorn_config(sock.detach())
-    async with trio.open_nursery() as nursery:
-        # shutdown_trigger never fires: the owner stops the server by cancelling us.
-        binds: list[str] = await nursery.start(
-            partial(hypercorn.trio.serve, app, hconfig, shutdown_trigger=trio.sleep_forever)
-        )
-        url = _reachable_url(binds[0])
-        log.info("bootstrap: listening on %s", url)
-        task_status.started(url)
+    sock = await bind_listener(config.host, config.port, "the bootstrap registry")
+    await serve_http(
+        _make_app(BootstrapRegistry()),
+        sock,
+        errorlog=_http_log,
+        announce=lambda url: log.info("bootstrap: listening on %s", url),
+        task_status=task_status,
+    )

@@ -40,11 +40,8 @@ from functools import partial
 from typing import Any, Final, Literal
 
 import httpx
-import hypercorn.logging
-import hypercorn.trio
 import msgspec
 import trio
-from hypercorn.config import Config as HypercornConfig
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -59,6 +56,7 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
+from pdactors.actors._http import bind_listener, serve_http
 from pdactors.bootstrap_client import BootstrapClient
 from pdactors.config import ProxyConfig
 from pdactors.errors import BootstrapError
@@ -663,47 +661,6 @@ def _make_app(proxy: _Proxy) -> QuartTrio:
     return app
 
 
-class _QuietHypercornLogger(hypercorn.logging.Logger):  # type: ignore[misc]
-    """Hypercorn's logger, with its INFO lines ("Running on ...") demoted to DEBUG."""
-
-    async def info(self, message: str, *args: Any, **kwargs: Any) -> None:
-        await self.debug(message, *args, **kwargs)
-
-
-async def _bind(host: str, port: int) -> trio.socket.SocketType:
-    """Bind the listening address here, so that a failure is a plain :class:`OSError`."""
-    family = trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET
-    sock = trio.socket.socket(family, trio.socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
-        sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
-        await sock.bind((host, port))
-    except BaseException as exc:
-        sock.close()
-        if isinstance(exc, OSError):
-            exc.add_note(f"binding the proxy to {host}:{port}")
-        raise
-    return sock
-
-
-def _hypercorn_config(fd: int) -> HypercornConfig:
-    hconfig = HypercornConfig()
-    hconfig.bind = [f"fd://{fd}"]  # hypercorn takes the bound socket over (and listens)
-    hconfig.accesslog = None
-    hconfig.errorlog = _http_log
-    hconfig.logger_class = _QuietHypercornLogger
-    return hconfig
-
-
-def _reachable_url(bound: str) -> str:
-    """``http://0.0.0.0:P`` → ``http://127.0.0.1:P`` (and ``[::]`` → ``[::1]``): a URL to dial."""
-    for wildcard, loopback in (("0.0.0.0", "127.0.0.1"), ("[::]", "[::1]")):
-        prefix = f"http://{wildcard}:"
-        if bound.startswith(prefix):
-            return f"http://{loopback}:{bound.removeprefix(prefix)}"
-    return bound
-
-
 @asynccontextmanager
 async def _open_http(
     timeouts: httpx.Timeout, limits: httpx.Limits
@@ -748,20 +705,12 @@ async def serve_proxy(
         _open_http(probe_timeout, probe_limits) as probe_http,
     ):
         proxy = _Proxy(config, http, probe_http)
-        sock = await _bind(config.host, config.port)
-        hconfig = _hypercorn_config(sock.detach())
+        sock = await bind_listener(config.host, config.port, "the proxy")
         async with trio.open_nursery() as nursery:
             nursery.start_soon(proxy.watch_health)
-            # shutdown_trigger never fires: the owner stops the server by cancelling us.
-            binds: list[str] = await nursery.start(
-                partial(
-                    hypercorn.trio.serve,
-                    _make_app(proxy),
-                    hconfig,
-                    shutdown_trigger=trio.sleep_forever,
-                )
-            )
-            url = _reachable_url(binds[0])
+            app = _make_app(proxy)
+            serve = partial(serve_http, app, sock, errorlog=_http_log, announce=lambda _: None)
+            url = await nursery.start(serve)  # announced below, with the backends
             prefill = ", ".join(f"{p.url} (bootstrap {p.bootstrap_url})" for p in config.prefill)
             log.info(
                 "proxy: listening on %s; prefill %s; decode %s; %s routing",
