@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import httpx
 import msgspec
@@ -45,10 +45,6 @@ import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
     generate_latest,
 )
 from quart import Response, request
@@ -57,6 +53,7 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
 from pdactors.actors._http import bind_listener, serve_http
+from pdactors.actors._proxy_state import Backend, Metrics, Pool
 from pdactors.bootstrap_client import BootstrapClient
 from pdactors.config import ProxyConfig
 from pdactors.errors import BootstrapError
@@ -71,109 +68,6 @@ _http_log = logging.getLogger("pdactors.proxy.http")
 _CLOSE_TIMEOUT: Final = 2.0
 #: How long a relay waits to hand a final error event to a slow client.
 _LAST_EVENT_TIMEOUT: Final = 1.0
-_LATENCY_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-
-Role = Literal["prefill", "decode"]
-
-
-# --------------------------------------------------------------------------- backends, routing
-
-
-@dataclass(eq=False)
-class _Backend:
-    """One engine as the proxy sees it. ``up``: in rotation (for P: its engine id is known)."""
-
-    role: Role
-    url: str
-    bootstrap_url: str | None = None  # P only
-    engine_id: str | None = None  # P only: the last one read from the bootstrap
-    up: bool = False
-    problem: str = "not checked yet"
-    outstanding: int = 0
-
-    def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"url": self.url, "up": self.up, "outstanding": self.outstanding}
-        if self.role == "prefill":
-            out |= {"bootstrap_url": self.bootstrap_url, "engine_id": self.engine_id}
-        if not self.up:
-            out["problem"] = self.problem
-        return out
-
-
-class _Pool:
-    """The engines of one role and the routing rule that picks among those that are up."""
-
-    def __init__(self, role: Role, backends: list[_Backend], routing: str) -> None:
-        self.role = role
-        self.backends = backends
-        self._least_outstanding = routing == "least_outstanding"
-        self._next = 0  # round-robin cursor (also the tie-break for least_outstanding)
-
-    def pick(self) -> _Backend | None:
-        """The next engine to use, or None when none is up. Not a checkpoint."""
-        n = len(self.backends)
-        order = [(self._next + i) % n for i in range(n)]
-        candidates = [i for i in order if self.backends[i].up]
-        if not candidates:
-            return None
-        chosen = candidates[0]
-        if self._least_outstanding:
-            chosen = min(candidates, key=lambda i: self.backends[i].outstanding)
-        self._next = (chosen + 1) % n
-        return self.backends[chosen]
-
-    @property
-    def any_up(self) -> bool:
-        return any(b.up for b in self.backends)
-
-    def why_none(self) -> str:
-        problems = "; ".join(f"{b.url}: {b.problem}" for b in self.backends)
-        return f"no {self.role} engine is available ({problems})"
-
-
-# --------------------------------------------------------------------------- metrics
-
-
-class _Metrics:
-    """The proxy's Prometheus metrics, in a registry of its own."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
-            "pdactors_proxy_requests",
-            "Client requests by endpoint and outcome",
-            ["endpoint", "outcome"],
-            registry=r,
-        )
-        self.backend_errors = Counter(
-            "pdactors_proxy_backend_errors",
-            "Failed calls to engines (connection errors, timeouts, 5xx answers)",
-            ["role", "backend"],
-            registry=r,
-        )
-        self.in_flight = Gauge(
-            "pdactors_proxy_requests_in_flight", "Client requests being served", registry=r
-        )
-        self.backend_up = Gauge(
-            "pdactors_proxy_backend_up", "1 when the engine is in rotation", ["role", "backend"],
-            registry=r,
-        )  # fmt: skip
-        pd = ["prefill", "decode"]
-        self.ttft = Histogram(
-            "pdactors_proxy_ttft_seconds",
-            "Time from a streaming request's arrival to D's first chunk",
-            pd,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.latency = Histogram(
-            "pdactors_proxy_request_seconds",
-            "Time from a successful request's arrival to its last byte",
-            pd,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
 
 
 # --------------------------------------------------------------------------- requests
@@ -238,8 +132,8 @@ class _Exchange:
 
     endpoint: _Endpoint
     stream: bool
-    p: _Backend
-    d: _Backend
+    p: Backend
+    d: Backend
     transfer_id: str
     arrived: float
     deadline: float
@@ -315,11 +209,11 @@ class _Proxy:
         self.http = http
         self.probe_http = probe_http  # its own pool: busy request traffic never delays probes
         self.bootstrap = BootstrapClient(probe_http)
-        prefill = [_Backend("prefill", p.url.rstrip("/"), p.bootstrap_url) for p in config.prefill]
-        decode = [_Backend("decode", url.rstrip("/")) for url in config.decode]
-        self.prefill = _Pool("prefill", prefill, config.routing)
-        self.decode = _Pool("decode", decode, config.routing)
-        self.metrics = _Metrics()
+        prefill = [Backend("prefill", p.url.rstrip("/"), p.bootstrap_url) for p in config.prefill]
+        decode = [Backend("decode", url.rstrip("/")) for url in config.decode]
+        self.prefill = Pool("prefill", prefill, config.routing)
+        self.decode = Pool("decode", decode, config.routing)
+        self.metrics = Metrics()
         for b in (*prefill, *decode):
             self.metrics.backend_up.labels(b.role, b.url).set(0)
 
@@ -334,11 +228,11 @@ class _Proxy:
                     nursery.start_soon(self._probe, backend)
             await trio.sleep(self.config.health_interval)
 
-    async def _probe(self, b: _Backend) -> None:
+    async def _probe(self, b: Backend) -> None:
         problem, engine_id = await self._check(b)
         self._set_health(b, problem, engine_id)
 
-    async def _check(self, b: _Backend) -> tuple[str | None, str | None]:
+    async def _check(self, b: Backend) -> tuple[str | None, str | None]:
         """``(problem, engine id)``; takes at most two ``health_timeout``s."""
         timeout = self.config.health_timeout
         with trio.move_on_after(timeout) as scope:
@@ -361,7 +255,7 @@ class _Proxy:
             return f"bootstrap {b.bootstrap_url} has no worker of DP rank 0", None
         return None, entry.engine_id
 
-    def _set_health(self, b: _Backend, problem: str | None, engine_id: str | None) -> None:
+    def _set_health(self, b: Backend, problem: str | None, engine_id: str | None) -> None:
         was_up = b.up
         b.up = problem is None
         if problem is not None:
@@ -564,14 +458,14 @@ class _Proxy:
             elapsed = trio.current_time() - ex.arrived
             self.metrics.latency.labels(ex.p.url, ex.d.url).observe(elapsed)
 
-    def _transport_failure(self, b: _Backend, exc: httpx.HTTPError) -> _Failure:
+    def _transport_failure(self, b: Backend, exc: httpx.HTTPError) -> _Failure:
         self.metrics.backend_errors.labels(b.role, b.url).inc()
         if isinstance(exc, httpx.ConnectError):  # the engine is gone: out of rotation now
             self._set_health(b, f"connection failed: {_describe(exc)}", None)
         message = f"{b.role} engine {b.url} failed: {_describe(exc)}"
         return _Failure.of(502, message, "upstream_error", f"{b.role}_error")
 
-    def _status_failure(self, b: _Backend, resp: httpx.Response) -> _Failure:
+    def _status_failure(self, b: Backend, resp: httpx.Response) -> _Failure:
         """A 4xx passes through (vLLM's own error body); anything else becomes a 502."""
         status, outcome = resp.status_code, f"{b.role}_error"
         text = resp.text[:500]

@@ -1,0 +1,113 @@
+"""The proxy's engines, routing and metrics (state only; the proxy actor drives them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["Backend", "Metrics", "Pool", "Role"]
+
+Role = Literal["prefill", "decode"]
+_LATENCY_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+# --------------------------------------------------------------------------- backends, routing
+
+
+@dataclass(eq=False)
+class Backend:
+    """One engine as the proxy sees it. ``up``: in rotation (for P: its engine id is known)."""
+
+    role: Role
+    url: str
+    bootstrap_url: str | None = None  # P only
+    engine_id: str | None = None  # P only: the last one read from the bootstrap
+    up: bool = False
+    problem: str = "not checked yet"
+    outstanding: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"url": self.url, "up": self.up, "outstanding": self.outstanding}
+        if self.role == "prefill":
+            out |= {"bootstrap_url": self.bootstrap_url, "engine_id": self.engine_id}
+        if not self.up:
+            out["problem"] = self.problem
+        return out
+
+
+class Pool:
+    """The engines of one role and the routing rule that picks among those that are up."""
+
+    def __init__(self, role: Role, backends: list[Backend], routing: str) -> None:
+        self.role = role
+        self.backends = backends
+        self._least_outstanding = routing == "least_outstanding"
+        self._next = 0  # round-robin cursor (also the tie-break for least_outstanding)
+
+    def pick(self) -> Backend | None:
+        """The next engine to use, or None when none is up. Not a checkpoint."""
+        n = len(self.backends)
+        order = [(self._next + i) % n for i in range(n)]
+        candidates = [i for i in order if self.backends[i].up]
+        if not candidates:
+            return None
+        chosen = candidates[0]
+        if self._least_outstanding:
+            chosen = min(candidates, key=lambda i: self.backends[i].outstanding)
+        self._next = (chosen + 1) % n
+        return self.backends[chosen]
+
+    @property
+    def any_up(self) -> bool:
+        return any(b.up for b in self.backends)
+
+    def why_none(self) -> str:
+        problems = "; ".join(f"{b.url}: {b.problem}" for b in self.backends)
+        return f"no {self.role} engine is available ({problems})"
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+class Metrics:
+    """The proxy's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pdactors_proxy_requests",
+            "Client requests by endpoint and outcome",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.backend_errors = Counter(
+            "pdactors_proxy_backend_errors",
+            "Failed calls to engines (connection errors, timeouts, 5xx answers)",
+            ["role", "backend"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "pdactors_proxy_requests_in_flight", "Client requests being served", registry=r
+        )
+        self.backend_up = Gauge(
+            "pdactors_proxy_backend_up", "1 when the engine is in rotation", ["role", "backend"],
+            registry=r,
+        )  # fmt: skip
+        pd = ["prefill", "decode"]
+        self.ttft = Histogram(
+            "pdactors_proxy_ttft_seconds",
+            "Time from a streaming request's arrival to D's first chunk",
+            pd,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "pdactors_proxy_request_seconds",
+            "Time from a successful request's arrival to its last byte",
+            pd,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
