@@ -12,7 +12,6 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 import trio
 
 from pdactors import (
-    BlockLayout,
     BootstrapConfig,
     DataPlaneConfig,
     Layout,
@@ -26,14 +25,7 @@ from pdactors import (
     serve_receiver,
     serve_sender,
 )
-
-
-def layout(base: int, layers: int, pool: int, block_bytes: int) -> Layout:
-    """``layers`` regions of ``pool`` blocks, back to back from ``base``."""
-    region = pool * block_bytes
-    return Layout(
-        tuple(BlockLayout(base + i * region, pool, block_bytes, block_bytes) for i in range(layers))
-    )
+from pdactors.core.plan import packed_layout
 
 
 @dataclass
@@ -74,8 +66,8 @@ async def open_pair(
             plane.register([(ptr, nbytes)])
         if select_gpu is not None:
             select_gpu(0)
-        p_layout = layout(p_ptr, layers, pool, block_bytes)
-        d_layout = layout(d_ptr, layers, pool, block_bytes)
+        p_layout = packed_layout(p_ptr, layers, pool, block_bytes)
+        d_layout = packed_layout(d_ptr, layers, pool, block_bytes)
         async with trio.open_nursery() as nursery:
             url = await nursery.start(serve_bootstrap, BootstrapConfig())
             sender = await nursery.start(

@@ -33,7 +33,6 @@ os.environ.setdefault("MC_INTRANODE_NVLINK", "1")  # the intra-node NVLink trans
 
 import numpy as np
 import trio
-from common import layout
 
 from pdactors import (
     BootstrapConfig,
@@ -45,7 +44,7 @@ from pdactors import (
     serve_receiver,
     serve_sender,
 )
-from pdactors.core.plan import plan_transfer
+from pdactors.core.plan import packed_layout, plan_transfer
 
 SCENARIOS = {"whole": (63, False), "per-layer": (128, False), "scattered": (128, True)}
 
@@ -117,8 +116,8 @@ async def prefill(args: argparse.Namespace) -> None:
     torch.cuda.synchronize()
     src = block_ids(args, pool, scattered, 1)
     dst = block_ids(args, pool, scattered, 2)
-    p_layout = layout(p_t.data_ptr(), args.layers, pool, args.block_bytes)
-    d_layout = layout(args.d_ptr, args.layers, pool, args.block_bytes)
+    p_layout = packed_layout(p_t.data_ptr(), args.layers, pool, args.block_bytes)
+    d_layout = packed_layout(args.d_ptr, args.layers, pool, args.block_bytes)
     cfg = DataPlaneConfig(
         protocol=args.protocol, workers=args.workers, max_calls_per_peer=args.calls_per_peer
     )
@@ -181,7 +180,7 @@ async def decode(args: argparse.Namespace) -> None:
     torch.cuda.synchronize()
     dst = block_ids(args, pool, scattered, 2)
     src = block_ids(args, pool, scattered, 1)
-    d_layout = layout(d_t.data_ptr(), args.layers, pool, args.block_bytes)
+    d_layout = packed_layout(d_t.data_ptr(), args.layers, pool, args.block_bytes)
     cfg = DataPlaneConfig(
         protocol=args.protocol, workers=args.workers, max_calls_per_peer=args.calls_per_peer
     )

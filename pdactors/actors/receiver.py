@@ -16,6 +16,7 @@ import logging
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
+import msgspec
 import trio
 
 from pdactors._pulse import Pulse
@@ -209,17 +210,7 @@ class Receiver:
         await peer.dealer.send(encode_frames(request))
 
     def _with_layout(self, request: PullRequest) -> PullRequest:
-        return PullRequest(
-            transfer_id=request.transfer_id,
-            session=request.session,
-            tp_rank=request.tp_rank,
-            tp_size=request.tp_size,
-            pp_rank=request.pp_rank,
-            pp_size=request.pp_size,
-            block_ids=request.block_ids,
-            layout_id=request.layout_id,
-            layout=self.layout,
-        )
+        return msgspec.structs.replace(request, layout=self.layout)
 
     async def _resolve(self, url: str, engine_id: str) -> str:
         """The side-channel address of ``engine_id``'s worker that serves my rank."""

@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdactors.errors import LayoutMismatch, PlanError
-from pdactors.messages import Layout
+from pdactors.messages import BlockLayout, Layout
 
 __all__ = ["TransferPlan", "check_layout", "peer_tp_rank", "plan_transfer"]
 
@@ -57,6 +57,18 @@ class TransferPlan:
     def descriptors(self) -> int:
         """Number of descriptors (after coalescing)."""
         return len(self.lengths)
+
+
+def packed_layout(base: int, regions: int, num_blocks: int, block_bytes: int) -> Layout:
+    """``regions`` regions of ``num_blocks`` packed blocks each, back to back from ``base``
+    (a ``[regions, num_blocks, block_bytes]`` buffer)."""
+    size = num_blocks * block_bytes
+    return Layout(
+        tuple(
+            BlockLayout(base + i * size, num_blocks, block_bytes, block_bytes)
+            for i in range(regions)
+        )
+    )
 
 
 def check_layout(layout: Layout) -> None:

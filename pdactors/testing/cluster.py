@@ -24,9 +24,9 @@ from pdactors.actors.bootstrap import serve_bootstrap
 from pdactors.actors.receiver import Receiver, serve_receiver
 from pdactors.actors.sender import Sender, serve_sender
 from pdactors.config import BootstrapConfig, DataPlaneConfig, ReceiverConfig, SenderConfig
+from pdactors.core.plan import packed_layout
 from pdactors.dataplane import DataPlane, open_mooncake
 from pdactors.errors import PdError
-from pdactors.messages import BlockLayout, Layout
 
 __all__ = [
     "BlockPool",
@@ -81,17 +81,7 @@ class KVBuffer:
 
     def __init__(self, layers: int, num_blocks: int, block_bytes: int) -> None:
         self.data: npt.NDArray[np.uint8] = np.zeros((layers, num_blocks, block_bytes), np.uint8)
-        self.layout = Layout(
-            tuple(
-                BlockLayout(
-                    base=self.data[i].ctypes.data,
-                    num_blocks=num_blocks,
-                    block_bytes=block_bytes,
-                    stride=block_bytes,
-                )
-                for i in range(layers)
-            )
-        )
+        self.layout = packed_layout(self.data.ctypes.data, layers, num_blocks, block_bytes)
 
     @property
     def regions(self) -> list[tuple[int, int]]:
