@@ -14,6 +14,7 @@ from pdactors.bootstrap_client import BootstrapClient as BootstrapClient
 from pdactors.bootstrap_client import open_bootstrap_client as open_bootstrap_client
 from pdactors.config import BootstrapConfig as BootstrapConfig
 from pdactors.config import DataPlaneConfig as DataPlaneConfig
+from pdactors.config import Liveness as Liveness
 from pdactors.config import PrefillBackend as PrefillBackend
 from pdactors.config import ProxyConfig as ProxyConfig
 from pdactors.config import RankInfo as RankInfo
@@ -24,6 +25,7 @@ from pdactors.dataplane import MooncakeDataPlane as MooncakeDataPlane
 from pdactors.dataplane import open_mooncake as open_mooncake
 from pdactors.errors import BootstrapError as BootstrapError
 from pdactors.errors import DataPlaneError as DataPlaneError
+from pdactors.errors import DuplicateTransfer as DuplicateTransfer
 from pdactors.errors import IllegalTransition as IllegalTransition
 from pdactors.errors import LayoutMismatch as LayoutMismatch
 from pdactors.errors import PdError as PdError

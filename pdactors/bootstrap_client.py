@@ -50,8 +50,12 @@ class BootstrapClient:
         worker: RegisterWorker,
         *,
         timeout: float,  # noqa: ASYNC109
+        lease: float | None = None,
     ) -> None:
         """``POST /register`` ``worker`` at ``url``, retrying until it is accepted.
+
+        With ``lease``, the registration lapses unless renewed within ``lease`` seconds
+        (``?lease=`` on the request; upstream's bootstrap ignores it and keeps the entry).
 
         Connection failures, 5xx and 408/425/429 answers are retried with exponential backoff
         (0.05 s, doubling, at most 1 s apart) until ``timeout`` seconds have passed. A checkpoint.
@@ -60,11 +64,13 @@ class BootstrapClient:
         out or at once when the registry refuses the registration (any other 4xx).
         """
         body = msgspec.json.encode(worker)
+        params = {} if lease is None else {"lease": f"{lease:g}"}
 
         async def attempt() -> None:
             resp = await self._http.post(
                 _route(url, "register"),
                 content=body,
+                params=params,
                 headers={"content-type": "application/json"},
             )
             if resp.status_code == 200:
@@ -129,6 +135,8 @@ async def _retry(what: str, attempt: Callable[[], Awaitable[None]], budget: floa
                 await attempt()
                 return
             except _Refused as exc:
+                raise BootstrapError(f"{what}: {exc}") from None
+            except httpx.InvalidURL as exc:
                 raise BootstrapError(f"{what}: {exc}") from None
             except (httpx.HTTPError, BootstrapError) as exc:
                 last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

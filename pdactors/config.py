@@ -10,6 +10,7 @@ import msgspec
 __all__ = [
     "BootstrapConfig",
     "DataPlaneConfig",
+    "Liveness",
     "PrefillBackend",
     "Protocol",
     "ProxyConfig",
@@ -59,6 +60,26 @@ class RankInfo(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("dp_rank must be >= 0")
 
 
+class Liveness(msgspec.Struct, frozen=True, kw_only=True):
+    """How the side channel judges a peer gone: ZMQ heartbeats, answered by libzmq's I/O thread
+    (a peer whose Python thread is busy still answers; a dead, stopped or cut-off one does not).
+
+    * ``heartbeat_interval``: seconds between pings on an idle connection.
+    * ``heartbeat_timeout``: a connection silent this long after a ping is dropped, and every
+      transfer on it ends ("peer gone") — about a second by default.
+    * ``connect_timeout``: D gives up on a P whose side channel never completes a handshake
+      (refused, unroutable, or stopped before it answered) after this long.
+    """
+
+    heartbeat_interval: float = 0.25
+    heartbeat_timeout: float = 1.0
+    connect_timeout: float = 2.0
+
+    def __post_init__(self) -> None:
+        if min(self.heartbeat_interval, self.heartbeat_timeout, self.connect_timeout) <= 0:
+            raise ValueError("liveness intervals must be > 0")
+
+
 class BootstrapConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Where the bootstrap registry listens (port 0: any free port)."""
 
@@ -69,12 +90,19 @@ class BootstrapConfig(msgspec.Struct, frozen=True, kw_only=True):
 class SenderConfig(msgspec.Struct, frozen=True, kw_only=True):
     """A P worker's sender actor.
 
-    * ``ready_timeout``: how long a D pull waits for P's prefill to finish.
+    * ``ready_timeout``: the longest a pull from a *connected* D waits for P's prefill to finish
+      (P's queue may be long: busy is not dead). A D that goes away ends its waits at once
+      (``liveness``); P dropping the request ends them at once too. Also how long P remembers
+      a prefill that started when no pull ever comes. Default 480 s, like upstream's abort
+      timeout.
     * ``unclaimed_ttl``: how long a ready transfer waits for D's pull before it expires and P
       frees its blocks.
     * ``tombstone_ttl``: how long an ended transfer id is remembered, so a late pull is answered
       at once instead of waiting.
-    * ``register_timeout``: how long registration with the bootstrap is retried.
+    * ``register_timeout``: how long the first registration with the bootstrap is retried.
+    * ``lease_interval``: seconds between renewals of the registration (a lease: the bootstrap
+      drops a worker that stops renewing after ``lease_ttl``); 0 registers once, as upstream.
+    * ``liveness``: heartbeats on the side channel (how fast a dead D is noticed).
     """
 
     engine_id: str
@@ -82,26 +110,37 @@ class SenderConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 0
     bootstrap_url: str | None = None
-    ready_timeout: float = 30.0
+    ready_timeout: float = 480.0
     unclaimed_ttl: float = 120.0
     tombstone_ttl: float = 60.0
     register_timeout: float = 30.0
+    lease_interval: float = 1.0
+    lease_ttl: float = 5.0
     tick_interval: float = 0.1
+    liveness: Liveness = Liveness()
+
+    def __post_init__(self) -> None:
+        if self.lease_interval < 0 or self.lease_ttl <= self.lease_interval:
+            raise ValueError("need 0 <= lease_interval < lease_ttl")
 
 
 class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
     """A D worker's receiver actor.
 
-    * ``pull_timeout``: the longest a pull may take, from request sent to P's answer. Must cover
-      P's ``ready_timeout`` plus the write itself.
+    * ``pull_timeout``: the pull deadline, a last resort for a P that stays alive (answers
+      heartbeats) but never answers the pull. A dead or hung P ends its pulls within about
+      ``liveness.heartbeat_timeout``; P's drop, a failed write and D's abort end them at once.
+      Keep it above P's ``ready_timeout`` plus a write. Default 540 s.
     * ``lookup_timeout``: the longest a bootstrap query may take.
+    * ``liveness``: heartbeats on the side channel (how fast a dead or hung P is noticed).
     """
 
     engine_id: str = "decode"
     ranks: RankInfo = RankInfo()
-    pull_timeout: float = 60.0
+    pull_timeout: float = 540.0
     lookup_timeout: float = 10.0
     tick_interval: float = 0.1
+    liveness: Liveness = Liveness()
 
 
 Routing = Literal["round_robin", "least_outstanding"]

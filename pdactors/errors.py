@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "BootstrapError",
     "DataPlaneError",
+    "DuplicateTransfer",
     "IllegalTransition",
     "LayoutMismatch",
     "PdError",
@@ -20,6 +21,14 @@ class PdError(Exception):
 
 class IllegalTransition(PdError):
     """An event that a transfer's state does not allow (a bug in the caller)."""
+
+
+class DuplicateTransfer(IllegalTransition):
+    """A transfer id that is already in flight was started again; the first one is untouched."""
+
+    def __init__(self, transfer_id: str) -> None:
+        self.transfer_id = transfer_id
+        super().__init__(f"transfer {transfer_id} is already in flight; this duplicate is refused")
 
 
 class PlanError(PdError, ValueError):

@@ -12,7 +12,8 @@ import pdactors
 
 PUBLIC = {
     "BlockLayout", "BootstrapClient", "BootstrapConfig", "BootstrapError", "DataPlane",
-    "DataPlaneConfig", "DataPlaneError", "IllegalTransition", "KVTransferParams", "Layout",
+    "DataPlaneConfig", "DataPlaneError", "DuplicateTransfer", "IllegalTransition",
+    "KVTransferParams", "Layout", "Liveness",
     "LayoutMismatch", "MooncakeDataPlane", "PdError", "PlanError", "PrefillBackend",
     "ProxyConfig", "PullFailedError", "PullResults", "RankInfo", "Receiver", "ReceiverConfig",
     "Sender", "SenderConfig", "TransferError", "open_bootstrap_client", "open_mooncake",

@@ -1,88 +1,134 @@
-"""The D-side pull table: every pull ends exactly once."""
+"""The D-side pull table: every pull ends exactly once, with a typed end."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pdactors.core.pull_table import Completed, PullState, PullTable, SendCancel
-from pdactors.errors import IllegalTransition
+from pdactors.core.pull_table import Completed, PullEnd, PullState, PullTable, SendCancel
+from pdactors.errors import DuplicateTransfer, IllegalTransition
+
+
+def started(timeout: float = 10.0, tid: str = "t1") -> PullTable:
+    t = PullTable(timeout=timeout)
+    t.start(tid, 0.0, bootstrap_url="http://b", engine_id="p", block_ids=(1, 2))
+    return t
+
+
+def test_the_record_holds_the_whole_pull() -> None:
+    t = started()
+    pull = t.get("t1")
+    assert pull is not None
+    assert (pull.bootstrap_url, pull.engine_id, pull.block_ids) == ("http://b", "p", (1, 2))
+    assert (pull.started, pull.deadline, pull.state) == (0.0, 10.0, PullState.LOOKING_UP)
+    t.sent("t1", "tcp://p")
+    assert (pull.state, pull.peer) == (PullState.SENT, "tcp://p")
+    [done] = t.answered("t1", ok=True)
+    assert isinstance(done, Completed) and done.pull is pull
 
 
 def test_pull_answered_ok() -> None:
-    t = PullTable(timeout=10.0)
-    t.start("t1", 0.0)
-    assert t.state("t1") is PullState.LOOKING_UP
+    t = started()
     assert t.sent("t1", "tcp://p") == []
-    assert t.state("t1") is PullState.SENT
-    assert t.answered("t1", ok=True) == [Completed("t1", True)]
+    assert t.answered("t1", ok=True) == [Completed("t1", PullEnd.DELIVERED)]
     assert "t1" not in t
     assert t.answered("t1", ok=True) == []  # a late duplicate is ignored
 
 
 def test_pull_answered_failed() -> None:
-    t = PullTable(timeout=10.0)
-    t.start("t1", 0.0)
+    t = started()
     t.sent("t1", "tcp://p")
-    assert t.answered("t1", ok=False, reason="no") == [Completed("t1", False, "no")]
+    [done] = t.answered("t1", ok=False, reason="no")
+    assert done == Completed("t1", PullEnd.REFUSED, "no") and not done.ok
 
 
-def test_timeout_after_send_cancels_at_p() -> None:
-    t = PullTable(timeout=10.0)
-    t.start("t1", 0.0)
+def test_answer_from_another_peer_is_ignored() -> None:
+    t = started()
+    t.sent("t1", "tcp://p")
+    assert t.answered("t1", ok=True, peer="tcp://other") == []
+    assert t.answered("t1", ok=True, peer="tcp://p") == [Completed("t1", PullEnd.DELIVERED)]
+
+
+def test_deadline_after_send_cancels_at_p() -> None:
+    t = started()
     t.sent("t1", "tcp://p")
     assert t.next_deadline() == 10.0
     assert t.tick(9.9) == []
-    effects = t.tick(10.0)
-    assert effects == [
-        Completed("t1", False, "timed out after 10 s"),
-        SendCancel("tcp://p", "t1", "timed out after 10 s"),
+    reason = "no answer from a live P within the pull deadline (10 s)"
+    assert t.tick(10.0) == [
+        Completed("t1", PullEnd.DEADLINE, reason),
+        SendCancel("tcp://p", "t1", reason),
     ]
     assert t.next_deadline() == float("inf")
 
 
-def test_timeout_while_looking_up_sends_no_cancel() -> None:
-    t = PullTable(timeout=1.0)
-    t.start("t1", 0.0)
-    assert t.tick(1.0) == [Completed("t1", False, "timed out after 1 s")]
+def test_deadline_while_looking_up_sends_no_cancel() -> None:
+    t = started(timeout=1.0)
+    [done] = t.tick(1.0)
+    assert done.end is PullEnd.DEADLINE
 
 
 def test_abort_before_send_then_send_cancels() -> None:
-    t = PullTable(timeout=10.0)
-    t.start("t1", 0.0)
-    assert t.abort("t1") == [Completed("t1", False, "aborted by D")]
+    t = started()
+    assert t.abort("t1") == [Completed("t1", PullEnd.ABORTED, "aborted by D")]
     # the request went out anyway (it was in the socket already): tell P at once
     assert t.sent("t1", "tcp://p") == [SendCancel("tcp://p", "t1", "pull ended before it was sent")]
 
 
 def test_abort_after_send_waits_for_p_to_confirm() -> None:
-    t = PullTable(timeout=10.0)
-    t.start("t1", 0.0)
+    t = started()
     t.sent("t1", "tcp://p")
     assert t.abort("t1", "client went away") == [SendCancel("tcp://p", "t1", "client went away")]
     assert t.state("t1") is PullState.ABORTING
     assert t.abort("t1") == []  # once is enough
     # P's write landed after all: D still reports the abort, and may now reuse its blocks
-    assert t.answered("t1", ok=True) == [Completed("t1", False, "client went away")]
+    assert t.answered("t1", ok=True) == [Completed("t1", PullEnd.ABORTED, "client went away")]
     assert "t1" not in t
 
 
 def test_abort_unconfirmed_ends_at_the_deadline() -> None:
-    t = PullTable(timeout=10.0)
-    t.start("t1", 0.0)
+    t = started()
     t.sent("t1", "tcp://p")
     t.abort("t1", "bye")
-    assert t.tick(10.0) == [Completed("t1", False, "bye; P did not confirm within 10 s")]
+    assert t.tick(10.0) == [Completed("t1", PullEnd.ABORTED, "bye; P did not confirm within 10 s")]
+
+
+def test_peer_lost_ends_every_pull_sent_there_and_frees_aborting_ones_at_once() -> None:
+    t = PullTable(timeout=10.0)
+    for tid in ("a", "b", "c", "d"):
+        t.start(tid, 0.0)
+    t.sent("a", "tcp://p")
+    t.sent("b", "tcp://p")
+    t.sent("c", "tcp://q")  # another P worker: untouched
+    t.abort("b", "client went away")
+    assert t.on_peer("tcp://p") == 2
+    effects = t.peer_lost("tcp://p", "P gone: closed")
+    assert effects == [
+        Completed("a", PullEnd.P_GONE, "P gone: closed"),
+        Completed("b", PullEnd.ABORTED, "client went away; P gone: closed"),
+    ]
+    assert set(t._pulls) == {"c", "d"}
+    assert PullEnd.P_GONE.p_may_have_moved and not PullEnd.REFUSED.p_may_have_moved
 
 
 def test_local_failure_ends_pull() -> None:
-    t = PullTable(timeout=10.0)
-    t.start("t1", 0.0)
-    assert t.fail("t1", "no bootstrap") == [Completed("t1", False, "no bootstrap")]
+    t = started()
+    assert t.fail("t1", "no bootstrap") == [Completed("t1", PullEnd.UNREACHABLE, "no bootstrap")]
+
+
+def test_a_duplicate_is_refused_and_the_pull_in_flight_is_untouched() -> None:
+    t = started()
+    t.sent("t1", "tcp://p")
+    first = t.get("t1")
+    with pytest.raises(DuplicateTransfer, match="already in flight"):
+        t.start("t1", 5.0, engine_id="other")
+    assert t.get("t1") is first and first is not None and first.engine_id == "p"
+    assert t.answered("t1", ok=True) == [Completed("t1", PullEnd.DELIVERED)]
 
 
 def test_illegal_transitions() -> None:
-    t = PullTable(timeout=10.0)
-    t.start("t1", 0.0)
+    t = started()
     with pytest.raises(IllegalTransition):
         t.start("t1", 0.0)
     t.sent("t1", "tcp://p")
@@ -91,7 +137,45 @@ def test_illegal_transitions() -> None:
 
 
 def test_answer_before_send_recorded_is_ignored() -> None:
-    t = PullTable(timeout=10.0)
-    t.start("t1", 0.0)
+    t = started()
     assert t.answered("t1", ok=True) == []
     assert t.state("t1") is PullState.LOOKING_UP
+
+
+_EVENTS = st.lists(
+    st.tuples(
+        st.sampled_from(["sent", "ok", "no", "fail", "abort", "lost", "tick"]),
+        st.sampled_from(["t1", "t2", "t3"]),
+        st.sampled_from(["tcp://p", "tcp://q"]),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_EVENTS)
+def test_every_pull_ends_exactly_once_whatever_happens(events: list[tuple[str, str, str]]) -> None:
+    t = PullTable(timeout=5.0)
+    ends: list[str] = []
+    for tid in ("t1", "t2", "t3"):
+        t.start(tid, 0.0)
+    now = 0.0
+    for kind, tid, peer in events:
+        effects = []
+        if kind == "sent" and t.state(tid) is PullState.LOOKING_UP:
+            effects = t.sent(tid, peer)
+        elif kind in ("ok", "no"):
+            effects = t.answered(tid, ok=kind == "ok")
+        elif kind == "fail":
+            effects = t.fail(tid, "x")
+        elif kind == "abort":
+            effects = t.abort(tid)
+        elif kind == "lost":
+            effects = t.peer_lost(peer, "gone")
+        elif kind == "tick":
+            now += 2.0
+            effects = t.tick(now)
+        ends += [e.transfer_id for e in effects if isinstance(e, Completed)]
+    ends += [e.transfer_id for e in t.tick(1e9) if isinstance(e, Completed)]
+    assert sorted(ends) == ["t1", "t2", "t3"]
+    assert len(t) == 0

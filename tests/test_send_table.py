@@ -191,3 +191,33 @@ def test_every_ready_transfer_is_released_exactly_once() -> None:
         effects = t.prefill_ready("t1", (1,), 0.0) + ending(t)
         effects += t.tick(1e6) + t.prefill_dropped("t1", 1e6) + t.pull_cancelled("t1", D, 1e6)
         assert sum(isinstance(e, Release) for e in effects) == 1
+
+
+def test_a_lost_d_ends_its_waiting_pulls_without_a_reply() -> None:
+    t = table()
+    other = b"other-d"
+    t.pull_arrived("t1", D, pull("t1"), 0.0)  # waits for P's prefill
+    t.pull_arrived("t2", other, pull("t2"), 0.0)  # another D: untouched
+    t.prefill_ready("t3", (7,), 0.0)
+    t.pull_arrived("t3", D, pull("t3"), 0.5)  # being written: runs to its end
+    assert t.peer_gone(D, 1.0) == []  # nothing held, nobody to answer
+    assert t.state("t1") is SendState.CANCELLED
+    assert t.state("t2") is SendState.PENDING
+    assert t.state("t3") is SendState.SENDING
+    # P's prefill finishes after D left: released at once, not written
+    assert t.prefill_ready("t1", (1, 2), 2.0) == [Release("t1", SendState.CANCELLED)]
+    # the write to the lost D ends (it fails): the reply goes nowhere, the blocks come back
+    effects = t.send_finished("t3", 3.0, error="peer gone")
+    assert Release("t3", SendState.FAILED) in effects
+
+
+def test_a_pending_prefill_that_nobody_pulls_expires() -> None:
+    t = table()
+    t.prefill_started("t1", 0.0)
+    assert t.tick(4.9) == []
+    assert t.tick(5.0) == []  # PENDING holds no blocks: nothing to release
+    assert t.state("t1") is SendState.EXPIRED
+    # its KV arrives late: released at once; a late pull is answered from the tombstone
+    assert t.prefill_ready("t1", (1,), 6.0) == [Release("t1", SendState.EXPIRED)]
+    [reply] = t.pull_arrived("t1", D, pull(), 7.0)
+    assert isinstance(reply, Reply) and isinstance(reply.msg, PullFailed)

@@ -8,6 +8,10 @@ This module holds the upstream-compatible HTTP face of the bootstrap:
   body), ``GET /query`` (the :data:`~pdactors.messages.BootstrapAnswer` JSON) and
   ``GET /health``.
 
+Registrations are leases when they say so: ``POST /register?lease=SECONDS`` (our senders renew
+every second or so) lapses unless renewed within ``SECONDS``, so a dead P leaves ``/query`` by
+itself. A registration without ``lease`` (upstream's tools register once) never lapses.
+
 The ``pdactors bootstrap`` command runs it standalone with
 ``trio.run(serve_bootstrap, BootstrapConfig(host=..., port=...))``; an engine embeds it with
 ``await nursery.start(serve_bootstrap, config)``.
@@ -39,6 +43,9 @@ _http_log = logging.getLogger("pdactors.bootstrap.http")
 #: Far above any real body (five short fields); bigger bodies are refused with 413.
 _MAX_BODY_BYTES = 64 * 1024
 
+#: The longest lease a registration may ask for (seconds).
+_MAX_LEASE = 3600.0
+
 #: What a registration changed, as :meth:`BootstrapRegistry.register` reports it.
 Registration = Literal["added", "moved", "unchanged", "engine_replaced"]
 
@@ -50,6 +57,7 @@ Registration = Literal["added", "moved", "unchanged", "engine_replaced"]
 class _DpRank:
     engine_id: str
     addrs: dict[tuple[int, int], str] = field(default_factory=dict)  # (tp, pp) -> addr
+    expires: dict[tuple[int, int], float] = field(default_factory=dict)  # (tp, pp) -> when
 
 
 class BootstrapRegistry:
@@ -62,33 +70,56 @@ class BootstrapRegistry:
       the old engine's workers are gone).
     * Registering a (dp, tp, pp) rank that is already known under the same engine id replaces
       its address (the worker restarted on a new port).
+    * A registration with a ``lease`` lapses ``lease`` seconds after it was last renewed; one
+      without never lapses. A DP rank whose every worker lapsed is gone.
 
-    No IO and no checkpoints; every method is synchronous.
+    No IO and no checkpoints; every method is synchronous and takes the time from its caller.
     """
 
     def __init__(self) -> None:
         self._ranks: dict[int, _DpRank] = {}
 
-    def register(self, worker: RegisterWorker) -> Registration:
-        """Record ``worker``'s address and say what changed.
+    def register(
+        self, worker: RegisterWorker, now: float = 0.0, lease: float | None = None
+    ) -> Registration:
+        """Record ``worker``'s address (until ``now + lease``, or for good) and say what changed.
 
         Returns ``"added"`` for a new rank, ``"moved"`` for a known rank at a new address,
-        ``"unchanged"`` for a repeat, ``"engine_replaced"`` when a new engine id took over
-        the DP rank. ``worker`` is already validated by its own type; nothing is raised.
+        ``"unchanged"`` for a repeat (a renewal), ``"engine_replaced"`` when a new engine id
+        took over the DP rank. ``worker`` is already validated by its own type; nothing is
+        raised.
         """
+        self.expire(now)
         key = (worker.tp_rank, worker.pp_rank)
+        expires = float("inf") if lease is None else now + lease
         rank = self._ranks.get(worker.dp_rank)
         if rank is None or rank.engine_id != worker.engine_id:
-            self._ranks[worker.dp_rank] = _DpRank(worker.engine_id, {key: worker.addr})
+            new = _DpRank(worker.engine_id, {key: worker.addr}, {key: expires})
+            self._ranks[worker.dp_rank] = new
             return "added" if rank is None else "engine_replaced"
         old = rank.addrs.get(key)
         rank.addrs[key] = worker.addr
+        rank.expires[key] = expires
         if old is None:
             return "added"
         return "unchanged" if old == worker.addr else "moved"
 
-    def answer(self) -> BootstrapAnswer:
-        """A fresh copy of the registry in upstream's ``GET /query`` shape, ranks in order."""
+    def expire(self, now: float) -> list[str]:
+        """Forget the workers whose lease lapsed by ``now``; returns them, described."""
+        gone: list[str] = []
+        for dp, rank in list(self._ranks.items()):
+            for tp, pp in [k for k, t in rank.expires.items() if now >= t]:
+                addr = rank.addrs.pop((tp, pp))
+                del rank.expires[tp, pp]
+                gone.append(f"{rank.engine_id} dp={dp} tp={tp} pp={pp} at {addr}")
+            if not rank.addrs:
+                del self._ranks[dp]
+        return gone
+
+    def answer(self, now: float = 0.0) -> BootstrapAnswer:
+        """A fresh copy of the live registrations in upstream's ``GET /query`` shape, ranks in
+        order."""
+        self.expire(now)
         answer: BootstrapAnswer = {}
         for dp in sorted(self._ranks):
             rank = self._ranks[dp]
@@ -119,7 +150,19 @@ def _make_app(registry: BootstrapRegistry) -> QuartTrio:
             worker = decoder.decode(body)
         except msgspec.DecodeError as exc:  # ValidationError is a DecodeError too
             return _json({"error": f"invalid registration: {exc}"}, 400)
-        change = registry.register(worker)
+        lease_arg = request.args.get("lease")
+        lease: float | None = None
+        if lease_arg is not None:
+            try:
+                lease = float(lease_arg)
+            except ValueError:
+                lease = -1.0
+            if not 0 < lease <= _MAX_LEASE:
+                message = f"lease must be a number of seconds in (0, {_MAX_LEASE:g}]"
+                return _json({"error": message}, 400)
+        change = registry.register(worker, trio.current_time(), lease)
+        if change == "unchanged":
+            return _json({"ok": True})  # a renewal: not worth a log line each second
         log.info(
             "bootstrap: engine %s dp=%d tp=%d pp=%d at %s (%s)",
             worker.engine_id,
@@ -133,7 +176,7 @@ def _make_app(registry: BootstrapRegistry) -> QuartTrio:
 
     @app.get("/query")
     async def query() -> Response:
-        return _json(registry.answer())
+        return _json(registry.answer(trio.current_time()))
 
     @app.get("/health")
     async def health() -> Response:
@@ -174,10 +217,21 @@ async def serve_bootstrap(
     normally.
     """
     sock = await bind_listener(config.host, config.port, "the bootstrap registry")
-    await serve_http(
-        _make_app(BootstrapRegistry()),
-        sock,
-        errorlog=_http_log,
-        announce=lambda url: log.info("bootstrap: listening on %s", url),
-        task_status=task_status,
-    )
+    registry = BootstrapRegistry()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_expire_loop, registry)
+        await serve_http(
+            _make_app(registry),
+            sock,
+            errorlog=_http_log,
+            announce=lambda url: log.info("bootstrap: listening on %s", url),
+            task_status=task_status,
+        )
+
+
+async def _expire_loop(registry: BootstrapRegistry) -> None:
+    """Log lapsed leases when they lapse (``/query`` never shows them either way)."""
+    while True:
+        await trio.sleep(0.5)
+        for gone in registry.expire(trio.current_time()):
+            log.warning("bootstrap: lease lapsed, %s is gone", gone)

@@ -5,16 +5,20 @@ The engine side starts pulls with :meth:`Receiver.start_pull` (synchronous, neve
 aborts them with :meth:`Receiver.abort`, and collects ends with :meth:`Receiver.take_results`
 (vLLM's ``finished_recving`` and failed loads). Trio callers can ``await receiver.pull(...)``.
 
-Per P worker, one DEALER socket is opened on first use and kept; D's layout travels with the
-first pull to each P worker only. Bootstrap answers are cached per bootstrap address and
-re-read when an engine id is not in them (P restarted) or a pull to it timed out.
+The actor is a thin trio shell around :class:`~pdactors.core.pull_table.PullTable`, which holds
+every pull's record. Per P worker, one DEALER socket is opened on first use and kept while P is
+alive (ZMQ heartbeats and the socket's monitor tell): when P's side channel is lost, every pull
+sent there ends at once as ``P_GONE``, the socket is closed, and the next pull looks P up
+again. D's layout travels with the first pull to each P worker only. Bootstrap answers are
+cached per bootstrap address and re-read when an engine id is not in them (P restarted) or
+after P was lost.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import trio
@@ -25,7 +29,7 @@ from pdactors.config import ReceiverConfig
 from pdactors.core.plan import check_layout, peer_tp_rank
 from pdactors.core.pull_table import Completed, PullEffect, PullTable, SendCancel
 from pdactors.dataplane.base import DataPlane
-from pdactors.errors import BootstrapError, PlanError, PullFailedError
+from pdactors.errors import BootstrapError, PdError, PullFailedError
 from pdactors.messages import (
     BootstrapAnswer,
     CancelPull,
@@ -62,12 +66,17 @@ class _Peer:
     dealer: DealerSocket
     knows_layout: bool = False
     sent_garbage: bool = False
+    lost: bool = False
 
 
-@dataclass(slots=True)
 class _Waiter:
-    done: trio.Event = field(default_factory=trio.Event)
-    result: Completed | None = None
+    """How an awaiting :meth:`Receiver.pull` hears its pull's end (kept in the pull's record)."""
+
+    __slots__ = ("done", "result")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.result: Completed | None = None
 
 
 class Receiver:
@@ -89,17 +98,13 @@ class Receiver:
         self._client = client
         self._nursery = nursery
         self._table = PullTable(timeout=config.pull_timeout)
-        self._requests: dict[str, PullRequest] = {}
         self._lookups: dict[str, BootstrapAnswer] = {}
         self._lookup_locks: defaultdict[str, trio.Lock] = defaultdict(trio.Lock)
         self._peers: dict[str, _Peer] = {}
         self._peer_locks: defaultdict[str, trio.Lock] = defaultdict(trio.Lock)
-        self._origin: dict[str, str] = {}  # transfer id -> bootstrap url, to drop stale answers
-        self._waiters: dict[str, _Waiter] = {}
         self._finished: set[str] = set()
         self._failed: dict[str, str] = {}
         self._results_changed = Pulse()
-        self._started: dict[str, float] = {}
         #: Seconds each delivered pull took (start to P's answer), newest last; readers drain it.
         self.pull_seconds: deque[float] = deque(maxlen=10_000)
 
@@ -116,13 +121,23 @@ class Receiver:
         """Ask P (``engine_id``, found at ``bootstrap_url``) to write ``transfer_id`` into
         ``block_ids``. Never blocks; the end is reported by :meth:`take_results`.
 
-        Raises :class:`~pdactors.errors.IllegalTransition` when that pull is already in flight.
+        Raises :class:`~pdactors.errors.DuplicateTransfer` when that transfer id is already in
+        flight (the pull in flight is not disturbed).
         """
-        now = trio.current_time()
-        self._table.start(transfer_id, now)
-        self._origin[transfer_id] = bootstrap_url
-        self._started[transfer_id] = now
-        self._nursery.start_soon(self._run_pull, transfer_id, bootstrap_url, engine_id, block_ids)
+        self._start(transfer_id, bootstrap_url, engine_id, tuple(block_ids), None)
+
+    def _start(
+        self, tid: str, url: str, engine_id: str, block_ids: tuple[int, ...], waiter: object
+    ) -> None:
+        self._table.start(
+            tid,
+            trio.current_time(),
+            bootstrap_url=url,
+            engine_id=engine_id,
+            block_ids=block_ids,
+            waiter=waiter,
+        )
+        self._nursery.start_soon(self._run_pull, tid)
 
     def abort(self, transfer_id: str, reason: str = "aborted by D") -> None:
         """Give up on ``transfer_id``: it ends as failed, and P is told to free its blocks."""
@@ -159,17 +174,15 @@ class Receiver:
     ) -> None:
         """Pull ``transfer_id`` and wait for its end. Checkpoint.
 
-        Raises :class:`~pdactors.errors.PullFailedError` when it does not land. If this task is
-        cancelled, the pull is aborted (and P told).
+        Raises :class:`~pdactors.errors.PullFailedError` when it does not land, and
+        :class:`~pdactors.errors.DuplicateTransfer` at once when that transfer id is already in
+        flight. If this task is cancelled, the pull is aborted (and P told).
         """
-        waiter = self._waiters[transfer_id] = _Waiter()
+        waiter = _Waiter()
+        self._start(transfer_id, bootstrap_url, engine_id, tuple(block_ids), waiter)
         try:
-            self.start_pull(
-                transfer_id, bootstrap_url=bootstrap_url, engine_id=engine_id, block_ids=block_ids
-            )
             await waiter.done.wait()
         finally:
-            del self._waiters[transfer_id]
             if waiter.result is None:
                 self.abort(transfer_id, "the waiting task was cancelled")
         assert waiter.result is not None
@@ -178,16 +191,21 @@ class Receiver:
 
     # ------------------------------------------------------------------ the work
 
-    async def _run_pull(
-        self, tid: str, url: str, engine_id: str, block_ids: list[int] | tuple[int, ...]
-    ) -> None:
-        try:
-            address = await self._resolve(url, engine_id)
-            peer = await self._peer(address)
-        except (BootstrapError, PlanError, OSError) as exc:
-            self._apply(self._table.fail(tid, f"cannot reach P {engine_id} via {url}: {exc}"))
+    async def _run_pull(self, tid: str) -> None:
+        pull = self._table.get(tid)
+        if pull is None:
             return
-        if tid not in self._table:  # aborted or timed out while looking P up
+        try:
+            address = await self._resolve(pull.bootstrap_url, pull.engine_id)
+            peer = await self._peer(address)
+        except (PdError, OSError) as exc:
+            where = f"P {pull.engine_id} via {pull.bootstrap_url}"
+            self._apply(self._table.fail(tid, f"cannot reach {where}: {exc}"))
+            return
+        if self._table.get(tid) is not pull:  # aborted or timed out while looking P up
+            return
+        if peer.lost:
+            self._apply(self._table.fail(tid, f"P worker {address} was just lost"))
             return
         ranks = self.config.ranks
         request = PullRequest(
@@ -197,17 +215,19 @@ class Receiver:
             tp_size=ranks.tp_size,
             pp_rank=ranks.pp_rank,
             pp_size=ranks.pp_size,
-            block_ids=tuple(block_ids),
+            block_ids=pull.block_ids,
             layout_id=self._layout_id,
         )
-        self._requests[tid] = request
+        # Recorded before the send: P's answer may arrive before this task runs again.
+        self._apply(self._table.sent(tid, address, request))
         if not peer.knows_layout:
             # Messages on one connection arrive in order: whoever sends first carries the layout.
             peer.knows_layout = True
             request = self._with_layout(request)
-        # Recorded before the send: P's answer may arrive before this task runs again.
-        self._apply(self._table.sent(tid, address))
-        await peer.dealer.send(encode_frames(request))
+        try:
+            await peer.dealer.send(encode_frames(request))
+        except trio.ClosedResourceError:  # P was lost meanwhile: that ended the pull already
+            self._apply(self._table.fail(tid, f"P worker {address} was lost"))
 
     def _with_layout(self, request: PullRequest) -> PullRequest:
         return msgspec.structs.replace(request, layout=self.layout)
@@ -244,6 +264,13 @@ class Receiver:
             return by_pp.get(ranks.pp_rank)
         return None
 
+    def _forget_lookups_of(self, address: str) -> None:
+        """Drop cached bootstrap answers that point at ``address`` (P moved or died)."""
+        for url, answer in list(self._lookups.items()):
+            by_tp = (e.worker_addr.values() for e in answer.values())
+            if any(address in by_pp.values() for tps in by_tp for by_pp in tps):
+                del self._lookups[url]
+
     async def _peer(self, address: str) -> _Peer:
         peer = self._peers.get(address)
         if peer is not None:
@@ -257,38 +284,67 @@ class Receiver:
     async def _serve_peer(
         self, address: str, *, task_status: trio.TaskStatus[_Peer] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        async with open_dealer(address) as dealer:
+        """One P worker's connection: read its answers until it is lost, then end its pulls."""
+        liveness = self.config.liveness
+        # A malformed address raises TransportError here, before started: nursery.start
+        # re-raises it to the pull that asked, which ends as unreachable.
+        async with open_dealer(address, liveness=liveness) as dealer:
             peer = self._peers[address] = _Peer(address, dealer)
             task_status.started(peer)
             try:
-                while True:
-                    frames = await dealer.receive()
-                    try:
-                        msg = decode_frames(frames)
-                    except FrameError as exc:
-                        if not peer.sent_garbage:  # log once per peer
-                            peer.sent_garbage = True
-                            log.warning("bad frame from P worker %s: %s", address, exc)
-                        continue
-                    self._on_answer(peer, msg)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._read_answers, peer)
+                    reason = await dealer.wait_lost(liveness.connect_timeout)
+                    nursery.cancel_scope.cancel()
             finally:
+                peer.lost = True
                 del self._peers[address]
+        self._lost(address, reason)
+
+    def _lost(self, address: str, reason: str) -> None:
+        self._forget_lookups_of(address)
+        pulls = self._table.on_peer(address)
+        if pulls:
+            log.warning("P worker %s gone (%s): %d pulls end", address, reason, pulls)
+        else:
+            log.info("P worker %s gone (%s)", address, reason)
+        self._apply(self._table.peer_lost(address, f"P gone: {reason}"))
+
+    async def _read_answers(self, peer: _Peer) -> None:
+        while True:
+            frames = await peer.dealer.receive()
+            try:
+                msg = decode_frames(frames)
+            except FrameError as exc:
+                if not peer.sent_garbage:  # log once per peer
+                    peer.sent_garbage = True
+                    log.warning("bad frame from P worker %s: %s", peer.address, exc)
+                continue
+            self._on_answer(peer, msg)
 
     def _on_answer(self, peer: _Peer, msg: Msg) -> None:
         match msg:
             case PullDone(transfer_id=tid):
-                self._apply(self._table.answered(tid, ok=True))
+                self._apply(self._table.answered(tid, ok=True, peer=peer.address))
             case PullFailed(transfer_id=tid, reason=reason):
-                self._apply(self._table.answered(tid, ok=False, reason=f"P: {reason}"))
+                reason = f"P: {reason}"
+                self._apply(self._table.answered(tid, ok=False, reason=reason, peer=peer.address))
             case LayoutUnknown(transfer_id=tid):
-                request = self._requests.get(tid)
-                if request is not None:  # P forgot us (restart): resend with the layout
-                    frames = encode_frames(self._with_layout(request))
-                    self._nursery.start_soon(peer.dealer.send, frames)
+                pull = self._table.get(tid)
+                if pull is not None and pull.request is not None and pull.peer == peer.address:
+                    # P forgot us (restart): resend with the layout
+                    frames = encode_frames(self._with_layout(pull.request))
+                    self._nursery.start_soon(self._send_quietly, peer, frames)
             case ErrorReply(reason=reason):
                 log.warning("P worker %s could not read our message: %s", peer.address, reason)
             case _:
                 log.warning("unexpected %s from P worker %s", type(msg).__name__, peer.address)
+
+    async def _send_quietly(self, peer: _Peer, frames: list[bytes]) -> None:
+        try:
+            await peer.dealer.send(frames)
+        except trio.ClosedResourceError:
+            pass  # P was lost: its pulls end through peer_lost
 
     async def _tick_loop(self) -> None:
         while True:
@@ -298,33 +354,35 @@ class Receiver:
     async def _send_cancel(self, cancel: SendCancel) -> None:
         peer = self._peers.get(cancel.peer)
         if peer is not None:
-            await peer.dealer.send(encode_frames(CancelPull(cancel.transfer_id, cancel.reason)))
+            frames = encode_frames(CancelPull(cancel.transfer_id, cancel.reason))
+            await self._send_quietly(peer, frames)
 
     def _apply(self, effects: list[PullEffect]) -> None:
         for effect in effects:
             match effect:
                 case SendCancel():
                     self._nursery.start_soon(self._send_cancel, effect)
-                case Completed(transfer_id=tid, ok=ok, reason=reason):
-                    self._requests.pop(tid, None)
-                    url = self._origin.pop(tid, None)
-                    started = self._started.pop(tid, None)
-                    if ok and started is not None:
-                        self.pull_seconds.append(trio.current_time() - started)
-                    if not ok:
-                        log.info("pull %s failed: %s", tid, reason)
-                        if url is not None and "timed out" in reason:
-                            self._lookups.pop(url, None)  # P may have moved: look again
-                    waiter = self._waiters.get(tid)
-                    if waiter is not None:
-                        waiter.result = effect
-                        waiter.done.set()
-                        continue
-                    if ok:
-                        self._finished.add(tid)
-                    else:
-                        self._failed[tid] = reason
-                    self._results_changed.fire()
+                case Completed():
+                    self._completed(effect)
+
+    def _completed(self, done: Completed) -> None:
+        tid, pull = done.transfer_id, done.pull
+        assert pull is not None
+        if done.ok:
+            self.pull_seconds.append(trio.current_time() - pull.started)
+        else:
+            log.info("pull %s failed (%s): %s", tid, done.end.value, done.reason)
+            if done.end.p_may_have_moved:
+                self._lookups.pop(pull.bootstrap_url, None)  # look P up again next time
+        if isinstance(pull.waiter, _Waiter):
+            pull.waiter.result = done
+            pull.waiter.done.set()
+            return
+        if done.ok:
+            self._finished.add(tid)
+        else:
+            self._failed[tid] = done.reason
+        self._results_changed.fire()
 
 
 async def serve_receiver(

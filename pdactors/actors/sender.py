@@ -6,8 +6,10 @@ engine side tells it about transfers with the synchronous methods of :class:`Sen
 P may free with ``take_finished`` (vLLM's ``finished_sending``).
 
 The actor is a thin trio shell around :class:`~pdactors.core.send_table.SendTable`: a receive
-loop feeds D's messages in, a tick loop feeds the clock in, and the effects come out as
-replies (through one outbox task), writes (one task per transfer) and released ids.
+loop feeds D's messages in, a loss loop feeds in the D workers whose side channel closed or
+went silent (ZMQ heartbeats and the ROUTER's monitor), a tick loop feeds the clock in, and the
+effects come out as replies (through one outbox task), writes (one task per transfer) and
+released ids. A lease loop renews the worker's bootstrap registration.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import logging
 import math
 from collections import OrderedDict, deque
 
+import msgspec
 import trio
 
 from pdactors._pulse import Pulse
-from pdactors.bootstrap_client import open_bootstrap_client
+from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import SenderConfig
 from pdactors.core.plan import check_layout, peer_tp_rank, plan_transfer
 from pdactors.core.send_table import (
@@ -32,7 +35,7 @@ from pdactors.core.send_table import (
     StartSend,
 )
 from pdactors.dataplane.base import DataPlane
-from pdactors.errors import DataPlaneError, PlanError
+from pdactors.errors import BootstrapError, DataPlaneError, PlanError
 from pdactors.messages import (
     CancelPull,
     ErrorReply,
@@ -53,6 +56,8 @@ __all__ = ["Sender", "serve_sender"]
 log = logging.getLogger("pdactors.sender")
 
 _MAX_LAYOUTS = 1024
+#: Peers remembered as having sent garbage (logged once each); forgotten when they disconnect.
+_MAX_BAD_PEERS = 4096
 
 
 class Sender:
@@ -149,8 +154,20 @@ class Sender:
                 case _:
                     self._bad_frame(identity, f"unexpected message {type(msg).__name__}")
 
+    async def _loss_loop(self) -> None:
+        async for identity in self._router.lost_peers:
+            self._bad_peers.discard(identity)
+            effects = self._table.peer_gone(identity, trio.current_time())
+            if effects:
+                log.warning(
+                    "D worker %s gone: %d transfers it pulled end", identity.hex(), len(effects)
+                )
+            self._apply(effects)
+
     def _bad_frame(self, identity: bytes, reason: str) -> None:
         if identity not in self._bad_peers:  # log once per peer, answer every time
+            if len(self._bad_peers) >= _MAX_BAD_PEERS:
+                self._bad_peers.clear()
             self._bad_peers.add(identity)
             log.warning("bad frame from peer %s: %s", identity.hex(), reason)
         self._outbox_send.send_nowait((identity, ErrorReply(reason)))
@@ -166,8 +183,12 @@ class Sender:
             self._layouts.move_to_end(pull.layout_id)
             while len(self._layouts) > _MAX_LAYOUTS:
                 self._layouts.popitem(last=False)
-        elif pull.layout_id not in self._layouts:
-            return [Reply(identity, LayoutUnknown(tid, pull.layout_id))]
+        else:
+            known = self._layouts.get(pull.layout_id)
+            if known is None:
+                return [Reply(identity, LayoutUnknown(tid, pull.layout_id))]
+            # The pull keeps its layout: an eviction before the write cannot fail it.
+            pull = msgspec.structs.replace(pull, layout=known)
         ranks = self.config.ranks
         try:
             mine = peer_tp_rank(pull.tp_rank, pull.tp_size, ranks.tp_size)
@@ -195,11 +216,9 @@ class Sender:
         error: str | None = None
         nbytes = descriptors = 0
         start = trio.current_time()
+        assert pull.layout is not None  # attached when the pull arrived
         try:
-            dst_layout = self._layouts.get(pull.layout_id)
-            if dst_layout is None:
-                raise PlanError(f"D's layout {pull.layout_id} was forgotten; retry")
-            plan = plan_transfer(self.layout, job.src_blocks, dst_layout, pull.block_ids)
+            plan = plan_transfer(self.layout, job.src_blocks, pull.layout, pull.block_ids)
             nbytes, descriptors = plan.nbytes, plan.descriptors
             await self._dataplane.write(pull.session, plan.src, plan.dst, plan.lengths)
         except (PlanError, DataPlaneError) as exc:
@@ -243,7 +262,11 @@ async def serve_sender(
     ``config.register_timeout``), then serves. Raises
     :class:`~pdactors.errors.BootstrapError` when registration never succeeds.
     """
-    async with open_router(config.host, config.port) as router, trio.open_nursery() as nursery:
+    async with (
+        open_router(config.host, config.port, liveness=config.liveness) as router,
+        open_bootstrap_client() as client,
+        trio.open_nursery() as nursery,
+    ):
         sender = Sender(config, dataplane, layout, router, nursery)
         if config.bootstrap_url is not None:
             ranks = config.ranks
@@ -254,10 +277,37 @@ async def serve_sender(
                 pp_rank=ranks.pp_rank,
                 addr=router.address,
             )
-            async with open_bootstrap_client() as client:
-                await client.register(config.bootstrap_url, worker, timeout=config.register_timeout)
+            lease = config.lease_ttl if config.lease_interval > 0 else None
+            url, timeout = config.bootstrap_url, config.register_timeout
+            await client.register(url, worker, timeout=timeout, lease=lease)
+            if lease is not None:
+                nursery.start_soon(_renew_lease, client, url, worker, config)
         nursery.start_soon(sender._receive_loop)
+        nursery.start_soon(sender._loss_loop)
         nursery.start_soon(sender._outbox_loop)
         nursery.start_soon(sender._tick_loop)
         log.info("sender %s rank %s serving on %s", config.engine_id, config.ranks, router.address)
         task_status.started(sender)
+
+
+async def _renew_lease(
+    client: BootstrapClient, url: str, worker: RegisterWorker, config: SenderConfig
+) -> None:
+    """Re-register every ``lease_interval``, forever: the registration is a lease that lapses
+    when P dies, and a renewal puts P's entry back if someone replaced it. A failed renewal is
+    logged once per outage and retried; it never stops the sender."""
+    failing = False
+    while True:
+        await trio.sleep(config.lease_interval)
+        try:
+            await client.register(
+                url, worker, timeout=config.lease_interval, lease=config.lease_ttl
+            )
+        except BootstrapError as exc:
+            if not failing:
+                log.warning("sender %s: lease renewal failing: %s", worker.engine_id, exc)
+            failing = True
+            continue
+        if failing:
+            log.info("sender %s: lease renewed again at %s", worker.engine_id, url)
+        failing = False

@@ -1,37 +1,42 @@
 """D side: the pulls one D worker has in flight, and how each one ends.
 
-Sans-IO, like :mod:`pdactors.core.send_table`. Every pull ends exactly once — delivered,
-failed, aborted or timed out — and that end is one :class:`Completed` effect. A pull that had
-reached P when it was aborted or timed out also yields :class:`SendCancel`, so P frees its
+Sans-IO, like :mod:`pdactors.core.send_table`. A pull's whole life is one :class:`Pull` record
+here — where P is looked up, which blocks it fills, the request sent, when it started, who
+waits for it — so the receiver actor keeps no per-transfer map of its own. Every pull ends
+exactly once, as one :class:`Completed` effect with a typed :class:`PullEnd`. A pull that had
+reached P when D gave up (abort, deadline) also yields :class:`SendCancel`, so P frees its
 blocks at once instead of waiting for its own expiry.
 
 An abort of a pull that reached P does not end it at once: P may be writing into D's blocks, so
-the pull ends (as failed) when P answers anything, or at its deadline. Only then may D reuse the
-blocks.
+the pull ends (as aborted) when P answers anything, when P is known to be gone (no write can
+land any more), or at the deadline. Only then may D reuse the blocks.
 
 ============  ===========================  ===============================================
 state         entered when                 leaves when
 ============  ===========================  ===============================================
 LOOKING_UP    ``start``                    ``sent`` → SENT; ``fail`` / ``abort`` / the
-                                           deadline → ended (Completed)
-SENT          the pull went out to P       P answers, ``fail`` or the deadline → ended
-                                           (Completed, + SendCancel on the deadline);
+                                           deadline → ended
+SENT          the pull went out to P       P answers, ``fail``, ``peer_lost`` or the
+                                           deadline → ended (+ SendCancel on the deadline);
                                            ``abort`` → ABORTING (+ SendCancel)
-ABORTING      D gave up on a pull P has    P answers (whatever it says), ``fail`` or the
-                                           deadline → ended (Completed, failed)
+ABORTING      D gave up on a pull P has    P answers (whatever it says), ``fail``,
+                                           ``peer_lost`` or the deadline → ended (ABORTED)
 ============  ===========================  ===============================================
 
-Ended pulls are forgotten at once; a late answer from P is ignored.
+A second ``start`` for a transfer id in flight raises :class:`DuplicateTransfer` and changes
+nothing. Ended pulls are forgotten at once; a late answer from P, or one from a peer the pull
+was not sent to, is ignored.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pdactors.errors import IllegalTransition
+from pdactors.errors import DuplicateTransfer, IllegalTransition
+from pdactors.messages import PullRequest
 
-__all__ = ["Completed", "PullState", "PullTable", "SendCancel"]
+__all__ = ["Completed", "Pull", "PullEnd", "PullState", "PullTable", "SendCancel"]
 
 
 class PullState(enum.Enum):
@@ -40,13 +45,61 @@ class PullState(enum.Enum):
     ABORTING = "aborting"
 
 
-@dataclass(frozen=True, slots=True)
-class Completed:
-    """The pull of ``transfer_id`` ended: ``ok`` (KV landed) or failed with ``reason``."""
+class PullEnd(enum.Enum):
+    """How a pull ended. Only ``DELIVERED`` means D's blocks hold P's KV."""
+
+    DELIVERED = "delivered"
+    #: P answered that it will not deliver (dropped, failed write, bad request, ...).
+    REFUSED = "refused"
+    #: P's side channel was lost: its process died or it stopped answering heartbeats.
+    P_GONE = "p_gone"
+    #: D could not find or reach P (bootstrap look-up, bad address, socket error).
+    UNREACHABLE = "unreachable"
+    #: D gave up (engine abort, cancelled caller).
+    ABORTED = "aborted"
+    #: The last resort: P stayed alive but never answered within the pull deadline.
+    DEADLINE = "deadline"
+
+    @property
+    def ok(self) -> bool:
+        return self is PullEnd.DELIVERED
+
+    @property
+    def p_may_have_moved(self) -> bool:
+        """After this end, D should look P up again rather than trust its cached address."""
+        return self in (PullEnd.P_GONE, PullEnd.UNREACHABLE, PullEnd.DEADLINE)
+
+
+@dataclass(slots=True, eq=False)
+class Pull:
+    """One pull in flight. ``waiter`` is opaque here: the actor's wake-up for an awaiting
+    caller, handed back with the :class:`Completed` effect."""
 
     transfer_id: str
-    ok: bool
+    bootstrap_url: str
+    engine_id: str
+    block_ids: tuple[int, ...]
+    started: float
+    deadline: float
+    state: PullState = PullState.LOOKING_UP
+    peer: str = ""
+    request: PullRequest | None = None
+    abort_reason: str = ""
+    waiter: object = field(default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    """The pull of ``transfer_id`` ended with ``end``; ``reason`` says why when not delivered."""
+
+    transfer_id: str
+    end: PullEnd
     reason: str = ""
+    pull: Pull | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.end.ok
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,20 +114,15 @@ class SendCancel:
 PullEffect = Completed | SendCancel
 
 
-@dataclass(slots=True)
-class _Pull:
-    state: PullState
-    deadline: float
-    peer: str = ""
-    reason: str = ""  # why D aborted (ABORTING)
-
-
 class PullTable:
-    """The pulls of one D worker (see the module docstring for the rules)."""
+    """The pulls of one D worker (see the module docstring for the rules).
+
+    ``timeout`` is the pull deadline: the last resort for a P that stays alive and silent.
+    """
 
     def __init__(self, *, timeout: float) -> None:
         self.timeout = timeout
-        self._pulls: dict[str, _Pull] = {}
+        self._pulls: dict[str, Pull] = {}
 
     def __len__(self) -> int:
         return len(self._pulls)
@@ -82,72 +130,125 @@ class PullTable:
     def __contains__(self, transfer_id: object) -> bool:
         return transfer_id in self._pulls
 
+    def get(self, transfer_id: str) -> Pull | None:
+        return self._pulls.get(transfer_id)
+
     def state(self, transfer_id: str) -> PullState | None:
         pull = self._pulls.get(transfer_id)
         return pull.state if pull else None
 
-    def start(self, transfer_id: str, now: float) -> None:
-        """A new pull; it must end within ``timeout`` seconds from ``now``."""
-        if transfer_id in self._pulls:
-            raise IllegalTransition(f"{transfer_id}: a pull is already in flight")
-        self._pulls[transfer_id] = _Pull(PullState.LOOKING_UP, now + self.timeout)
+    def on_peer(self, peer: str) -> int:
+        """How many pulls in flight were sent to ``peer``."""
+        return sum(1 for p in self._pulls.values() if p.peer == peer)
 
-    def sent(self, transfer_id: str, peer: str) -> list[PullEffect]:
+    # ------------------------------------------------------------------ D's engine
+
+    def start(
+        self,
+        transfer_id: str,
+        now: float,
+        *,
+        bootstrap_url: str = "",
+        engine_id: str = "",
+        block_ids: tuple[int, ...] = (),
+        waiter: object = None,
+    ) -> Pull:
+        """A new pull; it must end within ``timeout`` seconds from ``now``.
+
+        Raises :class:`DuplicateTransfer` (and changes nothing) when ``transfer_id`` is in flight.
+        """
+        if transfer_id in self._pulls:
+            raise DuplicateTransfer(transfer_id)
+        pull = Pull(
+            transfer_id, bootstrap_url, engine_id, block_ids, now, now + self.timeout, waiter=waiter
+        )
+        self._pulls[transfer_id] = pull
+        return pull
+
+    def abort(self, transfer_id: str, reason: str = "aborted by D") -> list[PullEffect]:
+        """D's engine no longer wants ``transfer_id``; ignored if already ended or aborting.
+
+        Ends at once when P was not asked yet; otherwise P is told and the pull ends when P
+        answers (or is gone, or at the deadline), so D's blocks are not reused under a write.
+        """
+        pull = self._pulls.get(transfer_id)
+        if pull is None or pull.state is PullState.ABORTING:
+            return []
+        if pull.state is PullState.LOOKING_UP:
+            return [self._end(pull, PullEnd.ABORTED, reason)]
+        pull.state, pull.abort_reason = PullState.ABORTING, reason
+        return [SendCancel(pull.peer, transfer_id, reason)]
+
+    # ------------------------------------------------------------------ the actor's work
+
+    def sent(
+        self, transfer_id: str, peer: str, request: PullRequest | None = None
+    ) -> list[PullEffect]:
         """The pull request went out to ``peer``. If it ended meanwhile, cancel it there."""
         pull = self._pulls.get(transfer_id)
         if pull is None:
             return [SendCancel(peer, transfer_id, "pull ended before it was sent")]
         if pull.state is not PullState.LOOKING_UP:
             raise IllegalTransition(f"{transfer_id}: sent while {pull.state.value}")
-        pull.state, pull.peer = PullState.SENT, peer
+        pull.state, pull.peer, pull.request = PullState.SENT, peer, request
         return []
 
-    def answered(self, transfer_id: str, *, ok: bool, reason: str = "") -> list[PullEffect]:
-        """P answered (``PullDone`` → ok, ``PullFailed`` → not ok). Late answers are ignored."""
+    def answered(
+        self, transfer_id: str, *, ok: bool, reason: str = "", peer: str | None = None
+    ) -> list[PullEffect]:
+        """P answered (``PullDone`` → ok, ``PullFailed`` → not ok). Late answers, and answers
+        from a ``peer`` other than the one asked, are ignored."""
         pull = self._pulls.get(transfer_id)
         if pull is None or pull.state is PullState.LOOKING_UP:
             return []
-        del self._pulls[transfer_id]
+        if peer is not None and peer != pull.peer:
+            return []
         if pull.state is PullState.ABORTING:  # P is done with D's blocks; D gave up on them
-            return [Completed(transfer_id, False, pull.reason)]
-        return [Completed(transfer_id, ok, reason)]
+            return [self._end(pull, PullEnd.ABORTED, pull.abort_reason)]
+        return [self._end(pull, PullEnd.DELIVERED if ok else PullEnd.REFUSED, reason)]
 
     def fail(self, transfer_id: str, reason: str) -> list[PullEffect]:
-        """The pull failed on D's side (look-up, socket); ignored if already ended."""
-        pull = self._pulls.pop(transfer_id, None)
-        return [] if pull is None else [Completed(transfer_id, False, reason)]
-
-    def abort(self, transfer_id: str, reason: str = "aborted by D") -> list[PullEffect]:
-        """D's engine no longer wants ``transfer_id``; ignored if already ended or aborting.
-
-        Ends at once when P was not asked yet; otherwise P is told and the pull ends when P
-        answers (or at the deadline), so D's blocks are not reused under a write.
-        """
+        """D could not find or reach P for this pull; ignored if already ended."""
         pull = self._pulls.get(transfer_id)
-        if pull is None or pull.state is PullState.ABORTING:
+        if pull is None:
             return []
-        if pull.state is PullState.LOOKING_UP:
-            del self._pulls[transfer_id]
-            return [Completed(transfer_id, False, reason)]
-        pull.state, pull.reason = PullState.ABORTING, reason
-        return [SendCancel(pull.peer, transfer_id, reason)]
+        if pull.state is PullState.ABORTING:
+            return [self._end(pull, PullEnd.ABORTED, f"{pull.abort_reason}; {reason}")]
+        return [self._end(pull, PullEnd.UNREACHABLE, reason)]
+
+    def peer_lost(self, peer: str, reason: str) -> list[PullEffect]:
+        """P's side channel at ``peer`` is gone (process died, heartbeats stopped): every pull
+        sent there ends now, and an aborting one frees D's blocks at once."""
+        effects: list[PullEffect] = []
+        for pull in [p for p in self._pulls.values() if p.peer == peer]:
+            if pull.state is PullState.ABORTING:
+                effects.append(self._end(pull, PullEnd.ABORTED, f"{pull.abort_reason}; {reason}"))
+            else:
+                effects.append(self._end(pull, PullEnd.P_GONE, reason))
+        return effects
+
+    # ------------------------------------------------------------------ time
 
     def tick(self, now: float) -> list[PullEffect]:
         """End every pull whose deadline has passed."""
-        late = [tid for tid, pull in self._pulls.items() if now >= pull.deadline]
         effects: list[PullEffect] = []
-        for tid in late:
-            pull = self._pulls.pop(tid)
+        for pull in [p for p in self._pulls.values() if now >= p.deadline]:
             if pull.state is PullState.ABORTING:
-                reason = f"{pull.reason}; P did not confirm within {self.timeout:g} s"
-                effects.append(Completed(tid, False, reason))
+                reason = f"{pull.abort_reason}; P did not confirm within {self.timeout:g} s"
+                effects.append(self._end(pull, PullEnd.ABORTED, reason))
                 continue
-            reason = f"timed out after {self.timeout:g} s"
-            effects.append(Completed(tid, False, reason))
+            reason = f"no answer from a live P within the pull deadline ({self.timeout:g} s)"
+            effects.append(self._end(pull, PullEnd.DEADLINE, reason))
             if pull.state is PullState.SENT:
-                effects.append(SendCancel(pull.peer, tid, reason))
+                effects.append(SendCancel(pull.peer, pull.transfer_id, reason))
         return effects
 
     def next_deadline(self) -> float:
         """The earliest deadline of a pull in flight (``inf`` when none)."""
         return min((p.deadline for p in self._pulls.values()), default=float("inf"))
+
+    # ------------------------------------------------------------------ internals
+
+    def _end(self, pull: Pull, end: PullEnd, reason: str) -> Completed:
+        del self._pulls[pull.transfer_id]
+        return Completed(pull.transfer_id, end, "" if end.ok else reason, pull)

@@ -11,13 +11,16 @@ state         entered when                    leaves when
 ============  ==============================  ==============================================
 PENDING       P's prefill started, or D's     P: ready → SENDING if a pull waits, else READY;
               pull came first                 P: dropped → DROPPED (waiting pull failed now);
-                                              the waiting pull passes ``ready_timeout`` →
-                                              TIMED_OUT; D cancels → CANCELLED
+                                              D cancels, or the pulling D is gone →
+                                              CANCELLED; the waiting pull passes
+                                              ``ready_timeout`` → TIMED_OUT; no pull and no
+                                              ready within ``ready_timeout`` → EXPIRED
 READY         P finished: its block ids       pull arrives → SENDING; ``unclaimed_ttl``
               are known, no pull yet          passes → EXPIRED (+Release); D cancels or P
                                               drops → CANCELLED / DROPPED (+Release)
 SENDING       a pull met P's blocks           the write ends → DONE or FAILED (+Reply,
-                                              +Release); cancels wait for the write
+                                              +Release); cancels and a lost D wait for the
+                                              write (it cannot be stopped)
 DONE, FAILED, an end                          ``tombstone_ttl`` passes → forgotten
 TIMED_OUT,
 EXPIRED,
@@ -211,6 +214,21 @@ class SendTable:
         entry.pull_deadline = now + self.ready_timeout
         return []
 
+    def peer_gone(self, identity: bytes, now: float, reason: str = "") -> list[Effect]:
+        """The D worker behind ``identity`` is gone (its side channel closed or went silent).
+
+        Every transfer it pulled that is not being written ends as CANCELLED, with no reply;
+        P's blocks are released now, or as soon as they are ready (the tombstone). A write in
+        flight runs to its end, which releases the blocks.
+        """
+        reason = "the pulling D worker is gone" + (f": {reason}" if reason else "")
+        effects: list[Effect] = []
+        for tid, entry in self._entries.items():
+            if entry.identity == identity and entry.state is SendState.PENDING:
+                entry.pull = None  # nobody to answer
+                effects += self._end(tid, entry, SendState.CANCELLED, now, reason)
+        return effects
+
     def pull_cancelled(
         self, transfer_id: str, identity: bytes, now: float, reason: str = ""
     ) -> list[Effect]:
@@ -261,6 +279,10 @@ class SendTable:
                 if now >= entry.pull_deadline:
                     reason = f"P's prefill was not ready within {self.ready_timeout:g} s"
                     effects += self._end(tid, entry, SendState.TIMED_OUT, now, reason)
+            elif entry.state is SendState.PENDING:
+                if now >= entry.since + self.ready_timeout:
+                    reason = f"no pull and no ready KV within {self.ready_timeout:g} s"
+                    effects += self._end(tid, entry, SendState.EXPIRED, now, reason)
             elif entry.state is SendState.READY:
                 if now >= entry.expires_at:
                     reason = f"P's KV expired: no pull within {self.unclaimed_ttl:g} s"
