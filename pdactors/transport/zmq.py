@@ -390,8 +390,8 @@ class DealerSocket(_TrioSocket):
         Gone means: the connection was up and then dropped (closed, reset, or silent past the
         heartbeat timeout), the first connection attempt failed (nothing listens there), a
         handshake failed, or no connection came up within ``connect_timeout`` seconds of
-        opening (a peer that accepts TCP but never speaks: stopped, or not ZMQ). Needs liveness on (:func:`open_dealer`);
-        without it, waits forever.
+        opening (a peer that accepts TCP but never speaks: stopped, or not ZMQ). Needs
+        liveness on (:func:`open_dealer`); without it, waits forever.
         """
         with trio.move_on_after(connect_timeout):
             while not self._up and self._lost is None:
