@@ -26,26 +26,42 @@ log = logging.getLogger("pdactors.host")
 class TrioHost:
     """Owns a thread running ``trio.run`` with one nursery that lives until :meth:`close`.
 
-    Usable as a context manager. If the nursery dies of an error, :meth:`close` re-raises it
-    (wrapped in :class:`PdError`).
+    Usable as a context manager. If the nursery dies of an error, the error is logged with its
+    traceback at once, ``on_death(error)`` is called (in the dying thread, after the Trio run
+    has ended), and :meth:`close` re-raises it (wrapped in :class:`PdError`).
     """
 
-    def __init__(self, name: str = "pdactors-trio") -> None:
+    def __init__(
+        self,
+        name: str = "pdactors-trio",
+        on_death: Callable[[BaseException], object] | None = None,
+    ) -> None:
         self._ready = threading.Event()
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
         self._error: BaseException | None = None
+        self._closing = False
+        self._on_death = on_death
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
             raise PdError("the Trio thread failed to start") from self._error
 
+    @property
+    def alive(self) -> bool:
+        """The Trio thread runs and has not died."""
+        return self._thread.is_alive() and self._error is None and self._token is not None
+
     def _main(self) -> None:
         try:
             trio.run(self._serve)
-        except BaseException as exc:  # reported by close(); the thread must not die silently
+        except BaseException as exc:  # the thread must not die silently
             self._error = exc
+            if self._token is not None and not self._closing:
+                log.error("the Trio thread %s died", self._thread.name, exc_info=exc)
+                if self._on_death is not None:
+                    self._on_death(exc)
         finally:
             self._ready.set()
 
@@ -72,17 +88,22 @@ class TrioHost:
     def post(self, fn: Callable[..., object], *args: Any) -> None:
         """Queue ``fn(*args)`` to run soon in the Trio thread; returns at once (never blocks).
 
-        ``fn`` must not block. A :class:`PdError` it raises is logged, not propagated: the
-        caller has long returned.
+        ``fn`` must not block. Whatever it raises is logged with its traceback, not propagated:
+        the caller has long returned, and one bad call must not kill the thread. Raises
+        :class:`PdError` when the Trio thread is not running (it died or was closed).
         """
-        self._token_or_raise().run_sync_soon(self._run_logged, fn, args)
+        try:
+            self._token_or_raise().run_sync_soon(self._run_logged, fn, args)
+        except trio.RunFinishedError:
+            raise PdError("the Trio thread is not running") from None
 
     @staticmethod
     def _run_logged(fn: Callable[..., object], args: tuple[Any, ...]) -> None:
         try:
             fn(*args)
-        except PdError as exc:
-            log.warning("%s%r failed: %s", getattr(fn, "__name__", fn), args, exc)
+        except Exception as exc:  # reported here: nobody else can hear it
+            name = getattr(fn, "__name__", fn)
+            log.error("%s posted into the Trio thread failed: %s", name, exc, exc_info=exc)
 
     def _token_or_raise(self) -> trio.lowlevel.TrioToken:
         if self._token is None:
@@ -95,6 +116,7 @@ class TrioHost:
 
     def close(self, timeout: float = 10.0) -> None:
         """Cancel everything in the host and wait (at most ``timeout`` s) for the thread."""
+        self._closing = True
         if self._thread.is_alive() and self._nursery is not None:
             try:
                 self.run_sync(self._nursery.cancel_scope.cancel)

@@ -11,6 +11,8 @@ import dataclasses
 import logging
 import os
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +45,8 @@ __all__ = ["TransferCounters", "WorkerSide", "layout_from_kv_caches"]
 log = logging.getLogger("pdactors.vllm")
 
 SHUTDOWN_TIMEOUT = 10.0
+#: Restarts of the actors after their Trio thread died (1 s, 2 s, 4 s apart), then give up.
+RESTART_LIMIT = 3
 
 
 def layout_from_kv_caches(
@@ -114,7 +118,15 @@ class WorkerPlace:
 
 
 class WorkerSide:
-    """The actors of one vLLM worker process, in a :class:`TrioHost` thread."""
+    """The actors of one vLLM worker process, in a :class:`TrioHost` thread.
+
+    If that thread dies, the death is logged with its traceback, every transfer in flight ends
+    at the next ``get_finished`` (pulls as failed, so vLLM's ``kv_load_failure_policy``
+    applies; sends as finished, so P frees its blocks), transfers handed over meanwhile fail at
+    once with a log line, and the actors are restarted in the background (a new data plane
+    and side channel; P registers its new address). After :data:`RESTART_LIMIT` failed restarts
+    every transfer fails, loudly, until the server is restarted.
+    """
 
     def __init__(self, settings: ConnectorSettings, place: WorkerPlace) -> None:
         self.settings = settings
@@ -128,6 +140,10 @@ class WorkerSide:
         self._failed_recving: set[str] = set()
         self._send_req: dict[str, str] = {}  # transfer id -> P request id (Trio thread only)
         self._recv_req: dict[str, str] = {}  # transfer id -> D request id (Trio thread only)
+        self._unapplied: deque[PdActorsMetadata] = deque()  # posted, not yet run (lock)
+        self._down: str | None = None  # why the actors are not running (lock)
+        self._layout: Layout | None = None
+        self._memory: list[tuple[int, int]] = []
         self.counters = TransferCounters()
 
     # ------------------------------------------------------------------ start and stop
@@ -139,8 +155,8 @@ class WorkerSide:
             # Mooncake installs its intra-node NVLink transport only when this is set.
             os.environ.setdefault("MC_INTRANODE_NVLINK", "1")
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-        self._host = TrioHost(name=f"pdactors-{self.place.engine_id}")
-        self._host.start(self._serve, layout, memory)
+        self._layout, self._memory = layout, memory
+        self._start_host()
         log.info(
             "PdActorsConnector worker %s %s up: %d regions, %d bytes per block",
             self.place.engine_id,
@@ -149,14 +165,21 @@ class WorkerSide:
             layout.bytes_per_block,
         )
 
+    def _start_host(self) -> None:
+        host = TrioHost(name=f"pdactors-{self.place.engine_id}", on_death=self._on_death)
+        try:
+            host.start(self._serve)
+        except BaseException:
+            host.close(timeout=SHUTDOWN_TIMEOUT)
+            raise
+        self._host = host
+
     async def _serve(
-        self,
-        layout: Layout,
-        memory: list[tuple[int, int]],
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         s, place = self.settings, self.place
+        layout, memory = self._layout, self._memory
+        assert layout is not None
         plane_config = DataPlaneConfig(
             protocol=s.protocol,
             device_name=s.device_name,
@@ -193,19 +216,86 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         """Stop the actors and the engine (bounded by :data:`SHUTDOWN_TIMEOUT`)."""
+        with self._lock:
+            self._down = "the connector was shut down"
         if self._host is not None:
             host, self._host = self._host, None
             host.close(timeout=SHUTDOWN_TIMEOUT)
+
+    # ------------------------------------------------------------------ the Trio thread died
+
+    def _on_death(self, error: BaseException) -> None:
+        """Called in the dead Trio thread (no Trio task runs any more): end every transfer."""
+        reason = f"the connector's Trio thread died ({type(error).__name__}: {error})"
+        with self._lock:
+            self._down = reason
+            unapplied = list(self._unapplied)
+            self._unapplied.clear()
+            pulls, self._recv_req = set(self._recv_req.values()), {}
+            sends, self._send_req = set(self._send_req.values()), {}
+            self._failed_recving |= pulls
+            self._finished_sending |= sends
+        for meta in unapplied:
+            self._fail_meta(meta, reason)
+        log.error(
+            "PdActorsConnector worker %s: %s; %d pulls failed, %d sends released; restarting",
+            self.place.engine_id, reason, len(pulls), len(sends),
+        )  # fmt: skip
+        threading.Thread(target=self._restart, name="pdactors-restart", daemon=True).start()
+
+    def _fail_meta(self, meta: PdActorsMetadata, reason: str) -> None:
+        """The actors cannot take this step's work: its pulls fail, its sends are released."""
+        pulls = {req for req, pull in meta.pulls.items() if not pull.notify_only}
+        with self._lock:
+            self._failed_recving |= pulls
+            self._finished_sending |= set(meta.ready)
+        if pulls or meta.ready:
+            log.warning(
+                "PdActorsConnector worker %s: %d pulls failed and %d sends released: %s",
+                self.place.engine_id, len(pulls), len(meta.ready), reason,
+            )  # fmt: skip
+
+    def _restart(self) -> None:
+        old = self._host
+        if old is not None:
+            try:
+                old.close(timeout=SHUTDOWN_TIMEOUT)
+            except PdError:
+                pass  # it died: that is why we are here, and it was logged
+        for attempt in range(RESTART_LIMIT):
+            time.sleep(2.0**attempt)
+            try:
+                self._start_host()
+            except Exception as exc:  # logged; the next attempt may succeed
+                log.error("PdActorsConnector: restart %d failed: %s", attempt + 1, exc)
+                continue
+            with self._lock:
+                self._down = None
+            log.warning("PdActorsConnector worker %s: actors restarted", self.place.engine_id)
+            return
+        log.error(
+            "PdActorsConnector worker %s: gave up restarting the actors; every transfer fails "
+            "until the server is restarted",
+            self.place.engine_id,
+        )
 
     # ------------------------------------------------------------------ each step (vLLM thread)
 
     def start_load_kv(self, meta: PdActorsMetadata) -> None:
         """Hand this step's work to the actors; returns at once."""
-        if self._host is None or not (
-            meta.pending or meta.ready or meta.dropped or meta.pulls or meta.aborts
-        ):
+        if not (meta.pending or meta.ready or meta.dropped or meta.pulls or meta.aborts):
             return
-        self._host.post(self._apply, meta)
+        with self._lock:
+            down, host = self._down, self._host
+            if down is None:
+                self._unapplied.append(meta)
+        if down is not None or host is None:
+            self._fail_meta(meta, down or "the connector's actors are not running")
+            return
+        try:
+            host.post(self._apply, meta)
+        except PdError:
+            pass  # it died just now: _on_death fails what was not applied, this meta included
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call.
@@ -222,37 +312,41 @@ class WorkerSide:
     # ------------------------------------------------------------------ in the Trio thread
 
     def _apply(self, meta: PdActorsMetadata) -> None:
+        with self._lock:
+            self._unapplied.remove(meta)
         sender, receiver = self._sender, self._receiver
         if sender is not None:
             for tid in meta.pending:
                 _logged(sender.transfer_pending, tid)
             for req_id, send in meta.ready.items():
                 self._send_req[send.transfer_id] = req_id
-                _logged(sender.transfer_ready, send.transfer_id, list(send.block_ids))
+                if not _logged(sender.transfer_ready, send.transfer_id, list(send.block_ids)):
+                    del self._send_req[send.transfer_id]  # never sent: P may free the blocks
+                    with self._lock:
+                        self._finished_sending.add(req_id)
             for tid in meta.dropped:
                 _logged(sender.transfer_dropped, tid, "the prefill ended without its KV")
         if receiver is not None:
             for req_id, pull in meta.pulls.items():
                 self._start_pull(receiver, req_id, pull)
             for tid in meta.aborts.values():
-                receiver.abort(tid, "the request was aborted on D")
+                _logged(receiver.abort, tid, "the request was aborted on D")
 
     def _start_pull(self, receiver: Receiver, req_id: str, pull: PullSpec) -> None:
-        if not pull.notify_only:
+        started = _logged(
+            receiver.start_pull,
+            pull.transfer_id,
+            bootstrap_url=pull.bootstrap_url,
+            engine_id=pull.engine_id,
+            block_ids=list(pull.block_ids),
+        )
+        if pull.notify_only:
+            return
+        if started:
             self._recv_req[pull.transfer_id] = req_id
-        try:
-            receiver.start_pull(
-                pull.transfer_id,
-                bootstrap_url=pull.bootstrap_url,
-                engine_id=pull.engine_id,
-                block_ids=list(pull.block_ids),
-            )
-        except PdError as exc:  # a pull for this transfer is already in flight
-            log.warning("request %s: cannot pull %s: %s", req_id, pull.transfer_id, exc)
-            if not pull.notify_only:
-                self._recv_req.pop(pull.transfer_id, None)
-                with self._lock:
-                    self._failed_recving.add(req_id)
+        else:  # e.g. a pull for this transfer id is in flight: it goes on, this one fails
+            with self._lock:
+                self._failed_recving.add(req_id)
 
     async def _collect_sent(self, sender: Sender) -> None:
         seen_bytes = seen_descriptors = seen_sent = seen_expired = 0
@@ -294,9 +388,16 @@ class WorkerSide:
             return self.counters.take()
 
 
-def _logged(fn: Callable[..., None], *args: Any) -> None:
-    """Engine-reported events the sender refuses (IllegalTransition) are logged, not fatal."""
+def _logged(fn: Callable[..., None], *args: Any, **kwargs: Any) -> bool:
+    """Call ``fn``; say whether it worked. Engine-reported events the actors refuse
+    (IllegalTransition, a duplicate transfer id) are logged; anything else is logged with its
+    traceback. Neither is fatal: the caller fails that one transfer."""
     try:
-        fn(*args)
+        fn(*args, **kwargs)
     except PdError as exc:
         log.warning("%s%r refused: %s", fn.__name__, args, exc)
+        return False
+    except Exception as exc:  # a bug: this transfer fails, the others go on
+        log.error("%s%r failed: %s", fn.__name__, args, exc, exc_info=exc)
+        return False
+    return True

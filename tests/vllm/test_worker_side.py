@@ -128,3 +128,51 @@ def test_counters_reach_connector_stats(pair: Pair) -> None:
     assert sent["sent"] == 1
     assert sent["bytes_sent"] == 2 * LAYERS * 2 * 16 * 64 * 4
     assert pair.d.take_counters()["received"] >= 1
+
+
+def test_a_bug_in_posted_work_is_logged_and_the_thread_lives(
+    pair: Pair, caplog: pytest.LogCaptureFixture
+) -> None:
+    host = pair.d._host
+    assert host is not None
+
+    def buggy() -> None:
+        raise ZeroDivisionError("injected")
+
+    host.post(buggy)
+    deadline = time.monotonic() + 5
+    while "buggy posted into the Trio thread failed" not in caplog.text:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    pair.p.start_load_kv(PdActorsMetadata(pending=["t7"]))
+    pair.pull("dreq7", "t7", (13,))
+    pair.p.start_load_kv(PdActorsMetadata(ready={"preq7": SendSpec("t7", (14,))}))
+    assert "dreq7" not in wait_for(pair.d, "recved", "dreq7")["failed"]
+    assert pair.d._host is not None and pair.d._host.alive
+
+
+def test_a_dead_trio_thread_fails_its_pulls_then_the_actors_come_back(pair: Pair) -> None:
+    pair.p.start_load_kv(PdActorsMetadata(pending=["t8"]))
+    pair.pull("dreq8", "t8", (15,))  # waits at P
+    time.sleep(0.3)
+    host = pair.d._host
+    assert host is not None
+
+    async def crash() -> None:
+        raise RuntimeError("injected: the Trio thread dies")
+
+    host.run_sync(host.nursery.start_soon, crash)
+    wait_for(pair.d, "failed", "dreq8")  # reported at the next get_finished, not never
+    # while the actors are down, new pulls fail at once (with a log line), never hang
+    pair.pull("dreq9", "t9", (16,))
+    wait_for(pair.d, "failed", "dreq9")
+    # the actors restart in the background, and pulls work again
+    deadline = time.monotonic() + 20
+    while pair.d._host is host or not pair.d._host.alive or pair.d._down is not None:
+        assert time.monotonic() < deadline, "the actors did not restart"
+        time.sleep(0.05)
+    pair.p.start_load_kv(PdActorsMetadata(pending=["t10"]))
+    pair.pull("dreq10", "t10", (17,))
+    pair.p.start_load_kv(PdActorsMetadata(ready={"preq10": SendSpec("t10", (18,))}))
+    assert "dreq10" not in wait_for(pair.d, "recved", "dreq10")["failed"]
+    pair.p.start_load_kv(PdActorsMetadata(dropped=["t8"]))  # P's side of the dead pull
