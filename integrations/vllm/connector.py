@@ -79,7 +79,8 @@ class PdActorsConnector(KVConnectorBase_V1):
         self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self._scheduler().build_connector_meta()
+        scheduled = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+        return self._scheduler().build_connector_meta(scheduled)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler().update_connector_output(connector_output)
@@ -124,7 +125,9 @@ class PdActorsConnector(KVConnectorBase_V1):
         return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sent, recvd, failed = self._worker().get_transfer_results()
+        meta = self._connector_metadata
+        idle = isinstance(meta, PdActorsMetadata) and meta.idle
+        sent, recvd, failed = self._worker().get_transfer_results(wait=idle)
         return KVConnectorTransferResults(
             finished_sending=sent, finished_recving=recvd, failed_recving=failed
         )

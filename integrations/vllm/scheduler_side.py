@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.request import RequestStatus
 
+from integrations.vllm import idle
 from integrations.vllm.settings import ConnectorSettings
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class PdActorsMetadata(KVConnectorMetadata):
     dropped: list[str] = field(default_factory=list)  # P: transfer ids that will never be ready
     pulls: dict[str, PullSpec] = field(default_factory=dict)  # D: req id -> what to pull
     aborts: dict[str, str] = field(default_factory=dict)  # D: req id -> transfer id to abort
+    idle: bool = False  # the step computes nothing: the worker may wait for transfer results
 
 
 class SchedulerSide:
@@ -82,6 +84,8 @@ class SchedulerSide:
         self.block_size = block_size
         self._meta = PdActorsMetadata()
         self._pulling: dict[str, str] = {}  # D req id -> transfer id, while the KV is in flight
+        if settings.idle_wait_ms > 0:
+            idle.install()  # this is the engine core's process
 
     # ------------------------------------------------------------------ D: how much is remote
 
@@ -149,11 +153,19 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ each step
 
-    def build_connector_meta(self) -> PdActorsMetadata:
+    def build_connector_meta(self, scheduled_tokens: int | None = None) -> PdActorsMetadata:
+        """This step's metadata. A step that schedules no token (``scheduled_tokens == 0``:
+        every request waits for KV) is marked ``idle`` when quiet idle steps are on."""
         meta, self._meta = self._meta, PdActorsMetadata()
+        meta.idle = scheduled_tokens == 0 and self.settings.idle_wait_ms > 0
+        if meta.idle:
+            idle.begin()
+        else:
+            idle.end()
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        idle.end()
         for req_id in output.finished_recving or ():
             self._pulling.pop(req_id, None)
 

@@ -30,11 +30,17 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     * ``bootstrap_server_address``: ``host:port`` of an external bootstrap (``pdactors
       bootstrap``); when set, no worker runs one (upstream's key).
     * ``sender_workers``: engine calls P runs at once (worker threads), default 2.
-    * ``ready_timeout``: how long P holds a D pull waiting for the prefill (s), default 30.
+    * ``ready_timeout``: the longest P holds a pull from a connected D waiting for the prefill
+      (s), default 480 (P's queue may be long; a D that goes away ends its waits at once).
     * ``unclaimed_ttl``: how long P keeps finished KV that no D pulls (s), default 120.
-    * ``pull_timeout``: the longest a D pull may take (s), default 60.
+    * ``pull_timeout``: the pull deadline on D (s), default 540: a last resort for a P that is
+      alive but never answers; a dead or hung P ends its pulls within about a second.
     * ``lookup_timeout``: the longest a bootstrap query may take (s), default 10.
     * ``register_timeout``: how long P retries registering with the bootstrap (s), default 30.
+    * ``idle_wait_ms``: on a step with nothing to compute (every request waits for KV), the
+      worker waits up to this long for the next transfer result instead of returning at once,
+      and the engine core naps instead of spinning (see :mod:`integrations.vllm.idle`);
+      default 20, 0 turns it off.
     """
 
     protocol: Protocol = "tcp"
@@ -44,11 +50,12 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     bootstrap_port: int = 8998
     bootstrap_server_address: str | None = None
     sender_workers: int = 2
-    ready_timeout: float = 30.0
+    ready_timeout: float = 480.0
     unclaimed_ttl: float = 120.0
-    pull_timeout: float = 60.0
+    pull_timeout: float = 540.0
     lookup_timeout: float = 10.0
     register_timeout: float = 30.0
+    idle_wait_ms: float = 20.0
 
     @property
     def external_bootstrap(self) -> bool:

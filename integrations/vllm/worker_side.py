@@ -141,6 +141,7 @@ class WorkerSide:
         self._send_req: dict[str, str] = {}  # transfer id -> P request id (Trio thread only)
         self._recv_req: dict[str, str] = {}  # transfer id -> D request id (Trio thread only)
         self._unapplied: deque[PdActorsMetadata] = deque()  # posted, not yet run (lock)
+        self._results_ready = threading.Event()  # set when any of the three sets grows
         self._down: str | None = None  # why the actors are not running (lock)
         self._layout: Layout | None = None
         self._memory: list[tuple[int, int]] = []
@@ -235,6 +236,7 @@ class WorkerSide:
             sends, self._send_req = set(self._send_req.values()), {}
             self._failed_recving |= pulls
             self._finished_sending |= sends
+            self._results_ready.set()
         for meta in unapplied:
             self._fail_meta(meta, reason)
         log.error(
@@ -249,6 +251,7 @@ class WorkerSide:
         with self._lock:
             self._failed_recving |= pulls
             self._finished_sending |= set(meta.ready)
+            self._results_ready.set()
         if pulls or meta.ready:
             log.warning(
                 "PdActorsConnector worker %s: %d pulls failed and %d sends released: %s",
@@ -297,13 +300,18 @@ class WorkerSide:
         except PdError:
             pass  # it died just now: _on_death fails what was not applied, this meta included
 
-    def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+    def get_transfer_results(self, *, wait: bool = False) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call.
 
         Failed pulls are in ``finished_recving`` too: vLLM then applies its
-        ``kv_load_failure_policy`` and never leaves the request waiting.
+        ``kv_load_failure_policy`` and never leaves the request waiting. With ``wait`` (an
+        idle step), waits up to ``idle_wait_ms`` for a result when none is there yet, and
+        returns as soon as one arrives.
         """
+        if wait and not self._results_ready.is_set():
+            self._results_ready.wait(self.settings.idle_wait_ms / 1000)
         with self._lock:
+            self._results_ready.clear()
             sent, self._finished_sending = self._finished_sending, set()
             recvd, self._finished_recving = self._finished_recving, set()
             failed, self._failed_recving = self._failed_recving, set()
@@ -324,6 +332,7 @@ class WorkerSide:
                     del self._send_req[send.transfer_id]  # never sent: P may free the blocks
                     with self._lock:
                         self._finished_sending.add(req_id)
+                        self._results_ready.set()
             for tid in meta.dropped:
                 _logged(sender.transfer_dropped, tid, "the prefill ended without its KV")
         if receiver is not None:
@@ -347,6 +356,7 @@ class WorkerSide:
         else:  # e.g. a pull for this transfer id is in flight: it goes on, this one fails
             with self._lock:
                 self._failed_recving.add(req_id)
+                self._results_ready.set()
 
     async def _collect_sent(self, sender: Sender) -> None:
         seen_bytes = seen_descriptors = seen_sent = seen_expired = 0
@@ -358,6 +368,8 @@ class WorkerSide:
             sender.write_seconds.clear()
             with self._lock:
                 self._finished_sending |= reqs
+                if reqs:
+                    self._results_ready.set()
                 c = self.counters
                 c.sent += stats.sent - seen_sent
                 c.expired += stats.expired - seen_expired
@@ -377,6 +389,8 @@ class WorkerSide:
             with self._lock:
                 self._finished_recving |= ok
                 self._failed_recving |= failed
+                if ok or failed:
+                    self._results_ready.set()
                 self.counters.received += len(ok)
                 self.counters.failed += len(failed)
                 self.counters.pull_seconds += receiver.pull_seconds

