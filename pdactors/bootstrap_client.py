@@ -82,11 +82,18 @@ class BootstrapClient:
 
         await _retry(f"registering {worker.engine_id} with {url}", attempt, timeout)
 
-    async def query(self, url: str, *, timeout: float) -> BootstrapAnswer:  # noqa: ASYNC109
+    async def query(
+        self,
+        url: str,
+        *,
+        timeout: float,  # noqa: ASYNC109
+        retry: bool = True,
+    ) -> BootstrapAnswer:
         """``GET /query`` at ``url``: every registered engine, keyed by DP rank.
 
         Connection failures are retried with exponential backoff until ``timeout`` seconds
-        have passed. A checkpoint.
+        have passed; with ``retry=False`` the first failure is final (a refused connection
+        means nothing serves there now). A checkpoint.
 
         Raises :class:`BootstrapError`, naming ``url``, on a non-200 answer, an answer that is
         not the bootstrap JSON shape, or when the time runs out.
@@ -103,7 +110,7 @@ class BootstrapClient:
             except msgspec.DecodeError as exc:
                 raise _Refused(f"undecodable answer: {exc}") from None
 
-        await _retry(f"querying {url}", attempt, timeout)
+        await _retry(f"querying {url}", attempt, timeout, retry=retry)
         return result
 
 
@@ -121,11 +128,14 @@ def _route(url: str, route: str) -> str:
     return f"{url.rstrip('/')}/{route}"
 
 
-async def _retry(what: str, attempt: Callable[[], Awaitable[None]], budget: float) -> None:
+async def _retry(
+    what: str, attempt: Callable[[], Awaitable[None]], budget: float, *, retry: bool = True
+) -> None:
     """Run ``attempt`` until it returns, backing off between failures, for ``budget`` seconds.
 
-    Retried: transport errors and :class:`BootstrapError`. :class:`_Refused` ends at once.
-    Raises :class:`BootstrapError` naming ``what`` and the last error.
+    Retried (unless ``retry`` is false): transport errors and :class:`BootstrapError`.
+    :class:`_Refused` ends at once. Raises :class:`BootstrapError` naming ``what`` and the last
+    error.
     """
     last_error = "no attempt finished"
     delay = _FIRST_DELAY
@@ -140,6 +150,8 @@ async def _retry(what: str, attempt: Callable[[], Awaitable[None]], budget: floa
                 raise BootstrapError(f"{what}: {exc}") from None
             except (httpx.HTTPError, BootstrapError) as exc:
                 last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                if not retry:
+                    raise BootstrapError(f"{what}: {last_error}") from None
             await trio.sleep(delay)
             delay = min(delay * 2, _MAX_DELAY)
     raise BootstrapError(f"{what}: gave up after {budget:g} s; last error: {last_error}")

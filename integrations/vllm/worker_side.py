@@ -382,10 +382,13 @@ class WorkerSide:
     async def _collect_received(self, receiver: Receiver) -> None:
         while True:
             results = await receiver.wait_results()
+            for tid, reason in results.failed.items():
+                if tid in self._recv_req:
+                    log.warning("KV pull %s failed: %s", tid, reason)
+                else:  # a notify-only pull (P just frees its KV): nobody waits for it
+                    log.info("KV release notice %s to P failed: %s", tid, reason)
             ok = {self._recv_req.pop(t) for t in results.finished if t in self._recv_req}
             failed = {self._recv_req.pop(t) for t in results.failed if t in self._recv_req}
-            for tid, reason in results.failed.items():
-                log.warning("KV pull %s failed: %s", tid, reason)
             with self._lock:
                 self._finished_recving |= ok
                 self._failed_recving |= failed

@@ -99,6 +99,7 @@ class Receiver:
         self._nursery = nursery
         self._table = PullTable(timeout=config.pull_timeout)
         self._lookups: dict[str, BootstrapAnswer] = {}
+        self._lookup_failures: dict[str, tuple[float, BootstrapError]] = {}  # url -> last one
         self._lookup_locks: defaultdict[str, trio.Lock] = defaultdict(trio.Lock)
         self._peers: dict[str, _Peer] = {}
         self._peer_locks: defaultdict[str, trio.Lock] = defaultdict(trio.Lock)
@@ -237,15 +238,25 @@ class Receiver:
         address = self._find(url, engine_id)
         if address is not None:
             return address
+        asked = trio.current_time()
         async with self._lookup_locks[url]:  # one query in flight per bootstrap
             address = self._find(url, engine_id)  # another task may have just refreshed it
             if address is not None:
                 return address
+            failed = self._lookup_failures.get(url)
+            if failed is not None and failed[0] >= asked:
+                raise failed[1]  # the query we queued behind just failed: no second one
             timeout = self.config.lookup_timeout
-            with trio.move_on_after(timeout) as scope:
-                self._lookups[url] = await self._client.query(url, timeout=timeout)
-            if scope.cancelled_caught:
-                raise BootstrapError(f"no answer from the bootstrap at {url} in {timeout:g} s")
+            try:
+                with trio.move_on_after(timeout) as scope:
+                    answer = await self._client.query(url, timeout=timeout, retry=False)
+                if scope.cancelled_caught:
+                    raise BootstrapError(f"no answer from the bootstrap at {url} in {timeout:g} s")
+            except BootstrapError as exc:
+                self._lookup_failures[url] = (trio.current_time(), exc)
+                raise
+            self._lookup_failures.pop(url, None)
+            self._lookups[url] = answer
         address = self._find(url, engine_id)
         if address is None:
             raise BootstrapError(f"engine {engine_id!r} is not registered at {url}")

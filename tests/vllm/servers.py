@@ -83,15 +83,19 @@ def vllm_server(
     kv_transfer_config: dict[str, Any] | None = None,
     core: int = 0,
     max_model_len: int = 1024,
+    port: int | None = None,
+    max_num_seqs: int = 64,
+    extra_args: tuple[str, ...] = (),
 ) -> Iterator[Server]:
-    """Start ``python -m vllm.entrypoints.openai.api_server`` and yield once it is healthy."""
-    port = free_port()
+    """Start ``python -m vllm.entrypoints.openai.api_server`` (on ``port``, or a free one);
+    the caller waits for it to be healthy (:func:`wait_healthy`)."""
+    port = port or free_port()
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", "tiny",
         "--host", "127.0.0.1", "--port", str(port),
         "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_model_len),
-        "--max-num-seqs", "64", "--seed", "0",
+        "--max-num-seqs", str(max_num_seqs), "--seed", "0", *extra_args,
     ]  # fmt: skip
     if kv_transfer_config is not None:
         args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
@@ -159,3 +163,43 @@ def completion(server: Server, prompt: str | list[int], **body: Any) -> dict[str
     response = post_completion(server, prompt, **body)
     response.raise_for_status()
     return dict(response.json())
+
+
+@contextmanager
+def proxy(
+    prefill: list[tuple[str, str]], decode: list[str], log: Path, *extra: str
+) -> Iterator[str]:
+    """``pdactors proxy`` in front of ``prefill`` ((engine URL, bootstrap URL) pairs) and
+    ``decode`` URLs; yields its URL once ``/health`` answers 200; stopped on exit."""
+    args = [sys.executable, "-m", "pdactors.cli", "proxy", "--port", "0", *extra]
+    for url, bootstrap in prefill:
+        args += ["--prefill", f"{url}@{bootstrap}"]
+    for url in decode:
+        args += ["--decode", url]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("proxy serving on http://127.0.0.1:"), line
+        url = line.split()[-1]
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"the proxy exited:\n{log.read_text()}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "proxy not healthy in 60 s"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+        if proc.stdout is not None:
+            proc.stdout.close()
