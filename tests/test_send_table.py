@@ -221,3 +221,17 @@ def test_a_pending_prefill_that_nobody_pulls_expires() -> None:
     assert t.prefill_ready("t1", (1,), 6.0) == [Release("t1", SendState.EXPIRED)]
     [reply] = t.pull_arrived("t1", D, pull(), 7.0)
     assert isinstance(reply, Reply) and isinstance(reply.msg, PullFailed)
+
+
+def test_the_same_pull_twice_from_the_same_d_is_a_resend_not_a_duplicate() -> None:
+    t = table()
+    first = pull()
+    assert t.pull_arrived("t1", D, first, 0.0) == []
+    # the same request again (a duplicated message): ignored, the first is answered once
+    assert t.pull_arrived("t1", D, pull(), 0.1) == []
+    # another D, or other blocks, for a transfer in flight: refused
+    [refused] = t.pull_arrived("t1", b"other", pull(), 0.2)
+    assert isinstance(refused, Reply) and isinstance(refused.msg, PullFailed)
+    [refused] = t.pull_arrived("t1", D, pull(blocks=(9,)), 0.3)
+    assert isinstance(refused, Reply) and isinstance(refused.msg, PullFailed)
+    assert t.prefill_ready("t1", (1, 2), 1.0) == [StartSend("t1", first, (1, 2))]

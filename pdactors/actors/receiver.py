@@ -45,7 +45,7 @@ from pdactors.messages import (
     encode_frames,
     layout_id,
 )
-from pdactors.transport import DealerSocket, open_dealer
+from pdactors.transport import ZMQ, Dealer, Transport
 
 __all__ = ["PullResults", "Receiver", "serve_receiver"]
 
@@ -63,7 +63,7 @@ class PullResults:
 @dataclass(slots=True)
 class _Peer:
     address: str
-    dealer: DealerSocket
+    dealer: Dealer
     knows_layout: bool = False
     sent_garbage: bool = False
     lost: bool = False
@@ -89,9 +89,11 @@ class Receiver:
         layout: Layout,
         client: BootstrapClient,
         nursery: trio.Nursery,
+        transport: Transport = ZMQ,
     ) -> None:
         check_layout(layout)
         self.config = config
+        self._transport = transport
         self.layout = layout
         self._session = dataplane.session
         self._layout_id = layout_id(dataplane.session, layout)
@@ -299,7 +301,7 @@ class Receiver:
         liveness = self.config.liveness
         # A malformed address raises TransportError here, before started: nursery.start
         # re-raises it to the pull that asked, which ends as unreachable.
-        async with open_dealer(address, liveness=liveness) as dealer:
+        async with self._transport.open_dealer(address, liveness=liveness) as dealer:
             peer = self._peers[address] = _Peer(address, dealer)
             task_status.started(peer)
             try:
@@ -307,10 +309,13 @@ class Receiver:
                     nursery.start_soon(self._read_answers, peer)
                     reason = await dealer.wait_lost(liveness.connect_timeout)
                     nursery.cancel_scope.cancel()
+                # Before the socket closes: a send still in flight on it then fails for a pull
+                # that has already ended here (and gets its parting cancel).
+                peer.lost = True
+                self._lost(address, reason)
             finally:
                 peer.lost = True
                 del self._peers[address]
-        self._lost(address, reason)
 
     def _lost(self, address: str, reason: str) -> None:
         self._forget_lookups_of(address)
@@ -319,7 +324,39 @@ class Receiver:
             log.warning("P worker %s gone (%s): %d pulls end", address, reason, pulls)
         else:
             log.info("P worker %s gone (%s)", address, reason)
-        self._apply(self._table.peer_lost(address, f"P gone: {reason}"))
+        effects = self._table.peer_lost(address, f"P gone: {reason}")
+        self._apply(effects)
+        ended = [e.transfer_id for e in effects if isinstance(e, Completed)]
+        if ended:
+            self._nursery.start_soon(self._parting_cancels, address, ended)
+
+    async def _parting_cancels(self, address: str, transfer_ids: list[str]) -> None:
+        """Best effort after a lost connection: if P is in fact alive (only the link broke),
+        tell it on a fresh connection that D gave up on these transfers, so it frees their KV
+        now rather than at its expiry. A dead P never answers; the attempt ends with the
+        connection (refused, or no handshake within ``connect_timeout``), or after one more
+        ``connect_timeout`` for a live P that does not answer every cancel."""
+        liveness = self.config.liveness
+        cancels = [encode_frames(CancelPull(t, "D lost its connection to P")) for t in transfer_ids]
+        with trio.move_on_after(2 * liveness.connect_timeout):
+            try:
+                async with (
+                    self._transport.open_dealer(address, liveness=liveness) as dealer,
+                    trio.open_nursery() as nursery,
+                ):
+
+                    async def answers() -> None:
+                        for _ in cancels:  # P answers each cancel it did not already end
+                            await dealer.receive()
+                        nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(answers)
+                    for frames in cancels:
+                        await dealer.send(frames)
+                    await dealer.wait_lost(liveness.connect_timeout)
+                    nursery.cancel_scope.cancel()
+            except (PdError, trio.ClosedResourceError):
+                pass  # P is gone after all: there is nothing left to free
 
     async def _read_answers(self, peer: _Peer) -> None:
         while True:
@@ -401,14 +438,16 @@ async def serve_receiver(
     dataplane: DataPlane,
     layout: Layout,
     *,
+    transport: Transport = ZMQ,
     task_status: trio.TaskStatus[Receiver] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a D receiver until cancelled; ``task_status.started`` gets its :class:`Receiver`.
 
-    ``layout`` is D's KV memory, already registered with ``dataplane`` (P writes into it).
+    ``layout`` is D's KV memory, already registered with ``dataplane`` (P writes into it);
+    ``transport`` is the side channel (real ZMQ by default; see :mod:`pdactors.transport`).
     """
     async with open_bootstrap_client() as client, trio.open_nursery() as nursery:
-        receiver = Receiver(config, dataplane, layout, client, nursery)
+        receiver = Receiver(config, dataplane, layout, client, nursery, transport)
         nursery.start_soon(receiver._tick_loop)
         log.info("receiver %s rank %s ready", config.engine_id, config.ranks)
         task_status.started(receiver)

@@ -49,7 +49,7 @@ from pdactors.messages import (
     decode_frames,
     encode_frames,
 )
-from pdactors.transport import PeerUnreachable, RouterSocket, open_router
+from pdactors.transport import ZMQ, PeerUnreachable, Router, Transport
 
 __all__ = ["Sender", "serve_sender"]
 
@@ -72,7 +72,7 @@ class Sender:
         config: SenderConfig,
         dataplane: DataPlane,
         layout: Layout,
-        router: RouterSocket,
+        router: Router,
         nursery: trio.Nursery,
     ) -> None:
         check_layout(layout)
@@ -253,9 +253,12 @@ async def serve_sender(
     dataplane: DataPlane,
     layout: Layout,
     *,
+    transport: Transport = ZMQ,
     task_status: trio.TaskStatus[Sender] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a P sender until cancelled; ``task_status.started`` gets its :class:`Sender`.
+
+    ``transport`` is the side channel (real ZMQ by default; see :mod:`pdactors.transport`).
 
     Binds the side channel on ``config.host`` (``config.port``, 0 for any), registers it with
     the bootstrap at ``config.bootstrap_url`` when one is given (retrying with backoff for
@@ -263,7 +266,7 @@ async def serve_sender(
     :class:`~pdactors.errors.BootstrapError` when registration never succeeds.
     """
     async with (
-        open_router(config.host, config.port, liveness=config.liveness) as router,
+        transport.open_router(config.host, config.port, liveness=config.liveness) as router,
         open_bootstrap_client() as client,
         trio.open_nursery() as nursery,
     ):

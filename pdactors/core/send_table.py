@@ -207,6 +207,8 @@ class SendTable:
             reason = entry.reason or _END_REASONS[entry.state]
             return [Reply(identity, PullFailed(transfer_id, reason))]
         if entry.pull is not None:
+            if identity == entry.identity and _same_pull(pull, entry.pull):
+                return []  # the same request again (a resend): the first one is answered
             return [Reply(identity, PullFailed(transfer_id, "duplicate pull for this transfer"))]
         entry.identity, entry.pull = identity, pull
         if entry.state is SendState.READY:
@@ -334,3 +336,8 @@ class SendTable:
         entry.identity = b""
         self._counts[state] += 1
         return effects
+
+
+def _same_pull(a: PullRequest, b: PullRequest) -> bool:
+    """The same request, whether or not one of them carried D's layout."""
+    return (a.session, a.block_ids, a.layout_id) == (b.session, b.block_ids, b.layout_id)

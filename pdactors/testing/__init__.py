@@ -9,5 +9,7 @@ from pdactors.testing.cluster import TransferOutcome as TransferOutcome
 from pdactors.testing.cluster import open_cluster as open_cluster
 from pdactors.testing.cluster import run_transfer as run_transfer
 from pdactors.testing.faults import FaultyDataPlane as FaultyDataPlane
+from pdactors.testing.faults import FaultyTransport as FaultyTransport
+from pdactors.testing.faults import MessageFaults as MessageFaults
 from pdactors.testing.harness import HarnessReport as HarnessReport
 from pdactors.testing.harness import run_harness as run_harness

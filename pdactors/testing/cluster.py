@@ -13,6 +13,7 @@ import hashlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +28,7 @@ from pdactors.config import BootstrapConfig, DataPlaneConfig, ReceiverConfig, Se
 from pdactors.core.plan import packed_layout
 from pdactors.dataplane import DataPlane, open_mooncake
 from pdactors.errors import PdError
+from pdactors.transport import ZMQ, Transport
 
 __all__ = [
     "BlockPool",
@@ -171,12 +173,14 @@ async def open_cluster(
     sender: SenderConfig | None = None,
     receiver: ReceiverConfig | None = None,
     wrap_prefill: DataPlaneWrapper | None = None,
+    transport: Transport = ZMQ,
 ) -> AsyncIterator[Cluster]:
     """Start a bootstrap, ``prefill`` senders and ``decode`` receivers, each with its own
     Mooncake engine and KV buffer; stop them all on exit.
 
     ``sender`` / ``receiver`` give the other settings (their engine ids, ranks and bootstrap
-    URL are filled in here). ``wrap_prefill`` wraps P's real data plane (fault injection).
+    URL are filled in here). ``wrap_prefill`` wraps P's real data plane (fault injection);
+    ``transport`` is every actor's side channel (a memory transport, a faulty wrapper, ...).
     """
     dp_config = dataplane or DataPlaneConfig()
     s_config = sender or SenderConfig(engine_id="prefill")
@@ -197,14 +201,19 @@ async def open_cluster(
                     engine_id = f"prefill-{i}"
                     config = replace(s_config, engine_id=engine_id, bootstrap_url=url)
                     wrapped = wrap_prefill(plane) if wrap_prefill else plane
-                    snd = await nursery.start(serve_sender, config, wrapped, kv.layout)
+                    snd = await nursery.start(
+                        partial(serve_sender, transport=transport), config, wrapped, kv.layout
+                    )
                     node = PrefillNode(engine_id, snd, kv, BlockPool(num_blocks), plane)
                     nursery.start_soon(node.free_released)
                     p_nodes.append(node)
                 else:
                     engine_id = f"decode-{i - prefill}"
                     rcv = await nursery.start(
-                        serve_receiver, replace(r_config, engine_id=engine_id), plane, kv.layout
+                        partial(serve_receiver, transport=transport),
+                        replace(r_config, engine_id=engine_id),
+                        plane,
+                        kv.layout,
                     )
                     d_nodes.append(DecodeNode(engine_id, rcv, kv, BlockPool(num_blocks), plane))
             try:

@@ -1,13 +1,21 @@
-"""Fault injection at the data-plane seam: wrappers around a real :class:`DataPlane`."""
+"""Fault injection at the seams: wrappers around a real :class:`DataPlane` and a real
+:class:`~pdactors.transport.Transport` (in the spirit of tractor's IPC fault injector)."""
 
 from __future__ import annotations
 
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+
 import trio
 
+from pdactors.config import Liveness
 from pdactors.dataplane.base import Addrs, DataPlane
 from pdactors.errors import TransferError
+from pdactors.transport import Dealer, Router, Transport
 
-__all__ = ["FaultyDataPlane"]
+__all__ = ["FaultyDataPlane", "FaultyTransport", "MessageFaults"]
 
 
 class FaultyDataPlane:
@@ -37,3 +45,126 @@ class FaultyDataPlane:
             self.fail_writes -= 1
             raise TransferError(peer, int(lengths.sum()), -1, "injected fault")
         await self.inner.write(peer, src, dst, lengths)
+
+
+@dataclass
+class MessageFaults:
+    """What :class:`FaultyTransport` does to each message sent, by probability (seeded)."""
+
+    drop: float = 0.0
+    duplicate: float = 0.0
+    delay: float = 0.0
+    delay_seconds: float = 0.05
+
+
+class FaultyTransport:
+    """Wraps a real :class:`~pdactors.transport.Transport`: every router and dealer opened
+    through it drops, duplicates or delays the messages it sends (``faults``, drawn from a
+    ``random.Random(seed)``), and :meth:`cut` makes every dealer's connection count as lost now,
+    as a cut link would (the receiver then closes it, which its peer sees as a disconnect).
+    Counts what it did in :attr:`stats`."""
+
+    def __init__(self, inner: Transport, faults: MessageFaults | None = None, seed: int = 0):
+        self.inner = inner
+        self.faults = faults or MessageFaults()
+        self.random = random.Random(seed)
+        self.stats = {"sent": 0, "dropped": 0, "duplicated": 0, "delayed": 0, "cut": 0}
+        self._dealers: set[_FaultyDealer] = set()
+
+    def open_router(
+        self, host: str, port: int = 0, *, liveness: Liveness | None = None
+    ) -> AbstractAsyncContextManager[Router]:
+        return self._wrap_router(host, port, liveness)
+
+    @asynccontextmanager
+    async def _wrap_router(
+        self, host: str, port: int, liveness: Liveness | None
+    ) -> AsyncIterator[Router]:
+        async with self.inner.open_router(host, port, liveness=liveness) as router:
+            yield _FaultyRouter(router, self)
+
+    def open_dealer(
+        self, address: str, *, liveness: Liveness | None = None
+    ) -> AbstractAsyncContextManager[Dealer]:
+        return self._wrap_dealer(address, liveness)
+
+    @asynccontextmanager
+    async def _wrap_dealer(self, address: str, liveness: Liveness | None) -> AsyncIterator[Dealer]:
+        async with self.inner.open_dealer(address, liveness=liveness) as dealer:
+            wrapped = _FaultyDealer(dealer, self)
+            self._dealers.add(wrapped)
+            try:
+                yield wrapped
+            finally:
+                self._dealers.discard(wrapped)
+
+    def cut(self, reason: str = "link cut by the fault injector") -> int:
+        """Every open dealer's connection is lost now; returns how many."""
+        for dealer in self._dealers:
+            dealer.cut.set()
+            dealer.cut_reason = reason
+        self.stats["cut"] += len(self._dealers)
+        return len(self._dealers)
+
+    async def _deliver(self, send: Callable[[], Awaitable[None]]) -> None:
+        f, rnd, stats = self.faults, self.random, self.stats
+        stats["sent"] += 1
+        if rnd.random() < f.drop:
+            stats["dropped"] += 1
+            await trio.lowlevel.checkpoint()
+            return
+        if rnd.random() < f.delay:
+            stats["delayed"] += 1
+            await trio.sleep(f.delay_seconds)
+        await send()
+        if rnd.random() < f.duplicate:
+            stats["duplicated"] += 1
+            await send()
+
+
+class _FaultyRouter:
+    def __init__(self, inner: Router, owner: FaultyTransport) -> None:
+        self._inner, self._owner = inner, owner
+        self.lost_peers = inner.lost_peers
+
+    @property
+    def address(self) -> str:
+        return self._inner.address
+
+    async def receive(self) -> tuple[bytes, list[bytes]]:
+        return await self._inner.receive()
+
+    async def send(self, identity: bytes, frames: Sequence[bytes]) -> None:
+        await self._owner._deliver(lambda: self._inner.send(identity, frames))
+
+
+class _FaultyDealer:
+    def __init__(self, inner: Dealer, owner: FaultyTransport) -> None:
+        self._inner, self._owner = inner, owner
+        self.cut = trio.Event()
+        self.cut_reason = ""
+
+    @property
+    def address(self) -> str:
+        return self._inner.address
+
+    async def receive(self) -> list[bytes]:
+        return await self._inner.receive()
+
+    async def send(self, frames: Sequence[bytes]) -> None:
+        await self._owner._deliver(lambda: self._inner.send(frames))
+
+    async def wait_lost(self, connect_timeout: float) -> str:
+        async with trio.open_nursery() as nursery:
+            reason = ""
+
+            async def lost() -> None:
+                nonlocal reason
+                reason = await self._inner.wait_lost(connect_timeout)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(lost)
+            await self.cut.wait()
+            reason = self.cut_reason
+            nursery.cancel_scope.cancel()
+        return reason

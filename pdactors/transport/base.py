@@ -1,0 +1,88 @@
+"""The transport seam: what the sender and receiver actors need of their side channel.
+
+:data:`ZMQ` (real ROUTER/DEALER sockets, :mod:`pdactors.transport.zmq`) is the default;
+:class:`~pdactors.transport.memory.MemoryTransport` runs actors in one trio run with no sockets
+(tests under the autojump clock); :class:`~pdactors.testing.faults.FaultyTransport` wraps either
+to drop, delay, duplicate messages and cut connections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol
+
+import trio
+
+from pdactors.config import Liveness
+
+__all__ = ["ZMQ", "Dealer", "Router", "Transport", "ZmqTransport"]
+
+
+class Router(Protocol):
+    """P's side channel: messages from many D workers, each known by an identity."""
+
+    @property
+    def address(self) -> str: ...
+
+    #: Identities whose connection ended (closed, died, silent past the heartbeat timeout).
+    lost_peers: trio.MemoryReceiveChannel[bytes]
+
+    async def receive(self) -> tuple[bytes, list[bytes]]: ...
+
+    async def send(self, identity: bytes, frames: Sequence[bytes]) -> None:
+        """Raises :class:`~pdactors.transport.PeerUnreachable` for an identity not connected."""
+        ...
+
+
+class Dealer(Protocol):
+    """D's connection to one P worker."""
+
+    @property
+    def address(self) -> str: ...
+
+    async def receive(self) -> list[bytes]: ...
+
+    async def send(self, frames: Sequence[bytes]) -> None: ...
+
+    async def wait_lost(self, connect_timeout: float) -> str:
+        """Wait until the peer is known to be gone; say why."""
+        ...
+
+
+class Transport(Protocol):
+    def open_router(
+        self, host: str, port: int = 0, *, liveness: Liveness | None = None
+    ) -> AbstractAsyncContextManager[Router]:
+        """Bind a router for the block. Raises ``OSError``-like errors if it cannot bind."""
+        ...
+
+    def open_dealer(
+        self, address: str, *, liveness: Liveness | None = None
+    ) -> AbstractAsyncContextManager[Dealer]:
+        """Connect a dealer for the block. Raises
+        :class:`~pdactors.transport.TransportError` for a malformed address."""
+        ...
+
+
+class ZmqTransport:
+    """The real side channel: :func:`~pdactors.transport.zmq.open_router` /
+    :func:`~pdactors.transport.zmq.open_dealer` on the process-wide ZMQ context."""
+
+    def open_router(
+        self, host: str, port: int = 0, *, liveness: Liveness | None = None
+    ) -> AbstractAsyncContextManager[Router]:
+        from pdactors.transport.zmq import open_router
+
+        return open_router(host, port, liveness=liveness)
+
+    def open_dealer(
+        self, address: str, *, liveness: Liveness | None = None
+    ) -> AbstractAsyncContextManager[Dealer]:
+        from pdactors.transport.zmq import open_dealer
+
+        return open_dealer(address, liveness=liveness)
+
+
+#: The default transport of the actors.
+ZMQ: Transport = ZmqTransport()

@@ -1,0 +1,141 @@
+"""The actors through the transport seam: the in-memory transport under trio's autojump clock
+(timeout rules exact and instant), and the fault injector around real ZMQ sockets (dropped,
+duplicated and delayed messages, cut links). Every test ends with every block back."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from pdactors import PullFailedError, ReceiverConfig, SenderConfig
+from pdactors.testing import (
+    Cluster,
+    FaultyTransport,
+    MessageFaults,
+    open_cluster,
+    run_transfer,
+)
+from pdactors.transport import ZMQ, MemoryTransport
+
+SMALL = {"layers": 2, "num_blocks": 256, "block_bytes": 1024}
+#: The bootstrap is real HTTP even under the autojump clock: no lease renewals to jump through.
+QUIET_SENDER = SenderConfig(engine_id="p", lease_interval=0, register_timeout=1e6)
+
+
+async def pull(cluster: Cluster, tid: str, n: int = 2) -> str:
+    """Pull ``tid`` (which P never readies) into fresh blocks; why it failed."""
+    d = cluster.decode[0]
+    dst = d.pool.allocate(n)
+    try:
+        await d.receiver.pull(
+            tid, bootstrap_url=cluster.bootstrap_url, engine_id="prefill-0", block_ids=dst
+        )
+    except PullFailedError as exc:
+        return exc.reason
+    finally:
+        d.pool.free(dst)
+    return "delivered"
+
+
+async def test_memory_transport_moves_real_bytes() -> None:
+    with trio.fail_after(20):
+        async with open_cluster(transport=MemoryTransport(), **SMALL) as cluster:
+            outcomes = [await run_transfer(cluster, f"m{i}", 1 + i % 4) for i in range(10)]
+            assert all(o.ok and o.verified for o in outcomes), outcomes
+            await cluster.wait_settled()
+
+
+async def test_ready_timeout_is_exact_under_the_autojump_clock(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    sender = SenderConfig(engine_id="p", ready_timeout=480, lease_interval=0, tick_interval=1)
+    receiver = ReceiverConfig(lookup_timeout=1e6, tick_interval=1)
+    autojump_clock.autojump_threshold = 0.01  # the bootstrap's HTTP needs real moments
+    async with open_cluster(
+        sender=sender, receiver=receiver, transport=MemoryTransport(), **SMALL
+    ) as cluster:
+        start = trio.current_time()
+        reason = await pull(cluster, "slow")
+        assert "not ready within 480 s" in reason
+        assert 480 <= trio.current_time() - start <= 482
+        await cluster.wait_settled()
+
+
+async def test_a_cut_link_ends_the_pull_as_p_gone_and_the_next_pull_works() -> None:
+    memory = MemoryTransport()
+    with trio.fail_after(20):
+        async with open_cluster(sender=QUIET_SENDER, transport=memory, **SMALL) as cluster:
+            p = cluster.prefill[0]
+            async with trio.open_nursery() as nursery:
+                reasons: list[str] = []
+
+                async def waiting() -> None:
+                    reasons.append(await pull(cluster, "cut"))
+
+                nursery.start_soon(waiting)
+                while p.sender.transfer_state("cut") is None:
+                    await trio.sleep(0.001)
+                assert memory.cut(p.sender.address) == 1
+            assert reasons and "P gone" in reasons[0], reasons
+            # P heard D leave too: the transfer D waited for is over; P can still serve
+            assert p.sender.transfer_state("cut").value == "cancelled"  # type: ignore[union-attr]
+            outcome = await run_transfer(cluster, "after", 3)
+            assert outcome.ok and outcome.verified
+            await cluster.wait_settled()
+
+
+async def test_duplicated_and_delayed_messages_change_no_outcome() -> None:
+    faulty = FaultyTransport(ZMQ, MessageFaults(duplicate=0.5, delay=0.5, delay_seconds=0.01), 7)
+    with trio.fail_after(60):
+        async with open_cluster(transport=faulty, **SMALL) as cluster:
+            outcomes: list[object] = []
+
+            async def one(i: int) -> None:
+                outcomes.append(await run_transfer(cluster, f"f{i}", 1 + i % 5))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(24):
+                    nursery.start_soon(one, i)
+            bad = [o for o in outcomes if not (o.ok and o.verified)]  # type: ignore[attr-defined]
+            assert not bad, bad
+            assert faulty.stats["duplicated"] > 0 and faulty.stats["delayed"] > 0
+            await cluster.wait_settled()
+
+
+async def test_a_dropped_pull_ends_at_the_deadline_and_frees_everything(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A lost message on a live connection is the one end nothing but the clock can see.
+    faulty = FaultyTransport(MemoryTransport(), MessageFaults(drop=1.0))
+    receiver = ReceiverConfig(pull_timeout=60, lookup_timeout=1e6, tick_interval=1)
+    autojump_clock.autojump_threshold = 0.01
+    async with open_cluster(
+        sender=QUIET_SENDER, receiver=receiver, transport=faulty, **SMALL
+    ) as cluster:
+        start = trio.current_time()
+        reason = await pull(cluster, "lost")
+        assert "pull deadline (60 s)" in reason
+        assert 60 <= trio.current_time() - start <= 62
+        assert faulty.stats["dropped"] >= 1
+        await cluster.wait_settled()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_a_cut_mid_stream_ends_every_transfer_and_leaks_nothing(seed: int) -> None:
+    faulty = FaultyTransport(ZMQ, MessageFaults(delay=0.3, delay_seconds=0.02), seed)
+    with trio.fail_after(60):
+        async with open_cluster(transport=faulty, **SMALL) as cluster:
+            ends: list[bool] = []
+
+            async def one(i: int) -> None:
+                ends.append((await run_transfer(cluster, f"s{seed}-{i}", 2)).ok)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(16):
+                    nursery.start_soon(one, i)
+                await trio.sleep(0.02)
+                faulty.cut()
+            assert len(ends) == 16  # every transfer ended: delivered or failed, none hung
+            assert faulty.stats["cut"] >= 1
+            await cluster.wait_settled()
