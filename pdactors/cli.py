@@ -69,6 +69,35 @@ def harness(
 
 
 @app.command()
+def chaos(
+    seconds: Annotated[float, typer.Option(help="How long to inject faults.")] = 30.0,
+    seed: Annotated[int, typer.Option(help="Seed of the fault schedule and the transfers.")] = 0,
+    concurrency: Annotated[int, typer.Option(help="Transfers in flight at once.")] = 8,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Move transfers through a P process and a D receiver while killing, stopping and
+    restarting P, aborting on D, dropping and delaying messages, failing writes and restarting
+    the bootstrap. Prints per fault kind how fast the transfers it hit ended, then
+    "chaos: N transfers, N ok, N failed, N hung, N leaked blocks". Exits 1 if any transfer
+    hung, any block leaked or any delivered byte was wrong.
+    """
+    _setup(verbose)
+    import trio
+
+    from pdactors.testing.chaos import run_chaos
+
+    typer.echo(f"chaos: {seconds:g} s, seed {seed}, concurrency {concurrency}")
+    report = trio.run(
+        partial(run_chaos, seconds=seconds, seed=seed, concurrency=concurrency, progress=True)
+    )
+    typer.echo(report.table())
+    reasons = ", ".join(f"{k}: {v}" for k, v in sorted(report.reasons.items()))
+    typer.echo(f"failures by reason: {reasons or 'none'}")
+    typer.echo(report.last_line())
+    raise typer.Exit(0 if report.passed else 1)
+
+
+@app.command()
 def bootstrap(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind (0: any free port).")] = 8998,

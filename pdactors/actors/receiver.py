@@ -108,6 +108,8 @@ class Receiver:
         self._finished: set[str] = set()
         self._failed: dict[str, str] = {}
         self._results_changed = Pulse()
+        self._ended = Pulse()  # fired whenever any pull ends
+        self._down: set[str] = set()  # P workers lost and not heard from since (log once)
         #: Seconds each delivered pull took (start to P's answer), newest last; readers drain it.
         self.pull_seconds: deque[float] = deque(maxlen=10_000)
 
@@ -159,6 +161,14 @@ class Receiver:
             await self._results_changed.wait()
         await trio.lowlevel.checkpoint()
         return self.take_results()
+
+    async def wait_ended(self, transfer_id: str) -> None:
+        """Wait until the pull of ``transfer_id`` has ended (at once if none is in flight). An
+        aborted pull ends when P confirms it is not writing, or is known gone: only then may
+        D reuse its blocks. Checkpoint."""
+        while transfer_id in self._table:
+            await self._ended.wait()
+        await trio.lowlevel.checkpoint()
 
     @property
     def in_flight(self) -> int:
@@ -320,10 +330,9 @@ class Receiver:
     def _lost(self, address: str, reason: str) -> None:
         self._forget_lookups_of(address)
         pulls = self._table.on_peer(address)
-        if pulls:
-            log.warning("P worker %s gone (%s): %d pulls end", address, reason, pulls)
-        else:
-            log.info("P worker %s gone (%s)", address, reason)
+        level = logging.INFO if address in self._down or not pulls else logging.WARNING
+        log.log(level, "P worker %s gone (%s): %d pulls end", address, reason, pulls)
+        self._down.add(address)
         effects = self._table.peer_lost(address, f"P gone: {reason}")
         self._apply(effects)
         ended = [e.transfer_id for e in effects if isinstance(e, Completed)]
@@ -371,6 +380,7 @@ class Receiver:
             self._on_answer(peer, msg)
 
     def _on_answer(self, peer: _Peer, msg: Msg) -> None:
+        self._down.discard(peer.address)
         match msg:
             case PullDone(transfer_id=tid):
                 self._apply(self._table.answered(tid, ok=True, peer=peer.address))
@@ -416,6 +426,7 @@ class Receiver:
     def _completed(self, done: Completed) -> None:
         tid, pull = done.transfer_id, done.pull
         assert pull is not None
+        self._ended.fire()
         if done.ok:
             self.pull_seconds.append(trio.current_time() - pull.started)
         else:

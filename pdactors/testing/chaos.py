@@ -1,0 +1,322 @@
+"""``pdactors chaos``: a stream of transfers through real actors while faults are injected.
+
+P is a real sender in a process of its own (:mod:`pdactors.testing.prefill_process`, real
+Mooncake engine); D is a receiver in this process (real Mooncake engine, real ZMQ behind a
+:class:`~pdactors.testing.faults.FaultyTransport`); the bootstrap runs here too. ``concurrency``
+workers move transfers (P readies its blocks before or after D's pull, at random) and verify
+every delivered byte, while a seeded schedule injects one fault at a time:
+
+* ``kill_p`` — SIGKILL of P, restarted half a second later (new port, same engine id);
+* ``stop_p`` — SIGSTOP of P for two seconds, then SIGCONT (a hung peer);
+* ``abort`` — D gives up on a few transfers in flight;
+* ``drop`` / ``delay`` — D's side channel drops 30 % / delays half of its messages for a second;
+* ``fail_write`` — P's next two writes fail;
+* ``bootstrap`` — the bootstrap restarts on its port (P's lease puts its entry back).
+
+It reports, per fault kind, how many transfers were in flight when it struck and how long their
+ends took, then ``chaos: N transfers, N ok, N failed, N hung, N leaked blocks``. A transfer is
+*hung* when it has not ended ``hang_after`` seconds after it started (the pull deadline is
+shorter); a block is *leaked* when it is still held on D or P once everything has settled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+
+from pdactors.actors.bootstrap import serve_bootstrap
+from pdactors.actors.receiver import Receiver, serve_receiver
+from pdactors.config import BootstrapConfig, DataPlaneConfig, ReceiverConfig
+from pdactors.dataplane import open_mooncake
+from pdactors.errors import PullFailedError
+from pdactors.testing.cluster import BlockPool, KVBuffer
+from pdactors.testing.faults import FaultyTransport, MessageFaults
+from pdactors.transport import ZMQ
+
+__all__ = ["FAULTS", "ChaosReport", "run_chaos"]
+
+FAULTS = ("kill_p", "stop_p", "abort", "drop", "delay", "fail_write", "bootstrap")
+ENGINE = "chaos-p"
+LAYERS, BLOCKS, BLOCK_BYTES = 4, 256, 4096
+#: D's pull deadline here: dropped messages are the one fault only a clock can end.
+PULL_TIMEOUT = 10.0
+#: P frees KV nobody pulls after this (a dropped cancel leaves it to P's clock).
+UNCLAIMED_TTL = 10.0
+
+
+@dataclass
+class _Transfer:
+    tid: str
+    started: float
+    ended: float | None = None
+    ok: bool = False
+    reason: str = ""
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    done: trio.Event = field(default_factory=trio.Event)
+
+
+@dataclass
+class ChaosReport:
+    transfers: int = 0
+    ok: int = 0
+    failed: int = 0
+    hung: int = 0
+    corrupt: int = 0
+    leaked_blocks: int = 0
+    #: fault kind -> [times it struck, transfers hit, end latencies of those (s)]
+    faults: dict[str, list[float]] = field(default_factory=dict)
+    hits: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    reasons: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    @property
+    def passed(self) -> bool:
+        return self.hung == 0 and self.leaked_blocks == 0 and self.corrupt == 0
+
+    def table(self) -> str:
+        lines = ["| fault | times | transfers hit | end after fault p50 ms | max ms |",
+                 "|---|---|---|---|---|"]  # fmt: skip
+        for kind in FAULTS:
+            times = int(self.faults.get(kind, [0])[0])
+            lat = self.hits.get(kind, [])
+            p50 = f"{np.percentile(lat, 50) * 1e3:.0f}" if lat else "-"
+            top = f"{max(lat) * 1e3:.0f}" if lat else "-"
+            lines.append(f"| {kind} | {times} | {len(lat)} | {p50} | {top} |")
+        return "\n".join(lines)
+
+    def last_line(self) -> str:
+        return (
+            f"chaos: {self.transfers} transfers, {self.ok} ok, {self.failed} failed, "
+            f"{self.hung} hung, {self.leaked_blocks} leaked blocks"
+            + (f", {self.corrupt} CORRUPT" if self.corrupt else "")
+        )
+
+
+class _P:
+    """The P worker process: started, killed, stopped and restarted by the chaos."""
+
+    def __init__(self, bootstrap_url: str) -> None:
+        self.bootstrap_url = bootstrap_url
+        self.proc: trio.Process | None = None
+        self._stdin_lock = trio.Lock()
+        self._lines: trio.MemoryReceiveChannel[dict[str, object]] | None = None
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        args = [sys.executable, "-m", "pdactors.testing.prefill_process"]
+        args += ["--bootstrap", self.bootstrap_url, "--engine-id", ENGINE]
+        args += ["--layers", str(LAYERS), "--blocks", str(BLOCKS)]
+        args += ["--block-bytes", str(BLOCK_BYTES), "--unclaimed-ttl", str(UNCLAIMED_TTL)]
+        env = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
+        proc = await trio.lowlevel.open_process(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        )
+        send, recv = trio.open_memory_channel[dict[str, object]](math.inf)
+        nursery.start_soon(_read_lines, proc, send)
+        with trio.fail_after(30):
+            await recv.receive()  # {"address": ...}: it serves
+        self.proc, self._lines = proc, recv
+
+    async def command(self, line: str) -> bool:
+        proc = self.proc
+        if proc is None or proc.stdin is None or proc.returncode is not None:
+            return False
+        try:
+            async with self._stdin_lock:
+                await proc.stdin.send_all(line.encode() + b"\n")
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            return False
+        return True
+
+    async def blocks_in_use(self) -> int:
+        assert self._lines is not None
+        if not await self.command("stats"):
+            return 0  # a dead P holds nothing
+        with trio.fail_after(10):
+            return int(str((await self._lines.receive())["in_use"]))
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            os.kill(self.proc.pid, sig)
+
+    async def kill(self) -> None:
+        if self.proc is not None:
+            self.signal(signal.SIGCONT)
+            self.proc.kill()
+            with trio.move_on_after(10, shield=True):
+                await self.proc.wait()
+            self.proc = None
+
+
+async def _read_lines(proc: trio.Process, send: trio.MemorySendChannel[dict[str, object]]) -> None:
+    assert proc.stdout is not None
+    buffer = b""
+    async for chunk in proc.stdout:
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            send.send_nowait(json.loads(line))
+
+
+async def run_chaos(
+    *, seconds: float, seed: int, concurrency: int, progress: bool = False
+) -> ChaosReport:
+    """Run the chaos for ``seconds`` (then let every transfer end and everything settle)."""
+    rng = random.Random(seed)
+    report = ChaosReport()
+    faults = MessageFaults()
+    transport = FaultyTransport(ZMQ, faults, seed)
+    hang_after = PULL_TIMEOUT + 10
+    live: dict[str, _Transfer] = {}
+    async with open_mooncake(DataPlaneConfig()) as plane, trio.open_nursery() as nursery:
+        kv = KVBuffer(LAYERS, BLOCKS, BLOCK_BYTES)
+        plane.register(kv.regions)
+        pool = BlockPool(BLOCKS)
+        boot = [trio.CancelScope()]  # the bootstrap's scope, replaced at each restart
+        url = await nursery.start(_serve_bootstrap, BootstrapConfig(), boot[0])
+        port = int(url.rsplit(":", 1)[1])
+        config = ReceiverConfig(engine_id="chaos-d", pull_timeout=PULL_TIMEOUT)
+        receiver: Receiver = await nursery.start(
+            lambda task_status: serve_receiver(
+                config, plane, kv.layout, transport=transport, task_status=task_status
+            )
+        )
+        p = _P(url)
+        await p.start(nursery)
+        counter = iter(range(10**9))
+
+        async def one_transfer() -> None:
+            tid = f"c{seed}-{next(counter)}"
+            n = rng.randint(1, 8)
+            t = live[tid] = _Transfer(tid, trio.current_time())
+            report.transfers += 1
+            ready_first = rng.random() < 0.5
+            if ready_first:
+                await p.command(f"ready {tid} {n}")
+            dst = pool.allocate(n)
+            try:
+                with t.scope, trio.move_on_after(hang_after) as timer:
+                    async with trio.open_nursery() as inner:
+                        if not ready_first:
+                            inner.start_soon(_ready_later, p, tid, n, rng.random() * 0.05)
+                        try:
+                            await receiver.pull(
+                                tid, bootstrap_url=url, engine_id=ENGINE, block_ids=dst
+                            )
+                            t.ok = True
+                        except PullFailedError as exc:
+                            t.reason = exc.reason
+                if timer.cancelled_caught:
+                    report.hung += 1
+                    t.reason = "hung"
+                elif t.scope.cancelled_caught:
+                    t.reason = "aborted by the chaos"
+                if t.ok and not kv.verify(tid, dst, n):
+                    report.corrupt += 1
+            finally:
+                t.ended = trio.current_time()
+                # D reuses its blocks only once the pull has ended (an aborted pull ends when
+                # P confirms or is gone): wait for it, bounded.
+                with trio.move_on_after(hang_after, shield=True):
+                    await receiver.wait_ended(tid)
+                pool.free(dst)
+                del live[tid]
+                t.done.set()
+            if t.ok:
+                report.ok += 1
+            else:
+                report.failed += 1
+                report.reasons[_kind(t.reason)] += 1
+
+        async def worker(until: float) -> None:
+            while trio.current_time() < until:
+                await one_transfer()
+
+        async def inject(kind: str) -> None:
+            now = trio.current_time()
+            hit = list(live.values())
+            report.faults.setdefault(kind, [0])[0] += 1
+            if kind == "kill_p":
+                await p.kill()
+                await trio.sleep(0.5)
+                await p.start(nursery)
+            elif kind == "stop_p":
+                p.signal(signal.SIGSTOP)
+                await trio.sleep(2)
+                p.signal(signal.SIGCONT)
+            elif kind == "abort":
+                for t in rng.sample(hit, min(3, len(hit))):
+                    t.scope.cancel()
+                hit = [t for t in hit if t.scope.cancel_called]
+            elif kind in ("drop", "delay"):
+                setattr(faults, kind, 0.3 if kind == "drop" else 0.5)
+                await trio.sleep(1)
+                setattr(faults, kind, 0.0)
+            elif kind == "fail_write":
+                await p.command("failwrite 2")
+            elif kind == "bootstrap":
+                boot[0].cancel()
+                await trio.sleep(0.2)
+                boot[0] = trio.CancelScope()
+                await nursery.start(_serve_bootstrap, BootstrapConfig(port=port), boot[0])
+            nursery.start_soon(_record_ends, report, kind, now, hit)
+
+        start = trio.current_time()
+        until = start + seconds
+        async with trio.open_nursery() as work:
+            for _ in range(concurrency):
+                work.start_soon(worker, until)
+            while trio.current_time() < until - 1:
+                await trio.sleep(rng.uniform(0.5, 1.5))
+                kind = rng.choice(FAULTS)
+                if progress:
+                    print(f"  {trio.current_time() - start:5.1f} s  {kind:<10} "
+                          f"{report.transfers} transfers so far", flush=True)  # fmt: skip
+                await inject(kind)
+        # Settle: P frees KV nobody will pull after UNCLAIMED_TTL; give it that and more.
+        with trio.move_on_after(UNCLAIMED_TTL + 10):
+            # P is another process: polling its count is the only way to hear it.
+            while pool.in_use or await p.blocks_in_use():  # noqa: ASYNC110
+                await trio.sleep(0.5)
+        report.leaked_blocks = pool.in_use + await p.blocks_in_use()
+        await p.kill()
+        nursery.cancel_scope.cancel()
+    return report
+
+
+async def _ready_later(p: _P, tid: str, n: int, delay: float) -> None:
+    await trio.sleep(delay)
+    await p.command(f"ready {tid} {n}")
+
+
+async def _record_ends(report: ChaosReport, kind: str, at: float, hit: list[_Transfer]) -> None:
+    """The end latency, after the fault, of each transfer in flight when it struck."""
+    for t in hit:
+        await t.done.wait()
+    report.hits[kind] += [max(0.0, (t.ended or at) - at) for t in hit]
+
+
+async def _serve_bootstrap(
+    config: BootstrapConfig,
+    scope: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    with scope:
+        await serve_bootstrap(config, task_status=task_status)
+
+
+def _kind(reason: str) -> str:
+    for needle in ("P gone", "cannot reach", "injected", "cancelled", "aborted", "deadline",
+                   "hung", "not ready", "expired"):  # fmt: skip
+        if needle in reason:
+            return needle
+    return reason[:60] or "unknown"

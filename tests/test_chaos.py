@@ -1,0 +1,34 @@
+"""``pdactors chaos``, short: P in its own process killed, stopped and restarted, aborts,
+dropped and delayed messages, failed writes and a bootstrap restart, while transfers stream.
+Nothing may hang, leak or arrive corrupt; the run must also have delivered and failed some."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdactors.testing.chaos import FAULTS, run_chaos
+
+
+@pytest.mark.parametrize("seed", [3])
+async def test_chaos_nothing_hangs_leaks_or_corrupts(seed: int) -> None:
+    report = await run_chaos(seconds=10, seed=seed, concurrency=4)
+    assert report.passed, (report.last_line(), report.table())
+    assert report.ok > 0 and report.failed > 0
+    assert sum(int(report.faults.get(k, [0])[0]) for k in FAULTS) >= 5
+
+
+def test_chaos_cli_prints_the_summary_and_exits_zero() -> None:
+    env = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
+    args = ["chaos", "--seconds", "4", "--seed", "5", "--concurrency", "2"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pdactors.cli", *args],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("chaos: ") and last.endswith(" 0 hung, 0 leaked blocks"), last
+    assert "| kill_p |" in done.stdout
