@@ -54,6 +54,7 @@ class FakeEngine:
     hold: trio.Event | None = None  # completions wait for it before answering
     steps: trio.MemoryReceiveChannel[None] | None = None  # one item per streamed chunk
     chunks: int = 3
+    error_event: bool = False  # streams: an error event (vLLM's shape) after the first chunk
     received: list[dict[str, Any]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
@@ -112,6 +113,10 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
                 if engine.steps is not None:
                     await engine.steps.receive()
                 yield sse(engine, i)
+                if engine.error_event:
+                    error = {"error": {"message": "KV load failed", "type": "InternalServerError"}}
+                    yield b"data: " + msgspec.json.encode(error) + b"\n\n"
+                    break
             yield b"data: [DONE]\n\n"
         except trio.Cancelled:
             engine.cancelled.append(tid)
@@ -404,6 +409,40 @@ async def test_decode_failure_cancels_prefill() -> None:
             resp = await s.client.post("/v1/completions", json=completion_body(stream=True))
             assert resp.status_code == 502 and s.d[0].url in resp.json()["error"]["message"]
             await eventually(lambda: s.p[0].cancelled == s.p[0].tids())
+
+
+async def test_decode_dying_while_prefill_works_cancels_prefill_at_once() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            s.p[0].hold = trio.Event()  # P is still computing the prompt
+            s.d[0].steps = trio.open_memory_channel[None](0)[1]  # D has answered, no token yet
+
+            async def d_dies() -> None:
+                await eventually(lambda: bool(s.d[0].tids()) and bool(s.p[0].tids()))
+                await trio.sleep(0.1)  # D's headers are out: the stream has begun
+                s.d[0].scope.cancel()  # D's process is gone: its connections drop
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(d_dies)
+                resp = await s.client.post("/v1/completions", json=completion_body(stream=True))
+            assert resp.status_code == 502 and s.d[0].url in resp.json()["error"]["message"]
+            await eventually(lambda: s.p[0].cancelled == s.p[0].tids())
+            m = await s.metrics()
+            assert m[total("completions", "decode_error")] == 1
+
+
+async def test_an_error_event_in_ds_stream_is_counted_as_an_error() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            s.d[0].error_event = True
+            async with s.client.stream(
+                "POST", "/v1/completions", json=completion_body(stream=True)
+            ) as resp:
+                text = (await resp.aread()).decode()
+            assert resp.status_code == 200 and "KV load failed" in text
+            m = await s.metrics()
+            assert m[total("completions", "decode_error")] == 1
+            assert (total("completions", "ok")) not in m
 
 
 async def test_client_disconnect_mid_stream_cancels_decode() -> None:

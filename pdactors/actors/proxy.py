@@ -14,8 +14,10 @@ Both calls run in one nursery owned by the request: when one fails, the other is
 once: a 4xx passes through, anything else is a 502 naming the engine. The client's answer
 starts only once P has answered and D's answer has begun, so every failure of P is an HTTP
 status, never half a stream. This costs nothing in time to first token: D cannot decode before
-P's prefill is done, and P answers as soon as its prefill is. After that D's answer is relayed
-as it arrives (SSE chunks for ``stream: true``); a client that goes away cancels D.
+P's prefill is done, and P answers as soon as its prefill is. D's stream is read from the moment
+D answers (a pump task), so a D that fails or dies while P still works cancels P at once; after
+that D's answer is relayed as it arrives (SSE chunks for ``stream: true``), a client that goes
+away cancels D, and a stream in which D reports an error event counts as ``decode_error``.
 
 Other routes: ``GET /v1/models`` (a healthy D's answer), ``GET /health`` (200 when at least one P
 and one D are in rotation, else 503 with the reasons), ``GET /metrics`` (Prometheus text, one
@@ -68,6 +70,8 @@ _http_log = logging.getLogger("pdactors.proxy.http")
 _CLOSE_TIMEOUT: Final = 2.0
 #: How long a relay waits to hand a final error event to a slow client.
 _LAST_EVENT_TIMEOUT: Final = 1.0
+#: An SSE event in which an engine reports a failure of a stream it already answered 200 to.
+_ERROR_EVENT: Final = b'data: {"error"'
 
 
 # --------------------------------------------------------------------------- requests
@@ -149,6 +153,11 @@ class _Head:
     failure: _Failure | None = None
     d_resp: httpx.Response | None = None
     body: bytes = b""
+    #: Streamed: D's chunks, pumped from the moment D answers (so that a D that fails while P
+    #: still works cancels P), the pump's scope, and how D's stream failed, if it did.
+    chunks: trio.MemoryReceiveChannel[bytes] | None = None
+    pump: trio.CancelScope | None = None
+    stream_failure: _Failure | None = None
 
     def fail(self, failure: _Failure, scope: trio.CancelScope) -> None:
         if self.failure is None:  # the first failure is the cause; later ones are its echo
@@ -315,13 +324,13 @@ class _Proxy:
         if head.failure is not None:
             self._end(ex, head.failure.outcome)
             return head.failure.response()
-        if head.d_resp is None:  # not streamed: D's whole answer is in
+        if head.chunks is None:  # not streamed: D's whole answer is in
             self._end(ex, "ok")
             headers = {"x-request-id": tid}
             return Response(head.body, content_type="application/json", headers=headers)
         send, recv = trio.open_memory_channel[bytes](0)
-        # The relay now owns D's answer; no checkpoint between _open returning and this.
-        _request_nursery.get().start_soon(self._relay, ex, head.d_resp, send)
+        # The relay now owns D's stream; no checkpoint between _open returning and this.
+        _request_nursery.get().start_soon(self._relay, ex, head, send)
         headers = {"cache-control": "no-cache", "x-request-id": tid}
         return Response(_drain(recv), content_type="text/event-stream", headers=headers)
 
@@ -355,17 +364,24 @@ class _Proxy:
                     legs.start_soon(self._prefill_leg, ex, p_body, head, legs.cancel_scope)
                     legs.start_soon(self._decode_leg, ex, d_body, head, legs.cancel_scope)
         except BaseException:
-            if head.d_resp is not None:
-                await _close(head.d_resp)
+            await self._drop_d(head)
             raise
         if timer.cancelled_caught and head.failure is None:
             head.failure = self._timeout_failure("no answer from P and D")
-        if head.d_resp is not None and (head.failure is not None or not ex.stream):
-            await _close(head.d_resp)
-            head.d_resp = None
+        if head.failure is not None or not ex.stream:
+            await self._drop_d(head)
         if head.failure is not None:
             log.warning("proxy: request %s failed: %s", ex.transfer_id, head.failure.body[:300])
         return head
+
+    async def _drop_d(self, head: _Head) -> None:
+        """Close D's answer (its pump closes it when there is one)."""
+        if head.pump is not None:
+            head.pump.cancel()
+            head.chunks = None
+        elif head.d_resp is not None:
+            await _close(head.d_resp)
+        head.d_resp = None
 
     async def _prefill_leg(
         self, ex: _Exchange, body: bytes, head: _Head, scope: trio.CancelScope
@@ -394,39 +410,71 @@ class _Proxy:
                 head.fail(self._status_failure(ex.d, resp), scope)
             elif not ex.stream:
                 head.body = await resp.aread()
+            else:
+                pump = partial(self._pump, ex, head, resp, scope)
+                await _request_nursery.get().start(pump)  # it owns D's answer from here
         except httpx.HTTPError as exc:
             head.fail(self._transport_failure(ex.d, exc), scope)
 
-    async def _relay(
-        self, ex: _Exchange, resp: httpx.Response, send: trio.MemorySendChannel[bytes]
+    async def _pump(
+        self,
+        ex: _Exchange,
+        head: _Head,
+        resp: httpx.Response,
+        legs: trio.CancelScope,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Hand D's streamed answer to the client's body, chunk by chunk; owns ``resp``."""
+        """Read D's stream as it comes, from the moment D answers; owns ``resp``. A D that fails
+        while P still works cancels P's leg (``legs``) at once."""
+        send, head.chunks = trio.open_memory_channel[bytes](16)
+        with trio.CancelScope() as head.pump:
+            task_status.started()
+            try:
+                with send:
+                    try:
+                        async for chunk in resp.aiter_bytes():
+                            await send.send(chunk)
+                    except httpx.HTTPError as exc:
+                        head.stream_failure = self._transport_failure(ex.d, exc)
+                        head.fail(head.stream_failure, legs)
+                    except trio.BrokenResourceError:
+                        pass  # the relay is gone: nobody wants the rest
+            finally:
+                await _close(resp)
+
+    async def _relay(self, ex: _Exchange, head: _Head, send: trio.MemorySendChannel[bytes]) -> None:
+        """Hand D's streamed answer to the client's body, chunk by chunk."""
         outcome = "cancelled"
         try:
             with send:
-                outcome = await self._forward(ex, resp, send)
+                outcome = await self._forward(ex, head, send)
         finally:
-            await _close(resp)
+            if head.pump is not None:
+                head.pump.cancel()
             self._end(ex, outcome)
 
     async def _forward(
-        self, ex: _Exchange, resp: httpx.Response, send: trio.MemorySendChannel[bytes]
+        self, ex: _Exchange, head: _Head, send: trio.MemorySendChannel[bytes]
     ) -> str:
+        assert head.chunks is not None
         failure: _Failure | None = None
-        first = True
+        first, outcome = True, "ok"
         with trio.move_on_at(ex.deadline):
             try:
-                async for chunk in resp.aiter_bytes():
+                async for chunk in head.chunks:
                     if first:
                         first = False
                         elapsed = trio.current_time() - ex.arrived
                         self.metrics.ttft.labels(ex.p.url, ex.d.url).observe(elapsed)
+                    if _ERROR_EVENT in chunk:  # D reports a failure in a stream it began (200)
+                        outcome = "decode_error"
                     await send.send(chunk)
-                return "ok"
             except trio.BrokenResourceError:
                 return "cancelled"  # the client's body was closed: the client went away
-            except httpx.HTTPError as exc:
-                failure = self._transport_failure(ex.d, exc)
+            if head.stream_failure is None:
+                return outcome
+            failure = head.stream_failure
         if failure is None:
             failure = self._timeout_failure("D did not finish")
         log.warning("proxy: request %s failed mid-stream: %s", ex.transfer_id, failure.body[:300])
