@@ -7,11 +7,7 @@ has the default pull deadline (540 s): an end within seconds can only come from 
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -23,45 +19,23 @@ from pdactors.bootstrap_client import open_bootstrap_client
 from pdactors.core.send_table import SendState
 from pdactors.messages import PullRequest, RegisterWorker, encode_frames
 from pdactors.testing import Cluster, open_cluster, run_transfer
+from pdactors.testing.prefill_process import PrefillProcess
 from pdactors.transport import open_dealer
 
 SMALL = {"layers": 4, "num_blocks": 64, "block_bytes": 4096}
 
 
-class PProcess:
-    def __init__(self, proc: trio.Process, address: str) -> None:
-        self.proc = proc
-        self.address = address
-
-    async def command(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        await self.proc.stdin.send_all(line.encode() + b"\n")
-
-
 @asynccontextmanager
-async def p_process(bootstrap_url: str, engine_id: str = "p-proc") -> AsyncIterator[PProcess]:
+async def p_process(bootstrap_url: str, engine_id: str = "p-proc") -> AsyncIterator[PrefillProcess]:
     """A P worker in its own process; killed on exit whatever happens."""
-    args = [sys.executable, "-m", "pdactors.testing.prefill_process"]
-    args += ["--bootstrap", bootstrap_url, "--engine-id", engine_id]
-    env = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
-    proc = await trio.lowlevel.open_process(
-        args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
-    )
-    try:
-        assert proc.stdout is not None
-        line = b""
-        with trio.fail_after(30):
-            while not line.endswith(b"\n"):
-                chunk = await proc.stdout.receive_some(4096)
-                assert chunk, "the P process exited before it served"
-                line += chunk
-        yield PProcess(proc, json.loads(line)["address"])
-    finally:
-        if proc.returncode is None:
-            os.kill(proc.pid, signal.SIGCONT)  # a stopped process cannot die of SIGKILL's wait
-            proc.kill()
-        with trio.move_on_after(10, shield=True):
-            await proc.wait()
+    async with trio.open_nursery() as nursery:
+        p = PrefillProcess(bootstrap_url, engine_id)
+        try:
+            await p.start(nursery)
+            yield p
+        finally:
+            await p.kill()
+            nursery.cancel_scope.cancel()
 
 
 async def pull_ends(cluster: Cluster, tid: str, engine_id: str = "p-proc") -> str:
@@ -102,7 +76,7 @@ async def test_pulls_on_a_dead_or_hung_p_end_within_seconds(how: str) -> None:
                 with trio.fail_after(10):
                     await wait_until_pull_reaches_p(cluster)
                 start = trio.current_time()
-                os.kill(p.proc.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+                p.signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
                 with trio.fail_after(5):  # the pull deadline is 540 s
                     while len(reasons) < 4:
                         await trio.sleep(0.01)
@@ -122,7 +96,7 @@ async def test_a_restarted_p_is_found_again_without_restarting_d() -> None:
             await first.command("ready r1 2")
             with trio.fail_after(15):
                 assert await pull_ends(cluster, "r1") == "delivered"
-            first.proc.kill()
+            await first.kill()
         async with p_process(cluster.bootstrap_url) as second:
             assert second.address != first.address
             await second.command("ready r2 2")

@@ -21,13 +21,8 @@ shorter); a block is *leaked* when it is still held on D or P once everything ha
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import random
 import signal
-import subprocess
-import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -41,6 +36,7 @@ from pdactors.dataplane import open_mooncake
 from pdactors.errors import PullFailedError
 from pdactors.testing.cluster import BlockPool, KVBuffer
 from pdactors.testing.faults import FaultyTransport, MessageFaults
+from pdactors.testing.prefill_process import PrefillProcess
 from pdactors.transport import ZMQ
 
 __all__ = ["FAULTS", "ChaosReport", "run_chaos"]
@@ -101,71 +97,6 @@ class ChaosReport:
         )
 
 
-class _P:
-    """The P worker process: started, killed, stopped and restarted by the chaos."""
-
-    def __init__(self, bootstrap_url: str) -> None:
-        self.bootstrap_url = bootstrap_url
-        self.proc: trio.Process | None = None
-        self._stdin_lock = trio.Lock()
-        self._lines: trio.MemoryReceiveChannel[dict[str, object]] | None = None
-
-    async def start(self, nursery: trio.Nursery) -> None:
-        args = [sys.executable, "-m", "pdactors.testing.prefill_process"]
-        args += ["--bootstrap", self.bootstrap_url, "--engine-id", ENGINE]
-        args += ["--layers", str(LAYERS), "--blocks", str(BLOCKS)]
-        args += ["--block-bytes", str(BLOCK_BYTES), "--unclaimed-ttl", str(UNCLAIMED_TTL)]
-        env = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
-        proc = await trio.lowlevel.open_process(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
-        )
-        send, recv = trio.open_memory_channel[dict[str, object]](math.inf)
-        nursery.start_soon(_read_lines, proc, send)
-        with trio.fail_after(30):
-            await recv.receive()  # {"address": ...}: it serves
-        self.proc, self._lines = proc, recv
-
-    async def command(self, line: str) -> bool:
-        proc = self.proc
-        if proc is None or proc.stdin is None or proc.returncode is not None:
-            return False
-        try:
-            async with self._stdin_lock:
-                await proc.stdin.send_all(line.encode() + b"\n")
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            return False
-        return True
-
-    async def blocks_in_use(self) -> int:
-        assert self._lines is not None
-        if not await self.command("stats"):
-            return 0  # a dead P holds nothing
-        with trio.fail_after(10):
-            return int(str((await self._lines.receive())["in_use"]))
-
-    def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            os.kill(self.proc.pid, sig)
-
-    async def kill(self) -> None:
-        if self.proc is not None:
-            self.signal(signal.SIGCONT)
-            self.proc.kill()
-            with trio.move_on_after(10, shield=True):
-                await self.proc.wait()
-            self.proc = None
-
-
-async def _read_lines(proc: trio.Process, send: trio.MemorySendChannel[dict[str, object]]) -> None:
-    assert proc.stdout is not None
-    buffer = b""
-    async for chunk in proc.stdout:
-        buffer += chunk
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            send.send_nowait(json.loads(line))
-
-
 async def run_chaos(
     *, seconds: float, seed: int, concurrency: int, progress: bool = False
 ) -> ChaosReport:
@@ -189,7 +120,7 @@ async def run_chaos(
                 config, plane, kv.layout, transport=transport, task_status=task_status
             )
         )
-        p = _P(url)
+        p = PrefillProcess(url, ENGINE, LAYERS, BLOCKS, BLOCK_BYTES, UNCLAIMED_TTL)
         await p.start(nursery)
         counter = iter(range(10**9))
 
@@ -292,7 +223,7 @@ async def run_chaos(
     return report
 
 
-async def _ready_later(p: _P, tid: str, n: int, delay: float) -> None:
+async def _ready_later(p: PrefillProcess, tid: str, n: int, delay: float) -> None:
     await trio.sleep(delay)
     await p.command(f"ready {tid} {n}")
 

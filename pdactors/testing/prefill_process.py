@@ -11,12 +11,17 @@ commands from stdin, one per line:
 * ``stats``: print ``{"in_use": blocks held}`` as one JSON line.
 
 Blocks come back to the pool as the sender releases them. It runs until killed or stdin closes.
+:class:`PrefillProcess` drives it from a trio program (tests, ``pdactors chaos``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import signal
+import subprocess
 import sys
 
 import trio
@@ -73,6 +78,88 @@ def _command(line: str, node: PrefillNode, faulty: FaultyDataPlane) -> None:
             print(json.dumps({"in_use": node.pool.in_use}), flush=True)
         case _:
             print(f"unknown command {line.strip()!r}", file=sys.stderr, flush=True)
+
+
+class PrefillProcess:
+    """Drives this module as a child process: :meth:`start` it (again after :meth:`kill`),
+    send it commands, ask what it holds, signal it (SIGSTOP / SIGCONT)."""
+
+    def __init__(
+        self,
+        bootstrap_url: str,
+        engine_id: str,
+        layers: int = 4,
+        blocks: int = 64,
+        block_bytes: int = 4096,
+        unclaimed_ttl: float = 120.0,
+    ) -> None:
+        self.bootstrap_url = bootstrap_url
+        self.engine_id = engine_id
+        self.shape = (layers, blocks, block_bytes, unclaimed_ttl)
+        self.address = ""
+        self.proc: trio.Process | None = None
+        self._stdin_lock = trio.Lock()
+        self._lines: trio.MemoryReceiveChannel[dict[str, object]] | None = None
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Start the process (its output is read by a task in ``nursery``); returns once it
+        serves. Raises ``TooSlowError`` if it does not within 30 s."""
+        args = [sys.executable, "-m", "pdactors.testing.prefill_process"]
+        layers, blocks, block_bytes, ttl = self.shape
+        args += ["--bootstrap", self.bootstrap_url, "--engine-id", self.engine_id]
+        args += ["--layers", str(layers), "--blocks", str(blocks)]
+        args += ["--block-bytes", str(block_bytes), "--unclaimed-ttl", str(ttl)]
+        env = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
+        proc = await trio.lowlevel.open_process(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        )
+        send, recv = trio.open_memory_channel[dict[str, object]](math.inf)
+        nursery.start_soon(_read_lines, proc, send)
+        self.proc = proc
+        with trio.fail_after(30):
+            self.address = str((await recv.receive())["address"])  # it serves
+        self._lines = recv
+
+    async def command(self, line: str) -> bool:
+        proc = self.proc
+        if proc is None or proc.stdin is None or proc.returncode is not None:
+            return False
+        try:
+            async with self._stdin_lock:
+                await proc.stdin.send_all(line.encode() + b"\n")
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            return False
+        return True
+
+    async def blocks_in_use(self) -> int:
+        assert self._lines is not None
+        if not await self.command("stats"):
+            return 0  # a dead P holds nothing
+        with trio.fail_after(10):
+            return int(str((await self._lines.receive())["in_use"]))
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            os.kill(self.proc.pid, sig)
+
+    async def kill(self) -> None:
+        """SIGKILL it (a stopped one too) and reap it."""
+        if self.proc is not None:
+            self.signal(signal.SIGCONT)
+            self.proc.kill()
+            with trio.move_on_after(10, shield=True):
+                await self.proc.wait()
+            self.proc = None
+
+
+async def _read_lines(proc: trio.Process, send: trio.MemorySendChannel[dict[str, object]]) -> None:
+    assert proc.stdout is not None
+    buffer = b""
+    async for chunk in proc.stdout:
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            send.send_nowait(json.loads(line))
 
 
 def main() -> None:
