@@ -469,3 +469,61 @@ async def test_query_bad_answers_raise(response: httpx.Response) -> None:
     with trio.fail_after(10):
         with pytest.raises(BootstrapError, match="http://boot"):
             await _mock_client(lambda request: response).query("http://boot", timeout=5)
+
+
+# --------------------------------------------------------------------------- leases
+
+
+def test_a_lease_lapses_unless_renewed_and_an_unleased_entry_stays() -> None:
+    reg = BootstrapRegistry()
+    assert reg.register(worker("leased", dp=0), now=0.0, lease=5.0) == "added"
+    assert reg.register(worker("forever", dp=1, port=6000), now=0.0) == "added"
+    assert reg.register(worker("leased", dp=0), now=4.0, lease=5.0) == "unchanged"  # renewal
+    assert set(reg.answer(now=8.9)) == {0, 1}
+    assert set(reg.answer(now=9.0)) == {1}  # 5 s after the last renewal: gone
+    assert reg.expire(now=1e9) == []  # already gone; the unleased entry never lapses
+    assert reg.answer(now=1e9) == {1: BootstrapEntry("forever", {0: {0: "tcp://127.0.0.1:6000"}})}
+
+
+def test_expire_says_who_went() -> None:
+    reg = BootstrapRegistry()
+    reg.register(worker("p", tp=0), now=0.0, lease=1.0)
+    reg.register(worker("p", tp=1, port=5556), now=0.5, lease=1.0)
+    assert reg.expire(now=1.0) == ["p dp=0 tp=0 pp=0 at tcp://127.0.0.1:5555"]
+    assert reg.answer(now=1.0) == {0: BootstrapEntry("p", {1: {0: "tcp://127.0.0.1:5556"}})}
+
+
+@pytest.mark.parametrize("lease", ["0", "-1", "abc", "1e9", "nan"])
+async def test_a_bad_lease_gets_400_and_registers_nothing(lease: str) -> None:
+    with trio.fail_after(10):
+        async with running_bootstrap() as url, raw_http() as http:
+            resp = await http.post(f"{url}/register", params={"lease": lease}, json=VALID)
+            assert resp.status_code == 400 and "lease" in resp.json()["error"]
+            assert (await http.get(f"{url}/query")).json() == {}
+
+
+async def test_a_renewing_sender_puts_its_entry_back_after_a_bogus_registration() -> None:
+    from pdactors.actors.sender import serve_sender
+    from pdactors.config import DataPlaneConfig, SenderConfig
+    from pdactors.dataplane import open_mooncake
+    from pdactors.testing import KVBuffer
+
+    with trio.fail_after(30):
+        async with running_bootstrap() as url, open_bootstrap_client() as client:
+            config = SenderConfig(engine_id="real-p", bootstrap_url=url, lease_interval=0.2)
+            async with open_mooncake(DataPlaneConfig()) as plane, trio.open_nursery() as nursery:
+                kv = KVBuffer(1, 4, 64)
+                plane.register(kv.regions)
+                sender = await nursery.start(serve_sender, config, plane, kv.layout)
+                # someone registers another engine on P's DP rank, once (as upstream tools do)
+                await client.register(url, RegisterWorker("bogus", 0, 0, 0, "tcp://x:1"), timeout=5)
+                while True:  # the next renewal undoes it
+                    entry = (await client.query(url, timeout=5))[0]
+                    if entry.engine_id == "real-p":
+                        break
+                    await trio.sleep(0.05)
+                assert entry.worker_addr == {0: {0: sender.address}}
+                nursery.cancel_scope.cancel()
+            # P is gone: its lease lapses (5 s) and it leaves /query by itself
+            while await client.query(url, timeout=5):
+                await trio.sleep(0.2)
