@@ -73,6 +73,14 @@ def chaos(
     seconds: Annotated[float, typer.Option(help="How long to inject faults.")] = 30.0,
     seed: Annotated[int, typer.Option(help="Seed of the fault schedule and the transfers.")] = 0,
     concurrency: Annotated[int, typer.Option(help="Transfers in flight at once.")] = 8,
+    netns: Annotated[
+        bool,
+        typer.Option(
+            "--netns",
+            help="P in a network namespace of its own, joined by a veth pair (root); adds "
+            "cut links and, where the kernel has netem, packet loss.",
+        ),
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Move transfers through a P process and a D receiver while killing, stopping and
@@ -87,9 +95,10 @@ def chaos(
     from pdactors.testing.chaos import run_chaos
 
     typer.echo(f"chaos: {seconds:g} s, seed {seed}, concurrency {concurrency}")
-    report = trio.run(
-        partial(run_chaos, seconds=seconds, seed=seed, concurrency=concurrency, progress=True)
+    run = partial(
+        run_chaos, seconds=seconds, seed=seed, concurrency=concurrency, progress=True, netns=netns
     )
+    report = trio.run(run)
     typer.echo(report.table())
     reasons = ", ".join(f"{k}: {v}" for k, v in sorted(report.reasons.items()))
     typer.echo(f"failures by reason: {reasons or 'none'}")

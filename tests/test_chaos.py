@@ -5,10 +5,12 @@ Nothing may hang, leak or arrive corrupt; the run must also have delivered and f
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+import trio
 
 from pdactors.testing.chaos import FAULTS, run_chaos
 
@@ -32,3 +34,22 @@ def test_chaos_cli_prints_the_summary_and_exits_zero() -> None:
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("chaos: ") and last.endswith(" 0 hung, 0 leaked blocks"), last
     assert "| kill_p |" in done.stdout
+
+
+def _can_make_netns() -> bool:
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        return False
+    name = f"pdprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if made:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return made
+
+
+@pytest.mark.skipif(not _can_make_netns(), reason="needs root and iproute2 network namespaces")
+async def test_chaos_across_two_network_namespaces_with_cut_links() -> None:
+    report = await run_chaos(seconds=10, seed=8, concurrency=4, netns=True)
+    assert report.passed, (report.last_line(), report.table())
+    assert report.ok > 0
+    listing = await trio.run_process(["ip", "netns", "list"], capture_stdout=True)
+    assert b"pdchaos" not in listing.stdout  # the namespace and the veth pair are gone

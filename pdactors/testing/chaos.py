@@ -13,6 +13,11 @@ every delivered byte, while a seeded schedule injects one fault at a time:
 * ``fail_write`` — P's next two writes fail;
 * ``bootstrap`` — the bootstrap restarts on its port (P's lease puts its entry back).
 
+With ``netns`` (root, ``ip`` from iproute2), P lives in a network namespace of its own, joined to
+D's by a veth pair as two hosts would be, and the faults include ``cut_link`` (the veth link
+down for two seconds) and, where the kernel has ``sch_netem``, ``loss`` (10 % packet loss for
+two seconds with ``tc netem``).
+
 It reports, per fault kind, how many transfers were in flight when it struck and how long their
 ends took, then ``chaos: N transfers, N ok, N failed, N hung, N leaked blocks``. A transfer is
 *hung* when it has not ended ``hang_after`` seconds after it started (the pull deadline is
@@ -21,9 +26,12 @@ shorter); a block is *leaked* when it is still held on D or P once everything ha
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 from collections import defaultdict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +50,7 @@ from pdactors.transport import ZMQ
 __all__ = ["FAULTS", "ChaosReport", "run_chaos"]
 
 FAULTS = ("kill_p", "stop_p", "abort", "drop", "delay", "fail_write", "bootstrap")
+NETNS_FAULTS = ("cut_link", "loss")
 ENGINE = "chaos-p"
 LAYERS, BLOCKS, BLOCK_BYTES = 4, 256, 4096
 #: D's pull deadline here: dropped messages are the one fault only a clock can end.
@@ -81,7 +90,9 @@ class ChaosReport:
     def table(self) -> str:
         lines = ["| fault | times | transfers hit | end after fault p50 ms | max ms |",
                  "|---|---|---|---|---|"]  # fmt: skip
-        for kind in FAULTS:
+        for kind in (*FAULTS, *NETNS_FAULTS):
+            if kind in NETNS_FAULTS and kind not in self.faults:
+                continue
             times = int(self.faults.get(kind, [0])[0])
             lat = self.hits.get(kind, [])
             p50 = f"{np.percentile(lat, 50) * 1e3:.0f}" if lat else "-"
@@ -97,22 +108,80 @@ class ChaosReport:
         )
 
 
+@dataclass(frozen=True)
+class _Hosts:
+    d_ip: str = "127.0.0.1"
+    p_ip: str = "127.0.0.1"
+    netns: str | None = None
+    link: str = ""  # D's end of the veth pair
+    netem: bool = False
+
+
+@asynccontextmanager
+async def _two_hosts(enabled: bool) -> AsyncIterator[_Hosts]:
+    """P's network namespace and the veth pair to it (removed on exit), or plain loopback."""
+    if not enabled:
+        yield _Hosts()
+        return
+    tag = f"{os.getpid() % 10000}"
+    ns, d_if, p_if = f"pdchaos{tag}", f"pdc{tag}d", f"pdc{tag}p"
+    net = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+    d_ip, p_ip = f"{net}.1", f"{net}.2"
+    steps = [
+        ["ip", "netns", "add", ns],
+        ["ip", "link", "add", d_if, "type", "veth", "peer", "name", p_if],
+        ["ip", "link", "set", p_if, "netns", ns],
+        ["ip", "addr", "add", f"{d_ip}/24", "dev", d_if],
+        ["ip", "link", "set", d_if, "up"],
+        ["ip", "netns", "exec", ns, "ip", "addr", "add", f"{p_ip}/24", "dev", p_if],
+        ["ip", "netns", "exec", ns, "ip", "link", "set", p_if, "up"],
+        ["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"],
+    ]
+    try:
+        for step in steps:
+            await trio.run_process(step, capture_stderr=True)
+        probe = ["tc", "qdisc", "add", "dev", d_if, "root", "netem", "loss", "0%"]
+        netem = (await trio.run_process(probe, check=False, capture_stderr=True)).returncode == 0
+        if netem:
+            await trio.run_process(["tc", "qdisc", "del", "dev", d_if, "root"], check=False)
+        yield _Hosts(d_ip, p_ip, ns, d_if, netem)
+    finally:
+        with trio.move_on_after(10, shield=True):
+            await trio.run_process(["ip", "link", "del", d_if], check=False, capture_stderr=True)
+            await trio.run_process(["ip", "netns", "del", ns], check=False, capture_stderr=True)
+
+
 async def run_chaos(
-    *, seconds: float, seed: int, concurrency: int, progress: bool = False
+    *, seconds: float, seed: int, concurrency: int, progress: bool = False, netns: bool = False
 ) -> ChaosReport:
-    """Run the chaos for ``seconds`` (then let every transfer end and everything settle)."""
+    """Run the chaos for ``seconds`` (then let every transfer end and everything settle).
+
+    ``netns`` puts P in a network namespace of its own (needs root and iproute2); raises
+    ``subprocess.CalledProcessError`` when the namespace cannot be made.
+    """
+    async with _two_hosts(netns) as hosts:
+        return await _run(seconds, seed, concurrency, progress, hosts)
+
+
+async def _run(
+    seconds: float, seed: int, concurrency: int, progress: bool, hosts: _Hosts
+) -> ChaosReport:
     rng = random.Random(seed)
     report = ChaosReport()
     faults = MessageFaults()
     transport = FaultyTransport(ZMQ, faults, seed)
     hang_after = PULL_TIMEOUT + 10
     live: dict[str, _Transfer] = {}
-    async with open_mooncake(DataPlaneConfig()) as plane, trio.open_nursery() as nursery:
+    kinds = FAULTS + (("cut_link",) + (("loss",) if hosts.netem else ()) if hosts.netns else ())
+    async with (
+        open_mooncake(DataPlaneConfig(hostname=hosts.d_ip)) as plane,
+        trio.open_nursery() as nursery,
+    ):
         kv = KVBuffer(LAYERS, BLOCKS, BLOCK_BYTES)
         plane.register(kv.regions)
         pool = BlockPool(BLOCKS)
         boot = [trio.CancelScope()]  # the bootstrap's scope, replaced at each restart
-        url = await nursery.start(_serve_bootstrap, BootstrapConfig(), boot[0])
+        url = await nursery.start(_serve_bootstrap, BootstrapConfig(host=hosts.d_ip), boot[0])
         port = int(url.rsplit(":", 1)[1])
         config = ReceiverConfig(engine_id="chaos-d", pull_timeout=PULL_TIMEOUT)
         receiver: Receiver = await nursery.start(
@@ -120,7 +189,16 @@ async def run_chaos(
                 config, plane, kv.layout, transport=transport, task_status=task_status
             )
         )
-        p = PrefillProcess(url, ENGINE, LAYERS, BLOCKS, BLOCK_BYTES, UNCLAIMED_TTL)
+        p = PrefillProcess(
+            url,
+            ENGINE,
+            LAYERS,
+            BLOCKS,
+            BLOCK_BYTES,
+            UNCLAIMED_TTL,
+            host=hosts.p_ip,
+            netns=hosts.netns,
+        )
         await p.start(nursery)
         counter = iter(range(10**9))
 
@@ -197,7 +275,16 @@ async def run_chaos(
                 boot[0].cancel()
                 await trio.sleep(0.2)
                 boot[0] = trio.CancelScope()
-                await nursery.start(_serve_bootstrap, BootstrapConfig(port=port), boot[0])
+                config = BootstrapConfig(host=hosts.d_ip, port=port)
+                await nursery.start(_serve_bootstrap, config, boot[0])
+            elif kind == "cut_link":
+                await _ip("ip", "link", "set", hosts.link, "down")
+                await trio.sleep(2)
+                await _ip("ip", "link", "set", hosts.link, "up")
+            elif kind == "loss":
+                await _ip("tc", "qdisc", "add", "dev", hosts.link, "root", "netem", "loss", "10%")
+                await trio.sleep(2)
+                await _ip("tc", "qdisc", "del", "dev", hosts.link, "root")
             nursery.start_soon(_record_ends, report, kind, now, hit)
 
         start = trio.current_time()
@@ -207,13 +294,14 @@ async def run_chaos(
                 work.start_soon(worker, until)
             while trio.current_time() < until - 1:
                 await trio.sleep(rng.uniform(0.5, 1.5))
-                kind = rng.choice(FAULTS)
+                kind = rng.choice(kinds)
                 if progress:
                     print(f"  {trio.current_time() - start:5.1f} s  {kind:<10} "
                           f"{report.transfers} transfers so far", flush=True)  # fmt: skip
                 await inject(kind)
-        # Settle: P frees KV nobody will pull after UNCLAIMED_TTL; give it that and more.
-        with trio.move_on_after(UNCLAIMED_TTL + 10):
+        # Settle: P frees KV nobody will pull after UNCLAIMED_TTL, and a write stuck behind a
+        # cut link gives up after MC_TCP_PROGRESS_TIMEOUT_SEC (5 s); give them that and more.
+        with trio.move_on_after(UNCLAIMED_TTL + 20):
             # P is another process: polling its count is the only way to hear it.
             while pool.in_use or await p.blocks_in_use():  # noqa: ASYNC110
                 await trio.sleep(0.5)
@@ -243,6 +331,10 @@ async def _serve_bootstrap(
 ) -> None:
     with scope:
         await serve_bootstrap(config, task_status=task_status)
+
+
+async def _ip(*args: str) -> None:
+    await trio.run_process(list(args), capture_stderr=True)
 
 
 def _kind(reason: str) -> str:

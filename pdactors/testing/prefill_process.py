@@ -38,10 +38,14 @@ async def _serve(args: argparse.Namespace) -> None:
     config = SenderConfig(
         engine_id=args.engine_id,
         bootstrap_url=args.bootstrap,
+        host=args.host,
         port=args.port,
         unclaimed_ttl=args.unclaimed_ttl,
     )
-    async with open_mooncake(DataPlaneConfig()) as plane, trio.open_nursery() as nursery:
+    async with (
+        open_mooncake(DataPlaneConfig(hostname=args.host)) as plane,
+        trio.open_nursery() as nursery,
+    ):
         kv = KVBuffer(args.layers, args.blocks, args.block_bytes)
         plane.register(kv.regions)
         faulty = FaultyDataPlane(plane)
@@ -92,8 +96,13 @@ class PrefillProcess:
         blocks: int = 64,
         block_bytes: int = 4096,
         unclaimed_ttl: float = 120.0,
+        *,
+        host: str = "127.0.0.1",
+        netns: str | None = None,
     ) -> None:
         self.bootstrap_url = bootstrap_url
+        self.host = host
+        self.netns = netns  # run it in this network namespace (``ip netns exec``)
         self.engine_id = engine_id
         self.shape = (layers, blocks, block_bytes, unclaimed_ttl)
         self.address = ""
@@ -109,7 +118,11 @@ class PrefillProcess:
         args += ["--bootstrap", self.bootstrap_url, "--engine-id", self.engine_id]
         args += ["--layers", str(layers), "--blocks", str(blocks)]
         args += ["--block-bytes", str(block_bytes), "--unclaimed-ttl", str(ttl)]
-        env = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
+        args += ["--host", self.host]
+        if self.netns is not None:
+            args = ["ip", "netns", "exec", self.netns, *args]
+        # A write to a peer behind a cut link gives up after this, not Mooncake's ~30-60 s.
+        env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "MC_TCP_PROGRESS_TIMEOUT_SEC": "5"}
         proc = await trio.lowlevel.open_process(
             args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
         )
@@ -166,6 +179,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bootstrap", required=True)
     parser.add_argument("--engine-id", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--blocks", type=int, default=64)
