@@ -106,6 +106,10 @@ def vllm_server(
         "VLLM_CPU_OMP_THREADS_BIND": str(core),
         "MC_LOG_LEVEL": "ERROR",
         "PYTHONUNBUFFERED": "1",
+        # test-only connectors (tests/vllm/crashing_connector.py) load by module path
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")) if p
+        ),
     }
     log = log_dir / f"{name}.log"
     with open(log, "wb") as out:
