@@ -24,14 +24,14 @@ import msgspec
 import trio
 
 from pdactors._pulse import Pulse
+from pdactors.actors._lookups import Lookups
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import ReceiverConfig
-from pdactors.core.plan import check_layout, peer_tp_rank
+from pdactors.core.plan import check_layout
 from pdactors.core.pull_table import Completed, PullEffect, PullTable, SendCancel
 from pdactors.dataplane.base import DataPlane
-from pdactors.errors import BootstrapError, PdError, PullFailedError
+from pdactors.errors import PdError, PullFailedError
 from pdactors.messages import (
-    BootstrapAnswer,
     CancelPull,
     ErrorReply,
     FrameError,
@@ -97,12 +97,9 @@ class Receiver:
         self.layout = layout
         self._session = dataplane.session
         self._layout_id = layout_id(dataplane.session, layout)
-        self._client = client
         self._nursery = nursery
         self._table = PullTable(timeout=config.pull_timeout)
-        self._lookups: dict[str, BootstrapAnswer] = {}
-        self._lookup_failures: dict[str, tuple[float, BootstrapError]] = {}  # url -> last one
-        self._lookup_locks: defaultdict[str, trio.Lock] = defaultdict(trio.Lock)
+        self._lookups = Lookups(client, config.ranks, config.lookup_timeout)
         self._peers: dict[str, _Peer] = {}
         self._peer_locks: defaultdict[str, trio.Lock] = defaultdict(trio.Lock)
         self._finished: set[str] = set()
@@ -209,7 +206,7 @@ class Receiver:
         if pull is None:
             return
         try:
-            address = await self._resolve(pull.bootstrap_url, pull.engine_id)
+            address = await self._lookups.resolve(pull.bootstrap_url, pull.engine_id)
             peer = await self._peer(address)
         except (PdError, OSError) as exc:
             where = f"P {pull.engine_id} via {pull.bootstrap_url}"
@@ -245,55 +242,6 @@ class Receiver:
     def _with_layout(self, request: PullRequest) -> PullRequest:
         return msgspec.structs.replace(request, layout=self.layout)
 
-    async def _resolve(self, url: str, engine_id: str) -> str:
-        """The side-channel address of ``engine_id``'s worker that serves my rank."""
-        address = self._find(url, engine_id)
-        if address is not None:
-            return address
-        asked = trio.current_time()
-        async with self._lookup_locks[url]:  # one query in flight per bootstrap
-            address = self._find(url, engine_id)  # another task may have just refreshed it
-            if address is not None:
-                return address
-            failed = self._lookup_failures.get(url)
-            if failed is not None and failed[0] >= asked:
-                raise failed[1]  # the query we queued behind just failed: no second one
-            timeout = self.config.lookup_timeout
-            try:
-                with trio.move_on_after(timeout) as scope:
-                    answer = await self._client.query(url, timeout=timeout, retry=False)
-                if scope.cancelled_caught:
-                    raise BootstrapError(f"no answer from the bootstrap at {url} in {timeout:g} s")
-            except BootstrapError as exc:
-                self._lookup_failures[url] = (trio.current_time(), exc)
-                raise
-            self._lookup_failures.pop(url, None)
-            self._lookups[url] = answer
-        address = self._find(url, engine_id)
-        if address is None:
-            raise BootstrapError(f"engine {engine_id!r} is not registered at {url}")
-        return address
-
-    def _find(self, url: str, engine_id: str) -> str | None:
-        answer = self._lookups.get(url)
-        if answer is None:
-            return None
-        ranks = self.config.ranks
-        for entry in answer.values():
-            if entry.engine_id != engine_id:
-                continue
-            tp = peer_tp_rank(ranks.tp_rank, ranks.tp_size, len(entry.worker_addr))
-            by_pp = entry.worker_addr.get(tp, {})
-            return by_pp.get(ranks.pp_rank)
-        return None
-
-    def _forget_lookups_of(self, address: str) -> None:
-        """Drop cached bootstrap answers that point at ``address`` (P moved or died)."""
-        for url, answer in list(self._lookups.items()):
-            by_tp = (e.worker_addr.values() for e in answer.values())
-            if any(address in by_pp.values() for tps in by_tp for by_pp in tps):
-                del self._lookups[url]
-
     async def _peer(self, address: str) -> _Peer:
         peer = self._peers.get(address)
         if peer is not None:
@@ -328,7 +276,7 @@ class Receiver:
                 del self._peers[address]
 
     def _lost(self, address: str, reason: str) -> None:
-        self._forget_lookups_of(address)
+        self._lookups.forget_address(address)
         pulls = self._table.on_peer(address)
         level = logging.INFO if address in self._down or not pulls else logging.WARNING
         log.log(level, "P worker %s gone (%s): %d pulls end", address, reason, pulls)
@@ -432,7 +380,7 @@ class Receiver:
         else:
             log.info("pull %s failed (%s): %s", tid, done.end.value, done.reason)
             if done.end.p_may_have_moved:
-                self._lookups.pop(pull.bootstrap_url, None)  # look P up again next time
+                self._lookups.forget(pull.bootstrap_url)  # look P up again next time
         if isinstance(pull.waiter, _Waiter):
             pull.waiter.result = done
             pull.waiter.done.set()

@@ -1,0 +1,88 @@
+"""The receiver's bootstrap look-ups: a cache of ``GET /query`` answers per bootstrap URL.
+
+One query in flight per bootstrap; tasks queued behind a query that fails share its failure
+instead of asking again; an answer is dropped when a pull finds P moved or gone.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import trio
+
+from pdactors.bootstrap_client import BootstrapClient
+from pdactors.config import RankInfo
+from pdactors.core.plan import peer_tp_rank
+from pdactors.errors import BootstrapError
+from pdactors.messages import BootstrapAnswer
+
+__all__ = ["Lookups"]
+
+
+class Lookups:
+    """Where each engine's worker for ``ranks`` listens, as the bootstraps last said."""
+
+    def __init__(self, client: BootstrapClient, ranks: RankInfo, timeout: float) -> None:
+        self._client = client
+        self._ranks = ranks
+        self._timeout = timeout
+        self._answers: dict[str, BootstrapAnswer] = {}
+        self._failures: dict[str, tuple[float, BootstrapError]] = {}  # url -> the last one
+        self._locks: defaultdict[str, trio.Lock] = defaultdict(trio.Lock)
+
+    async def resolve(self, url: str, engine_id: str) -> str:
+        """The side-channel address of ``engine_id``'s worker that serves my rank. Checkpoint.
+
+        Raises :class:`BootstrapError` when the bootstrap cannot be reached (at once when it
+        refuses the connection), does not answer within the timeout, or does not know the
+        engine.
+        """
+        address = self._find(url, engine_id)
+        if address is not None:
+            return address
+        asked = trio.current_time()
+        async with self._locks[url]:  # one query in flight per bootstrap
+            address = self._find(url, engine_id)  # another task may have just refreshed it
+            if address is not None:
+                return address
+            failed = self._failures.get(url)
+            if failed is not None and failed[0] >= asked:
+                raise failed[1]  # the query we queued behind just failed: no second one
+            try:
+                with trio.move_on_after(self._timeout) as scope:
+                    answer = await self._client.query(url, timeout=self._timeout, retry=False)
+                if scope.cancelled_caught:
+                    what = f"no answer from the bootstrap at {url} in {self._timeout:g} s"
+                    raise BootstrapError(what)
+            except BootstrapError as exc:
+                self._failures[url] = (trio.current_time(), exc)
+                raise
+            self._failures.pop(url, None)
+            self._answers[url] = answer
+        address = self._find(url, engine_id)
+        if address is None:
+            raise BootstrapError(f"engine {engine_id!r} is not registered at {url}")
+        return address
+
+    def forget(self, url: str) -> None:
+        """Ask ``url`` again next time."""
+        self._answers.pop(url, None)
+
+    def forget_address(self, address: str) -> None:
+        """Drop cached answers that point at ``address`` (P moved or died)."""
+        for url, answer in list(self._answers.items()):
+            by_tp = (e.worker_addr.values() for e in answer.values())
+            if any(address in by_pp.values() for tps in by_tp for by_pp in tps):
+                del self._answers[url]
+
+    def _find(self, url: str, engine_id: str) -> str | None:
+        answer = self._answers.get(url)
+        if answer is None:
+            return None
+        ranks = self._ranks
+        for entry in answer.values():
+            if entry.engine_id != engine_id:
+                continue
+            tp = peer_tp_rank(ranks.tp_rank, ranks.tp_size, len(entry.worker_addr))
+            return entry.worker_addr.get(tp, {}).get(ranks.pp_rank)
+        return None
