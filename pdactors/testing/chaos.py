@@ -166,7 +166,8 @@ async def run_chaos(
 async def _run(
     seconds: float, seed: int, concurrency: int, progress: bool, hosts: _Hosts
 ) -> ChaosReport:
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # the transfers (their order depends on timing)
+    schedule = random.Random(seed + 1_000_003)  # the faults: the same kinds in the same order
     report = ChaosReport()
     faults = MessageFaults()
     transport = FaultyTransport(ZMQ, faults, seed)
@@ -293,8 +294,8 @@ async def _run(
             for _ in range(concurrency):
                 work.start_soon(worker, until)
             while trio.current_time() < until - 1:
-                await trio.sleep(rng.uniform(0.5, 1.5))
-                kind = rng.choice(kinds)
+                await trio.sleep(schedule.uniform(0.5, 1.5))
+                kind = schedule.choice(kinds)
                 if progress:
                     print(f"  {trio.current_time() - start:5.1f} s  {kind:<10} "
                           f"{report.transfers} transfers so far", flush=True)  # fmt: skip
