@@ -234,9 +234,7 @@ class WorkerSide:
             self._unapplied.clear()
             pulls, self._recv_req = set(self._recv_req.values()), {}
             sends, self._send_req = set(self._send_req.values()), {}
-            self._failed_recving |= pulls
-            self._finished_sending |= sends
-            self._results_ready.set()
+            self._add_results(sent=sends, failed=pulls)
         for meta in unapplied:
             self._fail_meta(meta, reason)
         log.error(
@@ -245,13 +243,26 @@ class WorkerSide:
         )  # fmt: skip
         threading.Thread(target=self._restart, name="pdactors-restart", daemon=True).start()
 
+    def _add_results(
+        self,
+        *,
+        sent: set[str] | frozenset[str] = frozenset(),
+        recved: set[str] | frozenset[str] = frozenset(),
+        failed: set[str] | frozenset[str] = frozenset(),
+    ) -> None:
+        """Add requests to the next ``get_finished`` (call with ``self._lock`` held); wakes an
+        idle step that waits for results."""
+        self._finished_sending |= sent
+        self._finished_recving |= recved
+        self._failed_recving |= failed
+        if sent or recved or failed:
+            self._results_ready.set()
+
     def _fail_meta(self, meta: PdActorsMetadata, reason: str) -> None:
         """The actors cannot take this step's work: its pulls fail, its sends are released."""
         pulls = {req for req, pull in meta.pulls.items() if not pull.notify_only}
         with self._lock:
-            self._failed_recving |= pulls
-            self._finished_sending |= set(meta.ready)
-            self._results_ready.set()
+            self._add_results(sent=set(meta.ready), failed=pulls)
         if pulls or meta.ready:
             log.warning(
                 "PdActorsConnector worker %s: %d pulls failed and %d sends released: %s",
@@ -331,8 +342,7 @@ class WorkerSide:
                 if not _logged(sender.transfer_ready, send.transfer_id, list(send.block_ids)):
                     del self._send_req[send.transfer_id]  # never sent: P may free the blocks
                     with self._lock:
-                        self._finished_sending.add(req_id)
-                        self._results_ready.set()
+                        self._add_results(sent={req_id})
             for tid in meta.dropped:
                 _logged(sender.transfer_dropped, tid, "the prefill ended without its KV")
         if receiver is not None:
@@ -355,8 +365,7 @@ class WorkerSide:
             self._recv_req[pull.transfer_id] = req_id
         else:  # e.g. a pull for this transfer id is in flight: it goes on, this one fails
             with self._lock:
-                self._failed_recving.add(req_id)
-                self._results_ready.set()
+                self._add_results(failed={req_id})
 
     async def _collect_sent(self, sender: Sender) -> None:
         seen_bytes = seen_descriptors = seen_sent = seen_expired = 0
@@ -367,9 +376,7 @@ class WorkerSide:
             writes = list(sender.write_seconds)
             sender.write_seconds.clear()
             with self._lock:
-                self._finished_sending |= reqs
-                if reqs:
-                    self._results_ready.set()
+                self._add_results(sent=reqs)
                 c = self.counters
                 c.sent += stats.sent - seen_sent
                 c.expired += stats.expired - seen_expired
@@ -390,10 +397,7 @@ class WorkerSide:
             ok = {self._recv_req.pop(t) for t in results.finished if t in self._recv_req}
             failed = {self._recv_req.pop(t) for t in results.failed if t in self._recv_req}
             with self._lock:
-                self._finished_recving |= ok
-                self._failed_recving |= failed
-                if ok or failed:
-                    self._results_ready.set()
+                self._add_results(recved=ok, failed=failed)
                 self.counters.received += len(ok)
                 self.counters.failed += len(failed)
                 self.counters.pull_seconds += receiver.pull_seconds
