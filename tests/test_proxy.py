@@ -424,11 +424,68 @@ async def test_decode_dying_while_prefill_works_cancels_prefill_at_once() -> Non
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(d_dies)
-                resp = await s.client.post("/v1/completions", json=completion_body(stream=True))
-            assert resp.status_code == 502 and s.d[0].url in resp.json()["error"]["message"]
+                body = completion_body(stream=True)
+                async with s.client.stream("POST", "/v1/completions", json=body) as resp:
+                    text = (await resp.aread()).decode()
+            assert resp.status_code == 200  # the client had D's headers before D died
+            (event,) = [line for line in text.splitlines() if line]
+            error = msgspec.json.decode(event.removeprefix("data: "))["error"]
+            assert error["code"] == 502 and s.d[0].url in error["message"]
             await eventually(lambda: s.p[0].cancelled == s.p[0].tids())
             m = await s.metrics()
             assert m[total("completions", "decode_error")] == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_ds_answer_reaches_the_client_while_p_has_not_answered(stream: bool) -> None:
+    """Nothing waits for P's answer: D's headers and chunks are relayed as D sends them."""
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            s.p[0].hold = trio.Event()  # P's answer never comes
+            steps_in, steps = trio.open_memory_channel[None](10)
+            s.d[0].steps = steps
+            body = completion_body(stream=stream)
+            if not stream:
+                await steps_in.send(None)  # (unused: D answers JSON at once)
+                resp = await s.client.post("/v1/completions", json=body)
+                assert resp.status_code == 200
+                assert resp.json()["choices"][0]["text"] == "d0 says hi"
+            else:
+                async with (
+                    s.client.stream("POST", "/v1/completions", json=body) as resp,
+                    aclosing(resp.aiter_lines()) as lines,
+                ):
+                    assert resp.status_code == 200  # headers before any token and before P
+                    for i in range(s.d[0].chunks):
+                        await steps_in.send(None)
+                        assert await next_event(lines) == sse(s.d[0], i).decode().strip()
+                    assert await next_event(lines) == "data: [DONE]"
+            # D's answer complete, P's leg is cancelled (it is of no use any more)
+            await eventually(lambda: s.p[0].cancelled == s.p[0].tids() != [])
+            await eventually_metric(s, total("completions", "ok"), 1)
+
+
+async def test_prefill_failing_after_ds_stream_began_ends_it_with_an_error_event() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            s.p[0].hold = trio.Event()
+            s.p[0].status = 500
+            steps_in, steps = trio.open_memory_channel[None](10)
+            s.d[0].steps = steps
+            body = completion_body(stream=True)
+            async with (
+                s.client.stream("POST", "/v1/completions", json=body) as resp,
+                aclosing(resp.aiter_lines()) as lines,
+            ):
+                assert resp.status_code == 200
+                await steps_in.send(None)
+                assert await next_event(lines) == sse(s.d[0], 0).decode().strip()
+                s.p[0].hold.set()  # P now fails
+                last = await next_event(lines)
+                error = msgspec.json.decode(last.removeprefix("data: "))["error"]
+                assert error["code"] == 502 and s.p[0].url in error["message"]
+            await eventually(lambda: s.d[0].cancelled == s.d[0].tids())
+            await eventually_metric(s, total("completions", "prefill_error"), 1)
 
 
 async def test_an_error_event_in_ds_stream_is_counted_as_an_error() -> None:
@@ -623,6 +680,7 @@ async def test_metrics_count_requests_errors_and_latency_per_proxy() -> None:
             await s.client.post("/v1/chat/completions", json=chat_body())
             await s.client.post("/v1/completions", content=b"{}")
             s.p[0].status = 500
+            s.d[0].hold = trio.Event()  # D waits for the KV: P's failure comes first
             await s.client.post("/v1/completions", json=completion_body())
             m = await s.metrics()
             assert m[total("completions", "ok")] == 1

@@ -9,15 +9,15 @@ with upstream vLLM's ``kv_transfer_params``:
 * D gets the client's body with ``{"do_remote_prefill": true, "remote_engine_id": P's engine id,
   "remote_bootstrap_addr": P's bootstrap URL, "transfer_id": T}``.
 
-Both calls run in one nursery owned by the request: when one fails, the other is cancelled
-(closing its connection, which makes vLLM abort the request) and the client gets the error at
-once: a 4xx passes through, anything else is a 502 naming the engine. The client's answer
-starts only once P has answered and D's answer has begun, so every failure of P is an HTTP
-status, never half a stream. This costs nothing in time to first token: D cannot decode before
-P's prefill is done, and P answers as soon as its prefill is. D's stream is read from the moment
-D answers (a pump task), so a D that fails or dies while P still works cancels P at once; after
-that D's answer is relayed as it arrives (SSE chunks for ``stream: true``), a client that goes
-away cancels D, and a stream in which D reports an error event counts as ``decode_error``.
+Both calls start at once, as in upstream's example proxy, and D's answer reaches the client as
+soon as D gives it: its headers when D's come, each SSE chunk as D sends it (nothing waits for
+P's answer, which vLLM's API server sends after D may already have the KV). P's leg is watched
+beside D's for the whole request: when one fails, the other is cancelled (closing its
+connection, which makes vLLM abort the request). A failure before D's answer began is an HTTP
+status (a 4xx passes through, anything else is a 502 naming the engine); once a stream has
+begun it ends with an error event. D's answer complete, P's leg (if still running) is
+cancelled. A client that goes away cancels both; a stream in which D reports an error event
+counts as ``decode_error``.
 
 Other routes: ``GET /v1/models`` (a healthy D's answer), ``GET /health`` (200 when at least one P
 and one D are in rotation, else 503 with the reasons), ``GET /metrics`` (Prometheus text, one
@@ -37,7 +37,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final
 
@@ -132,7 +132,11 @@ def _validate(raw: bytes, endpoint: _Endpoint) -> dict[str, Any] | str:
 
 @dataclass(eq=False)
 class _Exchange:
-    """One client request: where it goes, its transfer id, its deadline, what it holds."""
+    """One client request: where it goes, its transfer id, its deadline, what it holds.
+
+    ``p_scope`` bounds P's leg, :meth:`decode_scope` each part of D's (its head, then its
+    body): the first failure of either cancels both.
+    """
 
     endpoint: _Endpoint
     stream: bool
@@ -142,27 +146,29 @@ class _Exchange:
     arrived: float
     deadline: float
     headers: dict[str, str]
+    p_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    d_scopes: list[trio.CancelScope] = field(default_factory=list)
+    failure: _Failure | None = None
     prefill_released: bool = False
     ended: bool = False
+    #: When P answered and when D's headers came (trio clock), for the debug timeline.
+    p_answered: float | None = None
+    d_answered: float | None = None
 
-
-@dataclass(eq=False)
-class _Head:
-    """What the two legs produced: a failure, or D's open answer (and its body unless streamed)."""
-
-    failure: _Failure | None = None
-    d_resp: httpx.Response | None = None
-    body: bytes = b""
-    #: Streamed: D's chunks, pumped from the moment D answers (so that a D that fails while P
-    #: still works cancels P), the pump's scope, and how D's stream failed, if it did.
-    chunks: trio.MemoryReceiveChannel[bytes] | None = None
-    pump: trio.CancelScope | None = None
-    stream_failure: _Failure | None = None
-
-    def fail(self, failure: _Failure, scope: trio.CancelScope) -> None:
+    def fail(self, failure: _Failure) -> None:
         if self.failure is None:  # the first failure is the cause; later ones are its echo
             self.failure = failure
-        scope.cancel()
+        self.p_scope.cancel()
+        for scope in self.d_scopes:
+            scope.cancel()
+
+    def decode_scope(self) -> trio.CancelScope:
+        """A scope for the next part of D's leg: cancelled by a failure, even an earlier one."""
+        scope = trio.CancelScope()
+        if self.failure is not None:
+            scope.cancel()
+        self.d_scopes.append(scope)
+        return scope
 
 
 #: The nursery of the HTTP request being handled (see :class:`_RequestConnection`).
@@ -316,21 +322,27 @@ class _Proxy:
         p.outstanding += 1
         d.outstanding += 1
         self.metrics.in_flight.inc()
+        p_body, d_body = self._bodies(ex, body)
+        nursery = _request_nursery.get()
+        # P's leg runs beside D's for as long as the request does: it is cancelled when the
+        # client's answer is complete (D no longer needs P) or when D fails.
+        nursery.start_soon(self._prefill_leg, ex, p_body)
         try:
-            head = await self._open(ex, body)
+            d_resp = await self._open_decode(ex, d_body)
         except BaseException:
+            ex.p_scope.cancel()
             self._end(ex, "cancelled")
             raise
-        if head.failure is not None:
-            self._end(ex, head.failure.outcome)
-            return head.failure.response()
-        if head.chunks is None:  # not streamed: D's whole answer is in
-            self._end(ex, "ok")
-            headers = {"x-request-id": tid}
-            return Response(head.body, content_type="application/json", headers=headers)
+        if d_resp is None:  # a failure before D's answer began: an HTTP status
+            assert ex.failure is not None
+            log.warning("proxy: request %s failed: %s", tid, ex.failure.body[:300])
+            self._end(ex, ex.failure.outcome)
+            return ex.failure.response()
+        if not ex.stream:
+            return await self._whole_answer(ex, d_resp)
         send, recv = trio.open_memory_channel[bytes](0)
-        # The relay now owns D's stream; no checkpoint between _open returning and this.
-        _request_nursery.get().start_soon(self._relay, ex, head, send)
+        # The relay now owns D's answer; no checkpoint between _open_decode returning and this.
+        nursery.start_soon(self._relay, ex, d_resp, send)
         headers = {"cache-control": "no-cache", "x-request-id": tid}
         return Response(_drain(recv), content_type="text/event-stream", headers=headers)
 
@@ -350,133 +362,112 @@ class _Proxy:
         d_body = {**body, "kv_transfer_params": d_params}
         return msgspec.json.encode(p_body), msgspec.json.encode(d_body)
 
-    async def _open(self, ex: _Exchange, body: dict[str, Any]) -> _Head:
-        """P's whole answer and the start of D's, concurrently, by the deadline.
+    async def _prefill_leg(self, ex: _Exchange, body: bytes) -> None:
+        """P's whole answer; a failure (or no answer by the deadline) fails the request."""
+        failure: _Failure | None = None
+        with ex.p_scope, trio.move_on_at(ex.deadline) as timer:
+            try:
+                resp = await self.http.post(
+                    f"{ex.p.url}{ex.endpoint.path}", content=body, headers=ex.headers
+                )
+            except httpx.HTTPError as exc:
+                failure = self._transport_failure(ex.p, exc)
+            else:
+                ex.p_answered = trio.current_time()
+                if resp.status_code != 200:
+                    failure = self._status_failure(ex.p, resp)
+            finally:
+                self._release_prefill(ex)
+        if timer.cancelled_caught:
+            failure = self._timeout_failure("no answer from P")
+        if failure is not None and not ex.ended:
+            ex.fail(failure)
 
-        Returns a failure, or D's answer: read whole when not streamed, else open (the caller
-        owns it). Whatever fails or is cancelled, D's connection is closed.
-        """
-        p_body, d_body = self._bodies(ex, body)
-        head = _Head()
-        try:
-            with trio.move_on_at(ex.deadline) as timer:
-                async with trio.open_nursery() as legs:
-                    legs.start_soon(self._prefill_leg, ex, p_body, head, legs.cancel_scope)
-                    legs.start_soon(self._decode_leg, ex, d_body, head, legs.cancel_scope)
-        except BaseException:
-            await self._drop_d(head)
-            raise
-        if timer.cancelled_caught and head.failure is None:
-            head.failure = self._timeout_failure("no answer from P and D")
-        if head.failure is not None or not ex.stream:
-            await self._drop_d(head)
-        if head.failure is not None:
-            log.warning("proxy: request %s failed: %s", ex.transfer_id, head.failure.body[:300])
-        return head
-
-    async def _drop_d(self, head: _Head) -> None:
-        """Close D's answer (its pump closes it when there is one)."""
-        if head.pump is not None:
-            head.pump.cancel()
-            head.chunks = None
-        elif head.d_resp is not None:
-            await _close(head.d_resp)
-        head.d_resp = None
-
-    async def _prefill_leg(
-        self, ex: _Exchange, body: bytes, head: _Head, scope: trio.CancelScope
-    ) -> None:
-        try:
-            resp = await self.http.post(
-                f"{ex.p.url}{ex.endpoint.path}", content=body, headers=ex.headers
-            )
-        except httpx.HTTPError as exc:
-            head.fail(self._transport_failure(ex.p, exc), scope)
-            return
-        finally:
-            self._release_prefill(ex)
-        if resp.status_code != 200:
-            head.fail(self._status_failure(ex.p, resp), scope)
-
-    async def _decode_leg(
-        self, ex: _Exchange, body: bytes, head: _Head, scope: trio.CancelScope
-    ) -> None:
+    async def _open_decode(self, ex: _Exchange, body: bytes) -> httpx.Response | None:
+        """D's open answer (status 200), or None with ``ex.failure`` set: D failed, P failed
+        first, or nothing came by the deadline. The caller owns the answer."""
         url = f"{ex.d.url}{ex.endpoint.path}"
         req = self.http.build_request("POST", url, content=body, headers=ex.headers)
+        resp: httpx.Response | None = None
         try:
-            head.d_resp = resp = await self.http.send(req, stream=True)
-            if resp.status_code != 200:
-                await resp.aread()
-                head.fail(self._status_failure(ex.d, resp), scope)
-            elif not ex.stream:
-                head.body = await resp.aread()
-            else:
-                pump = partial(self._pump, ex, head, resp, scope)
-                await _request_nursery.get().start(pump)  # it owns D's answer from here
-        except httpx.HTTPError as exc:
-            head.fail(self._transport_failure(ex.d, exc), scope)
-
-    async def _pump(
-        self,
-        ex: _Exchange,
-        head: _Head,
-        resp: httpx.Response,
-        legs: trio.CancelScope,
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Read D's stream as it comes, from the moment D answers; owns ``resp``. A D that fails
-        while P still works cancels P's leg (``legs``) at once."""
-        send, head.chunks = trio.open_memory_channel[bytes](16)
-        with trio.CancelScope() as head.pump:
-            task_status.started()
-            try:
-                with send:
-                    try:
-                        async for chunk in resp.aiter_bytes():
-                            await send.send(chunk)
-                    except httpx.HTTPError as exc:
-                        head.stream_failure = self._transport_failure(ex.d, exc)
-                        head.fail(head.stream_failure, legs)
-                    except trio.BrokenResourceError:
-                        pass  # the relay is gone: nobody wants the rest
-            finally:
+            with ex.decode_scope(), trio.move_on_at(ex.deadline) as timer:
+                try:
+                    resp = await self.http.send(req, stream=True)
+                    if resp.status_code != 200:
+                        await resp.aread()
+                        ex.fail(self._status_failure(ex.d, resp))
+                except httpx.HTTPError as exc:
+                    ex.fail(self._transport_failure(ex.d, exc))
+            if timer.cancelled_caught and ex.failure is None:
+                ex.fail(self._timeout_failure("no answer from D"))
+            if ex.failure is not None:  # D's answer (if any) is of no use: close it
+                if resp is not None:
+                    await _close(resp)
+                return None
+            ex.d_answered = trio.current_time()
+            return resp
+        except BaseException:
+            if resp is not None:
                 await _close(resp)
+            raise
 
-    async def _relay(self, ex: _Exchange, head: _Head, send: trio.MemorySendChannel[bytes]) -> None:
-        """Hand D's streamed answer to the client's body, chunk by chunk."""
+    async def _whole_answer(self, ex: _Exchange, resp: httpx.Response) -> Response:
+        """Not streamed: D's whole body, unless P fails first."""
+        body = b""
+        try:
+            with ex.decode_scope(), trio.move_on_at(ex.deadline) as timer:
+                try:
+                    body = await resp.aread()
+                except httpx.HTTPError as exc:
+                    ex.fail(self._transport_failure(ex.d, exc))
+            if timer.cancelled_caught and ex.failure is None:
+                ex.fail(self._timeout_failure("D did not finish"))
+        except BaseException:
+            self._end(ex, "cancelled")
+            raise
+        finally:
+            await _close(resp)
+        if ex.failure is not None:
+            log.warning("proxy: request %s failed: %s", ex.transfer_id, ex.failure.body[:300])
+            self._end(ex, ex.failure.outcome)
+            return ex.failure.response()
+        self._end(ex, "ok")
+        return Response(
+            body, content_type="application/json", headers={"x-request-id": ex.transfer_id}
+        )
+
+    async def _relay(
+        self, ex: _Exchange, resp: httpx.Response, send: trio.MemorySendChannel[bytes]
+    ) -> None:
+        """Hand D's streamed answer to the client's body as it comes; owns ``resp``."""
         outcome = "cancelled"
         try:
             with send:
-                outcome = await self._forward(ex, head, send)
+                outcome = await self._forward(ex, resp, send)
         finally:
-            if head.pump is not None:
-                head.pump.cancel()
+            ex.p_scope.cancel()  # D is done with P, whatever happened
+            await _close(resp)
             self._end(ex, outcome)
 
     async def _forward(
-        self, ex: _Exchange, head: _Head, send: trio.MemorySendChannel[bytes]
+        self, ex: _Exchange, resp: httpx.Response, send: trio.MemorySendChannel[bytes]
     ) -> str:
-        assert head.chunks is not None
-        failure: _Failure | None = None
         first, outcome = True, "ok"
-        with trio.move_on_at(ex.deadline):
+        with ex.decode_scope(), trio.move_on_at(ex.deadline):
             try:
-                async for chunk in head.chunks:
+                async for chunk in resp.aiter_bytes():
                     if first:
                         first = False
-                        elapsed = trio.current_time() - ex.arrived
-                        self.metrics.ttft.labels(ex.p.url, ex.d.url).observe(elapsed)
+                        self._first_chunk(ex)
                     if _ERROR_EVENT in chunk:  # D reports a failure in a stream it began (200)
                         outcome = "decode_error"
                     await send.send(chunk)
+                return outcome
             except trio.BrokenResourceError:
                 return "cancelled"  # the client's body was closed: the client went away
-            if head.stream_failure is None:
-                return outcome
-            failure = head.stream_failure
-        if failure is None:
-            failure = self._timeout_failure("D did not finish")
+            except httpx.HTTPError as exc:
+                ex.fail(self._transport_failure(ex.d, exc))
+        failure = ex.failure or self._timeout_failure("D did not finish")
         log.warning("proxy: request %s failed mid-stream: %s", ex.transfer_id, failure.body[:300])
         with trio.move_on_after(_LAST_EVENT_TIMEOUT):
             try:
@@ -484,6 +475,19 @@ class _Proxy:
             except trio.BrokenResourceError:
                 pass
         return failure.outcome
+
+    def _first_chunk(self, ex: _Exchange) -> None:
+        now = trio.current_time()
+        self.metrics.ttft.labels(ex.p.url, ex.d.url).observe(now - ex.arrived)
+        if log.isEnabledFor(logging.DEBUG):
+
+            def ms(t: float | None) -> str:
+                return "-" if t is None else f"{(t - ex.arrived) * 1e3:.1f}"
+
+            log.debug(
+                "proxy: request %s timeline ms: D answered %s, first chunk %s, P answered %s",
+                ex.transfer_id, ms(ex.d_answered), ms(now), ms(ex.p_answered),
+            )  # fmt: skip
 
     def _timeout_failure(self, what: str) -> _Failure:
         message = f"{what} within the request timeout ({self.config.request_timeout:g} s)"
