@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -78,9 +79,8 @@ class PdActorsConnector(KVConnectorBase_V1):
     ) -> None:
         self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        scheduled = getattr(scheduler_output, "total_num_scheduled_tokens", None)
-        return self._scheduler().build_connector_meta(scheduled)
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler().update_connector_output(connector_output)
@@ -118,7 +118,10 @@ class PdActorsConnector(KVConnectorBase_V1):
         """P's KV is read from its blocks after the request finishes: nothing per layer."""
 
     def wait_for_save(self) -> None:
-        """Nothing is saved per layer (see :meth:`save_kv_layer`)."""
+        """Eager send: hand the prompts this step completed to the sender (never blocks)."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PdActorsMetadata)
+        self._worker().wait_for_save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)

@@ -4,10 +4,17 @@ It turns vLLM's scheduler hooks into one :class:`PdActorsMetadata` per step, whi
 every worker. Observable behaviour follows upstream's MooncakeConnector (the same
 ``kv_transfer_params``), without its gaps:
 
-* P (``do_remote_decode``): the prefill is announced as pending when its blocks are allocated;
-  at finish — ``length`` *or* ``stop`` (a first token that is EOS still delivers the KV) — the
-  blocks are kept and handed to the worker, and the response carries ``kv_transfer_params`` for
-  D. Any other end (abort, error) drops the transfer, and a waiting D hears at once.
+* P (``do_remote_decode``): the prefill is announced as pending when its blocks are allocated.
+  *Eager send* (the default): in the step whose chunk completes the prompt, when that step also
+  ends the request (``max_tokens`` 1, as proxies send P), the prompt's blocks go to the worker
+  with that step's metadata (``eager``), and the worker hands them to the sender at the end of
+  the step's forward (``wait_for_save``) — one whole forward earlier than from
+  ``request_finished``. The request then finishes in that step's ``update_from_output``: the
+  blocks are kept until the worker reports the write ended, whatever the end (an abort drops
+  the transfer; a write in flight runs to its end first). Otherwise, at finish — ``length``
+  *or* ``stop`` (a first token that is EOS still delivers the KV) — the blocks are kept and
+  handed to the worker. Either way the response carries ``kv_transfer_params`` for D; any
+  other end (abort, error) drops the transfer, and a waiting D hears at once.
 * D (``do_remote_prefill``): the prompt's uncached tokens are reported as loaded
   asynchronously; D's block ids go to the worker once; a full local prefix hit or an abort
   before scheduling still tells P to free its blocks (an empty pull); an abort while the KV is
@@ -26,9 +33,11 @@ from vllm.v1.request import RequestStatus
 
 from integrations.vllm import idle
 from integrations.vllm.settings import ConnectorSettings
+from pdactors import timeline
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -69,6 +78,8 @@ class PdActorsMetadata(KVConnectorMetadata):
 
     pending: list[str] = field(default_factory=list)  # P: transfer ids whose prefill started
     ready: dict[str, SendSpec] = field(default_factory=dict)  # P: req id -> KV to send
+    #: P: req id -> KV to send once this step's forward is done (eager send)
+    eager: dict[str, SendSpec] = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)  # P: transfer ids that will never be ready
     pulls: dict[str, PullSpec] = field(default_factory=dict)  # D: req id -> what to pull
     aborts: dict[str, str] = field(default_factory=dict)  # D: req id -> transfer id to abort
@@ -84,6 +95,11 @@ class SchedulerSide:
         self.block_size = block_size
         self._meta = PdActorsMetadata()
         self._pulling: dict[str, str] = {}  # D req id -> transfer id, while the KV is in flight
+        #: P req id -> its requests' block ids so far (eager send), from allocation to finish
+        self._prefilling: dict[str, tuple[Request, list[int]]] = {}
+        self._eager: set[str] = set()  # P req ids whose KV went out eagerly, until finished
+        if settings.timeline:
+            timeline.enable()
         if settings.idle_wait_ms > 0:
             idle.install()  # this is the engine core's process
 
@@ -134,6 +150,9 @@ class SchedulerSide:
                 return  # allocated again after preemption: already announced
             params["_pdactors_pending"] = True
             self._meta.pending.append(params["transfer_id"])
+            timeline.mark(params["transfer_id"], "p_scheduled")
+            if self.settings.eager_send:
+                self._prefilling[request.request_id] = (request, [])
 
     def _pull(
         self,
@@ -153,16 +172,50 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ each step
 
-    def build_connector_meta(self, scheduled_tokens: int | None = None) -> PdActorsMetadata:
-        """This step's metadata. A step that schedules no token (``scheduled_tokens == 0``:
-        every request waits for KV) is marked ``idle`` when quiet idle steps are on."""
+    def build_connector_meta(self, scheduler_output: SchedulerOutput | None) -> PdActorsMetadata:
+        """This step's metadata. A step that schedules no token (every request waits for KV)
+        is marked ``idle`` when quiet idle steps are on."""
         meta, self._meta = self._meta, PdActorsMetadata()
-        meta.idle = scheduled_tokens == 0 and self.settings.idle_wait_ms > 0
+        if scheduler_output is not None and self._prefilling:
+            self._plan_eager(scheduler_output, meta)
+        scheduled = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+        meta.idle = scheduled == 0 and self.settings.idle_wait_ms > 0
         if meta.idle:
             idle.begin()
         else:
             idle.end()
         return meta
+
+    def _plan_eager(self, out: SchedulerOutput, meta: PdActorsMetadata) -> None:
+        """Follow the block ids of P's prefills; send those whose prompt completes this step
+        when the step also ends them (their one output token is sampled in it)."""
+        done: list[tuple[str, int]] = []  # (req id, tokens computed after this step)
+        for new in out.scheduled_new_reqs:
+            if (entry := self._prefilling.get(new.req_id)) is not None:
+                entry[1][:] = new.block_ids[0]
+                done.append((new.req_id, new.num_computed_tokens))
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if (entry := self._prefilling.get(req_id)) is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                entry[1][:] = new_ids[0] if new_ids is not None else []
+            elif new_ids is not None:
+                entry[1].extend(new_ids[0])
+            done.append((req_id, cached.num_computed_tokens[i]))
+        for req_id, computed in done:
+            request, blocks = self._prefilling[req_id]
+            after = computed + out.num_scheduled_tokens.get(req_id, 0)
+            if after < request.num_prompt_tokens:
+                continue  # a chunk of the prompt: more to come
+            del self._prefilling[req_id]  # the prompt completes in this step
+            if request.num_output_tokens + 1 < request.max_tokens:
+                continue  # it decodes on (and may be preempted): sent when it finishes
+            params = request.kv_transfer_params or {}
+            prompt_blocks = math.ceil(request.num_prompt_tokens / self.block_size)
+            meta.eager[req_id] = SendSpec(params["transfer_id"], tuple(blocks[:prompt_blocks]))
+            self._eager.add(req_id)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         idle.end()
@@ -192,13 +245,23 @@ class SchedulerSide:
             return False, None
         if not params.get("do_remote_decode") or "transfer_id" not in params:
             return False, None
+        self._prefilling.pop(req_id, None)
         transfer_id = params["transfer_id"]
-        if request.status not in _DELIVER or not block_ids:
+        if req_id in self._eager:
+            # The KV went to the worker with this step's forward: the blocks stay until it
+            # reports the write ended (an abort's drop waits for a write in flight).
+            self._eager.discard(req_id)
+            if request.status not in _DELIVER:
+                self._meta.dropped.append(transfer_id)
+                return True, None
+        elif request.status not in _DELIVER or not block_ids:
             self._meta.dropped.append(transfer_id)
             return False, None
-        # The prompt's KV fills ceil(prompt / block) blocks; later blocks hold no prompt KV.
-        prompt_blocks = math.ceil(request.num_prompt_tokens / self.block_size)
-        self._meta.ready[req_id] = SendSpec(transfer_id, tuple(block_ids[:prompt_blocks]))
+        else:
+            # The prompt's KV fills ceil(prompt / block) blocks; later blocks hold no prompt KV.
+            prompt_blocks = math.ceil(request.num_prompt_tokens / self.block_size)
+            self._meta.ready[req_id] = SendSpec(transfer_id, tuple(block_ids[:prompt_blocks]))
+            timeline.mark(transfer_id, "p_finished")
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

@@ -41,6 +41,12 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       worker waits up to this long for the next transfer result instead of returning at once,
       and the engine core naps instead of spinning (see :mod:`integrations.vllm.idle`);
       default 20, 0 turns it off.
+    * ``eager_send``: P hands the KV to the sender at the end of the step that completes the
+      prompt (``wait_for_save``) when that step also ends the request (``max_tokens`` 1, as
+      proxies send), instead of one step later from ``request_finished``; default true.
+    * ``timeline``: log each transfer's timeline at DEBUG on ``pdactors.timeline``, and append
+      it as JSON lines to the file named by ``$PDACTORS_TIMELINE`` when that is set (bench);
+      default false.
     """
 
     protocol: Protocol = "tcp"
@@ -56,6 +62,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     lookup_timeout: float = 10.0
     register_timeout: float = 30.0
     idle_wait_ms: float = 20.0
+    eager_send: bool = True
+    timeline: bool = False
 
     @property
     def external_bootstrap(self) -> bool:

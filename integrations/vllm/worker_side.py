@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import trio
 
-from integrations.vllm.scheduler_side import PdActorsMetadata, PullSpec
+from integrations.vllm.scheduler_side import PdActorsMetadata, PullSpec, SendSpec
 from integrations.vllm.settings import ConnectorSettings
 from pdactors import (
     BlockLayout,
@@ -36,6 +36,7 @@ from pdactors import (
     serve_bootstrap,
     serve_receiver,
     serve_sender,
+    timeline,
 )
 from pdactors.errors import PdError
 from pdactors.host import TrioHost
@@ -145,7 +146,11 @@ class WorkerSide:
         self._down: str | None = None  # why the actors are not running (lock)
         self._layout: Layout | None = None
         self._memory: list[tuple[int, int]] = []
+        self._cuda = False  # the KV lives on a GPU: a step's forward ends asynchronously
+        self._recved_tids: dict[str, str] = {}  # req id -> transfer id, until reported (lock)
         self.counters = TransferCounters()
+        if settings.timeline:
+            timeline.enable()
 
     # ------------------------------------------------------------------ start and stop
 
@@ -157,6 +162,7 @@ class WorkerSide:
             os.environ.setdefault("MC_INTRANODE_NVLINK", "1")
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         self._layout, self._memory = layout, memory
+        self._cuda = any(cache.is_cuda for cache in kv_caches.values())
         self._start_host()
         log.info(
             "PdActorsConnector worker %s %s up: %d regions, %d bytes per block",
@@ -261,12 +267,13 @@ class WorkerSide:
     def _fail_meta(self, meta: PdActorsMetadata, reason: str) -> None:
         """The actors cannot take this step's work: its pulls fail, its sends are released."""
         pulls = {req for req, pull in meta.pulls.items() if not pull.notify_only}
+        sends = set(meta.ready)
         with self._lock:
-            self._add_results(sent=set(meta.ready), failed=pulls)
-        if pulls or meta.ready:
+            self._add_results(sent=sends, failed=pulls)
+        if pulls or sends:
             log.warning(
                 "PdActorsConnector worker %s: %d pulls failed and %d sends released: %s",
-                self.place.engine_id, len(pulls), len(meta.ready), reason,
+                self.place.engine_id, len(pulls), len(sends), reason,
             )  # fmt: skip
 
     def _restart(self) -> None:
@@ -297,8 +304,24 @@ class WorkerSide:
 
     def start_load_kv(self, meta: PdActorsMetadata) -> None:
         """Hand this step's work to the actors; returns at once."""
-        if not (meta.pending or meta.ready or meta.dropped or meta.pulls or meta.aborts):
+        if meta.pending or meta.ready or meta.dropped or meta.pulls or meta.aborts:
+            self._submit(meta)
+
+    def wait_for_save(self, meta: PdActorsMetadata) -> None:
+        """Eager send: this step's forward has computed the prompts in ``meta.eager``; hand
+        their blocks to the sender. Returns at once: on a GPU the sender gets them once the
+        forward's kernels are done (an event recorded now), and this thread never waits."""
+        if not meta.eager:
             return
+        for send in meta.eager.values():
+            timeline.mark(send.transfer_id, "p_computed")
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+        self._submit(PdActorsMetadata(ready=dict(meta.eager)), event)
+
+    def _submit(self, meta: PdActorsMetadata, event: torch.cuda.Event | None = None) -> None:
         with self._lock:
             down, host = self._down, self._host
             if down is None:
@@ -307,7 +330,7 @@ class WorkerSide:
             self._fail_meta(meta, down or "the connector's actors are not running")
             return
         try:
-            host.post(self._apply, meta)
+            host.post(self._apply, meta, event)
         except PdError:
             pass  # it died just now: _on_death fails what was not applied, this meta included
 
@@ -326,23 +349,26 @@ class WorkerSide:
             sent, self._finished_sending = self._finished_sending, set()
             recvd, self._finished_recving = self._finished_recving, set()
             failed, self._failed_recving = self._failed_recving, set()
+            tids = [self._recved_tids.pop(r) for r in recvd if r in self._recved_tids]
+        for tid in tids:
+            timeline.mark(tid, "reported")
         return sent, recvd | failed, failed
 
     # ------------------------------------------------------------------ in the Trio thread
 
-    def _apply(self, meta: PdActorsMetadata) -> None:
+    def _apply(self, meta: PdActorsMetadata, event: torch.cuda.Event | None = None) -> None:
         with self._lock:
             self._unapplied.remove(meta)
         sender, receiver = self._sender, self._receiver
         if sender is not None:
             for tid in meta.pending:
                 _logged(sender.transfer_pending, tid)
-            for req_id, send in meta.ready.items():
-                self._send_req[send.transfer_id] = req_id
-                if not _logged(sender.transfer_ready, send.transfer_id, list(send.block_ids)):
-                    del self._send_req[send.transfer_id]  # never sent: P may free the blocks
-                    with self._lock:
-                        self._add_results(sent={req_id})
+            if event is None:
+                self._ready(sender, meta.ready)
+            elif meta.ready:
+                # Known here from now on, so that a death of this thread releases them too.
+                self._send_req |= {send.transfer_id: r for r, send in meta.ready.items()}
+                self._nursery().start_soon(self._ready_after, sender, meta.ready, event)
             for tid in meta.dropped:
                 _logged(sender.transfer_dropped, tid, "the prefill ended without its KV")
         if receiver is not None:
@@ -350,6 +376,25 @@ class WorkerSide:
                 self._start_pull(receiver, req_id, pull)
             for tid in meta.aborts.values():
                 _logged(receiver.abort, tid, "the request was aborted on D")
+
+    def _ready(self, sender: Sender, sends: dict[str, SendSpec]) -> None:
+        for req_id, send in sends.items():
+            self._send_req[send.transfer_id] = req_id
+            if not _logged(sender.transfer_ready, send.transfer_id, list(send.block_ids)):
+                del self._send_req[send.transfer_id]  # never sent: P may free the blocks
+                with self._lock:
+                    self._add_results(sent={req_id})
+
+    async def _ready_after(
+        self, sender: Sender, sends: dict[str, SendSpec], event: torch.cuda.Event
+    ) -> None:
+        """Once the forward's kernels are done (``event``) the KV in the blocks is complete."""
+        await trio.to_thread.run_sync(event.synchronize)
+        self._ready(sender, sends)
+
+    def _nursery(self) -> trio.Nursery:
+        assert self._host is not None
+        return self._host.nursery
 
     def _start_pull(self, receiver: Receiver, req_id: str, pull: PullSpec) -> None:
         started = _logged(
@@ -394,9 +439,12 @@ class WorkerSide:
                     log.warning("KV pull %s failed: %s", tid, reason)
                 else:  # a notify-only pull (P just frees its KV): nobody waits for it
                     log.info("KV release notice %s to P failed: %s", tid, reason)
-            ok = {self._recv_req.pop(t) for t in results.finished if t in self._recv_req}
+            ok_tids = {t: self._recv_req.pop(t) for t in results.finished if t in self._recv_req}
+            ok = set(ok_tids.values())
             failed = {self._recv_req.pop(t) for t in results.failed if t in self._recv_req}
             with self._lock:
+                if timeline.enabled():
+                    self._recved_tids.update({r: t for t, r in ok_tids.items()})
                 self._add_results(recved=ok, failed=failed)
                 self.counters.received += len(ok)
                 self.counters.failed += len(failed)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import msgspec
 import trio
 
+from pdactors import timeline
 from pdactors._pulse import Pulse
 from pdactors.actors._lookups import Lookups
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
@@ -230,6 +231,7 @@ class Receiver:
         )
         # Recorded before the send: P's answer may arrive before this task runs again.
         self._apply(self._table.sent(tid, address, request))
+        timeline.mark(tid, "pull_sent")
         if not peer.knows_layout:
             # Messages on one connection arrive in order: whoever sends first carries the layout.
             peer.knows_layout = True
@@ -331,6 +333,7 @@ class Receiver:
         self._down.discard(peer.address)
         match msg:
             case PullDone(transfer_id=tid):
+                timeline.mark(tid, "landed")
                 self._apply(self._table.answered(tid, ok=True, peer=peer.address))
             case PullFailed(transfer_id=tid, reason=reason):
                 reason = f"P: {reason}"

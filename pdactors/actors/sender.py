@@ -21,6 +21,7 @@ from collections import OrderedDict, deque
 import msgspec
 import trio
 
+from pdactors import timeline
 from pdactors._pulse import Pulse
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import SenderConfig
@@ -109,6 +110,7 @@ class Sender:
 
     def transfer_ready(self, transfer_id: str, block_ids: list[int] | tuple[int, ...]) -> None:
         """P's prefill finished; its KV sits in ``block_ids`` until the id is released."""
+        timeline.mark(transfer_id, "ready")
         self._apply(self._table.prefill_ready(transfer_id, tuple(block_ids), trio.current_time()))
 
     def transfer_dropped(self, transfer_id: str, reason: str = "") -> None:
@@ -174,6 +176,7 @@ class Sender:
 
     def _on_pull(self, identity: bytes, pull: PullRequest, now: float) -> list[Effect]:
         tid = pull.transfer_id
+        timeline.mark(tid, "pull_at_p")
         if pull.layout is not None:
             try:
                 check_layout(pull.layout)
@@ -216,6 +219,7 @@ class Sender:
         error: str | None = None
         nbytes = descriptors = 0
         start = trio.current_time()
+        timeline.mark(job.transfer_id, "write_start")
         assert pull.layout is not None  # attached when the pull arrived
         try:
             plan = plan_transfer(self.layout, job.src_blocks, pull.layout, pull.block_ids)
@@ -225,6 +229,7 @@ class Sender:
             error = str(exc)
             log.warning("transfer %s to %s failed: %s", job.transfer_id, pull.session, error)
         now = trio.current_time()
+        timeline.mark(job.transfer_id, "write_end")
         if error is None:
             self.bytes_sent += nbytes
             self.descriptors_sent += descriptors

@@ -23,6 +23,7 @@ from sched_utils import (
     total_blocks,
 )
 from vllm.v1.engine import FinishReason
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 from integrations.vllm.scheduler_side import PdActorsMetadata, PullSpec, SendSpec
@@ -50,8 +51,23 @@ def d_params(tid: str) -> dict[str, object]:
 # ---------------------------------------------------------------------------------- P side
 
 
+PARAMS_FOR_D = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "prefill-0",
+    "remote_bootstrap_addr": "http://127.0.0.1:8998",
+}
+NOT_EAGER = {"eager_send": False}
+
+
+def params_for_d(output: object) -> dict[str, object]:
+    params = output.kv_transfer_params  # type: ignore[attr-defined]
+    assert params is not None
+    return {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
+
+
 @pytest.mark.parametrize("eos", [False, True], ids=["length", "eos-first-token"])
-def test_p_holds_blocks_hands_them_over_and_returns_params_for_d(eos: bool) -> None:
+def test_p_sends_eagerly_in_the_step_that_completes_the_prompt(eos: bool) -> None:
     sched = make_scheduler(kv_role="kv_producer", block_size=BS, engine_id="prefill-0")
     params = {"do_remote_decode": True, "transfer_id": "t1"}
     sched.add_request(make_request("p1", 40, max_tokens=1, kv_transfer_params=params))
@@ -62,22 +78,62 @@ def test_p_holds_blocks_hands_them_over_and_returns_params_for_d(eos: bool) -> N
     assert meta.pending == ["t1"]  # announced when its blocks were allocated
     held = block_ids(sched, "p1")
     assert len(held) == math.ceil(40 / BS)
-    # At finish: the blocks stay allocated and go to the worker with the response's params.
-    params_for_d = output.kv_transfer_params
-    assert params_for_d is not None
-    assert {k: v for k, v in params_for_d.items() if k != "remote_prefill_cached_tokens"} == {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": "prefill-0",
-        "remote_bootstrap_addr": "http://127.0.0.1:8998",
-        "transfer_id": "t1",
-    }
+    # The KV goes to the worker with the very step that computes it (after its forward) ...
+    assert meta.eager == {"p1": SendSpec("t1", tuple(held))} and meta.ready == {}
+    # ... the request finished in that step with the params for D, and keeps its blocks
+    assert params_for_d(output) == {**PARAMS_FOR_D, "transfer_id": "t1"}
+    meta = meta_of(step(sched))
+    assert meta.ready == {} and meta.eager == {} and meta.dropped == []
+    assert free_blocks(sched) < total_blocks(sched)
+    step(sched, finished_sending={"p1"})
+    assert free_blocks(sched) == total_blocks(sched)
+    assert request_status(sched, "p1") is None
+
+
+def test_p_eager_write_ending_in_the_same_step_frees_the_blocks() -> None:
+    """The worker may report the eager write done in the step's own output: the request
+    finished in that step's update before vLLM frees finished_sending, so this is safe."""
+    sched = make_scheduler(kv_role="kv_producer", block_size=BS)
+    params = {"do_remote_decode": True, "transfer_id": "t1b"}
+    sched.add_request(make_request("p1b", 40, max_tokens=1, kv_transfer_params=params))
+    result = step(sched, finished_sending={"p1b"})
+    assert meta_of(result).eager["p1b"].transfer_id == "t1b"
+    assert result.outputs["p1b"].finish_reason == FinishReason.LENGTH
+    assert free_blocks(sched) == total_blocks(sched)
+    assert request_status(sched, "p1b") is None
+
+
+@pytest.mark.parametrize("eos", [False, True], ids=["length", "eos-first-token"])
+def test_p_without_eager_send_hands_blocks_over_at_finish(eos: bool) -> None:
+    sched = make_scheduler(
+        kv_role="kv_producer", block_size=BS, engine_id="prefill-0", extra_config=NOT_EAGER
+    )
+    params = {"do_remote_decode": True, "transfer_id": "t1"}
+    sched.add_request(make_request("p1", 40, max_tokens=1, kv_transfer_params=params))
+    result = step(sched, eos=eos)
+    assert meta_of(result).eager == {}
+    held = block_ids(sched, "p1")
+    assert params_for_d(result.outputs["p1"]) == {**PARAMS_FOR_D, "transfer_id": "t1"}
     meta = meta_of(step(sched))
     assert meta.ready == {"p1": SendSpec("t1", tuple(held))}
     assert free_blocks(sched) < total_blocks(sched)
     step(sched, finished_sending={"p1"})
     assert free_blocks(sched) == total_blocks(sched)
-    assert request_status(sched, "p1") is None
+
+
+def test_p_with_more_than_one_output_token_sends_at_finish() -> None:
+    """Eager send needs the request to end in the step that completes its prompt; a P request
+    that decodes on (its blocks could still be preempted) is sent when it finishes."""
+    sched = make_scheduler(kv_role="kv_producer", block_size=BS)
+    params = {"do_remote_decode": True, "transfer_id": "t5"}
+    sched.add_request(make_request("p5", 40, max_tokens=3, kv_transfer_params=params))
+    metas = [meta_of(step(sched)) for _ in range(3)]
+    assert all(m.eager == {} for m in metas)
+    assert request_status(sched, "p5") is RequestStatus.FINISHED_LENGTH_CAPPED
+    ready = meta_of(step(sched)).ready
+    assert ready["p5"].block_ids == tuple(block_ids(sched, "p5")[: math.ceil(40 / BS)])
+    step(sched, finished_sending={"p5"})
+    assert free_blocks(sched) == total_blocks(sched)
 
 
 def test_p_abort_drops_the_transfer_and_frees_at_once() -> None:
@@ -87,24 +143,83 @@ def test_p_abort_drops_the_transfer_and_frees_at_once() -> None:
     assert meta_of(step(sched)).pending == ["t2"]  # first chunk of a chunked prefill
     sched.finish_requests("p2", RequestStatus.FINISHED_ABORTED)
     meta = meta_of(step(sched))
-    assert meta.dropped == ["t2"] and meta.ready == {}
+    assert meta.dropped == ["t2"] and meta.ready == {} and meta.eager == {}
     assert free_blocks(sched) == total_blocks(sched)
 
 
-def test_p_chunked_prefill_sends_every_prompt_block() -> None:
+def test_p_abort_after_the_eager_send_keeps_blocks_until_the_write_ends() -> None:
+    """An abort between the step's schedule and its output (the engine core's async
+    scheduling): the write may be in flight, so the blocks stay until the worker says so."""
+    sched = make_scheduler(kv_role="kv_producer", block_size=BS)
+    params = {"do_remote_decode": True, "transfer_id": "t6"}
+    sched.add_request(make_request("p6", 40, max_tokens=1, kv_transfer_params=params))
+    scheduled = sched.schedule()
+    assert isinstance(scheduled.kv_connector_metadata, PdActorsMetadata)
+    assert "p6" in scheduled.kv_connector_metadata.eager
+    sched.finish_requests("p6", RequestStatus.FINISHED_ABORTED)
+    sched.update_from_output(scheduled, empty_output())
+    meta = meta_of(step(sched))
+    assert meta.dropped == ["t6"]  # the sender ends it once a write in flight has ended
+    assert free_blocks(sched) < total_blocks(sched)
+    step(sched, finished_sending={"p6"})
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+def test_p_chunked_prefill_sends_every_prompt_block_eagerly_in_the_last_chunk() -> None:
     sched = make_scheduler(kv_role="kv_producer", block_size=BS, max_num_batched_tokens=16)
     params = {"do_remote_decode": True, "transfer_id": "t3"}
     sched.add_request(make_request("p3", 70, max_tokens=1, kv_transfer_params=params))
-    readies: dict[str, SendSpec] = {}
+    eagers: list[dict[str, SendSpec]] = []
     pendings: list[str] = []
-    for _ in range(8):
+    for _ in range(math.ceil(70 / 16)):
         meta = meta_of(step(sched))
-        readies |= meta.ready
+        assert meta.ready == {}
+        eagers.append(meta.eager)
         pendings += meta.pending
     assert pendings == ["t3"]
-    assert len(readies["p3"].block_ids) == math.ceil(70 / BS)
+    assert eagers[:-1] == [{}] * (len(eagers) - 1)  # only the chunk that completes the prompt
+    assert eagers[-1]["p3"].block_ids == tuple(block_ids(sched, "p3")[: math.ceil(70 / BS)])
+    assert len(eagers[-1]["p3"].block_ids) == math.ceil(70 / BS)
+    assert request_status(sched, "p3") is RequestStatus.FINISHED_LENGTH_CAPPED
     step(sched, finished_sending={"p3"})
     assert free_blocks(sched) == total_blocks(sched)
+
+
+def test_p_preempted_mid_prompt_sends_the_blocks_it_resumed_with() -> None:
+    """A decoding request and a chunked P prefill on too few blocks: the prefill is preempted
+    mid-prompt (its blocks freed), resumes from scratch with new blocks, and sends exactly
+    the blocks it holds when its prompt completes."""
+    sched = make_scheduler(
+        kv_role="kv_producer", block_size=BS, num_blocks=10, max_num_batched_tokens=17,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    # 2 + 7 of the 9 blocks: when "plain" needs its third, the later request is preempted
+    sched.add_request(make_request("plain", 32, max_tokens=8))
+    params = {"do_remote_decode": True, "transfer_id": "t7"}
+    sched.add_request(make_request("p7", 112, max_tokens=1, kv_transfer_params=params))
+    eager: dict[str, SendSpec] = {}
+    expected: tuple[int, ...] = ()
+    preempted: set[str] = set()
+    for _ in range(60):
+        result = step(sched)
+        preempted |= result.scheduled.preempted_req_ids or set()
+        if "p7" in (sent := meta_of(result).eager):
+            eager = sent
+            expected = tuple(block_ids(sched, "p7")[: math.ceil(112 / BS)])
+            break
+    assert preempted == {"p7"}, "the test must preempt the prefill to mean anything"
+    assert eager["p7"] == SendSpec("t7", expected) and len(expected) == math.ceil(112 / BS)
+    for _ in range(20):
+        step(sched, finished_sending={"p7"} if request_status(sched, "p7") else ())
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+def empty_output() -> ModelRunnerOutput:
+    """A model output that samples nothing (for a step whose requests were aborted)."""
+    return ModelRunnerOutput(
+        req_ids=[], req_id_to_index={}, sampled_token_ids=[],
+        kv_connector_output=KVConnectorOutput(),
+    )  # fmt: skip
 
 
 def test_p_first_router_without_transfer_id_gets_one() -> None:

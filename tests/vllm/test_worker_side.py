@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,7 @@ import torch
 from integrations.vllm.scheduler_side import PdActorsMetadata, PullSpec, SendSpec
 from integrations.vllm.settings import ConnectorSettings
 from integrations.vllm.worker_side import WorkerPlace, WorkerSide, layout_from_kv_caches
-from pdactors import RankInfo
+from pdactors import RankInfo, timeline
 from tests.vllm.servers import free_port
 
 pytestmark = pytest.mark.vllm
@@ -89,6 +90,43 @@ def test_kv_moves_from_p_blocks_into_d_blocks(pair: Pair) -> None:
     for name in pair.p_kv:
         assert torch.equal(pair.d_kv[name][10:13], pair.p_kv[name][3:6])
     wait_for(pair.p, "sent", "preq1")
+
+
+def test_eager_send_at_the_end_of_the_forward_moves_the_kv_and_marks_the_timeline(
+    pair: Pair, tmp_path: Path
+) -> None:
+    """The step that completes P's prompt: start_load_kv (its pending) then wait_for_save
+    (its eager send), as vLLM calls them after the forward; D's pull came first."""
+    sink = tmp_path / "timeline.jsonl"
+    timeline.enable(sink)
+    try:
+        for layer in pair.p_kv.values():
+            layer[22:24].copy_(torch.randn(2, 2, 16, 64))
+        pair.pull("dreq-e", "t-e", (25, 26))
+        time.sleep(0.2)  # the pull is at P, waiting
+        meta = PdActorsMetadata(pending=["t-e"], eager={"preq-e": SendSpec("t-e", (22, 23))})
+        pair.p.start_load_kv(meta)
+        pair.p.wait_for_save(meta)
+        assert "dreq-e" not in wait_for(pair.d, "recved", "dreq-e")["failed"]
+        for name in pair.p_kv:
+            assert torch.equal(pair.d_kv[name][25:27], pair.p_kv[name][22:24])
+        wait_for(pair.p, "sent", "preq-e")
+    finally:
+        timeline.disable()
+    marks = timeline.read_timelines(sink)["t-e"]
+    order = [
+        "pull_sent", "pull_at_p", "p_computed", "ready", "write_start", "write_end", "landed",
+        "reported",
+    ]  # fmt: skip
+    assert sorted(marks, key=marks.__getitem__) == order
+
+
+def test_eager_send_with_the_actors_down_releases_the_blocks() -> None:
+    settings = ConnectorSettings(bootstrap_port=free_port())
+    worker = WorkerSide(settings, WorkerPlace("prefill-x", True, False, RankInfo(), True))
+    # never registered: no actors run
+    worker.wait_for_save(PdActorsMetadata(eager={"preq-x": SendSpec("t-x", (1,))}))
+    assert worker.get_transfer_results()[0] == {"preq-x"}
 
 
 def test_failed_pull_is_reported_as_failed_and_finished(pair: Pair) -> None:

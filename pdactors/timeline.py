@@ -1,0 +1,116 @@
+"""Per-transfer timelines: where a request's time to first token goes.
+
+Every actor (and the vLLM connector) marks what happens to a transfer as it happens:
+``mark(transfer_id, "write_start")``. A mark costs one branch while the timeline is off. When
+it is on, each mark is
+
+* a DEBUG line on the ``pdactors.timeline`` logger (``transfer T: write_start``), and
+* with a sink file (``$PDACTORS_TIMELINE``, or :func:`enable`'s ``path``), one JSON line
+  ``{"tid": T, "event": E, "t": wall-clock seconds, "pid": P}`` appended to it. Processes on
+  one machine share the file: lines are written whole with ``O_APPEND``, and wall-clock times
+  of different processes compare.
+
+The timeline is on when :func:`enable` was called, when ``$PDACTORS_TIMELINE`` is set, or when
+``pdactors.timeline`` logs at DEBUG. :func:`read_timelines` joins a sink file per transfer.
+
+The events, in the order of one PD request (see ``bench/vllm_pd.py`` for the segments):
+
+=================  ==========================================================================
+``p_scheduled``    P's scheduler first schedules the prompt (vLLM scheduler side)
+``p_computed``     the forward that completes the prompt has run (P worker, eager send), or
+                   the request finished and its KV is handed over one step later
+                   (``p_finished``, scheduler side)
+``ready``          the sender has the block ids (P's Trio thread)
+``pull_at_p``      D's pull reached the sender
+``write_start``    the write into D's blocks begins (both of the above have happened)
+``write_end``      the data plane says the bytes landed
+``pull_sent``      D's receiver sent the pull
+``landed``         D's receiver got P's answer: the KV is in D's blocks
+``reported``       the D worker reported the transfer to vLLM (``finished_recving``)
+=================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import msgspec
+
+__all__ = ["ENV", "disable", "enable", "enabled", "mark", "read_timelines"]
+
+#: The environment variable naming the sink file.
+ENV = "PDACTORS_TIMELINE"
+
+log = logging.getLogger("pdactors.timeline")
+
+
+class _Mark(msgspec.Struct, frozen=True):
+    tid: str
+    event: str
+    t: float
+    pid: int
+
+
+_encoder = msgspec.json.Encoder()
+_lock = threading.Lock()
+_fd: int | None = None
+_on = False
+
+
+def enable(path: str | os.PathLike[str] | None = None) -> None:
+    """Turn the timeline on (idempotent); ``path``: also append marks to this file."""
+    global _fd, _on
+    with _lock:
+        _on = True
+        if path is not None and _fd is None:
+            _fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+
+def disable() -> None:
+    """Turn the timeline off and close its sink file (DEBUG logging still turns it on)."""
+    global _fd, _on
+    with _lock:
+        _on = False
+        if _fd is not None:
+            os.close(_fd)
+            _fd = None
+
+
+def enabled() -> bool:
+    """Whether marks are recorded."""
+    return _on or log.isEnabledFor(logging.DEBUG)
+
+
+def mark(transfer_id: str, event: str) -> None:
+    """Record that ``event`` happened to ``transfer_id`` now (a no-op while off)."""
+    if not (_on or log.isEnabledFor(logging.DEBUG)):
+        return
+    t = time.time()
+    log.debug("transfer %s: %s", transfer_id, event)
+    fd = _fd
+    if fd is not None:
+        line = _encoder.encode(_Mark(transfer_id, event, t, os.getpid())) + b"\n"
+        try:
+            os.write(fd, line)  # one write per line: O_APPEND keeps lines whole
+        except OSError:
+            pass  # closed by disable() meanwhile
+
+
+def read_timelines(path: str | os.PathLike[str]) -> dict[str, dict[str, float]]:
+    """A sink file → ``{transfer id: {event: first time it happened}}``."""
+    out: dict[str, dict[str, float]] = defaultdict(dict)
+    decoder = msgspec.json.Decoder(_Mark)
+    for line in Path(path).read_bytes().splitlines():
+        if line:
+            m = decoder.decode(line)
+            out[m.tid].setdefault(m.event, m.t)
+    return dict(out)
+
+
+if os.environ.get(ENV):
+    enable(os.environ[ENV])
