@@ -146,19 +146,23 @@ def segments(results: list[Result], marks: dict[str, dict[str, float]]) -> dict[
 
 
 @contextlib.contextmanager
-def proxy_process(p_url: str, bootstrap: str, d_url: str, cwd: Path = ROOT) -> Iterator[Server]:
-    """``pdactors proxy`` (the one in ``cwd``) in front of P and D, stopped on exit."""
+def proxy_process(
+    p_url: str, bootstrap: str, d_url: str, log: Path, cwd: Path = ROOT
+) -> Iterator[Server]:
+    """``pdactors proxy`` (the one in ``cwd``) in front of P and D, stopped on exit; its
+    messages go to ``log``."""
     port = free_port()
     cmd = [
         sys.executable, "-m", "pdactors.cli", "proxy", "--port", str(port),
         "--prefill", f"{p_url}@{bootstrap}", "--decode", d_url,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(cwd)}
-    with subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    ) as proc:
+    with (
+        open(log, "wb") as out,
+        subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=out) as proc,
+    ):
         try:
-            proxy = Server("proxy", f"http://127.0.0.1:{port}", proc, Path(os.devnull))
+            proxy = Server("proxy", f"http://127.0.0.1:{port}", proc, log)
             wait_healthy([proxy])
             yield proxy
         finally:
@@ -190,6 +194,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--old-proxy", metavar="REV", help="also measure the proxy of this revision")
+    ap.add_argument("--logs", help="directory for the servers' logs (default: a new one)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     ports = {"eager": free_port(), "whole": free_port()}
@@ -210,13 +215,13 @@ def main() -> None:
         "decode": {"core": 1, "kv_transfer_config": d_config, "extra_args": extra},
     }
     boot = {kind: f"http://127.0.0.1:{port}" for kind, port in ports.items()}
-    with (
-        tempfile.TemporaryDirectory() as logs,
-        contextlib.ExitStack() as stack,
-    ):
-        sink = Path(logs) / "timeline.jsonl"
+    logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="vllm-pd-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    print(f"# logs in {logs}", file=sys.stderr)
+    with contextlib.ExitStack() as stack:
+        sink = logs / "timeline.jsonl"
         os.environ[timeline.ENV] = str(sink)  # the servers (P and D) write their marks there
-        s = stack.enter_context(servers(specs, ensure_tiny_model(shape=args.shape), Path(logs)))
+        s = stack.enter_context(servers(specs, ensure_tiny_model(shape=args.shape), logs))
         single, p, p_whole, d = s["single"], s["prefill"], s["prefill-whole"], s["decode"]
         setups: dict[str, Callable[[list[int]], Result]] = {
             "single": lambda pr: stream(single.url, pr, args.max_tokens, None),
@@ -225,11 +230,13 @@ def main() -> None:
                 p_whole, "prefill-whole", boot["whole"], d, pr, args.max_tokens
             ),
         }
-        proxy = stack.enter_context(proxy_process(p.url, boot["eager"], d.url))
+        proxy = stack.enter_context(proxy_process(p.url, boot["eager"], d.url, logs / "proxy.log"))
         setups["proxy"] = lambda pr: stream(proxy.url, pr, args.max_tokens, None)
         if args.old_proxy:
             tree = stack.enter_context(worktree(args.old_proxy))
-            old = stack.enter_context(proxy_process(p.url, boot["eager"], d.url, cwd=tree))
+            old = stack.enter_context(
+                proxy_process(p.url, boot["eager"], d.url, logs / "proxy-old.log", cwd=tree)
+            )
             old_name = f"proxy {args.old_proxy}"
             setups[old_name] = lambda pr: stream(old.url, pr, args.max_tokens, None)
         lo, hi = args.prompt_lens

@@ -41,6 +41,39 @@ def test_pull_before_prefill_waits_then_starts_when_ready() -> None:
     assert t.prefill_ready("t1", (3,), 1.0) == [StartSend("t1", p, (3,))]
 
 
+def test_streaming_with_a_waiting_pull_starts_a_streamed_send() -> None:
+    t = table()
+    p = pull()
+    t.prefill_started("t1", 0.0)
+    t.pull_arrived("t1", D, p, 0.1)
+    assert t.prefill_streaming("t1", (3, 4), 0.2) == [StartSend("t1", p, (3, 4), streamed=True)]
+    assert t.state("t1") is SendState.SENDING
+    # a cancel waits for the write, which ends once P is done
+    assert t.pull_cancelled("t1", D, 0.3) == []
+    effects = t.send_finished("t1", 0.4, nbytes=8, descriptors=2)
+    assert effects == [Reply(D, PullDone("t1", 8, 2)), Release("t1", SendState.DONE)]
+
+
+def test_streaming_without_a_pull_changes_nothing_and_ready_sends_as_usual() -> None:
+    t = table()
+    t.prefill_started("t1", 0.0)
+    assert t.prefill_streaming("t1", (3,), 0.1) == []
+    assert t.state("t1") is SendState.PENDING
+    assert t.prefill_ready("t1", (3,), 0.2) == []
+    p = pull()
+    assert t.pull_arrived("t1", D, p, 0.3) == [StartSend("t1", p, (3,))]
+
+
+def test_streaming_after_the_end_or_after_ready_changes_nothing() -> None:
+    t = table()
+    t.prefill_ready("t1", (1,), 0.0)
+    assert t.prefill_streaming("t1", (1,), 0.1) == []
+    assert t.state("t1") is SendState.READY
+    t.prefill_dropped("t2", 0.0)
+    assert t.prefill_streaming("t2", (1,), 0.1) == []
+    assert t.state("t2") is SendState.DROPPED
+
+
 def test_failed_send_replies_failure_and_still_releases() -> None:
     t = table()
     t.prefill_ready("t1", (1,), 0.0)

@@ -3,7 +3,10 @@
 Embed it with ``sender = await nursery.start(serve_sender, config, dataplane, layout)``. The
 engine side tells it about transfers with the synchronous methods of :class:`Sender`
 (``transfer_pending`` / ``transfer_ready`` / ``transfer_dropped``) and learns which transfers
-P may free with ``take_finished`` (vLLM's ``finished_sending``).
+P may free with ``take_finished`` (vLLM's ``finished_sending``). Layer-wise streaming:
+``transfer_streaming`` when P starts computing a prompt's last chunk, ``layer_ready`` as each
+layer's KV is complete, then ``transfer_ready``: when D's pull is already here each layer is
+written as it comes, and D is answered once, after the last.
 
 The actor is a thin trio shell around :class:`~pdactors.core.send_table.SendTable`: a receive
 loop feeds D's messages in, a loss loop feeds in the D workers whose side channel closed or
@@ -17,6 +20,8 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import msgspec
 import trio
@@ -61,6 +66,23 @@ _MAX_LAYOUTS = 1024
 _MAX_BAD_PEERS = 4096
 
 
+@dataclass(eq=False)
+class _Stream:
+    """A transfer written while P computes it: the layers P has reported complete."""
+
+    layers: trio.MemorySendChannel[tuple[int, ...]]
+    wanted: trio.MemoryReceiveChannel[tuple[int, ...]]
+    complete: bool = False  # P said it is done (ready or dropped)
+    failed: str | None = None  # P dropped it
+    done: bool = False  # the write task ended
+
+
+@dataclass(eq=False)
+class _Written:
+    nbytes: int = 0
+    descriptors: int = 0
+
+
 class Sender:
     """Handle of a running sender actor. Its methods must be called from the actor's trio thread.
 
@@ -92,6 +114,7 @@ class Sender:
         self._finished: set[str] = set()
         self._finished_changed = Pulse()
         self._bad_peers: set[bytes] = set()
+        self._streams: dict[str, _Stream] = {}  # transfers written while P computes them
         self.bytes_sent = 0
         self.descriptors_sent = 0
         #: Seconds each successful write took (plan + engine), newest last; readers drain it.
@@ -111,10 +134,36 @@ class Sender:
     def transfer_ready(self, transfer_id: str, block_ids: list[int] | tuple[int, ...]) -> None:
         """P's prefill finished; its KV sits in ``block_ids`` until the id is released."""
         timeline.mark(transfer_id, "ready")
+        if (stream := self._streams.get(transfer_id)) is not None:
+            self._end_stream(transfer_id, stream)  # the rest of the KV goes out now
+            return
         self._apply(self._table.prefill_ready(transfer_id, tuple(block_ids), trio.current_time()))
+
+    def transfer_streaming(self, transfer_id: str, block_ids: list[int] | tuple[int, ...]) -> None:
+        """P begins computing the KV of ``transfer_id`` into ``block_ids``, layer by layer
+        (:meth:`layer_ready`), and will call :meth:`transfer_ready` (or
+        :meth:`transfer_dropped`) when it is done. If D's pull is here, each layer is written
+        as soon as it is complete and D is answered once after the last; otherwise nothing
+        happens before :meth:`transfer_ready`, which sends the whole KV as usual."""
+        effects = self._table.prefill_streaming(transfer_id, tuple(block_ids), trio.current_time())
+        if effects:
+            send, recv = trio.open_memory_channel[tuple[int, ...]](math.inf)
+            self._streams[transfer_id] = _Stream(send, recv)
+        self._apply(effects)
+
+    def layer_ready(self, transfer_id: str, regions: Sequence[int]) -> None:
+        """The KV of these layout regions (a layer's) is complete in the streamed blocks;
+        ignored unless ``transfer_id`` is being streamed."""
+        stream = self._streams.get(transfer_id)
+        if stream is not None and not (stream.complete or stream.done):
+            stream.layers.send_nowait(tuple(regions))
 
     def transfer_dropped(self, transfer_id: str, reason: str = "") -> None:
         """P will not finish ``transfer_id``; a waiting D is told at once."""
+        if (stream := self._streams.get(transfer_id)) is not None:
+            stream.failed = f"P dropped the prefill: {reason}" if reason else "P dropped it"
+            self._end_stream(transfer_id, stream)
+            return
         self._apply(self._table.prefill_dropped(transfer_id, trio.current_time(), reason))
 
     def take_finished(self) -> set[str]:
@@ -217,28 +266,88 @@ class Sender:
     async def _send(self, job: StartSend) -> None:
         pull = job.pull
         error: str | None = None
-        nbytes = descriptors = 0
         start = trio.current_time()
         timeline.mark(job.transfer_id, "write_start")
         assert pull.layout is not None  # attached when the pull arrived
+        written = _Written()
         try:
-            plan = plan_transfer(self.layout, job.src_blocks, pull.layout, pull.block_ids)
-            nbytes, descriptors = plan.nbytes, plan.descriptors
-            await self._dataplane.write(pull.session, plan.src, plan.dst, plan.lengths)
+            if job.streamed:
+                error = await self._stream(job, self._streams[job.transfer_id], written)
+            else:
+                await self._write(job, written)
         except (PlanError, DataPlaneError) as exc:
             error = str(exc)
+        finally:
+            if job.streamed:
+                stream = self._streams[job.transfer_id]
+                stream.done = True
+                if stream.complete:
+                    del self._streams[job.transfer_id]
+        if error is not None:
             log.warning("transfer %s to %s failed: %s", job.transfer_id, pull.session, error)
         now = trio.current_time()
         timeline.mark(job.transfer_id, "write_end")
         if error is None:
-            self.bytes_sent += nbytes
-            self.descriptors_sent += descriptors
+            self.bytes_sent += written.nbytes
+            self.descriptors_sent += written.descriptors
             self.write_seconds.append(now - start)
         self._apply(
             self._table.send_finished(
-                job.transfer_id, now, error=error, nbytes=nbytes, descriptors=descriptors
+                job.transfer_id,
+                now,
+                error=error,
+                nbytes=written.nbytes,
+                descriptors=written.descriptors,
             )
         )
+
+    async def _write(
+        self, job: StartSend, written: _Written, regions: Sequence[int] | None = None
+    ) -> None:
+        """Write ``regions`` (default all) of the job's blocks into D's."""
+        pull = job.pull
+        assert pull.layout is not None
+        plan = plan_transfer(self.layout, job.src_blocks, pull.layout, pull.block_ids, regions)
+        await self._dataplane.write(pull.session, plan.src, plan.dst, plan.lengths)
+        written.nbytes += plan.nbytes
+        written.descriptors += plan.descriptors
+
+    async def _stream(self, job: StartSend, stream: _Stream, written: _Written) -> str | None:
+        """Write each layer as P reports it complete, then the rest; the error, if any.
+
+        Ends only once P said it is done with its blocks (``transfer_ready`` or ``_dropped``),
+        even after a failed write: the blocks are released when this task ends, and P may be
+        computing into them until then. ``ready_timeout`` is the last resort for a P whose
+        step never ends.
+        """
+        done: set[int] = set()
+        error: str | None = None
+        with trio.move_on_after(self.config.ready_timeout):
+            async with stream.wanted:
+                async for regions in stream.wanted:
+                    todo = [r for r in regions if r not in done]
+                    if error is not None or not todo:
+                        continue
+                    try:
+                        await self._write(job, written, todo)
+                    except (PlanError, DataPlaneError) as exc:
+                        error = str(exc)  # no more writes; wait for P's word
+                    done.update(todo)
+        if not stream.complete:
+            return f"P's streamed prefill did not finish within {self.config.ready_timeout:g} s"
+        if error is not None or stream.failed is not None:
+            return error or stream.failed
+        rest = [r for r in range(len(self.layout.regions)) if r not in done]
+        if rest:
+            await self._write(job, written, rest)
+        return None
+
+    def _end_stream(self, transfer_id: str, stream: _Stream) -> None:
+        """P is done with a streamed transfer: the write task sends the rest and ends it."""
+        stream.complete = True
+        stream.layers.close()
+        if stream.done:  # the write already ended (it failed): nothing waits for this any more
+            del self._streams[transfer_id]
 
     def _apply(self, effects: list[Effect]) -> None:
         for effect in effects:

@@ -140,6 +140,17 @@ def _check_bounds(ids: _Ids, prep: _Prepared, side: str) -> None:
     )
 
 
+def _only(prep: _Prepared, regions: Sequence[int]) -> _Prepared:
+    """``prep`` restricted to ``regions`` (indices)."""
+    rows = np.asarray(regions, dtype=np.intp)
+    n = len(prep.num_blocks)
+    if rows.ndim != 1 or (len(rows) and not 0 <= rows.min() <= rows.max() < n):
+        raise PlanError(f"regions {list(regions)} are not among the {n} of the layout")
+    return prep._replace(
+        base=prep.base[rows], stride=prep.stride[rows], block_bytes=prep.block_bytes[rows]
+    )
+
+
 def _descriptors(prep: _Prepared, ids: _Ids) -> Addrs:
     # (region, block) order: row r holds region r's addresses for every id.
     addrs = prep.base[:, None] + ids.astype(np.uint64)[None, :] * prep.stride[:, None]
@@ -147,12 +158,17 @@ def _descriptors(prep: _Prepared, ids: _Ids) -> Addrs:
 
 
 def plan_transfer(
-    src: Layout, src_blocks: Sequence[int], dst: Layout, dst_blocks: Sequence[int]
+    src: Layout,
+    src_blocks: Sequence[int],
+    dst: Layout,
+    dst_blocks: Sequence[int],
+    regions: Sequence[int] | None = None,
 ) -> TransferPlan:
     """Plan copying P's blocks ``src_blocks`` (in layout ``src``) into D's ``dst_blocks``.
 
     If D asks for fewer blocks than P has, P's *last* ``len(dst_blocks)`` blocks are sent
-    (D holds the prefix already). Empty ``dst_blocks`` gives an empty plan.
+    (D holds the prefix already). Empty ``dst_blocks`` gives an empty plan. ``regions``: only
+    these regions (by index, e.g. one layer's K and V while it is streamed), default all.
 
     Raises :class:`LayoutMismatch` when the region counts or per-region ``block_bytes``
     differ, and :class:`PlanError` for a malformed layout, more ``dst_blocks`` than
@@ -184,6 +200,8 @@ def plan_transfer(
         # Chunks of a write may land in any order: two copies into one block race.
         raise PlanError("D block ids contain duplicates")
 
+    if regions is not None:
+        sp, dp = _only(sp, regions), _only(dp, regions)
     s_addr = _descriptors(sp, s_ids)
     d_addr = _descriptors(dp, d_ids)
     lengths = np.repeat(sp.block_bytes, n)

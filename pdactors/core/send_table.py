@@ -10,7 +10,10 @@ Rules (``state`` of one transfer id):
 state         entered when                    leaves when
 ============  ==============================  ==============================================
 PENDING       P's prefill started, or D's     P: ready → SENDING if a pull waits, else READY;
-              pull came first                 P: dropped → DROPPED (waiting pull failed now);
+              pull came first                 P: streaming with a pull waiting → SENDING
+                                              (streamed: written layer by layer while P
+                                              computes it; otherwise no change);
+                                              P: dropped → DROPPED (waiting pull failed now);
                                               D cancels, or the pulling D is gone →
                                               CANCELLED; the waiting pull passes
                                               ``ready_timeout`` → TIMED_OUT; no pull and no
@@ -92,11 +95,16 @@ class Reply:
 
 @dataclass(frozen=True, slots=True)
 class StartSend:
-    """Write P's ``src_blocks`` into the blocks named by ``pull``; then call ``send_finished``."""
+    """Write P's ``src_blocks`` into the blocks named by ``pull``; then call ``send_finished``.
+
+    ``streamed``: P is still computing the KV; the actor writes it layer by layer as P reports
+    each one complete, and the rest once P says the prefill is done.
+    """
 
     transfer_id: str
     pull: PullRequest
     src_blocks: tuple[int, ...]
+    streamed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +197,24 @@ class SendTable:
         self._move(entry, SendState.READY, now)
         entry.expires_at = now + self.unclaimed_ttl
         return []
+
+    def prefill_streaming(
+        self, transfer_id: str, blocks: tuple[int, ...], now: float
+    ) -> list[Effect]:
+        """P begins computing the KV of ``transfer_id`` into ``blocks`` now, layer by layer.
+
+        If D's pull is waiting, the write starts at once, streamed (SENDING; the actor then
+        takes P's word that the prefill is done itself, not through :meth:`prefill_ready`).
+        Otherwise nothing changes: :meth:`prefill_ready` sends the whole KV as usual.
+        """
+        entry = self._entries.get(transfer_id)
+        if entry is None or entry.state is not SendState.PENDING or entry.pull is None:
+            return []
+        if entry.had_blocks:
+            raise IllegalTransition(f"{transfer_id}: streaming after its KV was ready")
+        entry.had_blocks = True
+        entry.blocks = blocks
+        return self._start_send(transfer_id, entry, now, streamed=True)
 
     def prefill_dropped(self, transfer_id: str, now: float, reason: str = "") -> list[Effect]:
         """P will not finish ``transfer_id`` (aborted, failed); a waiting D hears at once."""
@@ -315,10 +341,12 @@ class SendTable:
     def _move(self, entry: _Entry, state: SendState, now: float) -> None:
         entry.state, entry.since = state, now
 
-    def _start_send(self, transfer_id: str, entry: _Entry, now: float) -> list[Effect]:
+    def _start_send(
+        self, transfer_id: str, entry: _Entry, now: float, *, streamed: bool = False
+    ) -> list[Effect]:
         assert entry.pull is not None and entry.blocks is not None
         self._move(entry, SendState.SENDING, now)
-        return [StartSend(transfer_id, entry.pull, entry.blocks)]
+        return [StartSend(transfer_id, entry.pull, entry.blocks, streamed)]
 
     def _end(
         self, transfer_id: str, entry: _Entry, state: SendState, now: float, reason: str
