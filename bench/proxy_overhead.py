@@ -1,15 +1,21 @@
-"""Proxy overhead: a completion straight to an engine vs through ``serve_proxy`` (which also asks
-a P engine first, as it always does). The engines are the tests' stand-ins (quart-trio apps
-that answer at once), so the difference is the proxy's own cost. Everything runs in one
-process (engines, proxy, client), so the figures are an upper bound on that cost.
+"""Proxy overhead: completions straight to an engine vs through ``pdactors proxy``, and the
+proxy's own CPU per request.
 
-    python bench/proxy_overhead.py [--requests 2000] [--concurrency 1 32]
+The engines are the tests' stand-ins (quart-trio apps that answer at once) in this process,
+with the client; the proxy runs in its own process (``python -m pdactors.cli proxy``), so its
+CPU time (``/proc/<pid>/stat``) over a run, divided by the requests, is what one request costs
+it. On a machine whose cores the engines use, that CPU is what the proxy takes from them and
+what queues requests behind each other under load.
+
+    python bench/proxy_overhead.py [--requests 2000] [--concurrency 1 32] [--stream]
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,11 +25,21 @@ import numpy as np
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.test_proxy import open_setup
+from tests.test_proxy import FakeEngine, serve_fake
+
+_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-async def measure(url: str, n: int, concurrency: int, direct: bool) -> tuple[float, float, float]:
-    body: dict[str, object] = {"model": "m", "prompt": "hi", "max_tokens": 4}
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+async def measure(
+    url: str, n: int, concurrency: int, direct: bool, stream: bool
+) -> tuple[float, float, float]:
+    body: dict[str, object] = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": stream}
     if direct:  # what the proxy would send D
         body["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": "t"}
     latencies: list[float] = []
@@ -34,8 +50,9 @@ async def measure(url: str, n: int, concurrency: int, direct: bool) -> tuple[flo
         async def worker() -> None:
             for _ in todo:
                 start = time.perf_counter()
-                resp = await client.post(f"{url}/v1/completions", json=body)
-                resp.raise_for_status()
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                    resp.raise_for_status()
+                    await resp.aread()
                 latencies.append(time.perf_counter() - start)
 
         start = time.perf_counter()
@@ -49,17 +66,47 @@ async def measure(url: str, n: int, concurrency: int, direct: bool) -> tuple[flo
 
 async def main(args: argparse.Namespace) -> None:
     logging.disable(logging.INFO)
-    async with open_setup() as setup:
-        direct = setup.d[0].url
-        print("# proxy overhead: stand-in engines, one process; non-streaming completions")
-        print("| concurrency | path | p50 ms | p99 ms | requests/s |")
-        print("|---|---|---|---|---|")
-        for concurrency in args.concurrency:
-            for name, url in (("direct to D", direct), ("through proxy", setup.url)):
-                is_direct = url == direct
-                await measure(url, 50, concurrency, is_direct)  # warm-up
-                p50, p99, rate = await measure(url, args.requests, concurrency, is_direct)
-                print(f"| {concurrency} | {name} | {p50:.3f} | {p99:.3f} | {rate:.0f} |")
+    p, d = FakeEngine("p0", engine_id="prefill-0"), FakeEngine("d0")
+    async with trio.open_nursery() as nursery:
+        for engine in (p, d):
+            await nursery.start(serve_fake, engine)
+        cmd = [
+            sys.executable, "-m", "pdactors.cli", "proxy", "--port", "0",
+            "--prefill", f"{p.url}@{p.url}", "--decode", d.url,
+        ]  # fmt: skip
+        proc = await trio.lowlevel.open_process(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        )
+        try:
+            assert proc.stdout is not None
+            line = (await proc.stdout.receive_some(4096)).decode()
+            url = line.split()[-1]
+            async with httpx.AsyncClient(trust_env=False) as probe:
+                while (await probe.get(f"{url}/health")).status_code != 200:
+                    await trio.sleep(0.1)
+            kind = "streamed" if args.stream else "non-streamed"
+            print(f"# proxy overhead: stand-in engines, proxy in its own process; {kind}")
+            print("| concurrency | path | p50 ms | p99 ms | requests/s | proxy CPU ms/request |")
+            print("|---|---|---|---|---|---|")
+            for concurrency in args.concurrency:
+                for name, target in (("direct to D", d.url), ("through proxy", url)):
+                    is_direct = target == d.url
+                    await measure(target, 50, concurrency, is_direct, args.stream)  # warm-up
+                    cpu0 = cpu_seconds(proc.pid)
+                    p50, p99, rate = await measure(
+                        target, args.requests, concurrency, is_direct, args.stream
+                    )
+                    cpu = (cpu_seconds(proc.pid) - cpu0) / args.requests * 1e3
+                    cpu_cell = "" if is_direct else f"{cpu:.2f}"
+                    print(
+                        f"| {concurrency} | {name} | {p50:.3f} | {p99:.3f} | {rate:.0f} "
+                        f"| {cpu_cell} |",
+                        flush=True,
+                    )
+        finally:
+            proc.terminate()
+            await proc.wait()
+        nursery.cancel_scope.cancel()
 
 
 if __name__ == "__main__":
@@ -68,4 +115,5 @@ if __name__ == "__main__":
     )
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--stream", action="store_true", help="streamed completions (SSE)")
     trio.run(main, ap.parse_args())

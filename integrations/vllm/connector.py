@@ -108,6 +108,12 @@ class PdActorsConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are whole-request and asynchronous: nothing to wait for per layer."""
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker_side is not None:
+            assert isinstance(connector_metadata, PdActorsMetadata)
+            self.worker_side.begin_step(connector_metadata)
+
     def save_kv_layer(
         self,
         layer_name: str,
@@ -115,7 +121,8 @@ class PdActorsConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        """P's KV is read from its blocks after the request finishes: nothing per layer."""
+        """Layer-wise streaming (setting ``layerwise``): this layer's KV is computed."""
+        self._worker().save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         """Eager send: hand the prompts this step completed to the sender (never blocks)."""

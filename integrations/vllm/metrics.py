@@ -24,6 +24,14 @@ COUNTERS = {
         "vllm:pdactors_descriptors_sent",
         "Mooncake descriptors P wrote, after coalescing (P workers).",
     ),
+    "eager_sent": (
+        "vllm:pdactors_eager_sends",
+        "Prompts whose KV P handed over at the end of the forward that computed it (P).",
+    ),
+    "streamed_sent": (
+        "vllm:pdactors_streamed_sends",
+        "KV transfers written layer by layer while P computed them (P, setting layerwise).",
+    ),
     "expired": ("vllm:pdactors_transfers_expired", "Finished prefills no D pulled in time (P)."),
     "received": ("vllm:pdactors_pulls_received", "KV pulls that landed (D workers)."),
     "failed": (

@@ -80,6 +80,8 @@ class PdActorsMetadata(KVConnectorMetadata):
     ready: dict[str, SendSpec] = field(default_factory=dict)  # P: req id -> KV to send
     #: P: req id -> KV to send once this step's forward is done (eager send)
     eager: dict[str, SendSpec] = field(default_factory=dict)
+    #: worker-local (never set by the scheduler): eager sends streamed layer by layer
+    streams: dict[str, SendSpec] = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)  # P: transfer ids that will never be ready
     pulls: dict[str, PullSpec] = field(default_factory=dict)  # D: req id -> what to pull
     aborts: dict[str, str] = field(default_factory=dict)  # D: req id -> transfer id to abort

@@ -44,6 +44,12 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     * ``eager_send``: P hands the KV to the sender at the end of the step that completes the
       prompt (``wait_for_save``) when that step also ends the request (``max_tokens`` 1, as
       proxies send), instead of one step later from ``request_finished``; default true.
+    * ``layerwise``: stream an eager send layer by layer: when D's pull is at P before the step
+      that completes the prompt, each layer's blocks are written into D as soon as the forward
+      has computed that layer (``save_kv_layer``; on a GPU after an event recorded then), and
+      D is told once after the last. Otherwise the eager whole-request send. Needs
+      ``eager_send``; with vLLM's FULL CUDA graphs ``save_kv_layer`` does not run per layer, so
+      the whole KV goes at the end of the step. Default false.
     * ``timeline``: log each transfer's timeline at DEBUG on ``pdactors.timeline``, and append
       it as JSON lines to the file named by ``$PDACTORS_TIMELINE`` when that is set (bench);
       default false.
@@ -63,6 +69,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     register_timeout: float = 30.0
     idle_wait_ms: float = 20.0
     eager_send: bool = True
+    layerwise: bool = False
     timeline: bool = False
 
     @property

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import trio
@@ -41,7 +41,7 @@ from pdactors import (
 from pdactors.errors import PdError
 from pdactors.host import TrioHost
 
-__all__ = ["TransferCounters", "WorkerSide", "layout_from_kv_caches"]
+__all__ = ["KVRegistration", "TransferCounters", "WorkerSide", "layout_from_kv_caches"]
 
 log = logging.getLogger("pdactors.vllm")
 
@@ -50,10 +50,15 @@ SHUTDOWN_TIMEOUT = 10.0
 RESTART_LIMIT = 3
 
 
-def layout_from_kv_caches(
-    kv_caches: dict[str, torch.Tensor], num_blocks: int
-) -> tuple[Layout, list[tuple[int, int]]]:
-    """vLLM's per-layer KV tensors → our :class:`Layout`, and the memory to register.
+class KVRegistration(NamedTuple):
+    layout: Layout
+    memory: list[tuple[int, int]]  # (address, bytes) to register with the data plane
+    layer_regions: dict[str, tuple[int, ...]]  # vLLM layer name -> its regions in the layout
+
+
+def layout_from_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVRegistration:
+    """vLLM's per-layer KV tensors → our :class:`Layout`, the memory to register, and which
+    regions hold each layer (for layer-wise streaming).
 
     A tensor whose first dimension is the block count is one region (vLLM CPU:
     ``[blocks, kv_heads, block_size, 2*head]``); one whose second dimension is, with K and V
@@ -62,6 +67,7 @@ def layout_from_kv_caches(
     """
     regions: list[BlockLayout] = []
     storages: dict[int, int] = {}
+    layer_regions: dict[str, tuple[int, ...]] = {}
     for name in sorted(kv_caches):
         cache = kv_caches[name]
         storage = cache.untyped_storage()
@@ -72,6 +78,7 @@ def layout_from_kv_caches(
             parts = list(cache.unbind(0))
         else:
             raise PdError(f"KV cache {name} of shape {tuple(cache.shape)} has no block dimension")
+        layer_regions[name] = tuple(range(len(regions), len(regions) + len(parts)))
         for part in parts:
             if not part[0].is_contiguous():
                 raise PdError(f"KV cache {name}: a block is not contiguous in memory")
@@ -83,7 +90,7 @@ def layout_from_kv_caches(
                     stride=part.stride(0) * part.element_size(),
                 )
             )
-    return Layout(tuple(regions)), sorted(storages.items())
+    return KVRegistration(Layout(tuple(regions)), sorted(storages.items()), layer_regions)
 
 
 @dataclass
@@ -93,6 +100,8 @@ class TransferCounters:
     sent: int = 0
     bytes_sent: int = 0
     descriptors_sent: int = 0
+    eager_sent: int = 0
+    streamed_sent: int = 0
     received: int = 0
     failed: int = 0
     expired: int = 0
@@ -147,6 +156,9 @@ class WorkerSide:
         self._layout: Layout | None = None
         self._memory: list[tuple[int, int]] = []
         self._cuda = False  # the KV lives on a GPU: a step's forward ends asynchronously
+        self._layer_regions: dict[str, tuple[int, ...]] = {}
+        #: this step's prompts streamed layer by layer (vLLM thread only): transfer ids
+        self._streaming: list[str] = []
         self._recved_tids: dict[str, str] = {}  # req id -> transfer id, until reported (lock)
         self.counters = TransferCounters()
         if settings.timeline:
@@ -156,7 +168,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         """Start the data plane with vLLM's KV memory, then the actors this role needs."""
-        layout, memory = layout_from_kv_caches(kv_caches, num_blocks)
+        layout, memory, self._layer_regions = layout_from_kv_caches(kv_caches, num_blocks)
         if self.settings.protocol == "nvlink_intra":
             # Mooncake installs its intra-node NVLink transport only when this is set.
             os.environ.setdefault("MC_INTRANODE_NVLINK", "1")
@@ -267,7 +279,7 @@ class WorkerSide:
     def _fail_meta(self, meta: PdActorsMetadata, reason: str) -> None:
         """The actors cannot take this step's work: its pulls fail, its sends are released."""
         pulls = {req for req, pull in meta.pulls.items() if not pull.notify_only}
-        sends = set(meta.ready)
+        sends = set(meta.ready) | set(meta.streams)
         with self._lock:
             self._add_results(sent=sends, failed=pulls)
         if pulls or sends:
@@ -302,19 +314,49 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ each step (vLLM thread)
 
+    def begin_step(self, meta: PdActorsMetadata) -> None:
+        """The step's metadata is bound, before its forward: hand P's work to the actors (none
+        of it depends on this forward) and, with ``layerwise``, start streaming the prompts
+        this forward completes. Returns at once."""
+        streams = meta.eager if self.settings.layerwise and self.place.is_producer else {}
+        self._streaming = [send.transfer_id for send in streams.values()]
+        if meta.pending or meta.ready or meta.dropped or streams:
+            p_side = PdActorsMetadata(
+                pending=meta.pending, ready=meta.ready, dropped=meta.dropped, streams=streams
+            )
+            self._submit(p_side)
+
     def start_load_kv(self, meta: PdActorsMetadata) -> None:
-        """Hand this step's work to the actors; returns at once."""
-        if meta.pending or meta.ready or meta.dropped or meta.pulls or meta.aborts:
-            self._submit(meta)
+        """Hand this step's pulls and aborts to the actors; returns at once."""
+        if meta.pulls or meta.aborts:
+            self._submit(PdActorsMetadata(pulls=meta.pulls, aborts=meta.aborts))
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Layer-wise: this step's forward has written ``layer_name``'s KV; stream it."""
+        if not self._streaming or (regions := self._layer_regions.get(layer_name)) is None:
+            return
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+        host = self._host
+        if host is not None:
+            try:
+                host.post(self._layer_done, list(self._streaming), regions, event)
+            except PdError:
+                pass  # the thread died: its death ends these transfers
 
     def wait_for_save(self, meta: PdActorsMetadata) -> None:
         """Eager send: this step's forward has computed the prompts in ``meta.eager``; hand
         their blocks to the sender. Returns at once: on a GPU the sender gets them once the
         forward's kernels are done (an event recorded now), and this thread never waits."""
+        self._streaming = []
         if not meta.eager:
             return
         for send in meta.eager.values():
             timeline.mark(send.transfer_id, "p_computed")
+        with self._lock:
+            self.counters.eager_sent += len(meta.eager)
         event = None
         if self._cuda:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -363,6 +405,9 @@ class WorkerSide:
         if sender is not None:
             for tid in meta.pending:
                 _logged(sender.transfer_pending, tid)
+            for req_id, send in meta.streams.items():
+                self._send_req[send.transfer_id] = req_id  # a death releases it from now on
+                _logged(sender.transfer_streaming, send.transfer_id, list(send.block_ids))
             if event is None:
                 self._ready(sender, meta.ready)
             elif meta.ready:
@@ -384,6 +429,25 @@ class WorkerSide:
                 del self._send_req[send.transfer_id]  # never sent: P may free the blocks
                 with self._lock:
                     self._add_results(sent={req_id})
+
+    def _layer_done(
+        self, tids: list[str], regions: tuple[int, ...], event: torch.cuda.Event | None
+    ) -> None:
+        sender = self._sender
+        if sender is None:
+            return
+        if event is None:
+            for tid in tids:
+                sender.layer_ready(tid, regions)
+        else:
+            self._nursery().start_soon(self._layer_done_after, sender, tids, regions, event)
+
+    async def _layer_done_after(
+        self, sender: Sender, tids: list[str], regions: tuple[int, ...], event: torch.cuda.Event
+    ) -> None:
+        await trio.to_thread.run_sync(event.synchronize)  # the layer's kernels are done
+        for tid in tids:
+            sender.layer_ready(tid, regions)
 
     async def _ready_after(
         self, sender: Sender, sends: dict[str, SendSpec], event: torch.cuda.Event
@@ -413,7 +477,7 @@ class WorkerSide:
                 self._add_results(failed={req_id})
 
     async def _collect_sent(self, sender: Sender) -> None:
-        seen_bytes = seen_descriptors = seen_sent = seen_expired = 0
+        seen_bytes = seen_descriptors = seen_sent = seen_expired = seen_streamed = 0
         while True:
             released = await sender.wait_finished()
             reqs = {self._send_req.pop(tid) for tid in released if tid in self._send_req}
@@ -427,9 +491,11 @@ class WorkerSide:
                 c.expired += stats.expired - seen_expired
                 c.bytes_sent += sender.bytes_sent - seen_bytes
                 c.descriptors_sent += sender.descriptors_sent - seen_descriptors
+                c.streamed_sent += sender.streamed_sent - seen_streamed
                 c.write_seconds += writes
             seen_sent, seen_expired = stats.sent, stats.expired
             seen_bytes, seen_descriptors = sender.bytes_sent, sender.descriptors_sent
+            seen_streamed = sender.streamed_sent
 
     async def _collect_received(self, receiver: Receiver) -> None:
         while True:

@@ -117,6 +117,7 @@ class Sender:
         self._streams: dict[str, _Stream] = {}  # transfers written while P computes them
         self.bytes_sent = 0
         self.descriptors_sent = 0
+        self.streamed_sent = 0  # transfers written layer by layer while P computed them
         #: Seconds each successful write took (plan + engine), newest last; readers drain it.
         self.write_seconds: deque[float] = deque(maxlen=10_000)
 
@@ -290,6 +291,7 @@ class Sender:
         if error is None:
             self.bytes_sent += written.nbytes
             self.descriptors_sent += written.descriptors
+            self.streamed_sent += job.streamed
             self.write_seconds.append(now - start)
         self._apply(
             self._table.send_finished(

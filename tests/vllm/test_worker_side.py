@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,8 +33,8 @@ def kv_caches() -> dict[str, torch.Tensor]:
 
 
 class Pair:
-    def __init__(self) -> None:
-        self.settings = ConnectorSettings(bootstrap_port=free_port(), ready_timeout=30)
+    def __init__(self, **settings: Any) -> None:
+        self.settings = ConnectorSettings(bootstrap_port=free_port(), ready_timeout=30, **settings)
         self.p_kv, self.d_kv = kv_caches(), kv_caches()
         self.p = WorkerSide(self.settings, WorkerPlace("prefill-w", True, False, RankInfo(), True))
         self.d = WorkerSide(self.settings, WorkerPlace("decode-w", False, True, RankInfo(), False))
@@ -42,7 +43,15 @@ class Pair:
 
     def pull(self, req: str, tid: str, blocks: tuple[int, ...], engine: str = "prefill-w") -> None:
         spec = PullSpec(tid, engine, self.settings.bootstrap_url, blocks)
-        self.d.start_load_kv(PdActorsMetadata(pulls={req: spec}))
+        run_step(self.d, PdActorsMetadata(pulls={req: spec}))
+
+
+def run_step(worker: WorkerSide, meta: PdActorsMetadata) -> None:
+    """One step's connector hooks in vLLM 0.32's order (bind, then after the forward
+    start_load_kv and wait_for_save)."""
+    worker.begin_step(meta)
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
 
 
 def wait_for(worker: WorkerSide, what: str, req: str, timeout: float = 10) -> dict[str, set[str]]:
@@ -73,7 +82,8 @@ def pair() -> Iterator[Pair]:
 
 def test_layout_follows_vllm_cpu_tensors() -> None:
     caches = kv_caches()
-    layout, memory = layout_from_kv_caches(caches, BLOCKS)
+    layout, memory, layers = layout_from_kv_caches(caches, BLOCKS)
+    assert layers == {name: (i,) for i, name in enumerate(sorted(caches))}
     assert len(layout.regions) == LAYERS
     assert layout.regions[0].block_bytes == 2 * 16 * 64 * 4
     assert layout.regions[0].stride == layout.regions[0].block_bytes
@@ -83,9 +93,9 @@ def test_layout_follows_vllm_cpu_tensors() -> None:
 def test_kv_moves_from_p_blocks_into_d_blocks(pair: Pair) -> None:
     for layer in pair.p_kv.values():
         layer[3:6].copy_(torch.randn(3, 2, 16, 64))
-    pair.p.start_load_kv(PdActorsMetadata(pending=["t1"]))
+    run_step(pair.p, PdActorsMetadata(pending=["t1"]))
     pair.pull("dreq1", "t1", (10, 11, 12))
-    pair.p.start_load_kv(PdActorsMetadata(ready={"preq1": SendSpec("t1", (3, 4, 5))}))
+    run_step(pair.p, PdActorsMetadata(ready={"preq1": SendSpec("t1", (3, 4, 5))}))
     assert "dreq1" not in wait_for(pair.d, "recved", "dreq1")["failed"]
     for name in pair.p_kv:
         assert torch.equal(pair.d_kv[name][10:13], pair.p_kv[name][3:6])
@@ -105,8 +115,7 @@ def test_eager_send_at_the_end_of_the_forward_moves_the_kv_and_marks_the_timelin
         pair.pull("dreq-e", "t-e", (25, 26))
         time.sleep(0.2)  # the pull is at P, waiting
         meta = PdActorsMetadata(pending=["t-e"], eager={"preq-e": SendSpec("t-e", (22, 23))})
-        pair.p.start_load_kv(meta)
-        pair.p.wait_for_save(meta)
+        run_step(pair.p, meta)
         assert "dreq-e" not in wait_for(pair.d, "recved", "dreq-e")["failed"]
         for name in pair.p_kv:
             assert torch.equal(pair.d_kv[name][25:27], pair.p_kv[name][22:24])
@@ -119,6 +128,35 @@ def test_eager_send_at_the_end_of_the_forward_moves_the_kv_and_marks_the_timelin
         "reported",
     ]  # fmt: skip
     assert sorted(marks, key=marks.__getitem__) == order
+
+
+def test_layerwise_streams_each_layer_during_the_forward() -> None:
+    """layerwise: with D's pull at P, each layer reaches D as the forward reports it
+    (save_kv_layer), before the step ends; D hears once, after wait_for_save."""
+    pair = Pair(layerwise=True)
+    try:
+        names = sorted(pair.p_kv)
+        data = {name: torch.randn(2, 2, 16, 64) for name in names}
+        pair.pull("dreq-l", "t-l", (5, 6))
+        time.sleep(0.3)  # the pull is at P
+        meta = PdActorsMetadata(pending=["t-l"], eager={"preq-l": SendSpec("t-l", (1, 2))})
+        pair.p.begin_step(meta)  # bind: the prompt's last chunk starts computing
+        for name in names:  # the forward, layer by layer
+            pair.p_kv[name][1:3].copy_(data[name])
+            pair.p.save_kv_layer(name)
+            deadline = time.monotonic() + 5
+            while not torch.equal(pair.d_kv[name][5:7], data[name]):
+                assert time.monotonic() < deadline, f"{name} did not reach D during the forward"
+                time.sleep(0.005)
+        assert pair.d.get_transfer_results() == (set(), set(), set())  # not told yet
+        pair.p.start_load_kv(meta)
+        pair.p.wait_for_save(meta)  # the step's end
+        assert "dreq-l" not in wait_for(pair.d, "recved", "dreq-l")["failed"]
+        wait_for(pair.p, "sent", "preq-l")
+        assert pair.p.take_counters()["bytes_sent"] == 2 * LAYERS * 2 * 16 * 64 * 4
+    finally:
+        pair.p.shutdown()
+        pair.d.shutdown()
 
 
 def test_eager_send_with_the_actors_down_releases_the_blocks() -> None:
@@ -135,30 +173,30 @@ def test_failed_pull_is_reported_as_failed_and_finished(pair: Pair) -> None:
 
 
 def test_p_drop_fails_the_waiting_pull_at_once(pair: Pair) -> None:
-    pair.p.start_load_kv(PdActorsMetadata(pending=["t3"]))
+    run_step(pair.p, PdActorsMetadata(pending=["t3"]))
     pair.pull("dreq3", "t3", (2,))
     time.sleep(0.2)
     start = time.monotonic()
-    pair.p.start_load_kv(PdActorsMetadata(dropped=["t3"]))
+    run_step(pair.p, PdActorsMetadata(dropped=["t3"]))
     wait_for(pair.d, "failed", "dreq3")
     assert time.monotonic() - start < 5  # not the 30 s ready_timeout
 
 
 def test_d_abort_frees_p_blocks(pair: Pair) -> None:
-    pair.p.start_load_kv(PdActorsMetadata(pending=["t4"]))
+    run_step(pair.p, PdActorsMetadata(pending=["t4"]))
     pair.pull("dreq4", "t4", (4,))
     time.sleep(0.2)
-    pair.d.start_load_kv(PdActorsMetadata(aborts={"dreq4": "t4"}))
+    run_step(pair.d, PdActorsMetadata(aborts={"dreq4": "t4"}))
     wait_for(pair.d, "failed", "dreq4")  # ends once P confirms it is not writing
     # P finishes afterwards: nobody will pull, its blocks are released at once
-    pair.p.start_load_kv(PdActorsMetadata(ready={"preq4": SendSpec("t4", (7,))}))
+    run_step(pair.p, PdActorsMetadata(ready={"preq4": SendSpec("t4", (7,))}))
     wait_for(pair.p, "sent", "preq4")
 
 
 def test_counters_reach_connector_stats(pair: Pair) -> None:
     pair.p.take_counters()
-    pair.p.start_load_kv(PdActorsMetadata(pending=["t5"]))
-    pair.p.start_load_kv(PdActorsMetadata(ready={"preq5": SendSpec("t5", (8, 9))}))
+    run_step(pair.p, PdActorsMetadata(pending=["t5"]))
+    run_step(pair.p, PdActorsMetadata(ready={"preq5": SendSpec("t5", (8, 9))}))
     pair.pull("dreq5", "t5", (20, 21))
     assert "dreq5" not in wait_for(pair.d, "recved", "dreq5")["failed"]
     wait_for(pair.p, "sent", "preq5")
@@ -182,15 +220,15 @@ def test_a_bug_in_posted_work_is_logged_and_the_thread_lives(
     while "buggy posted into the Trio thread failed" not in caplog.text:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    pair.p.start_load_kv(PdActorsMetadata(pending=["t7"]))
+    run_step(pair.p, PdActorsMetadata(pending=["t7"]))
     pair.pull("dreq7", "t7", (13,))
-    pair.p.start_load_kv(PdActorsMetadata(ready={"preq7": SendSpec("t7", (14,))}))
+    run_step(pair.p, PdActorsMetadata(ready={"preq7": SendSpec("t7", (14,))}))
     assert "dreq7" not in wait_for(pair.d, "recved", "dreq7")["failed"]
     assert pair.d._host is not None and pair.d._host.alive
 
 
 def test_a_dead_trio_thread_fails_its_pulls_then_the_actors_come_back(pair: Pair) -> None:
-    pair.p.start_load_kv(PdActorsMetadata(pending=["t8"]))
+    run_step(pair.p, PdActorsMetadata(pending=["t8"]))
     pair.pull("dreq8", "t8", (15,))  # waits at P
     time.sleep(0.3)
     host = pair.d._host
@@ -209,8 +247,8 @@ def test_a_dead_trio_thread_fails_its_pulls_then_the_actors_come_back(pair: Pair
     while pair.d._host is host or not pair.d._host.alive or pair.d._down is not None:
         assert time.monotonic() < deadline, "the actors did not restart"
         time.sleep(0.05)
-    pair.p.start_load_kv(PdActorsMetadata(pending=["t10"]))
+    run_step(pair.p, PdActorsMetadata(pending=["t10"]))
     pair.pull("dreq10", "t10", (17,))
-    pair.p.start_load_kv(PdActorsMetadata(ready={"preq10": SendSpec("t10", (18,))}))
+    run_step(pair.p, PdActorsMetadata(ready={"preq10": SendSpec("t10", (18,))}))
     assert "dreq10" not in wait_for(pair.d, "recved", "dreq10")["failed"]
-    pair.p.start_load_kv(PdActorsMetadata(dropped=["t8"]))  # P's side of the dead pull
+    run_step(pair.p, PdActorsMetadata(dropped=["t8"]))  # P's side of the dead pull
