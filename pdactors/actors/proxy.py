@@ -54,6 +54,7 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
+from pdactors.actors._engine_http import ConnectFailed, EngineClient, EngineError, EngineResponse
 from pdactors.actors._http import bind_listener, serve_http
 from pdactors.actors._proxy_state import Backend, Metrics, Pool
 from pdactors.bootstrap_client import BootstrapClient
@@ -145,7 +146,7 @@ class _Exchange:
     transfer_id: str
     arrived: float
     deadline: float
-    headers: dict[str, str]
+    headers: list[tuple[bytes, bytes]]
     p_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     d_scopes: list[trio.CancelScope] = field(default_factory=list)
     failure: _Failure | None = None
@@ -196,9 +197,8 @@ class _ProxyApp(QuartTrio):  # type: ignore[misc]
     asgi_http_class = _RequestConnection
 
 
-async def _close(resp: httpx.Response) -> None:
-    with trio.move_on_after(_CLOSE_TIMEOUT, shield=True):
-        await resp.aclose()
+async def _close(resp: EngineResponse) -> None:
+    await resp.aclose()
 
 
 async def _drain(recv: trio.MemoryReceiveChannel[bytes]) -> AsyncIterator[bytes]:
@@ -217,17 +217,19 @@ def _describe(exc: BaseException) -> str:
 class _Proxy:
     """The proxy's state and request handling; :func:`serve_proxy` runs it."""
 
-    def __init__(
-        self, config: ProxyConfig, http: httpx.AsyncClient, probe_http: httpx.AsyncClient
-    ) -> None:
+    def __init__(self, config: ProxyConfig, probe_http: httpx.AsyncClient) -> None:
         self.config = config
-        self.http = http
-        self.probe_http = probe_http  # its own pool: busy request traffic never delays probes
+        self.probe_http = probe_http  # httpx, its own pool: request traffic never delays probes
         self.bootstrap = BootstrapClient(probe_http)
         prefill = [Backend("prefill", p.url.rstrip("/"), p.bootstrap_url) for p in config.prefill]
         decode = [Backend("decode", url.rstrip("/")) for url in config.decode]
         self.prefill = Pool("prefill", prefill, config.routing)
         self.decode = Pool("decode", decode, config.routing)
+        slots = trio.Semaphore(config.max_connections)
+        self.engines = {
+            b.url: EngineClient(b.url, connect_timeout=config.connect_timeout, slots=slots)
+            for b in (*prefill, *decode)
+        }
         self.metrics = Metrics()
         for b in (*prefill, *decode):
             self.metrics.backend_up.labels(b.role, b.url).set(0)
@@ -312,9 +314,9 @@ class _Proxy:
             self.metrics.requests.labels(endpoint.name, "unavailable").inc()
             return _Failure.of(503, why, "service_unavailable", "unavailable").response()
         tid = uuid.uuid4().hex
-        headers = {"content-type": "application/json", "x-request-id": tid}
+        headers = [(b"content-type", b"application/json"), (b"x-request-id", tid.encode())]
         if auth := request.headers.get("authorization"):
-            headers["authorization"] = auth
+            headers.append((b"authorization", auth.encode()))
         ex = _Exchange(
             endpoint, body.get("stream") is True, p, d, tid,
             arrived, arrived + self.config.request_timeout, headers,
@@ -343,8 +345,8 @@ class _Proxy:
         send, recv = trio.open_memory_channel[bytes](0)
         # The relay now owns D's answer; no checkpoint between _open_decode returning and this.
         nursery.start_soon(self._relay, ex, d_resp, send)
-        headers = {"cache-control": "no-cache", "x-request-id": tid}
-        return Response(_drain(recv), content_type="text/event-stream", headers=headers)
+        sse_headers = {"cache-control": "no-cache", "x-request-id": tid}
+        return Response(_drain(recv), content_type="text/event-stream", headers=sse_headers)
 
     def _bodies(self, ex: _Exchange, body: dict[str, Any]) -> tuple[bytes, bytes]:
         p_body = {**body, "max_tokens": 1, "stream": False}
@@ -367,15 +369,16 @@ class _Proxy:
         failure: _Failure | None = None
         with ex.p_scope, trio.move_on_at(ex.deadline) as timer:
             try:
-                resp = await self.http.post(
-                    f"{ex.p.url}{ex.endpoint.path}", content=body, headers=ex.headers
+                resp = await self.engines[ex.p.url].request(
+                    "POST", ex.endpoint.path, body, ex.headers
                 )
-            except httpx.HTTPError as exc:
+                answer = await resp.read()
+            except EngineError as exc:
                 failure = self._transport_failure(ex.p, exc)
             else:
                 ex.p_answered = trio.current_time()
-                if resp.status_code != 200:
-                    failure = self._status_failure(ex.p, resp)
+                if resp.status != 200:
+                    failure = self._status_failure(ex.p, resp.status, answer)
             finally:
                 self._release_prefill(ex)
         if timer.cancelled_caught:
@@ -383,20 +386,20 @@ class _Proxy:
         if failure is not None and not ex.ended:
             ex.fail(failure)
 
-    async def _open_decode(self, ex: _Exchange, body: bytes) -> httpx.Response | None:
+    async def _open_decode(self, ex: _Exchange, body: bytes) -> EngineResponse | None:
         """D's open answer (status 200), or None with ``ex.failure`` set: D failed, P failed
         first, or nothing came by the deadline. The caller owns the answer."""
-        url = f"{ex.d.url}{ex.endpoint.path}"
-        req = self.http.build_request("POST", url, content=body, headers=ex.headers)
-        resp: httpx.Response | None = None
+        resp: EngineResponse | None = None
         try:
             with ex.decode_scope(), trio.move_on_at(ex.deadline) as timer:
                 try:
-                    resp = await self.http.send(req, stream=True)
-                    if resp.status_code != 200:
-                        await resp.aread()
-                        ex.fail(self._status_failure(ex.d, resp))
-                except httpx.HTTPError as exc:
+                    resp = await self.engines[ex.d.url].request(
+                        "POST", ex.endpoint.path, body, ex.headers
+                    )
+                    if resp.status != 200:
+                        answer = await resp.read()
+                        ex.fail(self._status_failure(ex.d, resp.status, answer))
+                except EngineError as exc:
                     ex.fail(self._transport_failure(ex.d, exc))
             if timer.cancelled_caught and ex.failure is None:
                 ex.fail(self._timeout_failure("no answer from D"))
@@ -411,14 +414,14 @@ class _Proxy:
                 await _close(resp)
             raise
 
-    async def _whole_answer(self, ex: _Exchange, resp: httpx.Response) -> Response:
+    async def _whole_answer(self, ex: _Exchange, resp: EngineResponse) -> Response:
         """Not streamed: D's whole body, unless P fails first."""
         body = b""
         try:
             with ex.decode_scope(), trio.move_on_at(ex.deadline) as timer:
                 try:
-                    body = await resp.aread()
-                except httpx.HTTPError as exc:
+                    body = await resp.read()
+                except EngineError as exc:
                     ex.fail(self._transport_failure(ex.d, exc))
             if timer.cancelled_caught and ex.failure is None:
                 ex.fail(self._timeout_failure("D did not finish"))
@@ -437,7 +440,7 @@ class _Proxy:
         )
 
     async def _relay(
-        self, ex: _Exchange, resp: httpx.Response, send: trio.MemorySendChannel[bytes]
+        self, ex: _Exchange, resp: EngineResponse, send: trio.MemorySendChannel[bytes]
     ) -> None:
         """Hand D's streamed answer to the client's body as it comes; owns ``resp``."""
         outcome = "cancelled"
@@ -450,12 +453,12 @@ class _Proxy:
             self._end(ex, outcome)
 
     async def _forward(
-        self, ex: _Exchange, resp: httpx.Response, send: trio.MemorySendChannel[bytes]
+        self, ex: _Exchange, resp: EngineResponse, send: trio.MemorySendChannel[bytes]
     ) -> str:
         first, outcome = True, "ok"
         with ex.decode_scope(), trio.move_on_at(ex.deadline):
             try:
-                async for chunk in resp.aiter_bytes():
+                async for chunk in resp.chunks():
                     if first:
                         first = False
                         self._first_chunk(ex)
@@ -465,7 +468,7 @@ class _Proxy:
                 return outcome
             except trio.BrokenResourceError:
                 return "cancelled"  # the client's body was closed: the client went away
-            except httpx.HTTPError as exc:
+            except EngineError as exc:
                 ex.fail(self._transport_failure(ex.d, exc))
         failure = ex.failure or self._timeout_failure("D did not finish")
         log.warning("proxy: request %s failed mid-stream: %s", ex.transfer_id, failure.body[:300])
@@ -510,24 +513,24 @@ class _Proxy:
             elapsed = trio.current_time() - ex.arrived
             self.metrics.latency.labels(ex.p.url, ex.d.url).observe(elapsed)
 
-    def _transport_failure(self, b: Backend, exc: httpx.HTTPError) -> _Failure:
+    def _transport_failure(self, b: Backend, exc: EngineError | httpx.HTTPError) -> _Failure:
         self.metrics.backend_errors.labels(b.role, b.url).inc()
-        if isinstance(exc, httpx.ConnectError):  # the engine is gone: out of rotation now
+        if isinstance(exc, ConnectFailed | httpx.ConnectError):  # gone: out of rotation now
             self._set_health(b, f"connection failed: {_describe(exc)}", None)
         message = f"{b.role} engine {b.url} failed: {_describe(exc)}"
         return _Failure.of(502, message, "upstream_error", f"{b.role}_error")
 
-    def _status_failure(self, b: Backend, resp: httpx.Response) -> _Failure:
+    def _status_failure(self, b: Backend, status: int, body: bytes) -> _Failure:
         """A 4xx passes through (vLLM's own error body); anything else becomes a 502."""
-        status, outcome = resp.status_code, f"{b.role}_error"
-        text = resp.text[:500]
+        outcome = f"{b.role}_error"
+        text = body[:500].decode(errors="replace")
         if 400 <= status < 500:  # the request's fault, not the engine's
             try:
-                passed = msgspec.json.decode(resp.content)
+                passed = msgspec.json.decode(body)
             except msgspec.DecodeError:
                 passed = None
             if isinstance(passed, dict) and "error" in passed:
-                return _Failure(status, resp.content, outcome)
+                return _Failure(status, body, outcome)
             message = f"{b.role} engine {b.url}: {text}"
             return _Failure.of(status, message, "invalid_request_error", outcome)
         self.metrics.backend_errors.labels(b.role, b.url).inc()
@@ -542,7 +545,7 @@ class _Proxy:
             return _Failure.of(503, self.decode.why_none(), "service_unavailable", "").response()
         with trio.move_on_after(self.config.health_timeout):
             try:
-                resp = await self.http.get(f"{d.url}/v1/models")
+                resp = await self.probe_http.get(f"{d.url}/v1/models")
             except httpx.HTTPError as exc:
                 return self._transport_failure(d, exc).response()
             content_type = resp.headers.get("content-type", "application/json")
@@ -639,27 +642,30 @@ async def serve_proxy(
     Raises :class:`OSError` if the address cannot be bound (before ``started``). Never returns
     normally.
     """
-    request_timeout = httpx.Timeout(config.request_timeout, connect=config.connect_timeout)
-    limits = httpx.Limits(
-        max_connections=config.max_connections,
-        max_keepalive_connections=min(config.max_connections, 128),
-    )
     probe_timeout = httpx.Timeout(config.health_timeout)
     probe_limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with (
-        _open_http(request_timeout, limits) as http,
-        _open_http(probe_timeout, probe_limits) as probe_http,
-    ):
-        proxy = _Proxy(config, http, probe_http)
+    async with _open_http(probe_timeout, probe_limits) as probe_http:
+        proxy = _Proxy(config, probe_http)
         sock = await bind_listener(config.host, config.port, "the proxy")
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(proxy.watch_health)
-            app = _make_app(proxy)
-            serve = partial(serve_http, app, sock, errorlog=_http_log, announce=lambda _: None)
-            url = await nursery.start(serve)  # announced below, with the backends
-            prefill = ", ".join(f"{p.url} (bootstrap {p.bootstrap_url})" for p in config.prefill)
-            log.info(
-                "proxy: listening on %s; prefill %s; decode %s; %s routing",
-                url, prefill, ", ".join(config.decode), config.routing,
-            )  # fmt: skip
-            task_status.started(url)
+        try:
+            await _serve(proxy, sock, task_status)
+        finally:
+            for engine in proxy.engines.values():
+                engine.close()
+
+
+async def _serve(
+    proxy: _Proxy, sock: trio.socket.SocketType, task_status: trio.TaskStatus[str]
+) -> None:
+    config = proxy.config
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(proxy.watch_health)
+        app = _make_app(proxy)
+        serve = partial(serve_http, app, sock, errorlog=_http_log, announce=lambda _: None)
+        url = await nursery.start(serve)  # announced below, with the backends
+        prefill = ", ".join(f"{p.url} (bootstrap {p.bootstrap_url})" for p in config.prefill)
+        log.info(
+            "proxy: listening on %s; prefill %s; decode %s; %s routing",
+            url, prefill, ", ".join(config.decode), config.routing,
+        )  # fmt: skip
+        task_status.started(url)

@@ -1,0 +1,224 @@
+"""The proxy's HTTP/1.1 client for engine calls: h11 over trio TCP streams, one small pool of
+idle connections per engine.
+
+Why not httpx here (it still serves the proxy's health probes): httpcore's connection pool
+scans every connection on each request and each response close, so under 32 concurrent
+requests the proxy spent ~8 ms of CPU per request, and that CPU is taken from the engines it
+fronts (measured in ``bench/proxy_overhead.py``, see docs/benchmarks.md). Here a request pops
+the newest idle connection (a stack, O(1)) or dials a new one, and a response read to its end
+puts its connection back; one that was not (cancelled, failed, a client that went away) is
+closed, which is how vLLM learns the request was abandoned.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import AsyncIterator
+from typing import Final
+
+import h11
+import trio
+
+__all__ = ["ConnectFailed", "EngineClient", "EngineError", "EngineResponse"]
+
+_READ_SIZE: Final = 65536
+
+
+class EngineError(Exception):
+    """The engine could not be reached, or broke the HTTP exchange."""
+
+
+class ConnectFailed(EngineError):
+    """No connection to the engine (refused, unreachable, or not within the connect timeout)."""
+
+
+class _Connection:
+    __slots__ = ("h11", "stream")
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.h11 = h11.Connection(our_role=h11.CLIENT)
+
+    def stale(self) -> bool:
+        """An idle connection with something to read is closed or broken (the server gave up
+        on it, e.g. its keep-alive timeout): never reuse it."""
+        return self.stream.socket.is_readable()
+
+    async def next_event(self) -> object:
+        """The next h11 event (an ``h11.Event``, or ``h11.PAUSED``)."""
+        while True:
+            event = self.h11.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            data = await self.stream.receive_some(_READ_SIZE)
+            self.h11.receive_data(data)  # b"": the server closed (h11 reports it as an event)
+
+
+class EngineResponse:
+    """An engine's answer: status and headers now, the body as it comes. Close it (or read it
+    to its end); a connection is reused only after a complete body."""
+
+    def __init__(self, client: EngineClient, conn: _Connection, head: h11.Response) -> None:
+        self._client, self._conn = client, conn
+        self.status: int = head.status_code
+        self.headers: list[tuple[bytes, bytes]] = list(head.headers)
+        self._done = False
+        self._closed = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body, piece by piece as the engine sends it. Raises :class:`EngineError` if the
+        engine closes the connection before the body's end."""
+        while not self._done:
+            try:
+                event = await self._conn.next_event()
+            except (h11.ProtocolError, trio.BrokenResourceError, OSError) as exc:
+                raise EngineError(f"reading the answer failed: {_describe(exc)}") from exc
+            if isinstance(event, h11.Data):
+                yield bytes(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                self._done = True
+            elif isinstance(event, h11.ConnectionClosed):
+                raise EngineError("the engine closed the connection before the answer's end")
+
+    async def read(self) -> bytes:
+        """The whole body (what is left of it); puts the connection back."""
+        parts = [chunk async for chunk in self.chunks()]
+        await self.aclose()
+        return b"".join(parts)
+
+    async def aclose(self) -> None:
+        """Done with the answer: its connection goes back to the pool when the body was read to
+        its end, else it is closed (the engine sees the request abandoned). Never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        self._client._finish(self._conn, reusable=self._done)
+
+
+class EngineClient:
+    """HTTP/1.1 to one engine at ``base_url`` (``http://host:port``)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        connect_timeout: float,
+        slots: trio.Semaphore,
+        max_idle: int = 64,
+    ) -> None:
+        url = urllib.parse.urlsplit(base_url)
+        if url.scheme != "http" or url.hostname is None:
+            raise ValueError(f"engine URL must be http://host[:port], not {base_url!r}")
+        self.host, self.port = url.hostname, url.port or 80
+        self._host_header = url.netloc.encode()
+        self.connect_timeout = connect_timeout
+        self.slots = slots  # open answers, shared by the proxy's clients (max_connections)
+        self.max_idle = max_idle
+        self._idle: list[_Connection] = []  # a stack: the newest is the likeliest alive
+
+    async def request(
+        self, method: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]]
+    ) -> EngineResponse:
+        """Send a request and wait for the answer's status and headers (not its body).
+
+        Waits for one of ``slots`` (held until the answer is closed). Raises
+        :class:`ConnectFailed` when no connection can be made, :class:`EngineError` when the
+        exchange breaks. On cancellation the connection is closed.
+        """
+        await self.slots.acquire()
+        try:
+            return await self._request(method, path, body, headers)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    async def _request(
+        self, method: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]]
+    ) -> EngineResponse:
+        all_headers = [
+            (b"host", self._host_header),
+            (b"content-length", str(len(body)).encode()),
+            *headers,
+        ]
+        req = h11.Request(method=method, target=path, headers=all_headers)
+        for reused in (True, False):
+            conn = self._idle_connection() if reused else await self._connect()
+            if conn is None:
+                continue
+            try:
+                answer = await self._exchange(conn, req, body)
+            except BaseException as exc:
+                _close(conn)
+                if reused and isinstance(exc, EngineError) and not isinstance(exc, _Answered):
+                    continue  # a kept-alive connection the engine had closed: dial anew
+                raise
+            return EngineResponse(self, conn, answer)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _exchange(self, conn: _Connection, req: h11.Request, body: bytes) -> h11.Response:
+        try:
+            data = conn.h11.send(req) or b""
+            data += conn.h11.send(h11.Data(data=body)) or b""
+            data += conn.h11.send(h11.EndOfMessage()) or b""
+            await conn.stream.send_all(data)
+            event = await conn.next_event()
+            while isinstance(event, h11.InformationalResponse):
+                event = await conn.next_event()
+        except (h11.ProtocolError, trio.BrokenResourceError, OSError) as exc:
+            raise EngineError(f"{req.method.decode()} failed: {_describe(exc)}") from exc
+        if isinstance(event, h11.ConnectionClosed):
+            raise EngineError("the engine closed the connection without answering")
+        if not isinstance(event, h11.Response):  # pragma: no cover - h11 allows no other
+            raise _Answered(f"unexpected {type(event).__name__} from the engine")
+        return event
+
+    def _idle_connection(self) -> _Connection | None:
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.stale():
+                return conn
+            _close(conn)
+        return None
+
+    async def _connect(self) -> _Connection:
+        with trio.move_on_after(self.connect_timeout) as scope:
+            try:
+                stream = await trio.open_tcp_stream(self.host, self.port)
+            except OSError as exc:
+                raise ConnectFailed(f"connect to {self.host}:{self.port}: {exc}") from exc
+        if scope.cancelled_caught:
+            raise ConnectFailed(
+                f"connect to {self.host}:{self.port}: no answer in {self.connect_timeout:g} s"
+            )
+        return _Connection(stream)
+
+    def _finish(self, conn: _Connection, *, reusable: bool) -> None:
+        self.slots.release()
+        if (
+            reusable
+            and conn.h11.our_state is h11.DONE
+            and conn.h11.their_state is h11.DONE
+            and len(self._idle) < self.max_idle
+        ):
+            conn.h11.start_next_cycle()
+            self._idle.append(conn)
+        else:
+            _close(conn)
+
+    def close(self) -> None:
+        """Close every idle connection (answers still open close their own)."""
+        while self._idle:
+            _close(self._idle.pop())
+
+
+class _Answered(EngineError):
+    """The engine answered something unusable: not worth a retry on a new connection."""
+
+
+def _close(conn: _Connection) -> None:
+    # A plain socket close: no checkpoint, so it also runs in cancelled code.
+    conn.stream.socket.close()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

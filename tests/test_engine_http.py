@@ -1,0 +1,188 @@
+"""The proxy's engine client (h11 over trio) against small real HTTP servers on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+
+import h11
+import pytest
+import trio
+
+from pdactors.actors._engine_http import ConnectFailed, EngineClient, EngineError
+
+Handler = Callable[[trio.SocketStream, h11.Connection, h11.Request], Awaitable[bool]]
+
+
+@asynccontextmanager
+async def serve(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
+    """A raw HTTP/1.1 server; ``handler`` answers one request and says whether to keep the
+    connection. Yields its URL and a list that counts accepted connections."""
+    accepted: list[int] = []
+
+    async def connection(stream: trio.SocketStream) -> None:
+        accepted.append(1)
+        conn = h11.Connection(our_role=h11.SERVER)
+        try:
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        return
+                    conn.receive_data(data)
+                    continue
+                if isinstance(event, h11.Request):
+                    while not isinstance(body := conn.next_event(), h11.EndOfMessage):
+                        if body is h11.NEED_DATA:
+                            conn.receive_data(await stream.receive_some(65536))
+                    if not await handler(stream, conn, event):
+                        return
+                    conn.start_next_cycle()
+        except (trio.BrokenResourceError, h11.ProtocolError):
+            return
+        finally:
+            await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, connection, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        yield f"http://127.0.0.1:{port}", accepted
+        nursery.cancel_scope.cancel()
+
+
+def answer(body: bytes, *, chunks: int = 1) -> Handler:
+    async def handler(stream: trio.SocketStream, conn: h11.Connection, req: h11.Request) -> bool:
+        head = h11.Response(status_code=200, headers=[(b"transfer-encoding", b"chunked")])
+        await stream.send_all(conn.send(head) or b"")
+        for i in range(chunks):
+            await stream.send_all(conn.send(h11.Data(data=body + str(i).encode())) or b"")
+        await stream.send_all(conn.send(h11.EndOfMessage()) or b"")
+        return True
+
+    return handler
+
+
+def client(url: str, slots: int = 8) -> EngineClient:
+    return EngineClient(url, connect_timeout=2.0, slots=trio.Semaphore(slots))
+
+
+async def test_sequential_requests_reuse_one_connection() -> None:
+    with trio.fail_after(10):
+        async with serve(answer(b"hi", chunks=3)) as (url, accepted):
+            engine = client(url)
+            for _ in range(5):
+                resp = await engine.request("POST", "/v1/completions", b"{}", [])
+                assert resp.status == 200
+                assert await resp.read() == b"hi0hi1hi2"
+            assert len(accepted) == 1
+            engine.close()
+
+
+async def test_chunks_come_as_the_engine_sends_them() -> None:
+    release = trio.Event()
+
+    async def handler(stream: trio.SocketStream, conn: h11.Connection, req: h11.Request) -> bool:
+        head = h11.Response(status_code=200, headers=[(b"transfer-encoding", b"chunked")])
+        await stream.send_all((conn.send(head) or b"") + (conn.send(h11.Data(data=b"a")) or b""))
+        await release.wait()
+        tail = (conn.send(h11.Data(data=b"b")) or b"") + (conn.send(h11.EndOfMessage()) or b"")
+        await stream.send_all(tail)
+        return True
+
+    with trio.fail_after(10):
+        async with serve(handler) as (url, _):
+            engine = client(url)
+            resp = await engine.request("POST", "/", b"", [])
+            chunks = resp.chunks()
+            assert await anext(chunks) == b"a"  # before the engine sends the rest
+            release.set()
+            assert await anext(chunks) == b"b"
+            with pytest.raises(StopAsyncIteration):
+                await anext(chunks)
+            await resp.aclose()
+            engine.close()
+
+
+async def test_a_connection_the_engine_closed_is_not_reused() -> None:
+    async def once(stream: trio.SocketStream, conn: h11.Connection, req: h11.Request) -> bool:
+        await answer(b"x")(stream, conn, req)
+        return False  # the server closes after each answer (as after a keep-alive timeout)
+
+    with trio.fail_after(10):
+        async with serve(once) as (url, accepted):
+            engine = client(url)
+            for _ in range(3):
+                resp = await engine.request("POST", "/", b"", [])
+                assert await resp.read() == b"x0"
+                await trio.sleep(0.05)  # the close reaches us
+            assert len(accepted) == 3
+            engine.close()
+
+
+async def test_an_answer_cut_short_raises_and_its_connection_is_dropped() -> None:
+    async def cut(stream: trio.SocketStream, conn: h11.Connection, req: h11.Request) -> bool:
+        head = h11.Response(status_code=200, headers=[(b"content-length", b"100")])
+        await stream.send_all((conn.send(head) or b"") + (conn.send(h11.Data(data=b"12")) or b""))
+        return False  # the engine dies mid-body
+
+    with trio.fail_after(10):
+        async with serve(cut) as (url, _):
+            engine = client(url)
+            resp = await engine.request("POST", "/", b"", [])
+            with pytest.raises(EngineError, match="peer closed connection"):
+                await resp.read()
+            await resp.aclose()
+            assert engine._idle == []
+
+
+async def test_closing_an_unread_answer_closes_the_connection() -> None:
+    closed = trio.Event()
+
+    async def slow(stream: trio.SocketStream, conn: h11.Connection, req: h11.Request) -> bool:
+        head = h11.Response(status_code=200, headers=[(b"transfer-encoding", b"chunked")])
+        await stream.send_all(conn.send(head) or b"")
+        if await stream.receive_some(10) == b"":  # the client hung up: vLLM aborts here
+            closed.set()
+        return False
+
+    with trio.fail_after(10):
+        async with serve(slow) as (url, _):
+            engine = client(url)
+            resp = await engine.request("POST", "/", b"", [])
+            await resp.aclose()
+            await closed.wait()
+            assert engine._idle == []
+
+
+async def test_refused_connection_is_connect_failed_and_frees_its_slot() -> None:
+    with trio.fail_after(10):
+        async with serve(answer(b"")) as (url, _):
+            pass  # the server is gone: its port refuses
+        slots = trio.Semaphore(1)
+        engine = EngineClient(url, connect_timeout=2.0, slots=slots)
+        for _ in range(2):
+            with pytest.raises(ConnectFailed):
+                await engine.request("POST", "/", b"", [])
+        assert slots.value == 1
+
+
+async def test_slots_bound_the_open_answers() -> None:
+    with trio.fail_after(10):
+        async with serve(answer(b"z")) as (url, _):
+            slots = trio.Semaphore(1)
+            engine = EngineClient(url, connect_timeout=2.0, slots=slots)
+            first = await engine.request("POST", "/", b"", [])
+            with trio.move_on_after(0.2) as waited:
+                await engine.request("POST", "/", b"", [])
+            assert waited.cancelled_caught  # the one slot is held by the open answer
+            await first.read()
+            second = await engine.request("POST", "/", b"", [])
+            assert await second.read() == b"z0"
+            engine.close()
+
+
+def test_only_plain_http_engine_urls() -> None:
+    with pytest.raises(ValueError, match="http://host"):
+        EngineClient("https://example", connect_timeout=1, slots=trio.Semaphore(1))
