@@ -32,10 +32,9 @@ once.
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -44,14 +43,13 @@ from typing import Any, Final
 import httpx
 import msgspec
 import trio
-from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope, Scope
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     generate_latest,
 )
 from quart import Response, request
 from quart_trio import QuartTrio
-from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
 from pdactors.actors._engine_http import ConnectFailed, EngineClient, EngineError, EngineResponse
@@ -172,42 +170,74 @@ class _Exchange:
         return scope
 
 
-#: The nursery of the HTTP request being handled (see :class:`_RequestConnection`).
-_request_nursery: contextvars.ContextVar[trio.Nursery] = contextvars.ContextVar(
-    "pdactors_proxy_request_nursery"
-)
+class _Reply:
+    """The client's side of one completion request, over raw ASGI (hypercorn's ``send``)."""
+
+    def __init__(self, send: ASGISendCallable) -> None:
+        self._send = send
+        self.started = False
+
+    async def start(self, status: int, content_type: bytes, tid: str, *extra: bytes) -> None:
+        self.started = True
+        headers = [(b"content-type", content_type), (b"x-request-id", tid.encode())]
+        headers += [(b"cache-control", value) for value in extra]
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def chunk(self, data: bytes, *, more: bool = True) -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def whole(self, status: int, body: bytes, tid: str = "") -> None:
+        await self.start(status, b"application/json", tid)
+        await self.chunk(body, more=False)
 
 
-class _RequestConnection(TrioASGIHTTPConnection):  # type: ignore[misc]
-    """quart-trio's HTTP connection, plus a nursery that lives exactly as long as the request.
+class _ClientGone(Exception):
+    """The client disconnected before its request's body was in."""
 
-    A streamed answer outlives its handler: the task that relays D's answer runs in this
-    nursery, so it is cancelled (and D's connection closed) when the client goes away, even
-    if Quart never started iterating the body.
-    """
 
-    async def __call__(self, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
-        async with trio.open_nursery() as nursery:
-            _request_nursery.set(nursery)
-            await super().__call__(receive, send)
-            nursery.cancel_scope.cancel()
+async def _read_body(receive: ASGIReceiveCallable, limit: int) -> bytes | None:
+    """The request's body, or None when it is longer than ``limit`` bytes."""
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise _ClientGone
+
+        part = message.get("body", b"")
+        size += len(part)
+        if size > limit:
+            return None
+        parts.append(part)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+async def _cancel_on_disconnect(receive: ASGIReceiveCallable, scope: trio.CancelScope) -> None:
+    """The client went away: cancel its request (P and D see their connections close)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
 
 
 class _ProxyApp(QuartTrio):  # type: ignore[misc]
-    asgi_http_class = _RequestConnection
+    """Quart for every route but the completions, which are served on raw ASGI: Quart's
+    request and response machinery cost ~1 ms of CPU per request (bench/proxy_overhead.py)."""
+
+    fast: dict[str, Callable[..., Awaitable[None]]]
+
+    async def __call__(
+        self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self.fast.get(scope["path"])
+            if handler is not None:
+                await handler(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 async def _close(resp: EngineResponse) -> None:
     await resp.aclose()
-
-
-async def _drain(recv: trio.MemoryReceiveChannel[bytes]) -> AsyncIterator[bytes]:
-    """The streamed body: what the relay task hands over. Closing it tells the relay."""
-    try:
-        async for chunk in recv:
-            yield chunk
-    finally:
-        recv.close()
 
 
 def _describe(exc: BaseException) -> str:
@@ -301,22 +331,61 @@ class _Proxy:
 
     # ------------------------------------------------------------------ completions
 
-    async def complete(self, endpoint: _Endpoint) -> Response:
+    async def serve_completion(
+        self,
+        endpoint: _Endpoint,
+        scope: HTTPScope,
+        receive: ASGIReceiveCallable,
+        send: ASGISendCallable,
+    ) -> None:
+        """One completion request (raw ASGI). A client that goes away cancels it; a bug is
+        logged with its traceback and answered 500 when nothing was sent yet."""
+        reply = _Reply(send)
         arrived = trio.current_time()
-        raw = await request.get_data(cache=False, as_text=False, parse_form_data=False)
+        try:
+            async with trio.open_nursery() as nursery:
+                raw = await _read_body(receive, self.config.max_body_bytes)
+                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                await self.complete(endpoint, scope, raw, reply, nursery, arrived)
+                nursery.cancel_scope.cancel()  # P's leg, if still open, and the watcher
+        except Exception as exc:
+            log.error("proxy: internal error on POST %s", endpoint.path, exc_info=exc)
+            if not reply.started:
+                failure = _Failure.of(
+                    500, f"internal error: {type(exc).__name__}", "internal_error", ""
+                )
+                await reply.whole(500, failure.body)
+
+    async def complete(
+        self,
+        endpoint: _Endpoint,
+        scope: HTTPScope,
+        raw: bytes | None,
+        reply: _Reply,
+        nursery: trio.Nursery,
+        arrived: float,
+    ) -> None:
+        if raw is None:
+            limit = self.config.max_body_bytes
+            message = f"the body is larger than {limit} bytes"
+            self.metrics.requests.labels(endpoint.name, "invalid").inc()
+            failure = _Failure.of(413, message, "invalid_request_error", "invalid")
+            await reply.whole(413, failure.body)
+            return
         body = _validate(raw, endpoint)
         if isinstance(body, str):
             self.metrics.requests.labels(endpoint.name, "invalid").inc()
-            return _Failure.of(400, body, "invalid_request_error", "invalid").response()
+            await reply.whole(400, _Failure.of(400, body, "invalid_request_error", "").body)
+            return
         p, d = self.prefill.pick(), self.decode.pick()
         if p is None or d is None:
             why = (self.prefill if p is None else self.decode).why_none()
             self.metrics.requests.labels(endpoint.name, "unavailable").inc()
-            return _Failure.of(503, why, "service_unavailable", "unavailable").response()
+            await reply.whole(503, _Failure.of(503, why, "service_unavailable", "").body)
+            return
         tid = uuid.uuid4().hex
         headers = [(b"content-type", b"application/json"), (b"x-request-id", tid.encode())]
-        if auth := request.headers.get("authorization"):
-            headers.append((b"authorization", auth.encode()))
+        headers += [(k, v) for k, v in scope["headers"] if k == b"authorization"]
         ex = _Exchange(
             endpoint, body.get("stream") is True, p, d, tid,
             arrived, arrived + self.config.request_timeout, headers,
@@ -325,7 +394,6 @@ class _Proxy:
         d.outstanding += 1
         self.metrics.in_flight.inc()
         p_body, d_body = self._bodies(ex, body)
-        nursery = _request_nursery.get()
         # P's leg runs beside D's for as long as the request does: it is cancelled when the
         # client's answer is complete (D no longer needs P) or when D fails.
         nursery.start_soon(self._prefill_leg, ex, p_body)
@@ -339,14 +407,11 @@ class _Proxy:
             assert ex.failure is not None
             log.warning("proxy: request %s failed: %s", tid, ex.failure.body[:300])
             self._end(ex, ex.failure.outcome)
-            return ex.failure.response()
-        if not ex.stream:
-            return await self._whole_answer(ex, d_resp)
-        send, recv = trio.open_memory_channel[bytes](0)
-        # The relay now owns D's answer; no checkpoint between _open_decode returning and this.
-        nursery.start_soon(self._relay, ex, d_resp, send)
-        sse_headers = {"cache-control": "no-cache", "x-request-id": tid}
-        return Response(_drain(recv), content_type="text/event-stream", headers=sse_headers)
+            await reply.whole(ex.failure.status, ex.failure.body)
+        elif not ex.stream:
+            await self._whole_answer(ex, d_resp, reply)
+        else:
+            await self._relay(ex, d_resp, reply)
 
     def _bodies(self, ex: _Exchange, body: dict[str, Any]) -> tuple[bytes, bytes]:
         p_body = {**body, "max_tokens": 1, "stream": False}
@@ -414,7 +479,7 @@ class _Proxy:
                 await _close(resp)
             raise
 
-    async def _whole_answer(self, ex: _Exchange, resp: EngineResponse) -> Response:
+    async def _whole_answer(self, ex: _Exchange, resp: EngineResponse, reply: _Reply) -> None:
         """Not streamed: D's whole body, unless P fails first."""
         body = b""
         try:
@@ -433,28 +498,24 @@ class _Proxy:
         if ex.failure is not None:
             log.warning("proxy: request %s failed: %s", ex.transfer_id, ex.failure.body[:300])
             self._end(ex, ex.failure.outcome)
-            return ex.failure.response()
+            await reply.whole(ex.failure.status, ex.failure.body)
+            return
         self._end(ex, "ok")
-        return Response(
-            body, content_type="application/json", headers={"x-request-id": ex.transfer_id}
-        )
+        await reply.whole(200, body, ex.transfer_id)
 
-    async def _relay(
-        self, ex: _Exchange, resp: EngineResponse, send: trio.MemorySendChannel[bytes]
-    ) -> None:
-        """Hand D's streamed answer to the client's body as it comes; owns ``resp``."""
+    async def _relay(self, ex: _Exchange, resp: EngineResponse, reply: _Reply) -> None:
+        """Hand D's streamed answer to the client as it comes; owns ``resp``."""
         outcome = "cancelled"
         try:
-            with send:
-                outcome = await self._forward(ex, resp, send)
+            await reply.start(200, b"text/event-stream", ex.transfer_id, b"no-cache")
+            outcome = await self._forward(ex, resp, reply)
+            await reply.chunk(b"", more=False)
         finally:
             ex.p_scope.cancel()  # D is done with P, whatever happened
             await _close(resp)
             self._end(ex, outcome)
 
-    async def _forward(
-        self, ex: _Exchange, resp: EngineResponse, send: trio.MemorySendChannel[bytes]
-    ) -> str:
+    async def _forward(self, ex: _Exchange, resp: EngineResponse, reply: _Reply) -> str:
         first, outcome = True, "ok"
         with ex.decode_scope(), trio.move_on_at(ex.deadline):
             try:
@@ -464,19 +525,14 @@ class _Proxy:
                         self._first_chunk(ex)
                     if _ERROR_EVENT in chunk:  # D reports a failure in a stream it began (200)
                         outcome = "decode_error"
-                    await send.send(chunk)
+                    await reply.chunk(chunk)
                 return outcome
-            except trio.BrokenResourceError:
-                return "cancelled"  # the client's body was closed: the client went away
             except EngineError as exc:
                 ex.fail(self._transport_failure(ex.d, exc))
         failure = ex.failure or self._timeout_failure("D did not finish")
         log.warning("proxy: request %s failed mid-stream: %s", ex.transfer_id, failure.body[:300])
         with trio.move_on_after(_LAST_EVENT_TIMEOUT):
-            try:
-                await send.send(failure.sse_event())
-            except trio.BrokenResourceError:
-                pass
+            await reply.chunk(failure.sse_event())
         return failure.outcome
 
     def _first_chunk(self, ex: _Exchange) -> None:
@@ -570,13 +626,14 @@ def _make_app(proxy: _Proxy) -> QuartTrio:
     # bounds each request itself, with an error the client can see.
     app.config["RESPONSE_TIMEOUT"] = None
 
-    @app.post("/v1/completions")
-    async def completions() -> Response:
-        return await proxy.complete(_COMPLETIONS)
+    app.fast = {
+        e.path: partial(proxy.serve_completion, e) for e in (_COMPLETIONS, _CHAT)
+    }  # POST only; other methods on these paths reach Quart's routing (405)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> Response:
-        return await proxy.complete(_CHAT)
+    @app.route("/v1/completions", methods=["PUT"])
+    @app.route("/v1/chat/completions", methods=["PUT"])
+    async def completions_put() -> Response:  # never POST: served on raw ASGI (app.fast)
+        return _Failure.of(405, "use POST", "invalid_request_error", "").response()
 
     @app.get("/v1/models")
     async def models() -> Response:
