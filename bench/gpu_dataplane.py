@@ -1,4 +1,5 @@
-"""GPU data-plane efficiency: P on cuda:0 and D on cuda:1, in two processes, over NVLink.
+"""GPU data-plane efficiency: P on ``--p-device`` (cuda:0) and D on ``--d-device`` (cuda:1), in
+two processes, over NVLink (or both on one GPU: ``--d-device cuda:0``).
 
 CUDA refuses to open an IPC handle in the process that made it, so Mooncake's
 ``nvlink_intra`` transport needs P and D in different processes (as in a real deployment).
@@ -55,13 +56,11 @@ def block_ids(args: argparse.Namespace, pool: int, scattered: bool, side: int) -
     return np.random.default_rng(side).permutation(pool)[: args.blocks].tolist()
 
 
-def tensor(args: argparse.Namespace, pool: int, gpu: int) -> Any:
+def tensor(args: argparse.Namespace, pool: int, device: str) -> Any:
     import torch
 
-    torch.cuda.set_device(gpu)
-    return torch.empty(
-        (args.layers, pool, args.block_bytes), dtype=torch.uint8, device=f"cuda:{gpu}"
-    )
+    torch.cuda.set_device(device)
+    return torch.empty((args.layers, pool, args.block_bytes), dtype=torch.uint8, device=device)
 
 
 def pattern(t: Any) -> None:
@@ -107,11 +106,11 @@ class TimedPlane:
 
 
 async def prefill(args: argparse.Namespace) -> None:
-    """Child: P's sender over cuda:0, then raw writes into D's memory when asked."""
+    """Child: P's sender over ``--p-device``, then raw writes into D's memory when asked."""
     import torch
 
     pool, scattered = SCENARIOS[args.scenario]
-    p_t = tensor(args, pool, 0)
+    p_t = tensor(args, pool, args.p_device)
     pattern(p_t)
     torch.cuda.synchronize()
     src = block_ids(args, pool, scattered, 1)
@@ -171,11 +170,12 @@ async def prefill(args: argparse.Namespace) -> None:
 
 
 async def decode(args: argparse.Namespace) -> None:
-    """Parent: bootstrap and D's receiver over cuda:1; times our path, then asks P for raw."""
+    """Parent: bootstrap and D's receiver over ``--d-device``; times our path, then asks P for
+    raw."""
     import torch
 
     pool, scattered = SCENARIOS[args.scenario]
-    d_t = tensor(args, pool, 1)
+    d_t = tensor(args, pool, args.d_device)
     d_t.zero_()
     torch.cuda.synchronize()
     dst = block_ids(args, pool, scattered, 2)
@@ -232,9 +232,9 @@ async def decode(args: argparse.Namespace) -> None:
             await trio.to_thread.run_sync(child.wait)
         # torch's own peer copy of the same bytes, for reference
         a = torch.empty(
-            args.layers * args.blocks * args.block_bytes, dtype=torch.uint8, device="cuda:0"
+            args.layers * args.blocks * args.block_bytes, dtype=torch.uint8, device=args.p_device
         )
-        b = torch.empty_like(a, device="cuda:1")
+        b = torch.empty_like(a, device=args.d_device)
         for _ in range(3):
             b.copy_(a)
         torch.cuda.synchronize()
@@ -277,6 +277,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--role", choices=["decode", "prefill"], default="decode")
     ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="whole")
     ap.add_argument("--protocol", default="nvlink_intra")
+    ap.add_argument("--p-device", default="cuda:0", help="P's GPU")
+    ap.add_argument("--d-device", default="cuda:1", help="D's GPU (may be P's: two processes)")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--blocks", type=int, default=63)
     ap.add_argument("--block-bytes", type=int, default=64 * 1024)

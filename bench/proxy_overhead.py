@@ -82,7 +82,7 @@ async def main(args: argparse.Namespace) -> None:
             line = (await proc.stdout.receive_some(4096)).decode()
             url = line.split()[-1]
             async with httpx.AsyncClient(trust_env=False) as probe:
-                while (await probe.get(f"{url}/health")).status_code != 200:
+                while (await probe.get(f"{url}/health")).status_code != 200:  # noqa: ASYNC110
                     await trio.sleep(0.1)
             kind = "streamed" if args.stream else "non-streamed"
             print(f"# proxy overhead: stand-in engines, proxy in its own process; {kind}")

@@ -15,7 +15,7 @@ It prints TTFT p50/p99 and output tokens/s per setup, then the PD timeline (``pd
 marks written by P and D, joined by transfer id): p50 of each segment, in ms.
 
     python bench/vllm_pd.py [--shape small] [--block-size 32] [--prompt-lens 20 900]
-        [--max-tokens 16] [--requests 32] [--concurrency 1 8 32] [--old-proxy REV]
+        [--max-tokens 16] [--requests 32] [--rounds 2] [--concurrency 1 8 32] [--old-proxy REV]
 
 All servers share this 2-core machine (single and both P on core 0, D on core 1), so absolute
 figures are small-machine figures; the side-by-side ratios are the point.
@@ -194,6 +194,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--old-proxy", metavar="REV", help="also measure the proxy of this revision")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per level, in rotated order")
     ap.add_argument("--logs", help="directory for the servers' logs (default: a new one)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -253,15 +254,26 @@ def main() -> None:
                 rng.integers(4, 1024, int(rng.integers(lo, hi + 1))).tolist()
                 for _ in range(args.requests)
             ]
-            for name, fn in setups.items():
-                run_level(fn, [[5, 6, 7]] * 2, 1)  # warm up the path
-                start = time.perf_counter()
-                results = run_level(fn, prompts, n)
-                elapsed = time.perf_counter() - start
-                print(f"| {n} | {name} | {summary(results, elapsed)} |", flush=True)
+            # Rounds in rotated order, so that a drift of the machine's load over a level does
+            # not favour the setup that happens to run first.
+            names = list(setups)
+            results: dict[str, list[Result]] = {name: [] for name in names}
+            elapsed = dict.fromkeys(names, 0.0)
+            share = -(-len(prompts) // args.rounds)
+            for r in range(args.rounds):
+                batch = prompts[r * share : (r + 1) * share]
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    fn = setups[name]
+                    run_level(fn, [[5, 6, 7]] * 2, 1)  # warm up the path
+                    start = time.perf_counter()
+                    results[name] += run_level(fn, batch, n)
+                    elapsed[name] += time.perf_counter() - start
+            time.sleep(0.5)  # the last marks reach the file
+            marks = timeline.read_timelines(sink)
+            for name in names:
+                print(f"| {n} | {name} | {summary(results[name], elapsed[name])} |", flush=True)
                 if name != "single":
-                    time.sleep(0.5)  # the last marks reach the file
-                    timelines[n, name] = segments(results, timeline.read_timelines(sink))
+                    timelines[n, name] = segments(results[name], marks)
         print("\n# PD timeline: p50 per segment, ms (a segment starts at the latest of its marks)")
         cols = list(timelines)
         print("| segment | " + " | ".join(f"{name} @{n}" for n, name in cols) + " |")
