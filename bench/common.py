@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
@@ -76,3 +79,18 @@ async def open_pair(
             receiver = await nursery.start(serve_receiver, ReceiverConfig(), d_plane, d_layout)
             yield Pair(url, sender, receiver, p_plane, d_plane, p_layout, d_layout)
             nursery.cancel_scope.cancel()
+
+
+@contextmanager
+def worktree(rev: str) -> Iterator[Path]:
+    """A checkout of git revision ``rev`` of this repository in a temporary directory (for
+    measuring an older version side by side); removed on exit."""
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tree"
+        git = ["git", "-C", str(root)]
+        subprocess.run([*git, "worktree", "add", "-q", "--detach", str(path), rev], check=True)
+        try:
+            yield path
+        finally:
+            subprocess.run([*git, "worktree", "remove", "--force", str(path)], check=False)

@@ -454,13 +454,15 @@ def report(
     for mode, row in rows.items():
         good = ok.get(mode, [])
         checked = f"{sum(good)}/{len(good)}" if mode != "control" else "-"
-        hidden = 1 - (row["tail50"] - base) / raw_whole
-        vs_eager = 1 - (row["tail50"] - base) / (eager - base) if mode != "control" else 0.0
+        hidden = vs_eager = "-"  # the control plane's own path: no transfer to hide
+        if mode not in ("control", "raw"):
+            hidden = f"{1 - (row['tail50'] - base) / raw_whole:.2f}"
+            vs_eager = f"{1 - (row['tail50'] - base) / (eager - base):.2f}"
         print(
             f"| {mode} | {row['n']} | {checked} | {ms(row['tail50'])} | {ms(row['tail90'])}"
             f" | {ms(row['write50'])} | {ms(row['reply50'])} | {row['writes']:g}"
-            f" | {row['streamed']} | {row['before']:.2f} | {hidden:.2f}"
-            f" | {row['tail50'] / raw_whole:.2f} | {vs_eager:.2f} |"
+            f" | {row['streamed']} | {row['before']:.2f} | {hidden}"
+            f" | {row['tail50'] / raw_whole:.2f} | {vs_eager} |"
         )
     if "layerwise" in rows:
         tail = rows["layerwise"]["tail50"]

@@ -8,24 +8,34 @@ it. On a machine whose cores the engines use, that CPU is what the proxy takes f
 what queues requests behind each other under load.
 
     python bench/proxy_overhead.py [--requests 2000] [--concurrency 1 32] [--stream]
+        [--old-proxy REV]
+
+``--old-proxy REV`` also measures the proxy of git revision REV (a temporary worktree), in the
+same run, in front of the same stand-ins.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import numpy as np
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.test_proxy import FakeEngine, serve_fake
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from common import worktree  # noqa: E402  (bench/ is the script's directory)
+
+from tests.test_proxy import FakeEngine, serve_fake  # noqa: E402
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -64,48 +74,66 @@ async def measure(
     return float(p50), float(p99), n / elapsed
 
 
+@asynccontextmanager
+async def proxy_process(p: FakeEngine, d: FakeEngine, cwd: Path) -> AsyncIterator[tuple[str, int]]:
+    """``pdactors proxy`` (the code in ``cwd``) in front of the stand-ins: (URL, pid)."""
+    cmd = [
+        sys.executable, "-m", "pdactors.cli", "proxy", "--port", "0",
+        "--prefill", f"{p.url}@{p.url}", "--decode", d.url,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(cwd)}
+    proc = await trio.lowlevel.open_process(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    try:
+        assert proc.stdout is not None
+        line = (await proc.stdout.receive_some(4096)).decode()
+        url = line.split()[-1]
+        async with httpx.AsyncClient(trust_env=False) as probe:
+            while (await probe.get(f"{url}/health")).status_code != 200:  # noqa: ASYNC110
+                await trio.sleep(0.1)
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        await proc.wait()
+
+
 async def main(args: argparse.Namespace) -> None:
     logging.disable(logging.INFO)
     p, d = FakeEngine("p0", engine_id="prefill-0"), FakeEngine("d0")
     async with trio.open_nursery() as nursery:
         for engine in (p, d):
             await nursery.start(serve_fake, engine)
-        cmd = [
-            sys.executable, "-m", "pdactors.cli", "proxy", "--port", "0",
-            "--prefill", f"{p.url}@{p.url}", "--decode", d.url,
-        ]  # fmt: skip
-        proc = await trio.lowlevel.open_process(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-        )
-        try:
-            assert proc.stdout is not None
-            line = (await proc.stdout.receive_some(4096)).decode()
-            url = line.split()[-1]
-            async with httpx.AsyncClient(trust_env=False) as probe:
-                while (await probe.get(f"{url}/health")).status_code != 200:  # noqa: ASYNC110
-                    await trio.sleep(0.1)
+        proxies = [("proxy", ROOT)]
+        with contextlib.ExitStack() as stack:
+            if args.old_proxy:
+                proxies.append(
+                    (f"proxy {args.old_proxy}", stack.enter_context(worktree(args.old_proxy)))
+                )
             kind = "streamed" if args.stream else "non-streamed"
             print(f"# proxy overhead: stand-in engines, proxy in its own process; {kind}")
             print("| concurrency | path | p50 ms | p99 ms | requests/s | proxy CPU ms/request |")
             print("|---|---|---|---|---|---|")
-            for concurrency in args.concurrency:
-                for name, target in (("direct to D", d.url), ("through proxy", url)):
-                    is_direct = target == d.url
-                    await measure(target, 50, concurrency, is_direct, args.stream)  # warm-up
-                    cpu0 = cpu_seconds(proc.pid)
-                    p50, p99, rate = await measure(
-                        target, args.requests, concurrency, is_direct, args.stream
-                    )
-                    cpu = (cpu_seconds(proc.pid) - cpu0) / args.requests * 1e3
-                    cpu_cell = "" if is_direct else f"{cpu:.2f}"
-                    print(
-                        f"| {concurrency} | {name} | {p50:.3f} | {p99:.3f} | {rate:.0f} "
-                        f"| {cpu_cell} |",
-                        flush=True,
-                    )
-        finally:
-            proc.terminate()
-            await proc.wait()
+            async with contextlib.AsyncExitStack() as procs:
+                urls = [
+                    (name, *await procs.enter_async_context(proxy_process(p, d, cwd)))
+                    for name, cwd in proxies
+                ]
+                for concurrency in args.concurrency:
+                    targets = [("direct to D", d.url, None), *urls]
+                    for name, target, pid in targets:
+                        await measure(target, 50, concurrency, pid is None, args.stream)  # warm-up
+                        cpu0 = cpu_seconds(pid) if pid else 0.0
+                        p50, p99, rate = await measure(
+                            target, args.requests, concurrency, pid is None, args.stream
+                        )
+                        cpu = (cpu_seconds(pid) - cpu0) / args.requests * 1e3 if pid else 0.0
+                        cpu_cell = f"{cpu:.2f}" if pid else ""
+                        print(
+                            f"| {concurrency} | {name} | {p50:.3f} | {p99:.3f} | {rate:.0f} "
+                            f"| {cpu_cell} |",
+                            flush=True,
+                        )
         nursery.cancel_scope.cancel()
 
 
@@ -116,4 +144,5 @@ if __name__ == "__main__":
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--stream", action="store_true", help="streamed completions (SSE)")
+    ap.add_argument("--old-proxy", metavar="REV", help="also measure the proxy of this revision")
     trio.run(main, ap.parse_args())

@@ -42,6 +42,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from common import worktree  # noqa: E402  (bench/ is the script's directory)
+
 from integrations.vllm.tiny_model import SHAPES, ensure_tiny_model  # noqa: E402
 from pdactors import timeline  # noqa: E402
 from tests.vllm.servers import Server, free_port, servers, wait_healthy  # noqa: E402
@@ -168,19 +170,6 @@ def proxy_process(
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-
-
-@contextlib.contextmanager
-def worktree(rev: str) -> Iterator[Path]:
-    """A checkout of ``rev`` in a temporary directory (removed on exit)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "tree"
-        git = ["git", "-C", str(ROOT)]
-        subprocess.run([*git, "worktree", "add", "-q", "--detach", str(path), rev], check=True)
-        try:
-            yield path
-        finally:
-            subprocess.run([*git, "worktree", "remove", "--force", str(path)], check=False)
 
 
 def main() -> None:
