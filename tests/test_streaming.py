@@ -64,6 +64,14 @@ class Streamed:
     def compute(self, layer: int) -> None:
         self.p.kv.data[layer, self.src, :] = self.want[layer]
 
+    async def delivered(self) -> None:
+        """D's pull ended with every byte in place; then every block is back."""
+        with trio.fail_after(5):
+            await self.ended.wait()
+        assert self.result is None and self.d.kv.verify(self.tid, self.dst, N)
+        self.d.pool.free(self.dst)
+        await self.cluster.wait_settled()
+
     def landed(self, layer: int) -> bool:
         return bool(np.array_equal(self.d.kv.data[layer, self.dst, :], self.want[layer]))
 
@@ -89,12 +97,8 @@ async def test_each_layer_lands_on_d_before_the_prefill_ends() -> None:
                 assert not t.landed(layer + 1) and not t.ended.is_set()  # D is not told yet
             t.compute(LAYERS - 1)
             t.p.sender.transfer_ready(t.tid, t.src)
-            with trio.fail_after(5):
-                await t.ended.wait()
-            assert t.result is None and t.d.kv.verify(t.tid, t.dst, N)
+            await t.delivered()
             assert t.p.sender.bytes_sent == LAYERS * N * 4096  # each layer written once
-            t.d.pool.free(t.dst)
-            await cluster.wait_settled()
 
 
 async def test_a_layer_reported_twice_is_written_once() -> None:
@@ -108,12 +112,8 @@ async def test_a_layer_reported_twice_is_written_once() -> None:
             t.p.sender.layer_ready(t.tid, [0, 1])
             t.p.sender.layer_ready(t.tid, [1, 2])
             t.p.sender.transfer_ready(t.tid, t.src)
-            with trio.fail_after(5):
-                await t.ended.wait()
-            assert t.result is None and t.d.kv.verify(t.tid, t.dst, N)
+            await t.delivered()
             assert t.p.sender.bytes_sent == LAYERS * N * 4096
-            t.d.pool.free(t.dst)
-            await cluster.wait_settled()
 
 
 async def test_streaming_before_the_pull_falls_back_to_the_whole_send() -> None:
@@ -129,11 +129,7 @@ async def test_streaming_before_the_pull_falls_back_to_the_whole_send() -> None:
             t.p.sender.transfer_ready(t.tid, t.src)
             assert t.p.sender.transfer_state(t.tid) is SendState.READY
             nursery.start_soon(t.pull)
-            with trio.fail_after(5):
-                await t.ended.wait()
-            assert t.result is None and t.d.kv.verify(t.tid, t.dst, N)
-            t.d.pool.free(t.dst)
-            await cluster.wait_settled()
+            await t.delivered()
 
 
 async def test_dropped_mid_stream_fails_the_pull_and_frees_both_sides() -> None:

@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -68,18 +69,35 @@ def model() -> Path:
     return ensure_tiny_model()
 
 
-@pytest.fixture(scope="module")
-def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+@contextmanager
+def start_cluster(
+    model: Path,
+    logs: Path,
+    *,
+    p_extra: dict[str, Any],
+    d_config: dict[str, Any],
+    engine_args: tuple[str, ...] = (),
+) -> Iterator[Cluster]:
+    """A single server, a P (engine id ``prefill-e2e``, ``p_extra`` in its extra config) and a
+    D (``d_config``), all with ``engine_args``; stopped on exit."""
     bootstrap_port = free_port()
     p_config = {
         "kv_connector": "PdActorsConnector",
         "kv_role": "kv_producer",
         "engine_id": "prefill-e2e",
-        "kv_connector_extra_config": {
-            "bootstrap_port": bootstrap_port,
-            "ready_timeout": READY_TIMEOUT,
-        },
+        "kv_connector_extra_config": {"bootstrap_port": bootstrap_port, **p_extra},
     }
+    specs = {
+        "single": {"core": 0, "extra_args": engine_args},
+        "prefill": {"core": 0, "kv_transfer_config": p_config, "extra_args": engine_args},
+        "decode": {"core": 1, "kv_transfer_config": d_config, "extra_args": engine_args},
+    }
+    with servers(specs, model, logs) as s:
+        yield Cluster(s["single"], s["prefill"], s["decode"], f"http://127.0.0.1:{bootstrap_port}")
+
+
+@pytest.fixture(scope="module")
+def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     d_config = {
         "kv_connector": "PdActorsConnector",
         "kv_role": "kv_consumer",
@@ -87,14 +105,11 @@ def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"pull_timeout": 30},
     }
-    specs = {
-        "single": {"core": 0},
-        "prefill": {"core": 0, "kv_transfer_config": p_config},
-        "decode": {"core": 1, "kv_transfer_config": d_config},
-    }
     logs = tmp_path_factory.mktemp("vllm-logs")
-    with servers(specs, model, logs) as s:
-        yield Cluster(s["single"], s["prefill"], s["decode"], f"http://127.0.0.1:{bootstrap_port}")
+    with start_cluster(
+        model, logs, p_extra={"ready_timeout": READY_TIMEOUT}, d_config=d_config
+    ) as cluster:
+        yield cluster
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:

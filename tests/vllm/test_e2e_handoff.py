@@ -19,8 +19,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from integrations.vllm.tiny_model import ensure_tiny_model, find_eos_first_prompts
-from tests.vllm.servers import completion, free_port, servers
-from tests.vllm.test_e2e import Cluster, prompt_ids, text_and_reason
+from tests.vllm.servers import completion
+from tests.vllm.test_e2e import Cluster, prompt_ids, start_cluster, text_and_reason
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -35,22 +35,12 @@ def model() -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    bootstrap_port = free_port()
-    p_config = {
-        "kv_connector": "PdActorsConnector",
-        "kv_role": "kv_producer",
-        "engine_id": "prefill-e2e",
-        "kv_connector_extra_config": {"bootstrap_port": bootstrap_port, "layerwise": True},
-    }
     d_config = {"kv_connector": "PdActorsConnector", "kv_role": "kv_consumer"}
-    specs = {
-        "single": {"core": 0, "extra_args": ENGINE_ARGS},
-        "prefill": {"core": 0, "kv_transfer_config": p_config, "extra_args": ENGINE_ARGS},
-        "decode": {"core": 1, "kv_transfer_config": d_config, "extra_args": ENGINE_ARGS},
-    }
     logs = tmp_path_factory.mktemp("vllm-logs")
-    with servers(specs, model, logs) as s:
-        yield Cluster(s["single"], s["prefill"], s["decode"], f"http://127.0.0.1:{bootstrap_port}")
+    with start_cluster(
+        model, logs, p_extra={"layerwise": True}, d_config=d_config, engine_args=ENGINE_ARGS
+    ) as cluster:
+        yield cluster
 
 
 def sends(cluster: Cluster) -> tuple[float, float]:
