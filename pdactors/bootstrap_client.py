@@ -15,7 +15,7 @@ import httpx
 import msgspec
 import trio
 
-from pdactors.errors import BootstrapError
+from pdactors.errors import BootstrapError, BootstrapTimeout
 from pdactors.messages import BootstrapAnswer, BootstrapEntry, RegisterWorker
 
 __all__ = ["BootstrapClient", "open_bootstrap_client"]
@@ -124,6 +124,9 @@ async def open_bootstrap_client() -> AsyncIterator[BootstrapClient]:
         yield BootstrapClient(http)
 
 
+_NO_ANSWER: Final = "no attempt finished"
+
+
 def _route(url: str, route: str) -> str:
     return f"{url.rstrip('/')}/{route}"
 
@@ -137,7 +140,7 @@ async def _retry(
     :class:`_Refused` ends at once. Raises :class:`BootstrapError` naming ``what`` and the last
     error.
     """
-    last_error = "no attempt finished"
+    last_error = _NO_ANSWER
     delay = _FIRST_DELAY
     with trio.move_on_after(budget):
         while True:
@@ -154,4 +157,7 @@ async def _retry(
                     raise BootstrapError(f"{what}: {last_error}") from None
             await trio.sleep(delay)
             delay = min(delay * 2, _MAX_DELAY)
-    raise BootstrapError(f"{what}: gave up after {budget:g} s; last error: {last_error}")
+    message = f"{what}: gave up after {budget:g} s; last error: {last_error}"
+    if last_error == _NO_ANSWER:
+        raise BootstrapTimeout(message)
+    raise BootstrapError(message)

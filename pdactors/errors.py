@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "BootstrapError",
+    "BootstrapTimeout",
     "DataPlaneError",
     "DuplicateTransfer",
     "IllegalTransition",
@@ -56,6 +57,11 @@ class TransferError(DataPlaneError):
 
 class BootstrapError(PdError):
     """The bootstrap registry could not be reached or did not know the engine asked for."""
+
+
+class BootstrapTimeout(BootstrapError):
+    """The registry gave no answer at all in time: busy or hung, not known to be gone (a
+    refused connection or an error answer is a plain :class:`BootstrapError`)."""
 
 
 class PullFailedError(PdError):

@@ -49,6 +49,7 @@ class FakeEngine:
     url: str = ""
     healthy: bool = True
     query_ok: bool = True
+    query_hold: trio.Event | None = None  # the bootstrap's /query waits for it
     status: int = 200
     error_body: dict[str, Any] | None = None
     hold: trio.Event | None = None  # completions wait for it before answering
@@ -140,6 +141,8 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
 
     @app.get("/query")
     async def query() -> Response:
+        if engine.query_hold is not None:
+            await engine.query_hold.wait()
         if not engine.query_ok:
             return _json({"error": "down"}, 500)
         worker = {"0": {"0": "tcp://127.0.0.1:1"}}
@@ -648,6 +651,21 @@ async def test_health_is_503_until_p_and_d_are_up_then_200() -> None:
             s.d[0].healthy = False
             report = await wait_health(s, 503)
             assert "no decode engine" in report["reason"]
+
+
+async def test_a_slow_bootstrap_keeps_a_healthy_p_in_rotation() -> None:
+    """Busy is not dead: P's bootstrap (in P's worker) gives no answer within health_timeout
+    while P's /health answers; P keeps its known engine id and goes on serving."""
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            s.p[0].query_hold = trio.Event()
+            await trio.sleep(2.5)  # more than two health rounds past health_timeout (1 s)
+            code, report = await s.health()
+            assert code == 200 and report["prefill"][0]["engine_id"] == "prefill-0"
+            resp = await s.client.post("/v1/completions", json=completion_body())
+            assert resp.status_code == 200
+            assert s.d[0].received[-1]["kv_transfer_params"]["remote_engine_id"] == "prefill-0"
+            s.p[0].query_hold.set()
 
 
 async def test_engine_id_is_re_read_when_p_restarts() -> None:

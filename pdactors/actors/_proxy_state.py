@@ -27,6 +27,7 @@ class Backend:
     up: bool = False
     problem: str = "not checked yet"
     outstanding: int = 0
+    bootstrap_slow: bool = False  # P only: its bootstrap gave no answer in the last round
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"url": self.url, "up": self.up, "outstanding": self.outstanding}

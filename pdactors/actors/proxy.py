@@ -57,7 +57,7 @@ from pdactors.actors._http import bind_listener, serve_http
 from pdactors.actors._proxy_state import Backend, Metrics, Pool
 from pdactors.bootstrap_client import BootstrapClient
 from pdactors.config import ProxyConfig
-from pdactors.errors import BootstrapError
+from pdactors.errors import BootstrapError, BootstrapTimeout
 
 __all__ = ["serve_proxy"]
 
@@ -295,8 +295,19 @@ class _Proxy:
             return None, None
         try:
             answer = await self.bootstrap.query(b.bootstrap_url, timeout=timeout)
+        except BootstrapTimeout as exc:
+            if b.engine_id is None:
+                return f"bootstrap: {exc}", None
+            # Busy is not dead: P's bootstrap runs in P's worker, which a long forward can
+            # starve; P's /health answered, and D's look-ups are cached. Keep the known id.
+            if not b.bootstrap_slow:
+                b.bootstrap_slow = True
+                log.info("proxy: %s's bootstrap is slow (%s); keeping engine id %s",
+                         b.url, exc, b.engine_id)  # fmt: skip
+            return None, b.engine_id
         except BootstrapError as exc:
             return f"bootstrap: {exc}", None
+        b.bootstrap_slow = False
         entry = answer.get(0)
         if entry is None or not any(entry.worker_addr.values()):
             return f"bootstrap {b.bootstrap_url} has no worker of DP rank 0", None
