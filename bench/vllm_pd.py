@@ -77,8 +77,10 @@ def stream(url: str, prompt: list[int], max_tokens: int, params: dict[str, Any] 
     sent, start = time.time(), time.perf_counter()
     ttft, first, chunks = float("nan"), float("nan"), 0
     with HTTP.stream("POST", f"{url}/v1/completions", json=body) as r:
-        r.raise_for_status()
         tid = r.headers.get("x-request-id")
+        if r.status_code != 200:  # counted as a failed request (a TTFT of nan)
+            r.read()
+            return Result(float("nan"), 0, sent, float("nan"), tid)
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -113,9 +115,14 @@ def run_level(fn: Callable[[list[int]], Result], prompts: list[list[int]], n: in
 
 
 def summary(results: list[Result], elapsed: float) -> str:
-    ttfts = np.array([r.ttft for r in results]) * 1e3
+    """TTFT p50 | p99 | output tok/s | failed requests (answered with an error status)."""
+    ttfts = np.array([r.ttft for r in results if r.ttft == r.ttft]) * 1e3
+    failed = sum(r.ttft != r.ttft for r in results)
     tok_s = sum(r.tokens for r in results) / elapsed
-    return f"{np.percentile(ttfts, 50):.1f} | {np.percentile(ttfts, 99):.1f} | {tok_s:.1f}"
+    if not len(ttfts):
+        return f"- | - | {tok_s:.1f} | {failed}"
+    p50, p99 = np.percentile(ttfts, 50), np.percentile(ttfts, 99)
+    return f"{p50:.1f} | {p99:.1f} | {tok_s:.1f} | {failed}"
 
 
 #: (segment, from marks, to mark): a segment starts at the latest of its "from" marks.
@@ -235,8 +242,8 @@ def main() -> None:
             f" tokens, {args.max_tokens} output tokens, {args.requests} requests per level;"
             " single and P on core 0, D on core 1"
         )
-        print("| concurrency | setup | TTFT p50 ms | TTFT p99 ms | output tok/s |")
-        print("|---|---|---|---|---|")
+        print("| concurrency | setup | TTFT p50 ms | TTFT p99 ms | output tok/s | failed |")
+        print("|---|---|---|---|---|---|")
         timelines: dict[tuple[int, str], dict[str, float]] = {}
         for n in args.concurrency:
             prompts = [
