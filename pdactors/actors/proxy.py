@@ -26,8 +26,10 @@ registry per proxy).
 A health loop checks every engine's ``GET /health`` and every P's bootstrap ``GET /query`` each
 ``health_interval``: an engine that fails leaves the rotation and comes back when it answers
 again, and P's engine id (DP rank 0 of its bootstrap entry) is re-read every round, so a
-restarted P is used under its new id. A connection refused by an engine also takes it out at
-once.
+restarted P is used under its new id (a bootstrap that gives no answer in time keeps a healthy
+P in rotation under the id it had). A connection refused by an engine also takes it out at
+once. Engine calls go through :mod:`pdactors.actors._engine_http` (h11); the completion routes
+are served on raw ASGI, every other route by Quart.
 """
 
 from __future__ import annotations
