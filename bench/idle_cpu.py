@@ -24,10 +24,11 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.vllm_pd import disaggregated, run_level
+from bench.vllm_pd import direct, run_level
 from integrations.vllm.tiny_model import ensure_tiny_model
-from tests.vllm.servers import Server, free_port, servers
+from tests.vllm.servers import Server, free_port, producer_config, servers
 
+ENGINE = "prefill-bench"
 CLK = os.sysconf("SC_CLK_TCK")
 
 
@@ -87,10 +88,7 @@ def main() -> None:
     args = ap.parse_args()
     bootstrap_port = free_port()
     bootstrap = f"http://127.0.0.1:{bootstrap_port}"
-    p_config = {
-        "kv_connector": "PdActorsConnector", "kv_role": "kv_producer", "engine_id": "prefill-bench",
-        "kv_connector_extra_config": {"bootstrap_port": bootstrap_port},
-    }  # fmt: skip
+    p_config = producer_config(ENGINE, bootstrap_port)
 
     def d_config(idle_wait_ms: float) -> dict[str, object]:
         extra = {"idle_wait_ms": idle_wait_ms}
@@ -113,14 +111,14 @@ def main() -> None:
         cpu = {name: waiting_cpu(s[name], bootstrap, args.seconds) for name in ("spin", "quiet")}
         for name in ("spin", "quiet"):
             d = s[name]
-            run_level(lambda pr, d=d: disaggregated(p, d, bootstrap, pr, 2), [[9, 10, 11]], 1)
+            run_level(lambda pr, d=d: direct(p, ENGINE, bootstrap, d, pr, 2), [[9, 10, 11]], 1)
         # Interleaved (alternating which goes first), one request at a time, a fresh prompt
         # every time (no prefix-cache hits).
         ttfts: dict[str, list[float]] = {"spin": [], "quiet": []}
         for i in range(args.requests):
             for name in ("spin", "quiet") if i % 2 else ("quiet", "spin"):
                 prompt = rng.integers(4, 1024, args.prompt_len).tolist()
-                ttfts[name].append(disaggregated(p, s[name], bootstrap, prompt, 4)[0] * 1e3)
+                ttfts[name].append(direct(p, ENGINE, bootstrap, s[name], prompt, 4).ttft * 1e3)
         for name, wait_ms in (("spin", 0), ("quiet", 20)):
             t = ttfts[name]
             print(

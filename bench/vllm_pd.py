@@ -46,7 +46,7 @@ from common import worktree  # noqa: E402  (bench/ is the script's directory)
 
 from integrations.vllm.tiny_model import SHAPES, ensure_tiny_model  # noqa: E402
 from pdactors import timeline  # noqa: E402
-from tests.vllm.servers import Server, free_port, servers, wait_healthy  # noqa: E402
+from tests.vllm.servers import Server, free_port, producer_config, servers, wait_healthy  # noqa: E402
 
 #: One client for every request (thread-safe; a new client per request would cost each one
 #: an SSL context and a connection, several ms on this machine).
@@ -197,11 +197,7 @@ def main() -> None:
     ports = {"eager": free_port(), "whole": free_port()}
 
     def p_config(kind: str) -> dict[str, Any]:
-        extra = {"bootstrap_port": ports[kind], "eager_send": kind == "eager"}
-        return {
-            "kv_connector": "PdActorsConnector", "kv_role": "kv_producer",
-            "engine_id": f"prefill-{kind}", "kv_connector_extra_config": extra,
-        }  # fmt: skip
+        return producer_config(f"prefill-{kind}", ports[kind], eager_send=kind == "eager")
 
     d_config = {"kv_connector": "PdActorsConnector", "kv_role": "kv_consumer"}
     extra = ("--block-size", str(args.block_size), "--no-enable-prefix-caching")

@@ -335,10 +335,7 @@ class WorkerSide:
         """Layer-wise: this step's forward has written ``layer_name``'s KV; stream it."""
         if not self._streaming or (regions := self._layer_regions.get(layer_name)) is None:
             return
-        event = None
-        if self._cuda:
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
+        event = self._forward_event()
         host = self._host
         if host is not None:
             try:
@@ -357,11 +354,16 @@ class WorkerSide:
             timeline.mark(send.transfer_id, "p_computed")
         with self._lock:
             self.counters.eager_sent += len(meta.eager)
-        event = None
-        if self._cuda:
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
-        self._submit(PdActorsMetadata(ready=dict(meta.eager)), event)
+        self._submit(PdActorsMetadata(ready=dict(meta.eager)), self._forward_event())
+
+    def _forward_event(self) -> torch.cuda.Event | None:
+        """On a GPU, an event recorded now on the forward's stream: once it has completed, the
+        KV the forward wrote so far is in memory. None on a CPU (the forward is synchronous)."""
+        if not self._cuda:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+        return event
 
     def _submit(self, meta: PdActorsMetadata, event: torch.cuda.Event | None = None) -> None:
         with self._lock:
@@ -408,12 +410,10 @@ class WorkerSide:
             for req_id, send in meta.streams.items():
                 self._send_req[send.transfer_id] = req_id  # a death releases it from now on
                 _logged(sender.transfer_streaming, send.transfer_id, list(send.block_ids))
-            if event is None:
-                self._ready(sender, meta.ready)
-            elif meta.ready:
+            if meta.ready:
                 # Known here from now on, so that a death of this thread releases them too.
                 self._send_req |= {send.transfer_id: r for r, send in meta.ready.items()}
-                self._nursery().start_soon(self._ready_after, sender, meta.ready, event)
+                self._after(event, self._ready, sender, meta.ready)
             for tid in meta.dropped:
                 _logged(sender.transfer_dropped, tid, "the prefill ended without its KV")
         if receiver is not None:
@@ -434,27 +434,21 @@ class WorkerSide:
         self, tids: list[str], regions: tuple[int, ...], event: torch.cuda.Event | None
     ) -> None:
         sender = self._sender
-        if sender is None:
-            return
+        if sender is not None:
+            self._after(event, _layers_ready, sender, tids, regions)
+
+    def _after(self, event: torch.cuda.Event | None, fn: Callable[..., None], *args: Any) -> None:
+        """``fn(*args)`` once the forward's kernels up to ``event`` are done: now when there
+        is none (CPU), else in a task that waits for it in a worker thread."""
         if event is None:
-            for tid in tids:
-                sender.layer_ready(tid, regions)
-        else:
-            self._nursery().start_soon(self._layer_done_after, sender, tids, regions, event)
+            fn(*args)
+            return
 
-    async def _layer_done_after(
-        self, sender: Sender, tids: list[str], regions: tuple[int, ...], event: torch.cuda.Event
-    ) -> None:
-        await trio.to_thread.run_sync(event.synchronize)  # the layer's kernels are done
-        for tid in tids:
-            sender.layer_ready(tid, regions)
+        async def when_done() -> None:
+            await trio.to_thread.run_sync(event.synchronize)
+            fn(*args)
 
-    async def _ready_after(
-        self, sender: Sender, sends: dict[str, SendSpec], event: torch.cuda.Event
-    ) -> None:
-        """Once the forward's kernels are done (``event``) the KV in the blocks is complete."""
-        await trio.to_thread.run_sync(event.synchronize)
-        self._ready(sender, sends)
+        self._nursery().start_soon(when_done)
 
     def _nursery(self) -> trio.Nursery:
         assert self._host is not None
@@ -521,6 +515,11 @@ class WorkerSide:
         """Counters since the last call (any thread)."""
         with self._lock:
             return self.counters.take()
+
+
+def _layers_ready(sender: Sender, tids: list[str], regions: tuple[int, ...]) -> None:
+    for tid in tids:
+        sender.layer_ready(tid, regions)
 
 
 def _logged(fn: Callable[..., None], *args: Any, **kwargs: Any) -> bool:

@@ -192,6 +192,9 @@ class _Reply:
         await self.start(status, b"application/json", tid)
         await self.chunk(body, more=False)
 
+    async def failure(self, failure: _Failure) -> None:
+        await self.whole(failure.status, failure.body)
+
 
 class _ClientGone(Exception):
     """The client disconnected before its request's body was in."""
@@ -236,10 +239,6 @@ class _ProxyApp(QuartTrio):  # type: ignore[misc]
                 await handler(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
-
-
-async def _close(resp: EngineResponse) -> None:
-    await resp.aclose()
 
 
 def _describe(exc: BaseException) -> str:
@@ -364,10 +363,8 @@ class _Proxy:
         except Exception as exc:
             log.error("proxy: internal error on POST %s", endpoint.path, exc_info=exc)
             if not reply.started:
-                failure = _Failure.of(
-                    500, f"internal error: {type(exc).__name__}", "internal_error", ""
-                )
-                await reply.whole(500, failure.body)
+                message = f"internal error: {type(exc).__name__}"
+                await reply.failure(_Failure.of(500, message, "internal_error", ""))
 
     async def complete(
         self,
@@ -382,19 +379,18 @@ class _Proxy:
             limit = self.config.max_body_bytes
             message = f"the body is larger than {limit} bytes"
             self.metrics.requests.labels(endpoint.name, "invalid").inc()
-            failure = _Failure.of(413, message, "invalid_request_error", "invalid")
-            await reply.whole(413, failure.body)
+            await reply.failure(_Failure.of(413, message, "invalid_request_error", "invalid"))
             return
         body = _validate(raw, endpoint)
         if isinstance(body, str):
             self.metrics.requests.labels(endpoint.name, "invalid").inc()
-            await reply.whole(400, _Failure.of(400, body, "invalid_request_error", "").body)
+            await reply.failure(_Failure.of(400, body, "invalid_request_error", "invalid"))
             return
         p, d = self.prefill.pick(), self.decode.pick()
         if p is None or d is None:
             why = (self.prefill if p is None else self.decode).why_none()
             self.metrics.requests.labels(endpoint.name, "unavailable").inc()
-            await reply.whole(503, _Failure.of(503, why, "service_unavailable", "").body)
+            await reply.failure(_Failure.of(503, why, "service_unavailable", "unavailable"))
             return
         tid = uuid.uuid4().hex
         headers = [(b"content-type", b"application/json"), (b"x-request-id", tid.encode())]
@@ -420,7 +416,7 @@ class _Proxy:
             assert ex.failure is not None
             log.warning("proxy: request %s failed: %s", tid, ex.failure.body[:300])
             self._end(ex, ex.failure.outcome)
-            await reply.whole(ex.failure.status, ex.failure.body)
+            await reply.failure(ex.failure)
         elif not ex.stream:
             await self._whole_answer(ex, d_resp, reply)
         else:
@@ -483,13 +479,13 @@ class _Proxy:
                 ex.fail(self._timeout_failure("no answer from D"))
             if ex.failure is not None:  # D's answer (if any) is of no use: close it
                 if resp is not None:
-                    await _close(resp)
+                    await resp.aclose()
                 return None
             ex.d_answered = trio.current_time()
             return resp
         except BaseException:
             if resp is not None:
-                await _close(resp)
+                await resp.aclose()
             raise
 
     async def _whole_answer(self, ex: _Exchange, resp: EngineResponse, reply: _Reply) -> None:
@@ -507,11 +503,11 @@ class _Proxy:
             self._end(ex, "cancelled")
             raise
         finally:
-            await _close(resp)
+            await resp.aclose()
         if ex.failure is not None:
             log.warning("proxy: request %s failed: %s", ex.transfer_id, ex.failure.body[:300])
             self._end(ex, ex.failure.outcome)
-            await reply.whole(ex.failure.status, ex.failure.body)
+            await reply.failure(ex.failure)
             return
         self._end(ex, "ok")
         await reply.whole(200, body, ex.transfer_id)
@@ -525,7 +521,7 @@ class _Proxy:
             await reply.chunk(b"", more=False)
         finally:
             ex.p_scope.cancel()  # D is done with P, whatever happened
-            await _close(resp)
+            await resp.aclose()
             self._end(ex, outcome)
 
     async def _forward(self, ex: _Exchange, resp: EngineResponse, reply: _Reply) -> str:

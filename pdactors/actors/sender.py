@@ -271,16 +271,16 @@ class Sender:
         timeline.mark(job.transfer_id, "write_start")
         assert pull.layout is not None  # attached when the pull arrived
         written = _Written()
+        stream = self._streams[job.transfer_id] if job.streamed else None
         try:
-            if job.streamed:
-                error = await self._stream(job, self._streams[job.transfer_id], written)
+            if stream is not None:
+                error = await self._stream(job, stream, written)
             else:
                 await self._write(job, written)
         except (PlanError, DataPlaneError) as exc:
             error = str(exc)
         finally:
-            if job.streamed:
-                stream = self._streams[job.transfer_id]
+            if stream is not None:
                 stream.done = True
                 if stream.complete:
                     del self._streams[job.transfer_id]

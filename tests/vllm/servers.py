@@ -74,6 +74,17 @@ def _kill(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=15)
 
 
+def producer_config(engine_id: str, bootstrap_port: int, **extra: Any) -> dict[str, Any]:
+    """P's ``--kv-transfer-config``: PdActorsConnector as ``kv_producer`` with engine id
+    ``engine_id``, its bootstrap on ``bootstrap_port``, and ``extra`` settings."""
+    return {
+        "kv_connector": "PdActorsConnector",
+        "kv_role": "kv_producer",
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {"bootstrap_port": bootstrap_port, **extra},
+    }
+
+
 @contextmanager
 def vllm_server(
     name: str,

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from integrations.vllm.tiny_model import ensure_tiny_model, find_eos_first_prompts
-from tests.vllm.servers import Server, completion, free_port, servers
+from tests.vllm.servers import Server, completion, free_port, producer_config, servers
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -81,12 +81,7 @@ def start_cluster(
     """A single server, a P (engine id ``prefill-e2e``, ``p_extra`` in its extra config) and a
     D (``d_config``), all with ``engine_args``; stopped on exit."""
     bootstrap_port = free_port()
-    p_config = {
-        "kv_connector": "PdActorsConnector",
-        "kv_role": "kv_producer",
-        "engine_id": "prefill-e2e",
-        "kv_connector_extra_config": {"bootstrap_port": bootstrap_port, **p_extra},
-    }
+    p_config = producer_config("prefill-e2e", bootstrap_port, **p_extra)
     specs = {
         "single": {"core": 0, "extra_args": engine_args},
         "prefill": {"core": 0, "kv_transfer_config": p_config, "extra_args": engine_args},

@@ -27,6 +27,7 @@ from tests.vllm.servers import (
     completion,
     free_port,
     post_completion,
+    producer_config,
     proxy,
     vllm_server,
     wait_healthy,
@@ -69,12 +70,7 @@ class World:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     bootstrap_port = free_port()
-    p_config = {
-        "kv_connector": "PdActorsConnector",
-        "kv_role": "kv_producer",
-        "engine_id": ENGINE,
-        "kv_connector_extra_config": {"bootstrap_port": bootstrap_port},
-    }
+    p_config = producer_config(ENGINE, bootstrap_port)
     d_config = {
         "kv_connector": "PdActorsConnector",
         "kv_role": "kv_consumer",

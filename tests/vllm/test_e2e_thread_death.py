@@ -14,7 +14,14 @@ import pytest
 pytest.importorskip("vllm")
 
 from integrations.vllm.tiny_model import ensure_tiny_model
-from tests.vllm.servers import Server, completion, free_port, post_completion, servers
+from tests.vllm.servers import (
+    Server,
+    completion,
+    free_port,
+    post_completion,
+    producer_config,
+    servers,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -24,12 +31,7 @@ ENGINE = "prefill-steady"
 @pytest.fixture(scope="module")
 def p_and_d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server, str]]:
     bootstrap_port = free_port()
-    p_config = {
-        "kv_connector": "PdActorsConnector",
-        "kv_role": "kv_producer",
-        "engine_id": ENGINE,
-        "kv_connector_extra_config": {"bootstrap_port": bootstrap_port},
-    }
+    p_config = producer_config(ENGINE, bootstrap_port)
     d_config = {
         "kv_connector": "CrashingConnector",
         "kv_connector_module_path": "tests.vllm.crashing_connector",

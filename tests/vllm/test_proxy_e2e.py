@@ -26,7 +26,7 @@ pytest.importorskip("openai")
 import openai
 
 from integrations.vllm.tiny_model import ensure_tiny_model
-from tests.vllm.servers import Server, free_port, servers
+from tests.vllm.servers import Server, free_port, producer_config, servers
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -79,12 +79,7 @@ def _wait_proxy_healthy(url: str, proc: subprocess.Popen[str], timeout: float = 
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     model = ensure_tiny_model()
     bootstrap_port = free_port()
-    p_config = {
-        "kv_connector": "PdActorsConnector",
-        "kv_role": "kv_producer",
-        "engine_id": "prefill-proxy-e2e",
-        "kv_connector_extra_config": {"bootstrap_port": bootstrap_port},
-    }
+    p_config = producer_config("prefill-proxy-e2e", bootstrap_port)
     d_config = {
         "kv_connector": "PdActorsConnector",
         "kv_role": "kv_consumer",
