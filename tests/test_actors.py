@@ -5,6 +5,7 @@ Every test ends by checking that no KV block is left allocated on P or D.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -95,6 +96,55 @@ async def test_pull_before_prefill_waits_for_ready() -> None:
             assert d.kv.verify("t2", dst, 5)
             d.pool.free(dst)
             await settled(cluster)
+
+
+async def test_ready_kv_still_being_computed_is_written_once_complete() -> None:
+    """``complete``: P hands over blocks a GPU is still computing; the write's thread waits for
+    it and only then writes, so D gets the bytes as they are after ``complete`` returned."""
+    with trio.fail_after(30):
+        async with open_cluster(**SMALL) as cluster:
+            p, d = cluster.prefill[0], cluster.decode[0]
+            src = p.pool.allocate(4)
+            p.owned["t3"] = src
+            dst = d.pool.allocate(4)
+            computed = threading.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    lambda: d.receiver.pull(
+                        "t3",
+                        bootstrap_url=cluster.bootstrap_url,
+                        engine_id=p.engine_id,
+                        block_ids=dst,
+                    )
+                )
+                await wait_until(lambda: p.sender.transfer_state("t3") is SendState.PENDING)
+                p.sender.transfer_ready("t3", src, complete=lambda: computed.wait(10))
+                await wait_until(lambda: p.sender.transfer_state("t3") is SendState.SENDING)
+                await trio.sleep(0.05)
+                assert p.sender.transfer_state("t3") is SendState.SENDING  # waits for the KV
+                p.kv.fill("t3", src)  # the "forward" finishes writing the KV
+                computed.set()
+            assert d.kv.verify("t3", dst, 4)
+            d.pool.free(dst)
+            await settled(cluster)
+
+
+async def test_kv_that_never_completes_fails_the_transfer_and_frees_blocks() -> None:
+    def broken() -> None:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    with trio.fail_after(30):
+        async with open_cluster(**SMALL) as cluster:
+            p, d = cluster.prefill[0], cluster.decode[0]
+            src, dst = prepare(cluster, "t4", 3)
+            p.sender.transfer_ready("t4", src, complete=broken)
+            with pytest.raises(PullFailedError, match="KV was not complete: RuntimeError: CUDA"):
+                await d.receiver.pull(
+                    "t4", bootstrap_url=cluster.bootstrap_url, engine_id=p.engine_id, block_ids=dst
+                )
+            d.pool.free(dst)
+            await settled(cluster)
+            assert p.sender.transfer_state("t4") is SendState.FAILED
 
 
 async def test_prefix_hit_pulls_only_the_missing_tail() -> None:

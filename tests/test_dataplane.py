@@ -42,6 +42,10 @@ class CountingEngine:
         self._in_flight = 0
         self.max_in_flight = 0
         self.finished = 0
+        #: While set, engine calls wait until it is released (``gate.set()``).
+        self.gate: threading.Event | None = None
+        self.call_started = threading.Event()
+        self.log: list[str] = []  # what the worker threads did, in order
 
     def register_memory(self, addr: int, length: int) -> int:
         self.registered.append((addr, length))
@@ -58,6 +62,10 @@ class CountingEngine:
             self.call_sizes.append(len(lengths))
             self._in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self._in_flight)
+            self.log.append(f"call {len(lengths)}")
+        self.call_started.set()
+        if self.gate is not None:
+            self.gate.wait(TIMEOUT)
         try:
             return int(self.inner.batch_transfer_sync_write(target, src, dst, lengths))
         finally:
@@ -351,3 +359,143 @@ async def test_open_mooncake_writes_then_closes(pair: Pair) -> None:
     # a worker thread it stalls the loop; nothing to assert about the loop here.
     with pytest.raises(DataPlaneError, match="closed"):
         await plane.write(pair.d.session, u64([1]), u64([1]), u64([1]))
+
+
+def one_block_writes(pair: Pair, count: int, size: int = 4 * KiB) -> tuple[Any, Any, Any]:
+    """``count`` registered source and target blocks, and ``write(i)``: block i to block i."""
+    src_buf, dst_buf = pair.buffers(count * size)
+
+    async def write(i: int, before: Any = None) -> None:
+        at = np.uint64(i * size)
+        await pair.p.write(
+            pair.d.session,
+            u64([addr(src_buf) + at]),
+            u64([addr(dst_buf) + at]),
+            u64([size]),
+            before=before,
+        )
+
+    return src_buf.reshape(count, size), dst_buf.reshape(count, size), write
+
+
+async def wait_for_call(engine: CountingEngine) -> None:
+    with trio.fail_after(TIMEOUT):
+        while not engine.call_started.is_set():
+            await trio.sleep(0.001)
+
+
+async def test_writes_queued_behind_a_call_share_the_next_one(pair: Pair) -> None:
+    """One call per peer: while it is in flight, the others queue, and the next engine call
+    carries all of them (one worker-thread hop for 63 writes)."""
+    src, dst, write = one_block_writes(pair, 64)
+    pair.p_engine.gate = gate = threading.Event()
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write, 0)
+            await wait_for_call(pair.p_engine)
+            for i in range(1, 64):
+                nursery.start_soon(write, i)
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+    assert pair.p_engine.call_sizes == [1, 63]
+    np.testing.assert_array_equal(dst, src)
+    stats = pair.p.statistics()
+    assert (stats.writes, stats.calls, stats.descriptors) == (64, 2, 64)
+
+
+async def test_a_failed_shared_call_fails_each_write_it_carried(pair: Pair) -> None:
+    src, dst, write = one_block_writes(pair, 4)
+    pair.p_engine.gate = gate = threading.Event()
+    bad = u64([addr(src) + 3 * 4 * KiB])  # beyond D's registered memory: the call fails
+
+    async def bad_write() -> None:
+        await pair.p.write(pair.d.session, u64([addr(src)]), bad + np.uint64(1 << 40), u64([8]))
+
+    failures: list[str] = []
+
+    async def expect_failure(fn: Any, *args: Any) -> None:
+        with pytest.raises(TransferError) as info:
+            await fn(*args)
+        failures.append(str(info.value))
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write, 0)
+            await wait_for_call(pair.p_engine)
+            nursery.start_soon(expect_failure, write, 1)
+            nursery.start_soon(expect_failure, bad_write)
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+        await write(2)  # the peer is still fine for the next call
+    assert pair.p_engine.call_sizes == [1, 2, 1]
+    assert len(failures) == 2 and all("carrying 1 other write failed" in f for f in failures)
+    np.testing.assert_array_equal(dst[[0, 2]], src[[0, 2]])
+    assert pair.p.statistics().failures == 2
+
+
+async def test_a_cancelled_queued_write_is_never_sent(pair: Pair) -> None:
+    src, dst, write = one_block_writes(pair, 3)
+    pair.p_engine.gate = gate = threading.Event()
+    cancelled = trio.CancelScope()
+    ended = trio.Event()
+
+    async def cancelled_write() -> None:
+        with cancelled:
+            await write(2)
+        ended.set()
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write, 0)
+            await wait_for_call(pair.p_engine)
+            nursery.start_soon(write, 1)
+            nursery.start_soon(cancelled_write)
+            await trio.testing.wait_all_tasks_blocked()
+            cancelled.cancel()
+            await ended.wait()  # returned at once: nothing of it was in flight
+            gate.set()
+    assert cancelled.cancelled_caught
+    assert pair.p_engine.call_sizes == [1, 1]  # block 0, then block 1: block 2 never went
+    np.testing.assert_array_equal(dst[:2], src[:2])
+    assert not dst[2].any()
+
+
+async def test_before_runs_in_the_worker_thread_right_before_the_engine_call(pair: Pair) -> None:
+    src, dst, write = one_block_writes(pair, 1)
+    trio_thread = threading.get_ident()
+    seen: list[int] = []
+
+    def before() -> None:
+        seen.append(threading.get_ident())
+        pair.p_engine.log.append("before")
+
+    with trio.fail_after(TIMEOUT):
+        await write(0, before)
+    assert seen and seen[0] != trio_thread
+    assert pair.p_engine.log == ["before", "call 1"]
+    np.testing.assert_array_equal(dst, src)
+
+
+async def test_a_before_that_raises_fails_only_its_write(pair: Pair) -> None:
+    src, dst, write = one_block_writes(pair, 3)
+    pair.p_engine.gate = gate = threading.Event()
+
+    def broken() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    async def failing() -> None:
+        with pytest.raises(DataPlaneError, match="not complete: RuntimeError: CUDA error"):
+            await write(1, broken)
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write, 0)
+            await wait_for_call(pair.p_engine)
+            nursery.start_soon(failing)
+            nursery.start_soon(write, 2)
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+    assert pair.p_engine.call_sizes == [1, 1]  # block 1's write was left out of the call
+    np.testing.assert_array_equal(dst[[0, 2]], src[[0, 2]])
+    assert not dst[1].any()
+    assert pair.p.statistics().failures == 1

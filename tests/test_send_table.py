@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdactors.core.send_table import Release, Reply, SendState, SendTable, StartSend
 from pdactors.errors import IllegalTransition
@@ -268,3 +270,84 @@ def test_the_same_pull_twice_from_the_same_d_is_a_resend_not_a_duplicate() -> No
     [refused] = t.pull_arrived("t1", D, pull(blocks=(9,)), 0.3)
     assert isinstance(refused, Reply) and isinstance(refused.msg, PullFailed)
     assert t.prefill_ready("t1", (1, 2), 1.0) == [StartSend("t1", first, (1, 2))]
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["started", "ready", "streaming", "dropped", "pull", "cancel", "gone", "done", "fail"]
+        ),
+        st.sampled_from(["t1", "t2", "t3", "t4"]),
+        st.sampled_from([0.0, 0.5, 3.0, 20.0, 50.0]),  # time passing before the op
+    ),
+    max_size=50,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_OPS)
+def test_deadlines_come_due_in_order_and_every_block_is_released_once(
+    ops: list[tuple[str, str, float]],
+) -> None:
+    """Whatever happens, each tick ends exactly the transfers whose deadline passed (the
+    deadline queues stay ordered and consistent with the states), and every transfer given
+    blocks is released exactly once."""
+    t = table()
+    now = 0.0
+    given_blocks: set[str] = set()
+    released: list[str] = []
+    for op, tid, wait in ops:
+        now += wait
+        effects = list(t.tick(now))
+        state = t.state(tid)
+        if op == "started" and state not in (SendState.READY, SendState.SENDING):
+            effects += t.prefill_started(tid, now)
+        elif op in ("ready", "streaming") and tid not in given_blocks:
+            call = t.prefill_ready if op == "ready" else t.prefill_streaming
+            before = t.state(tid)
+            effects += call(tid, (1, 2), now)
+            if op == "ready" or t.state(tid) is not before:
+                given_blocks.add(tid)
+        elif op == "dropped":
+            effects += t.prefill_dropped(tid, now)
+        elif op == "pull":
+            effects += t.pull_arrived(tid, D, pull(tid), now)
+        elif op == "cancel":
+            effects += t.pull_cancelled(tid, D, now)
+        elif op == "gone":
+            effects += t.peer_gone(D, now)
+        elif op in ("done", "fail") and state is SendState.SENDING:
+            effects += t.send_finished(tid, now, error="x" if op == "fail" else None)
+        released += [e.transfer_id for e in effects if isinstance(e, Release)]
+        _check_deadlines(t, now)
+    sending = [tid for tid in given_blocks if t.state(tid) is SendState.SENDING]
+    for tid in sending:
+        released += [e.transfer_id for e in t.send_finished(tid, now) if isinstance(e, Release)]
+    released += [e.transfer_id for e in t.tick(now + 1e4) if isinstance(e, Release)]
+    assert sorted(released) == sorted(given_blocks)
+    assert t.statistics().live == 0
+
+
+def _check_deadlines(t: SendTable, now: float) -> None:
+    queues = {
+        "no_pull": t._no_pull,
+        "pulls": t._pulls,
+        "unclaimed": t._unclaimed,
+        "tombstones": t._tombstones,
+    }
+    for name, queue in queues.items():
+        deadlines = list(queue.values())
+        assert deadlines == sorted(deadlines), name
+        assert not deadlines or deadlines[0] > now, name
+    for tid, entry in t._entries.items():
+        match entry.state:
+            case SendState.PENDING:
+                expected = "pulls" if entry.pull is not None else "no_pull"
+            case SendState.READY:
+                expected = "unclaimed"
+            case SendState.SENDING:
+                expected = None
+            case _:
+                expected = "tombstones"
+        inside = [name for name, queue in queues.items() if tid in queue]
+        assert inside == ([expected] if expected else []), (tid, entry.state, inside)

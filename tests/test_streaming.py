@@ -7,6 +7,7 @@ with every block back in its pool.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -224,3 +225,27 @@ async def test_a_failed_layer_write_is_reported_once_p_is_done() -> None:
             assert isinstance(t.result, PullFailedError)
             t.d.pool.free(t.dst)
             await cluster.wait_settled()
+
+
+async def test_a_layer_still_being_computed_is_written_once_complete() -> None:
+    """``complete`` (a GPU event's wait): the layer's write waits for it in the engine's
+    thread, and so does the rest's at ``transfer_ready``."""
+    with trio.fail_after(30):
+        async with open_cluster(**SMALL) as cluster, trio.open_nursery() as nursery:
+            t = Streamed(cluster, "s9")
+            await pull_waiting(t, nursery)
+            t.p.sender.transfer_streaming(t.tid, t.src)
+            layer0, rest = threading.Event(), threading.Event()
+            t.p.sender.layer_ready(t.tid, [0], complete=lambda: layer0.wait(10))
+            await trio.sleep(0.05)
+            assert not t.landed(0)  # the "kernel" has not finished
+            t.compute(0)
+            layer0.set()
+            await wait_until(lambda: t.landed(0))
+            t.p.sender.transfer_ready(t.tid, t.src, complete=lambda: rest.wait(10))
+            await trio.sleep(0.05)
+            assert not t.ended.is_set()
+            for layer in range(1, LAYERS):
+                t.compute(layer)
+            rest.set()
+            await t.delivered()

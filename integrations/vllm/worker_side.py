@@ -413,7 +413,7 @@ class WorkerSide:
             if meta.ready:
                 # Known here from now on, so that a death of this thread releases them too.
                 self._send_req |= {send.transfer_id: r for r, send in meta.ready.items()}
-                self._after(event, self._ready, sender, meta.ready)
+                self._ready(sender, meta.ready, _waiter(event))
             for tid in meta.dropped:
                 _logged(sender.transfer_dropped, tid, "the prefill ended without its KV")
         if receiver is not None:
@@ -422,10 +422,15 @@ class WorkerSide:
             for tid in meta.aborts.values():
                 _logged(receiver.abort, tid, "the request was aborted on D")
 
-    def _ready(self, sender: Sender, sends: dict[str, SendSpec]) -> None:
+    def _ready(
+        self, sender: Sender, sends: dict[str, SendSpec], complete: Callable[[], object] | None
+    ) -> None:
         for req_id, send in sends.items():
             self._send_req[send.transfer_id] = req_id
-            if not _logged(sender.transfer_ready, send.transfer_id, list(send.block_ids)):
+            ready = _logged(
+                sender.transfer_ready, send.transfer_id, list(send.block_ids), complete=complete
+            )
+            if not ready:
                 del self._send_req[send.transfer_id]  # never sent: P may free the blocks
                 with self._lock:
                     self._add_results(sent={req_id})
@@ -433,26 +438,10 @@ class WorkerSide:
     def _layer_done(
         self, tids: list[str], regions: tuple[int, ...], event: torch.cuda.Event | None
     ) -> None:
-        sender = self._sender
-        if sender is not None:
-            self._after(event, _layers_ready, sender, tids, regions)
-
-    def _after(self, event: torch.cuda.Event | None, fn: Callable[..., None], *args: Any) -> None:
-        """``fn(*args)`` once the forward's kernels up to ``event`` are done: now when there
-        is none (CPU), else in a task that waits for it in a worker thread."""
-        if event is None:
-            fn(*args)
-            return
-
-        async def when_done() -> None:
-            await trio.to_thread.run_sync(event.synchronize)
-            fn(*args)
-
-        self._nursery().start_soon(when_done)
-
-    def _nursery(self) -> trio.Nursery:
-        assert self._host is not None
-        return self._host.nursery
+        if (sender := self._sender) is not None:
+            complete = _waiter(event)
+            for tid in tids:
+                sender.layer_ready(tid, regions, complete=complete)
 
     def _start_pull(self, receiver: Receiver, req_id: str, pull: PullSpec) -> None:
         started = _logged(
@@ -517,9 +506,11 @@ class WorkerSide:
             return self.counters.take()
 
 
-def _layers_ready(sender: Sender, tids: list[str], regions: tuple[int, ...]) -> None:
-    for tid in tids:
-        sender.layer_ready(tid, regions)
+def _waiter(event: torch.cuda.Event | None) -> Callable[[], object] | None:
+    """What the sender's write thread calls to wait for the forward's kernels up to ``event``
+    (None on a CPU, where the forward is synchronous). The wait happens in the thread that
+    then makes the engine call: no hop between the GPU finishing and the write starting."""
+    return None if event is None else event.synchronize
 
 
 def _logged(fn: Callable[..., None], *args: Any, **kwargs: Any) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -66,13 +66,20 @@ _MAX_LAYOUTS = 1024
 _MAX_BAD_PEERS = 4096
 
 
+#: A blocking wait for KV to be complete in memory (e.g. a CUDA event's ``synchronize``).
+Complete = Callable[[], object]
+#: Regions of a streamed transfer whose KV P computed, and the wait for it (None: in memory).
+_Layer = tuple[tuple[int, ...], Complete | None]
+
+
 @dataclass(eq=False)
 class _Stream:
     """A transfer written while P computes it: the layers P has reported complete."""
 
-    layers: trio.MemorySendChannel[tuple[int, ...]]
-    wanted: trio.MemoryReceiveChannel[tuple[int, ...]]
+    layers: trio.MemorySendChannel[_Layer]
+    wanted: trio.MemoryReceiveChannel[_Layer]
     complete: bool = False  # P said it is done (ready or dropped)
+    rest_complete: Complete | None = None  # the wait for the KV not streamed yet
     failed: str | None = None  # P dropped it
     done: bool = False  # the write task ended
 
@@ -115,6 +122,7 @@ class Sender:
         self._finished_changed = Pulse()
         self._bad_peers: set[bytes] = set()
         self._streams: dict[str, _Stream] = {}  # transfers written while P computes them
+        self._complete: dict[str, Complete] = {}  # ready KV a GPU may still be computing
         self.bytes_sent = 0
         self.descriptors_sent = 0
         self.streamed_sent = 0  # transfers written layer by layer while P computed them
@@ -132,12 +140,26 @@ class Sender:
         """P's prefill of ``transfer_id`` started (its KV is not ready yet)."""
         self._apply(self._table.prefill_started(transfer_id, trio.current_time()))
 
-    def transfer_ready(self, transfer_id: str, block_ids: list[int] | tuple[int, ...]) -> None:
-        """P's prefill finished; its KV sits in ``block_ids`` until the id is released."""
+    def transfer_ready(
+        self,
+        transfer_id: str,
+        block_ids: list[int] | tuple[int, ...],
+        *,
+        complete: Complete | None = None,
+    ) -> None:
+        """P's prefill finished; its KV sits in ``block_ids`` until the id is released.
+
+        ``complete``: the KV may still be being computed (a GPU's forward was enqueued, not
+        finished) and this blocking callable returns once it is in memory, e.g.
+        ``torch.cuda.Event.synchronize``. The write's worker thread calls it right before the
+        engine call, so no hop is spent on the wait; if it raises, the transfer fails.
+        """
         timeline.mark(transfer_id, "ready")
         if (stream := self._streams.get(transfer_id)) is not None:
-            self._end_stream(transfer_id, stream)  # the rest of the KV goes out now
+            self._end_stream(transfer_id, stream, complete)  # the rest of the KV goes out now
             return
+        if complete is not None:
+            self._complete[transfer_id] = complete
         self._apply(self._table.prefill_ready(transfer_id, tuple(block_ids), trio.current_time()))
 
     def transfer_streaming(self, transfer_id: str, block_ids: list[int] | tuple[int, ...]) -> None:
@@ -148,22 +170,25 @@ class Sender:
         happens before :meth:`transfer_ready`, which sends the whole KV as usual."""
         effects = self._table.prefill_streaming(transfer_id, tuple(block_ids), trio.current_time())
         if effects:
-            send, recv = trio.open_memory_channel[tuple[int, ...]](math.inf)
+            send, recv = trio.open_memory_channel[_Layer](math.inf)
             self._streams[transfer_id] = _Stream(send, recv)
         self._apply(effects)
 
-    def layer_ready(self, transfer_id: str, regions: Sequence[int]) -> None:
-        """The KV of these layout regions (a layer's) is complete in the streamed blocks;
-        ignored unless ``transfer_id`` is being streamed."""
+    def layer_ready(
+        self, transfer_id: str, regions: Sequence[int], *, complete: Complete | None = None
+    ) -> None:
+        """The KV of these layout regions (a layer's) is complete in the streamed blocks (or
+        will be once ``complete()`` returns, as in :meth:`transfer_ready`); ignored unless
+        ``transfer_id`` is being streamed."""
         stream = self._streams.get(transfer_id)
         if stream is not None and not (stream.complete or stream.done):
-            stream.layers.send_nowait(tuple(regions))
+            stream.layers.send_nowait((tuple(regions), complete))
 
     def transfer_dropped(self, transfer_id: str, reason: str = "") -> None:
         """P will not finish ``transfer_id``; a waiting D is told at once."""
         if (stream := self._streams.get(transfer_id)) is not None:
             stream.failed = f"P dropped the prefill: {reason}" if reason else "P dropped it"
-            self._end_stream(transfer_id, stream)
+            self._end_stream(transfer_id, stream, None)
             return
         self._apply(self._table.prefill_dropped(transfer_id, trio.current_time(), reason))
 
@@ -276,7 +301,7 @@ class Sender:
             if stream is not None:
                 error = await self._stream(job, stream, written)
             else:
-                await self._write(job, written)
+                await self._write(job, written, before=self._complete.pop(job.transfer_id, None))
         except (PlanError, DataPlaneError) as exc:
             error = str(exc)
         finally:
@@ -304,13 +329,18 @@ class Sender:
         )
 
     async def _write(
-        self, job: StartSend, written: _Written, regions: Sequence[int] | None = None
+        self,
+        job: StartSend,
+        written: _Written,
+        regions: Sequence[int] | None = None,
+        before: Complete | None = None,
     ) -> None:
-        """Write ``regions`` (default all) of the job's blocks into D's."""
+        """Write ``regions`` (default all) of the job's blocks into D's, once ``before()``
+        (in the engine's worker thread) says they are complete."""
         pull = job.pull
         assert pull.layout is not None
         plan = plan_transfer(self.layout, job.src_blocks, pull.layout, pull.block_ids, regions)
-        await self._dataplane.write(pull.session, plan.src, plan.dst, plan.lengths)
+        await self._dataplane.write(pull.session, plan.src, plan.dst, plan.lengths, before=before)
         written.nbytes += plan.nbytes
         written.descriptors += plan.descriptors
 
@@ -326,12 +356,12 @@ class Sender:
         error: str | None = None
         with trio.move_on_after(self.config.ready_timeout):
             async with stream.wanted:
-                async for regions in stream.wanted:
+                async for regions, complete in stream.wanted:
                     todo = [r for r in regions if r not in done]
                     if error is not None or not todo:
                         continue
                     try:
-                        await self._write(job, written, todo)
+                        await self._write(job, written, todo, complete)
                     except (PlanError, DataPlaneError) as exc:
                         error = str(exc)  # no more writes; wait for P's word
                     done.update(todo)
@@ -341,12 +371,13 @@ class Sender:
             return error or stream.failed
         rest = [r for r in range(len(self.layout.regions)) if r not in done]
         if rest:
-            await self._write(job, written, rest)
+            await self._write(job, written, rest, stream.rest_complete)
         return None
 
-    def _end_stream(self, transfer_id: str, stream: _Stream) -> None:
+    def _end_stream(self, transfer_id: str, stream: _Stream, complete: Complete | None) -> None:
         """P is done with a streamed transfer: the write task sends the rest and ends it."""
         stream.complete = True
+        stream.rest_complete = complete
         stream.layers.close()
         if stream.done:  # the write already ended (it failed): nothing waits for this any more
             del self._streams[transfer_id]
@@ -360,6 +391,7 @@ class Sender:
                     self._nursery.start_soon(self._send, effect)
                 case Release(transfer_id=tid, state=state):
                     log.debug("transfer %s released (%s)", tid, state.value)
+                    self._complete.pop(tid, None)
                     self._finished.add(tid)
                     self._finished_changed.fire()
 

@@ -116,6 +116,25 @@ def _prepare(layout: Layout) -> _Prepared:
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _prepare_pair(src: Layout, dst: Layout) -> tuple[_Prepared, _Prepared]:
+    """Both layouts prepared, checked to be alike once per pair (D workers are few)."""
+    sp = _prepare(src)
+    dp = _prepare(dst)
+    if len(sp.num_blocks) != len(dp.num_blocks):
+        raise LayoutMismatch(
+            f"P has {len(sp.num_blocks)} KV regions, D has {len(dp.num_blocks)}: "
+            "the engines are not configured alike"
+        )
+    if not np.array_equal(sp.block_bytes, dp.block_bytes):
+        r = int(np.flatnonzero(sp.block_bytes != dp.block_bytes)[0])
+        raise LayoutMismatch(
+            f"region {r} moves {int(sp.block_bytes[r])} bytes per block on P but "
+            f"{int(dp.block_bytes[r])} on D (different dtype, heads or block size?)"
+        )
+    return sp, dp
+
+
 def _as_ids(ids: Sequence[int], side: str) -> _Ids:
     try:
         arr = np.asarray(ids, dtype=np.int64)
@@ -129,7 +148,9 @@ def _as_ids(ids: Sequence[int], side: str) -> _Ids:
 def _check_bounds(ids: _Ids, prep: _Prepared, side: str) -> None:
     if not len(ids):
         return
-    lo, hi = int(ids.min()), int(ids.max())
+    # Python's min and max beat numpy's reductions on the short lists a transfer has.
+    listed = ids.tolist() if len(ids) <= 4096 else None
+    lo, hi = (min(listed), max(listed)) if listed else (int(ids.min()), int(ids.max()))
     if lo >= 0 and hi < prep.min_blocks:
         return
     bad = lo if lo < 0 else hi
@@ -174,19 +195,7 @@ def plan_transfer(
     differ, and :class:`PlanError` for a malformed layout, more ``dst_blocks`` than
     ``src_blocks``, a block id outside its region, or a destination block named twice.
     """
-    sp = _prepare(src)
-    dp = _prepare(dst)
-    if len(sp.num_blocks) != len(dp.num_blocks):
-        raise LayoutMismatch(
-            f"P has {len(sp.num_blocks)} KV regions, D has {len(dp.num_blocks)}: "
-            "the engines are not configured alike"
-        )
-    if not np.array_equal(sp.block_bytes, dp.block_bytes):
-        r = int(np.flatnonzero(sp.block_bytes != dp.block_bytes)[0])
-        raise LayoutMismatch(
-            f"region {r} moves {int(sp.block_bytes[r])} bytes per block on P but "
-            f"{int(dp.block_bytes[r])} on D (different dtype, heads or block size?)"
-        )
+    sp, dp = _prepare_pair(src, dst)
     n, m = len(dst_blocks), len(src_blocks)
     if n > m:
         raise PlanError(f"D asks for {n} blocks but P holds only {m}")
@@ -196,7 +205,7 @@ def plan_transfer(
     _check_bounds(s_ids, sp, "P")
     _check_bounds(d_ids, dp, "D")
     s_ids = s_ids[m - n :]
-    if n > 1 and len(np.unique(d_ids)) != n:
+    if n > 1 and len(set(d_ids.tolist())) != n:
         # Chunks of a write may land in any order: two copies into one block race.
         raise PlanError("D block ids contain duplicates")
 

@@ -31,6 +31,12 @@ DROPPED,
 CANCELLED
 ============  ==============================  ==============================================
 
+Every deadline is ``now`` plus a constant of the table, so each kind of deadline comes due in
+the order it was set: the table keeps one insertion-ordered queue per kind (waiting for a pull,
+a pull waiting, unclaimed KV, tombstones), and :meth:`tick` looks only at the heads that are
+due. A tick costs what it ends, not what the table holds: at thousands of transfers per second
+the tombstones alone are hundreds of thousands of entries. ``now`` must never go backwards.
+
 An ended transfer stays as a *tombstone* for ``tombstone_ttl`` so that a late pull is answered
 at once (no long waits), and a late "ready" for a transfer D gave up on is released at once.
 P's blocks are released (``Release``) exactly once for every transfer that was READY.
@@ -41,6 +47,7 @@ Anything else — a second "ready", a send result for a transfer not being sent 
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from pdactors.errors import IllegalTransition
@@ -125,10 +132,10 @@ class _Entry:
     blocks: tuple[int, ...] | None = None
     identity: bytes = b""
     pull: PullRequest | None = None
-    pull_deadline: float = float("inf")
-    expires_at: float = float("inf")
     reason: str = ""
     had_blocks: bool = False
+    #: The deadline queue this entry is in (None: SENDING has no deadline).
+    timer: OrderedDict[str, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +157,11 @@ class SendTable:
         self.tombstone_ttl = tombstone_ttl
         self._entries: dict[str, _Entry] = {}
         self._counts = {s: 0 for s in SendState}
+        # Deadline queues, transfer id -> deadline, each in deadline order (see the module doc).
+        self._no_pull: OrderedDict[str, float] = OrderedDict()  # PENDING, no pull yet
+        self._pulls: OrderedDict[str, float] = OrderedDict()  # PENDING, D's pull waits
+        self._unclaimed: OrderedDict[str, float] = OrderedDict()  # READY
+        self._tombstones: OrderedDict[str, float] = OrderedDict()  # ended
 
     # ------------------------------------------------------------------ queries
 
@@ -159,10 +171,9 @@ class SendTable:
         return entry.state if entry else None
 
     def statistics(self) -> SendTableStats:
-        live = sum(1 for e in self._entries.values() if not e.state.ended)
         return SendTableStats(
-            live=live,
-            tombstones=len(self._entries) - live,
+            live=len(self._entries) - len(self._tombstones),
+            tombstones=len(self._tombstones),
             sent=self._counts[SendState.DONE],
             failed=self._counts[SendState.FAILED],
             expired=self._counts[SendState.EXPIRED],
@@ -175,7 +186,7 @@ class SendTable:
         """P scheduled the prefill of ``transfer_id``."""
         entry = self._entries.get(transfer_id)
         if entry is None:
-            self._entries[transfer_id] = _Entry(SendState.PENDING, now)
+            self._new_pending(transfer_id, now)
         elif entry.state in (SendState.READY, SendState.SENDING):
             raise IllegalTransition(f"{transfer_id}: started again while {entry.state.value}")
         return []
@@ -184,7 +195,7 @@ class SendTable:
         """P finished the prefill; its KV is in ``blocks`` until a :class:`Release`."""
         entry = self._entries.get(transfer_id)
         if entry is None:
-            entry = self._entries[transfer_id] = _Entry(SendState.PENDING, now)
+            entry = self._new_pending(transfer_id, now)
         if entry.had_blocks:
             raise IllegalTransition(f"{transfer_id}: ready again ({entry.state.value})")
         entry.had_blocks = True
@@ -194,8 +205,7 @@ class SendTable:
         entry.blocks = blocks
         if entry.pull is not None:
             return self._start_send(transfer_id, entry, now)
-        self._move(entry, SendState.READY, now)
-        entry.expires_at = now + self.unclaimed_ttl
+        self._move(transfer_id, entry, SendState.READY, now)
         return []
 
     def prefill_streaming(
@@ -228,7 +238,7 @@ class SendTable:
         """D asks for ``transfer_id``; answered now, when P is ready, or at the deadline."""
         entry = self._entries.get(transfer_id)
         if entry is None:
-            entry = self._entries[transfer_id] = _Entry(SendState.PENDING, now)
+            entry = self._new_pending(transfer_id, now)
         if entry.state.ended:
             reason = entry.reason or _END_REASONS[entry.state]
             return [Reply(identity, PullFailed(transfer_id, reason))]
@@ -239,7 +249,7 @@ class SendTable:
         entry.identity, entry.pull = identity, pull
         if entry.state is SendState.READY:
             return self._start_send(transfer_id, entry, now)
-        entry.pull_deadline = now + self.ready_timeout
+        self._arm(transfer_id, entry, self._pulls, now + self.ready_timeout)
         return []
 
     def peer_gone(self, identity: bytes, now: float, reason: str = "") -> list[Effect]:
@@ -251,10 +261,11 @@ class SendTable:
         """
         reason = "the pulling D worker is gone" + (f": {reason}" if reason else "")
         effects: list[Effect] = []
-        for tid, entry in self._entries.items():
-            if entry.identity == identity and entry.state is SendState.PENDING:
-                entry.pull = None  # nobody to answer
-                effects += self._end(tid, entry, SendState.CANCELLED, now, reason)
+        # Only PENDING entries with a pull have an identity: they are all in the pull queue.
+        for tid in [tid for tid in self._pulls if self._entries[tid].identity == identity]:
+            entry = self._entries[tid]
+            entry.pull = None  # nobody to answer
+            effects += self._end(tid, entry, SendState.CANCELLED, now, reason)
         return effects
 
     def pull_cancelled(
@@ -301,23 +312,18 @@ class SendTable:
     def tick(self, now: float) -> list[Effect]:
         """Time out waiting pulls, expire unclaimed KV, forget old tombstones."""
         effects: list[Effect] = []
-        forget: list[str] = []
-        for tid, entry in self._entries.items():
-            if entry.state is SendState.PENDING and entry.pull is not None:
-                if now >= entry.pull_deadline:
-                    reason = f"P's prefill was not ready within {self.ready_timeout:g} s"
-                    effects += self._end(tid, entry, SendState.TIMED_OUT, now, reason)
-            elif entry.state is SendState.PENDING:
-                if now >= entry.since + self.ready_timeout:
-                    reason = f"no pull and no ready KV within {self.ready_timeout:g} s"
-                    effects += self._end(tid, entry, SendState.EXPIRED, now, reason)
-            elif entry.state is SendState.READY:
-                if now >= entry.expires_at:
-                    reason = f"P's KV expired: no pull within {self.unclaimed_ttl:g} s"
-                    effects += self._end(tid, entry, SendState.EXPIRED, now, reason)
-            elif entry.state.ended and now >= entry.since + self.tombstone_ttl:
-                forget.append(tid)
-        for tid in forget:
+        ready_timeout = f"{self.ready_timeout:g} s"
+        for tid in _due(self._pulls, now):
+            reason = f"P's prefill was not ready within {ready_timeout}"
+            effects += self._end(tid, self._entries[tid], SendState.TIMED_OUT, now, reason)
+        for tid in _due(self._no_pull, now):
+            reason = f"no pull and no ready KV within {ready_timeout}"
+            effects += self._end(tid, self._entries[tid], SendState.EXPIRED, now, reason)
+        for tid in _due(self._unclaimed, now):
+            reason = f"P's KV expired: no pull within {self.unclaimed_ttl:g} s"
+            effects += self._end(tid, self._entries[tid], SendState.EXPIRED, now, reason)
+        for tid in _due(self._tombstones, now):
+            del self._tombstones[tid]
             del self._entries[tid]
         return effects
 
@@ -328,7 +334,8 @@ class SendTable:
         reason = _END_REASONS[state] + (f": {reason}" if reason else "")
         entry = self._entries.get(transfer_id)
         if entry is None:
-            self._entries[transfer_id] = _Entry(state, now, reason=reason)
+            entry = self._entries[transfer_id] = _Entry(state, now, reason=reason)
+            self._arm(transfer_id, entry, self._tombstones, now + self.tombstone_ttl)
             self._counts[state] += 1
             return []
         if entry.state.ended or entry.state is SendState.SENDING:
@@ -338,14 +345,37 @@ class SendTable:
             entry.pull = None  # D is gone: no reply
         return self._end(transfer_id, entry, state, now, reason)
 
-    def _move(self, entry: _Entry, state: SendState, now: float) -> None:
+    def _new_pending(self, transfer_id: str, now: float) -> _Entry:
+        entry = self._entries[transfer_id] = _Entry(SendState.PENDING, now)
+        self._arm(transfer_id, entry, self._no_pull, now + self.ready_timeout)
+        return entry
+
+    def _move(self, transfer_id: str, entry: _Entry, state: SendState, now: float) -> None:
+        """Leave PENDING or READY for ``state``, with the deadline that state has."""
         entry.state, entry.since = state, now
+        if state is SendState.READY:
+            self._arm(transfer_id, entry, self._unclaimed, now + self.unclaimed_ttl)
+        elif state is SendState.SENDING:
+            self._arm(transfer_id, entry, None, 0.0)
+        else:
+            self._arm(transfer_id, entry, self._tombstones, now + self.tombstone_ttl)
+
+    @staticmethod
+    def _arm(
+        transfer_id: str, entry: _Entry, queue: OrderedDict[str, float] | None, deadline: float
+    ) -> None:
+        """Move the entry's deadline to ``queue`` (None: no deadline)."""
+        if entry.timer is not None:
+            del entry.timer[transfer_id]
+        entry.timer = queue
+        if queue is not None:
+            queue[transfer_id] = deadline
 
     def _start_send(
         self, transfer_id: str, entry: _Entry, now: float, *, streamed: bool = False
     ) -> list[Effect]:
         assert entry.pull is not None and entry.blocks is not None
-        self._move(entry, SendState.SENDING, now)
+        self._move(transfer_id, entry, SendState.SENDING, now)
         return [StartSend(transfer_id, entry.pull, entry.blocks, streamed)]
 
     def _end(
@@ -359,7 +389,7 @@ class SendTable:
             )
         if entry.blocks is not None:
             effects.append(Release(transfer_id, state))
-        self._move(entry, state, now)
+        self._move(transfer_id, entry, state, now)
         entry.reason, entry.pull, entry.blocks = reason, None, None
         entry.identity = b""
         self._counts[state] += 1
@@ -369,3 +399,13 @@ class SendTable:
 def _same_pull(a: PullRequest, b: PullRequest) -> bool:
     """The same request, whether or not one of them carried D's layout."""
     return (a.session, a.block_ids, a.layout_id) == (b.session, b.block_ids, b.layout_id)
+
+
+def _due(queue: OrderedDict[str, float], now: float) -> list[str]:
+    """The ids at the head of a deadline-ordered queue whose deadline has come."""
+    due = []
+    for tid, deadline in queue.items():
+        if deadline > now:
+            break
+        due.append(tid)
+    return due

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -25,9 +26,20 @@ class DataPlane(Protocol):
         """Register ``(address, length)`` regions for transfers; overlapping or repeated
         regions (views of one storage) are registered once. Raises DataPlaneError."""
 
-    async def write(self, peer: str, src: Addrs, dst: Addrs, lengths: Addrs) -> None:
+    async def write(
+        self,
+        peer: str,
+        src: Addrs,
+        dst: Addrs,
+        lengths: Addrs,
+        *,
+        before: Callable[[], object] | None = None,
+    ) -> None:
         """Write ``lengths[i]`` bytes from local ``src[i]`` to ``peer``'s ``dst[i]``.
 
         Checkpoint. Runs in a worker thread; splits into chunks below the engine's per-peer
-        descriptor limit. Raises TransferError (naming peer and byte count) on failure.
+        descriptor limit. ``before`` (blocking) runs in that thread right before the first
+        engine call: a wait for the KV to be complete, e.g. a CUDA event's ``synchronize``.
+        Raises TransferError (naming peer and byte count) on failure, DataPlaneError when
+        ``before`` raised.
         """

@@ -22,15 +22,17 @@ without it. Its log level is the user's business (``MC_LOG_LEVEL=ERROR`` in the 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import trio
 
+from pdactors._pulse import Pulse
 from pdactors.config import DataPlaneConfig
 from pdactors.errors import DataPlaneError, TransferError
 
@@ -65,7 +67,7 @@ class DataPlaneStatistics:
     """Counters of a :class:`MooncakeDataPlane`.
 
     ``writes``, ``bytes`` and ``descriptors`` count writes that completed; ``failures`` counts
-    writes that raised :class:`TransferError`; ``calls`` counts engine calls (chunks), failed
+    writes that failed; ``calls`` counts engine calls (one may carry several writes), failed
     ones included; ``registrations`` and ``registered_bytes`` describe the memory registered.
     """
 
@@ -91,7 +93,7 @@ class MooncakeDataPlane:
         self._config = config
         self._session = session
         self._limiter = trio.CapacityLimiter(config.workers)
-        self._per_peer: dict[str, trio.Semaphore] = {}
+        self._per_peer: dict[str, _PeerQueue] = {}
         # Sorted, disjoint (addr, length) intervals, one per register_memory call that worked.
         self._registered: list[tuple[int, int]] = []
         self._writes = self._bytes = self._descriptors = self._failures = self._calls = 0
@@ -163,62 +165,123 @@ class MooncakeDataPlane:
                 self._registered.sort()
                 log.debug("registered %d bytes at %#x", length, addr)
 
-    async def write(self, peer: str, src: Addrs, dst: Addrs, lengths: Addrs) -> None:
+    async def write(
+        self,
+        peer: str,
+        src: Addrs,
+        dst: Addrs,
+        lengths: Addrs,
+        *,
+        before: Callable[[], object] | None = None,
+    ) -> None:
         """Write ``lengths[i]`` bytes from local ``src[i]`` to ``peer``'s ``dst[i]``.
 
-        Checkpoint, even when there is nothing to write. The descriptors go out in calls of at
-        most ``max_descriptors_per_call``, one after the other, each in a worker thread
-        (at most ``workers`` threads for the whole data plane, at most ``max_calls_per_peer``
-        calls in flight to one peer).
+        ``before``: a blocking callable the worker thread runs right before the write's first
+        engine call, e.g. ``torch.cuda.Event.synchronize`` for KV a GPU is still computing.
+        The wait then costs no hop of its own: the thread that saw the KV complete makes the
+        call. If it raises, the write fails with :class:`DataPlaneError` and sends nothing.
 
-        Cancellation: waiting for a worker or for the peer's turn is cancellable, but a call
-        the engine has started is not abandoned, since the engine may still be reading our
-        memory and writing the peer's. A cancelled write therefore returns only when the call
-        in flight does; Mooncake bounds that with its own TCP timeouts (about 30 s for a
-        stopped peer, about 60 s for one that accepts but never answers). Calls not yet
-        started are skipped. After a cancellation or failure, an unknown prefix of the write
-        may have landed.
+        Checkpoint, even when there is nothing to write. The descriptors are cut into pieces of
+        at most ``max_descriptors_per_call`` and queued for ``peer``. Engine calls run in worker
+        threads (at most ``workers`` for the whole data plane, at most ``max_calls_per_peer``
+        in flight to one peer), and each call carries as many queued pieces, from any writes
+        to that peer, as fit in ``max_descriptors_per_call``: under load one worker-thread hop
+        and one engine call serve many writes. Whichever waiting write finds a call free makes
+        it, on behalf of everyone it carries, so no background task is needed.
 
-        Raises :class:`TransferError` naming the peer, the bytes of the whole write and the
-        engine's code, and :class:`DataPlaneError` for arrays of different lengths or a
-        closed data plane.
+        Cancellation: a piece not yet in a call is dropped, but a call the engine has started
+        is not abandoned, since the engine may still be reading our memory and writing the
+        peer's. A cancelled write therefore returns only when its pieces in flight have; Mooncake
+        bounds that with its own TCP timeouts (about 30 s for a stopped peer, about 60 s for one
+        that accepts but never answers). After a cancellation or failure, an unknown part of
+        the write may have landed.
+
+        A failed engine call fails every write it carried (they all go to ``peer``; what fails
+        a call is the peer or its memory). Raises :class:`TransferError` naming the peer, the
+        bytes of the whole write and the engine's code, and :class:`DataPlaneError` for arrays
+        of different lengths or a closed data plane.
         """
         count = len(lengths)
         if len(src) != count or len(dst) != count:
             raise DataPlaneError(
                 f"src, dst and lengths differ in length ({len(src)}, {len(dst)}, {count})"
             )
-        engine = self._live_engine()
+        self._live_engine()
         if count == 0:
             await trio.lowlevel.checkpoint()
             return
-        nbytes = int(lengths.sum())
         step = self._config.max_descriptors_per_call
-        chunks = range(0, count, step)
-        peer_calls = self._per_peer.get(peer)
-        if peer_calls is None:
-            peer_calls = self._per_peer[peer] = trio.Semaphore(self._config.max_calls_per_peer)
-        for index, start in enumerate(chunks):
+        queue = self._per_peer.get(peer)
+        if queue is None:
+            queue = self._per_peer[peer] = _PeerQueue(self._config.max_calls_per_peer)
+        job = _Write(int(lengths.sum()), pending=-(-count // step), before=before)
+        for start in range(0, count, step):
             stop = start + step
-            call = _chunk_call(engine, peer, src[start:stop], dst[start:stop], lengths[start:stop])
-            async with peer_calls:
-                self._calls += 1
-                rc = await trio.to_thread.run_sync(
-                    call, limiter=self._limiter, abandon_on_cancel=False
-                )
-            if rc != 0:
-                self._failures += 1
-                landed = "; the calls before it landed" if index else ""
-                raise TransferError(
-                    peer,
-                    nbytes,
-                    rc,
-                    f"engine call {index + 1} of {len(chunks)} "
-                    f"({min(step, count - start)} descriptors) failed{landed}",
-                )
+            queue.pieces.append(_Piece(job, src[start:stop], dst[start:stop], lengths[start:stop]))
+        try:
+            while job.pending and job.error is None:
+                if queue.free_calls and queue.pieces:
+                    await self._call(peer, queue)
+                else:
+                    await job.changed.wait()
+        except BaseException:
+            queue.drop(job)
+            queue.kick()
+            with trio.CancelScope(shield=True):
+                while job.running:
+                    await job.changed.wait()
+            raise
+        if job.error is not None:
+            queue.drop(job)  # the rest of a failed write is not sent
+            queue.kick()
+            while job.running:
+                await job.changed.wait()
+            self._failures += 1
+            if job.code == _BEFORE_FAILED:
+                raise DataPlaneError(f"write of {job.nbytes} bytes to {peer}: {job.error}")
+            raise TransferError(peer, job.nbytes, job.code, job.error)
         self._writes += 1
-        self._bytes += nbytes
+        self._bytes += job.nbytes
         self._descriptors += count
+
+    async def _call(self, peer: str, queue: _PeerQueue) -> None:
+        """Make one engine call to ``peer`` carrying the pieces at the head of its queue."""
+        engine = self._live_engine()
+        batch = queue.take(self._config.max_descriptors_per_call)
+        for piece in batch:
+            piece.write.running += 1
+        queue.free_calls -= 1
+        self._calls += 1
+        result: tuple[int, dict[int, str]] | None = None
+        try:
+            result = await trio.to_thread.run_sync(
+                _batch_call(engine, peer, batch), limiter=self._limiter, abandon_on_cancel=False
+            )
+        finally:
+            queue.free_calls += 1
+            if result is None:  # cancelled before the call started: the pieces wait for another
+                queue.pieces.extendleft(reversed(batch))
+            jobs = {id(piece.write): piece.write for piece in batch}
+            for piece in batch:
+                job = piece.write
+                job.running -= 1
+                if result is None:
+                    continue
+                rc, unready = result
+                if id(job) in unready:
+                    if job.error is None:
+                        job.code, job.error = _BEFORE_FAILED, unready[id(job)]
+                elif rc == 0:
+                    job.pending -= 1
+                elif job.error is None:
+                    others = len(jobs) - 1
+                    plural = "s" if others > 1 else ""
+                    carried = f", carrying {others} other write{plural}" if others else ""
+                    job.code = rc
+                    job.error = f"engine call of {_descriptors(batch)} descriptors{carried} failed"
+            for job in jobs.values():
+                job.changed.fire()
+            queue.kick()
 
     def _live_engine(self) -> MooncakeEngine:
         if self._engine is None:
@@ -249,13 +312,96 @@ class MooncakeDataPlane:
         self._detach()
 
 
-def _chunk_call(
-    engine: MooncakeEngine, peer: str, src: Addrs, dst: Addrs, lengths: Addrs
-) -> Callable[[], int]:
-    # Lists are built in the worker thread: for a 1024-descriptor chunk that is ~50 µs the
-    # Trio thread does not spend.
-    def call() -> int:
-        return engine.batch_transfer_sync_write(peer, src.tolist(), dst.tolist(), lengths.tolist())
+@dataclass(eq=False, slots=True)
+class _Write:
+    """One :meth:`MooncakeDataPlane.write` in progress."""
+
+    nbytes: int
+    pending: int  # pieces not yet landed
+    before: Callable[[], object] | None = None  # run in the thread before the first call
+    running: int = 0  # pieces in an engine call now
+    code: int = 0
+    error: str | None = None
+    changed: Pulse = field(default_factory=Pulse)
+
+
+@dataclass(eq=False, slots=True)
+class _Piece:
+    """At most ``max_descriptors_per_call`` descriptors of a write."""
+
+    write: _Write
+    src: Addrs
+    dst: Addrs
+    lengths: Addrs
+
+
+class _PeerQueue:
+    """The pieces waiting for an engine call to one peer, and that peer's free calls."""
+
+    def __init__(self, calls: int) -> None:
+        self.pieces: deque[_Piece] = deque()
+        self.free_calls = calls
+
+    def take(self, limit: int) -> list[_Piece]:
+        """Pieces from the head while their descriptors fit in ``limit`` (at least one)."""
+        batch = [self.pieces.popleft()]
+        total = len(batch[0].lengths)
+        while self.pieces and total + len(self.pieces[0].lengths) <= limit:
+            piece = self.pieces.popleft()
+            total += len(piece.lengths)
+            batch.append(piece)
+        return batch
+
+    def drop(self, job: _Write) -> None:
+        """Forget the pieces of ``job`` still waiting."""
+        if any(piece.write is job for piece in self.pieces):
+            self.pieces = deque(piece for piece in self.pieces if piece.write is not job)
+
+    def kick(self) -> None:
+        """Wake the owner of the head piece if a call is free: it makes the next call (an
+        owner busy making another call takes the next one when that call returns)."""
+        if self.free_calls and self.pieces:
+            self.pieces[0].write.changed.fire()
+
+
+def _descriptors(batch: list[_Piece]) -> int:
+    return sum(len(piece.lengths) for piece in batch)
+
+
+#: The code of a write whose ``before`` raised (no engine call was made for it).
+_BEFORE_FAILED = -10_000
+
+
+def _batch_call(
+    engine: MooncakeEngine, peer: str, batch: list[_Piece]
+) -> Callable[[], tuple[int, dict[int, str]]]:
+    """The worker thread's work: run the writes' ``before`` waits, then one engine call for
+    the pieces whose wait succeeded. Returns the engine's code and, by ``id`` of the write,
+    the waits that raised."""
+
+    def call() -> tuple[int, dict[int, str]]:
+        unready: dict[int, str] = {}
+        for piece in batch:
+            job = piece.write
+            if job.before is not None:
+                try:
+                    job.before()
+                except Exception as exc:  # the KV never became complete: that write fails
+                    unready[id(job)] = f"the KV was not complete: {type(exc).__name__}: {exc}"
+                job.before = None  # once per write (a second, concurrent run is harmless)
+        pieces = [piece for piece in batch if id(piece.write) not in unready]
+        if not pieces:
+            return 0, unready
+        # The lists are built here: for a 1024-descriptor call that is ~50 µs the Trio
+        # thread does not spend.
+        if len(pieces) == 1:
+            src, dst, lengths = pieces[0].src, pieces[0].dst, pieces[0].lengths
+        else:
+            src = np.concatenate([piece.src for piece in pieces])
+            dst = np.concatenate([piece.dst for piece in pieces])
+            lengths = np.concatenate([piece.lengths for piece in pieces])
+        rc = engine.batch_transfer_sync_write(peer, src.tolist(), dst.tolist(), lengths.tolist())
+        return int(rc), unready
 
     return call
 

@@ -37,14 +37,22 @@ class FaultyDataPlane:
     def register(self, regions: list[tuple[int, int]]) -> None:
         self.inner.register(regions)
 
-    async def write(self, peer: str, src: Addrs, dst: Addrs, lengths: Addrs) -> None:
+    async def write(
+        self,
+        peer: str,
+        src: Addrs,
+        dst: Addrs,
+        lengths: Addrs,
+        *,
+        before: Callable[[], object] | None = None,
+    ) -> None:
         self.writes_started += 1
         if self.gate is not None:
             await self.gate.wait()
         if self.fail_writes > 0:
             self.fail_writes -= 1
             raise TransferError(peer, int(lengths.sum()), -1, "injected fault")
-        await self.inner.write(peer, src, dst, lengths)
+        await self.inner.write(peer, src, dst, lengths, before=before)
 
 
 @dataclass
