@@ -9,19 +9,21 @@ gives *P CPU µs per transfer* and the rate one sender sustains on one core (1 /
 
     python bench/control_plane.py                       # P and D in two processes
     python bench/control_plane.py --one-process         # both in one Trio thread (older figures)
+    python bench/control_plane.py --old-rev 46911a9     # the same run against an older library too
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 
 import numpy as np
 import trio
-from common import open_pair
+from common import open_pair, worktree
 
 from pdactors import DataPlaneConfig, ReceiverConfig, open_mooncake, serve_receiver
 from pdactors.core.plan import packed_layout, plan_transfer
@@ -243,11 +245,26 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--concurrency-levels", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--one-process", action="store_true", help="P and D in one Trio thread")
     ap.add_argument("--threads", action="store_true", help="print P's busiest threads per level")
+    ap.add_argument(
+        "--old-rev", help="first run the same benchmark against the library at this git revision"
+    )
     ap.add_argument("--d-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     return ap.parse_args()
 
 
+def run_old(rev: str) -> None:
+    """This benchmark, run against the ``pdactors`` of revision ``rev`` (P and D alike)."""
+    argv = [a for a in sys.argv[1:] if a not in ("--old-rev", rev)]
+    with worktree(rev) as tree:
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        print(f"## pdactors at {rev}", flush=True)
+        subprocess.run([sys.executable, __file__, *argv], env=env, check=True)
+    print("## pdactors now", flush=True)
+
+
 if __name__ == "__main__":
     parsed = parse()
+    if parsed.old_rev and not parsed.d_child:
+        run_old(parsed.old_rev)
     trio.run(d_main if parsed.d_child else p_main, parsed)

@@ -99,9 +99,11 @@ class TimedPlane:
     def register(self, regions: list[tuple[int, int]]) -> None:
         self.inner.register(regions)
 
-    async def write(self, peer: str, src: Any, dst: Any, lengths: Any) -> None:
+    async def write(
+        self, peer: str, src: Any, dst: Any, lengths: Any, *, before: Any = None
+    ) -> None:
         start = time.perf_counter()
-        await self.inner.write(peer, src, dst, lengths)
+        await self.inner.write(peer, src, dst, lengths, before=before)
         self.times.append(time.perf_counter() - start)
 
 

@@ -8,10 +8,16 @@ CUDA event. D's pull is at P before the prefill starts (the common order). Modes
   the baseline the others are measured against).
 * **whole**: P says ready one forward after the prefill (the old path: vLLM hands the KV over a
   step later; modelled as one more forward of ``--layers`` x ``--layer-ms``).
-* **eager**: P says ready as soon as the last layer's event has completed.
-* **layerwise**: ``transfer_streaming`` before the prefill, ``layer_ready`` as each layer's
-  event completes, ``transfer_ready`` after the last: the sender writes each layer while P
-  computes the next ones.
+* **eager**: P says ready as soon as the forward is enqueued, with ``complete=`` the last
+  layer's event wait: the write's own worker thread waits for the GPU, then calls the engine
+  (what the connector does now).
+* **eager_hop**: P waits for the last layer's event in a worker thread, then says ready (the
+  connector before: one more thread hop and Trio wake-up before the write starts).
+* **layerwise**: ``transfer_streaming`` before the prefill, then at once ``layer_ready`` for
+  every layer with its event's wait as ``complete=``, and ``transfer_ready``: each layer's write
+  thread waits for that layer's kernels and writes it while P computes the next ones.
+* **layerwise_hop**: as layerwise, but ``layer_ready`` is called from Trio after each layer's
+  event was waited for in a worker thread (the connector before).
 * **raw**: P writes the same bytes with one ``batch_transfer_sync_write`` of the coalesced
   descriptors once the prefill ended (no D told; the data movement alone).
 
@@ -61,7 +67,7 @@ from pdactors import (
 from pdactors.core.plan import packed_layout, plan_transfer
 from pdactors.core.send_table import SendState
 
-MODES = ("control", "whole", "eager", "layerwise", "raw")
+MODES = ("control", "whole", "eager", "eager_hop", "layerwise", "layerwise_hop", "raw")
 
 now = time.time  # wall clock: compares across the two processes of one machine
 
@@ -228,9 +234,11 @@ class TimedPlane:
     def register(self, regions: list[tuple[int, int]]) -> None:
         self.inner.register(regions)
 
-    async def write(self, peer: str, src: Any, dst: Any, lengths: Any) -> None:
+    async def write(
+        self, peer: str, src: Any, dst: Any, lengths: Any, *, before: Any = None
+    ) -> None:
         start = now()
-        await self.inner.write(peer, src, dst, lengths)
+        await self.inner.write(peer, src, dst, lengths, before=before)
         self.log.append((start, now(), int(lengths.sum())))
 
 
@@ -289,24 +297,47 @@ async def prefill(args: argparse.Namespace) -> None:
                     await trio.sleep(0.0002)
                 sender.transfer_pending(tid)
             first_write = len(timed.log)
-            if mode == "layerwise":
+            if mode.startswith("layerwise"):
                 sender.transfer_streaming(tid, src)
                 rec["streamed"] = sender.transfer_state(tid) is SendState.SENDING
             rec["t_launch"] = now()
             waiters = work.launch(s)
-            if mode == "layerwise":
-                for layer, wait in enumerate(waiters):
-                    t_end = await trio.to_thread.run_sync(wait)
-                    sender.layer_ready(tid, list(range(layer * rpl, (layer + 1) * rpl)))
+
+            def ended(wait: Callable[[], float], rec: dict[str, Any] = rec) -> Callable[[], None]:
+                """``wait``, noting the last layer's end (in the thread that waits)."""
+
+                def complete() -> None:
+                    rec["t_end"] = wait()
+
+                return complete
+
+            def layer(i: int) -> list[int]:
+                return list(range(i * rpl, (i + 1) * rpl))
+
+            if mode == "eager":
+                sender.transfer_ready(tid, src, complete=ended(waiters[-1]))
+            elif mode == "layerwise":
+                for i, wait in enumerate(waiters):
+                    last = i == len(waiters) - 1
+                    sender.layer_ready(tid, layer(i), complete=ended(wait) if last else wait)
+                # Not streamed (no pull yet): the whole send waits for the last layer itself.
+                sender.transfer_ready(tid, src, complete=ended(waiters[-1]))
+            elif mode == "layerwise_hop":
+                for i, wait in enumerate(waiters):
+                    rec["t_end"] = await trio.to_thread.run_sync(wait)
+                    sender.layer_ready(tid, layer(i))
             else:
-                t_end = await trio.to_thread.run_sync(waiters[-1])
-            rec["t_end"] = t_end
+                rec["t_end"] = await trio.to_thread.run_sync(waiters[-1])
             if mode == "whole":
                 await trio.to_thread.run_sync(work.forward())
             if mode == "raw":
                 raw_whole()
                 rec["t_done"] = now()
                 print(f"RAW {tid}", flush=True)
+            elif mode in ("eager", "layerwise"):
+                while tid not in released:
+                    released |= await sender.wait_finished()
+                rec["writes"] = timed.log[first_write:]
             else:
                 rec["t_ready"] = now()
                 sender.transfer_ready(tid, [] if mode == "control" else src)

@@ -343,10 +343,17 @@ class _PeerQueue:
         self.free_calls = calls
 
     def take(self, limit: int) -> list[_Piece]:
-        """Pieces from the head while their descriptors fit in ``limit`` (at least one)."""
+        """Pieces from the head while their descriptors fit in ``limit`` (at least one). A
+        piece whose write still has to wait (``before``) starts a call of its own: joined to
+        the call before it, it would hold that call until its KV is computed (the layers of a
+        streamed prefill each complete at their own time)."""
         batch = [self.pieces.popleft()]
         total = len(batch[0].lengths)
-        while self.pieces and total + len(self.pieces[0].lengths) <= limit:
+        while (
+            self.pieces
+            and total + len(self.pieces[0].lengths) <= limit
+            and self.pieces[0].write.before is None
+        ):
             piece = self.pieces.popleft()
             total += len(piece.lengths)
             batch.append(piece)
