@@ -8,10 +8,15 @@ it. On a machine whose cores the engines use, that CPU is what the proxy takes f
 what queues requests behind each other under load.
 
     python bench/proxy_overhead.py [--requests 2000] [--concurrency 1 32] [--stream]
-        [--old-proxy REV]
+        [--old-proxy REV] [--pin]
 
-``--old-proxy REV`` also measures the proxy of git revision REV (a temporary worktree), in the
-same run, in front of the same stand-ins.
+Paths: *direct to D* (the client sends D's request only), *direct P+D* (the client sends P's
+request in the background and reads D's answer: the direct flow of upstream's example proxy;
+its latency is D's answer's), and each proxy. ``--old-proxy REV`` also measures the proxy of
+git revision REV (a temporary worktree), in the same run, in front of the same stand-ins.
+``--pin`` puts the proxies on CPU 1 and this process (client and stand-ins) on CPU 0, so that
+the added latency is the proxy's own and not its CPU queueing behind the stand-ins' (the
+deployment shape where the proxy has a core of its own).
 """
 
 from __future__ import annotations
@@ -47,23 +52,36 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def measure(
-    url: str, n: int, concurrency: int, direct: bool, stream: bool
+    url: str, n: int, concurrency: int, direct: bool, stream: bool, p_url: str | None = None
 ) -> tuple[float, float, float]:
+    """``p_url``: the direct flow also sends P its request, in the background."""
     body: dict[str, object] = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": stream}
     if direct:  # what the proxy would send D
         body["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": "t"}
+    p_body = {
+        "model": "m",
+        "prompt": "hi",
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": "t"},
+    }
     latencies: list[float] = []
     todo = iter(range(n))
-    limits = httpx.Limits(max_connections=concurrency * 2)
+    limits = httpx.Limits(max_connections=concurrency * 4)
     async with httpx.AsyncClient(trust_env=False, timeout=30, limits=limits) as client:
+
+        async def prefill() -> None:
+            (await client.post(f"{p_url}/v1/completions", json=p_body)).raise_for_status()
 
         async def worker() -> None:
             for _ in todo:
-                start = time.perf_counter()
-                async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-                    resp.raise_for_status()
-                    await resp.aread()
-                latencies.append(time.perf_counter() - start)
+                async with trio.open_nursery() as legs:
+                    start = time.perf_counter()
+                    if p_url is not None:
+                        legs.start_soon(prefill)
+                    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                        resp.raise_for_status()
+                        await resp.aread()
+                    latencies.append(time.perf_counter() - start)
 
         start = time.perf_counter()
         async with trio.open_nursery() as nursery:
@@ -111,7 +129,8 @@ async def main(args: argparse.Namespace) -> None:
                     (f"proxy {args.old_proxy}", stack.enter_context(worktree(args.old_proxy)))
                 )
             kind = "streamed" if args.stream else "non-streamed"
-            print(f"# proxy overhead: stand-in engines, proxy in its own process; {kind}")
+            pinned = "; proxies on CPU 1, client and stand-ins on CPU 0" if args.pin else ""
+            print(f"# proxy overhead: stand-in engines, proxy in its own process; {kind}{pinned}")
             print("| concurrency | path | p50 ms | p99 ms | requests/s | proxy CPU ms/request |")
             print("|---|---|---|---|---|---|")
             async with contextlib.AsyncExitStack() as procs:
@@ -119,13 +138,24 @@ async def main(args: argparse.Namespace) -> None:
                     (name, *await procs.enter_async_context(proxy_process(p, d, cwd)))
                     for name, cwd in proxies
                 ]
+                if args.pin:
+                    os.sched_setaffinity(0, {0})
+                    for _, _, pid in urls:
+                        os.sched_setaffinity(pid, {1})
                 for concurrency in args.concurrency:
-                    targets = [("direct to D", d.url, None), *urls]
-                    for name, target, pid in targets:
-                        await measure(target, 50, concurrency, pid is None, args.stream)  # warm-up
+                    targets = [
+                        ("direct to D", d.url, None, None),
+                        ("direct P+D", d.url, None, p.url),
+                    ]
+                    targets += [(name, url, pid, None) for name, url, pid in urls]
+                    for name, target, pid, p_url in targets:
+                        direct = pid is None
+                        await measure(
+                            target, 50, concurrency, direct, args.stream, p_url
+                        )  # warm-up
                         cpu0 = cpu_seconds(pid) if pid else 0.0
                         p50, p99, rate = await measure(
-                            target, args.requests, concurrency, pid is None, args.stream
+                            target, args.requests, concurrency, direct, args.stream, p_url
                         )
                         cpu = (cpu_seconds(pid) - cpu0) / args.requests * 1e3 if pid else 0.0
                         cpu_cell = f"{cpu:.2f}" if pid else ""
@@ -145,4 +175,5 @@ if __name__ == "__main__":
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--stream", action="store_true", help="streamed completions (SSE)")
     ap.add_argument("--old-proxy", metavar="REV", help="also measure the proxy of this revision")
+    ap.add_argument("--pin", action="store_true", help="proxies on CPU 1, the rest on CPU 0")
     trio.run(main, ap.parse_args())
