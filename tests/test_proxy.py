@@ -57,6 +57,8 @@ class FakeEngine:
     chunks: int = 3
     error_event: bool = False  # streams: an error event (vLLM's shape) after the first chunk
     received: list[dict[str, Any]] = field(default_factory=list)
+    dp_ranks_seen: list[str | None] = field(default_factory=list)  # X-data-parallel-rank
+    dp_ranks: int = 1  # DP ranks its bootstrap lists (engine ids "<engine_id>_dp<rank>")
     cancelled: list[str] = field(default_factory=list)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
@@ -95,6 +97,7 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
     async def complete(chat: bool) -> Response:
         body = await request.get_json()
         engine.received.append(body)
+        engine.dp_ranks_seen.append(request.headers.get("X-data-parallel-rank"))
         tid = body["kv_transfer_params"]["transfer_id"]
         try:
             if engine.hold is not None:
@@ -146,7 +149,14 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
         if not engine.query_ok:
             return _json({"error": "down"}, 500)
         worker = {"0": {"0": "tcp://127.0.0.1:1"}}
-        return _json({"0": {"engine_id": engine.engine_id, "worker_addr": worker}})
+        if engine.dp_ranks == 1:
+            return _json({"0": {"engine_id": engine.engine_id, "worker_addr": worker}})
+        return _json(
+            {
+                str(dp): {"engine_id": f"{engine.engine_id}_dp{dp}", "worker_addr": worker}
+                for dp in range(engine.dp_ranks)
+            }
+        )
 
     return app
 
@@ -210,9 +220,12 @@ async def wait_health(setup: Setup, status: int) -> dict[str, Any]:
 
 @asynccontextmanager
 async def open_setup(
-    n_p: int = 1, n_d: int = 1, *, healthy: bool = True, **config: Any
+    n_p: int = 1, n_d: int = 1, *, healthy: bool = True, p_dp: int = 1, **config: Any
 ) -> AsyncIterator[Setup]:
-    p = [FakeEngine(f"p{i}", engine_id=f"prefill-{i}", healthy=healthy) for i in range(n_p)]
+    p = [
+        FakeEngine(f"p{i}", engine_id=f"prefill-{i}", healthy=healthy, dp_ranks=p_dp)
+        for i in range(n_p)
+    ]
     d = [FakeEngine(f"d{i}") for i in range(n_d)]
     async with trio.open_nursery() as nursery:
         for engine in p + d:
@@ -772,3 +785,31 @@ def test_proxy_cli_rejects_bad_urls() -> None:
         capture_output=True, text=True, timeout=60, env=ENV,
     )  # fmt: skip
     assert done.returncode == 2 and "not an http" in done.stderr
+
+
+# --------------------------------------------------------------------------- data parallel P
+
+
+async def test_requests_are_spread_over_ps_dp_ranks_with_the_matching_engine_id() -> None:
+    """A P with DP ranks (its bootstrap lists each with vLLM's ``<id>_dp<rank>`` engine id):
+    each request goes to one rank through upstream's ``X-data-parallel-rank`` header, and D is
+    told that rank's engine id."""
+    async with open_setup(p_dp=2) as s:
+        for _ in range(4):
+            resp = await s.client.post("/v1/completions", json=completion_body())
+            assert resp.status_code == 200, resp.text
+        ranks = s.p[0].dp_ranks_seen
+        engines = [b["kv_transfer_params"]["remote_engine_id"] for b in s.d[0].received]
+        assert ranks == ["0", "1", "0", "1"]
+        assert engines == [f"prefill-0_dp{r}" for r in ranks]
+        assert s.d[0].dp_ranks_seen == [None] * 4  # D's own API server balances its ranks
+        _, report = await s.health()
+        assert report["prefill"][0]["dp_engines"] == {"0": "prefill-0_dp0", "1": "prefill-0_dp1"}
+
+
+async def test_a_single_dp_rank_gets_no_header() -> None:
+    async with open_setup() as s:
+        resp = await s.client.post("/v1/completions", json=completion_body())
+        assert resp.status_code == 200, resp.text
+        assert s.p[0].dp_ranks_seen == [None]
+        assert s.d[0].received[0]["kv_transfer_params"]["remote_engine_id"] == "prefill-0"

@@ -174,30 +174,60 @@ def _place(vllm_config: VllmConfig, engine_id: str) -> WorkerPlace:
         get_tensor_model_parallel_world_size,
     )
 
-    parallel = vllm_config.parallel_config
     transfer = vllm_config.kv_transfer_config
     assert transfer is not None
-    tp_rank = get_tensor_model_parallel_rank()
     pp = get_pp_group()
-    ranks = RankInfo(
-        dp_rank=parallel.data_parallel_rank,
-        tp_rank=tp_rank,
+    return worker_place(
+        vllm_config.parallel_config,
+        transfer,
+        engine_id,
+        tp_rank=get_tensor_model_parallel_rank(),
         tp_size=get_tensor_model_parallel_world_size(),
         pp_rank=pp.rank_in_group,
         pp_size=pp.world_size,
     )
+
+
+def worker_place(
+    parallel: Any,
+    transfer: Any,
+    engine_id: str,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int,
+    pp_size: int,
+) -> WorkerPlace:
+    """Where this worker sits: its ranks, and whether it runs the bootstrap.
+
+    The DP rank is upstream's: ``data_parallel_index`` (vLLM sets ``data_parallel_rank`` to 0
+    in every engine of a dense model's DP deployment), or ``data_parallel_rank_local`` when each
+    node's engines are managed alone (hybrid or external load balancing). One bootstrap per
+    deployment: the TP 0 / PP 0 worker of DP index 0 (of each node's first local engine with
+    local load balancing) runs it, and every other registers there.
+    """
+    dp_rank = dp_rank_of(parallel)
     settings = settings_from_extra_config(dict(transfer.kv_connector_extra_config))
     runs_bootstrap = (
         transfer.is_kv_producer
         and not settings.external_bootstrap
         and tp_rank == 0
-        and pp.rank_in_group == 0
-        and parallel.data_parallel_rank == 0
+        and pp_rank == 0
+        and dp_rank == 0
     )
     return WorkerPlace(
         engine_id=engine_id,
         is_producer=transfer.is_kv_producer,
         is_consumer=transfer.is_kv_consumer,
-        ranks=ranks,
+        ranks=RankInfo(
+            dp_rank=dp_rank, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size
+        ),
         runs_bootstrap=runs_bootstrap,
     )
+
+
+def dp_rank_of(parallel: Any) -> int:
+    """This engine's DP rank as the bootstrap knows it (upstream's rule)."""
+    if parallel.local_engines_only:
+        return int(parallel.data_parallel_rank_local or 0)
+    return int(parallel.data_parallel_index)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -23,16 +23,31 @@ class Backend:
     role: Role
     url: str
     bootstrap_url: str | None = None  # P only
-    engine_id: str | None = None  # P only: the last one read from the bootstrap
+    engine_id: str | None = None  # P only: its lowest DP rank's, as last read from the bootstrap
+    #: P only: the engine id of each DP rank that has workers (vLLM's ``<id>_dp<rank>``).
+    dp_engines: dict[int, str] = field(default_factory=dict)
     up: bool = False
     problem: str = "not checked yet"
     outstanding: int = 0
     bootstrap_slow: bool = False  # P only: its bootstrap gave no answer in the last round
+    _dp_next: int = 0
+
+    def pick_dp(self) -> tuple[int | None, str | None]:
+        """P: the DP rank for the next request (round robin) and that rank's engine id; the
+        rank is None when P has a single DP rank (no ``X-data-parallel-rank`` header then)."""
+        if len(self.dp_engines) <= 1:
+            return None, self.engine_id
+        ranks = sorted(self.dp_engines)
+        rank = ranks[self._dp_next % len(ranks)]
+        self._dp_next += 1
+        return rank, self.dp_engines[rank]
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"url": self.url, "up": self.up, "outstanding": self.outstanding}
         if self.role == "prefill":
             out |= {"bootstrap_url": self.bootstrap_url, "engine_id": self.engine_id}
+            if len(self.dp_engines) > 1:
+                out["dp_engines"] = {str(k): v for k, v in sorted(self.dp_engines.items())}
         if not self.up:
             out["problem"] = self.problem
         return out

@@ -147,6 +147,8 @@ class _Exchange:
     arrived: float
     deadline: float
     headers: list[tuple[bytes, bytes]]
+    p_headers: list[tuple[bytes, bytes]]  # with ``x-data-parallel-rank`` when P has DP ranks
+    p_engine_id: str | None  # the engine id of the DP rank P's request goes to
     p_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     d_scopes: list[trio.CancelScope] = field(default_factory=list)
     failure: _Failure | None = None
@@ -277,11 +279,11 @@ class _Proxy:
             await trio.sleep(self.config.health_interval)
 
     async def _probe(self, b: Backend) -> None:
-        problem, engine_id = await self._check(b)
-        self._set_health(b, problem, engine_id)
+        problem, engines = await self._check(b)
+        self._set_health(b, problem, engines)
 
-    async def _check(self, b: Backend) -> tuple[str | None, str | None]:
-        """``(problem, engine id)``; takes at most two ``health_timeout``s."""
+    async def _check(self, b: Backend) -> tuple[str | None, dict[int, str] | None]:
+        """``(problem, P's engine id per DP rank)``; takes at most two ``health_timeout``s."""
         timeout = self.config.health_timeout
         with trio.move_on_after(timeout) as scope:
             try:
@@ -300,29 +302,34 @@ class _Proxy:
             if b.engine_id is None:
                 return f"bootstrap: {exc}", None
             # Busy is not dead: P's bootstrap runs in P's worker, which a long forward can
-            # starve; P's /health answered, and D's look-ups are cached. Keep the known id.
+            # starve; P's /health answered, and D's look-ups are cached. Keep the known ids.
             if not b.bootstrap_slow:
                 b.bootstrap_slow = True
                 log.info("proxy: %s's bootstrap is slow (%s); keeping engine id %s",
                          b.url, exc, b.engine_id)  # fmt: skip
-            return None, b.engine_id
+            return None, dict(b.dp_engines)
         except BootstrapError as exc:
             return f"bootstrap: {exc}", None
         b.bootstrap_slow = False
-        entry = answer.get(0)
-        if entry is None or not any(entry.worker_addr.values()):
-            return f"bootstrap {b.bootstrap_url} has no worker of DP rank 0", None
-        return None, entry.engine_id
+        engines = {
+            dp: entry.engine_id for dp, entry in answer.items() if any(entry.worker_addr.values())
+        }
+        if not engines:
+            return f"bootstrap {b.bootstrap_url} has no worker registered", None
+        return None, engines
 
-    def _set_health(self, b: Backend, problem: str | None, engine_id: str | None) -> None:
+    def _set_health(self, b: Backend, problem: str | None, engines: dict[int, str] | None) -> None:
         was_up = b.up
         b.up = problem is None
         if problem is not None:
             b.problem = problem
-        elif engine_id is not None:
+        elif engines:
+            engine_id = engines[min(engines)]
             if b.engine_id is not None and engine_id != b.engine_id:
                 log.warning("proxy: %s engine id changed %s -> %s", b.url, b.engine_id, engine_id)
-            b.engine_id = engine_id
+            if len(engines) > 1 and engines != b.dp_engines:
+                log.info("proxy: %s has %d DP ranks: %s", b.url, len(engines), engines)
+            b.engine_id, b.dp_engines = engine_id, engines
         self.metrics.backend_up.labels(b.role, b.url).set(1 if b.up else 0)
         if was_up and not b.up:
             log.warning("proxy: %s %s out of rotation: %s", b.role, b.url, b.problem)
@@ -395,9 +402,13 @@ class _Proxy:
         tid = uuid.uuid4().hex
         headers = [(b"content-type", b"application/json"), (b"x-request-id", tid.encode())]
         headers += [(k, v) for k, v in scope["headers"] if k == b"authorization"]
+        dp_rank, p_engine_id = p.pick_dp()
+        p_headers = headers
+        if dp_rank is not None:  # vLLM's API server sends the request to that DP engine
+            p_headers = [*headers, (b"x-data-parallel-rank", str(dp_rank).encode())]
         ex = _Exchange(
             endpoint, body.get("stream") is True, p, d, tid,
-            arrived, arrived + self.config.request_timeout, headers,
+            arrived, arrived + self.config.request_timeout, headers, p_headers, p_engine_id,
         )  # fmt: skip
         p.outstanding += 1
         d.outstanding += 1
@@ -431,7 +442,7 @@ class _Proxy:
         p_body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": ex.transfer_id}
         d_params = {
             "do_remote_prefill": True,
-            "remote_engine_id": ex.p.engine_id,
+            "remote_engine_id": ex.p_engine_id,
             "remote_bootstrap_addr": ex.p.bootstrap_url,
             "transfer_id": ex.transfer_id,
         }
@@ -444,7 +455,7 @@ class _Proxy:
         with ex.p_scope, trio.move_on_at(ex.deadline) as timer:
             try:
                 resp = await self.engines[ex.p.url].request(
-                    "POST", ex.endpoint.path, body, ex.headers
+                    "POST", ex.endpoint.path, body, ex.p_headers
                 )
                 answer = await resp.read()
             except EngineError as exc:
