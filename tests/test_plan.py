@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdactors.core.plan import TransferPlan, check_layout, peer_tp_rank, plan_transfer
+from pdactors.core.plan import (
+    HeadSlice,
+    TransferPlan,
+    check_layout,
+    peer_tp_rank,
+    plan_transfer,
+    rank_heads,
+    tp_sources,
+)
 from pdactors.errors import LayoutMismatch, PlanError
 from pdactors.messages import BlockLayout, Layout
 
@@ -337,3 +345,130 @@ def test_regions_out_of_range_are_refused() -> None:
     src = stacked(0, 2, 10, 64)
     with pytest.raises(PlanError, match="regions"):
         plan_transfer(src, [1], src, [2], regions=[2])
+
+
+# --------------------------------------------------------------------------- heterogeneous TP
+
+
+def test_rank_heads_splits_and_replicates_like_vllm() -> None:
+    assert [rank_heads(r, 2, 8) for r in range(2)] == [range(0, 4), range(4, 8)]
+    assert [rank_heads(r, 4, 2) for r in range(4)] == [range(0, 1)] * 2 + [range(1, 2)] * 2
+    assert rank_heads(0, 1, 1) == range(0, 1)
+    for bad in ((0, 3, 8), (0, 3, 2), (2, 2, 8), (0, 1, 0)):
+        with pytest.raises(PlanError):
+            rank_heads(*bad)
+
+
+def test_tp_sources_both_ways() -> None:
+    # P TP 2 -> D TP 1: D's one rank takes half its heads from each P rank.
+    assert tp_sources(0, 1, 2, 4) == [(0, HeadSlice(2, 4, 0, 0, 2)), (1, HeadSlice(2, 4, 0, 2, 2))]
+    # P TP 1 -> D TP 2: each D rank takes its half of P's heads.
+    assert tp_sources(1, 2, 1, 4) == [(0, HeadSlice(4, 2, 2, 0, 2))]
+    # P replicates (TP 4 over 2 heads): D's ranks spread over the replicas.
+    assert tp_sources(0, 2, 4, 2) == [(0, HeadSlice(1, 1, 0, 0, 1))]
+    assert tp_sources(1, 2, 4, 2) == [(3, HeadSlice(1, 1, 0, 0, 1))]
+
+
+def test_a_head_slice_that_reaches_past_the_block_is_refused() -> None:
+    lay = stacked(0x1000, 1, 4, 64)
+    with pytest.raises(PlanError, match="reaches past"):
+        plan_transfer(lay, [0], lay, [1], heads=HeadSlice(2, 2, 1, 0, 2))
+    with pytest.raises(LayoutMismatch, match="per head"):
+        plan_transfer(lay, [0], stacked(0x9000, 1, 4, 32), [1], heads=HeadSlice(2, 2, 0, 0, 1))
+
+
+class _Memory:
+    """Fake address spaces: each rank's KV buffer at an address of its own, and plans
+    applied by copying bytes between them (what the engine would do)."""
+
+    def __init__(self) -> None:
+        self.buffers: list[tuple[int, np.ndarray[Any, Any]]] = []
+
+    def add(self, nbytes: int, fill: np.ndarray[Any, Any] | None = None) -> tuple[int, Any]:
+        base = (len(self.buffers) + 1) << 32
+        buf = np.zeros(nbytes, np.uint8) if fill is None else fill
+        self.buffers.append((base, buf))
+        return base, buf
+
+    def _at(self, addr: int, n: int) -> np.ndarray[Any, Any]:
+        for base, buf in self.buffers:
+            if base <= addr and addr + n <= base + len(buf):
+                return buf[addr - base : addr - base + n]
+        raise AssertionError(f"{n} bytes at {addr:#x} are outside every buffer")
+
+    def apply(self, plan: TransferPlan) -> None:
+        for s, d, n in triples(plan):
+            self._at(d, n)[:] = self._at(s, n)
+
+
+def _value(region: int, block: int, head: int, byte: np.ndarray[Any, Any]) -> Any:
+    return ((region * 7 + block * 13 + head * 31 + byte) % 251 + 1).astype(np.uint8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    total_heads=st.sampled_from([1, 2, 4, 8]),
+    p_tp=st.sampled_from([1, 2, 4, 8]),
+    d_tp=st.sampled_from([1, 2, 4, 8]),
+    regions=st.integers(1, 3),
+    num_blocks=st.integers(2, 6),
+    head_bytes=st.sampled_from([4, 12, 32]),
+    pad=st.sampled_from([0, 8]),
+    data=st.data(),
+)
+def test_every_d_byte_comes_from_the_right_head_of_the_right_p_rank(
+    total_heads: int,
+    p_tp: int,
+    d_tp: int,
+    regions: int,
+    num_blocks: int,
+    head_bytes: int,
+    pad: int,
+    data: st.DataObject,
+) -> None:
+    """For any TP on each side (split or replicated heads): every destination byte of D's
+    blocks holds the byte of the right head of the right P block, and nothing else of D's
+    memory (other blocks, padding) is written."""
+    n = data.draw(st.integers(1, num_blocks))
+    src_ids = data.draw(st.permutations(range(num_blocks)))[:n]
+    dst_ids = data.draw(st.permutations(range(num_blocks)))[:n]
+    mem = _Memory()
+
+    def layout(base: int, heads: int) -> Layout:
+        block = heads * head_bytes
+        stride = block + pad
+        return Layout(
+            tuple(
+                BlockLayout(base + r * num_blocks * stride, num_blocks, block, stride)
+                for r in range(regions)
+            )
+        )
+
+    p_layouts = []
+    for i in range(p_tp):
+        mine = rank_heads(i, p_tp, total_heads)
+        stride = len(mine) * head_bytes + pad
+        kv = np.zeros((regions, num_blocks, stride), np.uint8)
+        for r in range(regions):
+            for b in range(num_blocks):
+                for k, head in enumerate(mine):
+                    at = k * head_bytes + np.arange(head_bytes)
+                    kv[r, b, at] = _value(r, b, head, np.arange(head_bytes))
+        base, _ = mem.add(kv.size, kv.ravel())
+        p_layouts.append(layout(base, len(mine)))
+    for j in range(d_tp):
+        mine = rank_heads(j, d_tp, total_heads)
+        base, buf = mem.add(regions * num_blocks * (len(mine) * head_bytes + pad))
+        d_layout = layout(base, len(mine))
+        sources = tp_sources(j, d_tp, p_tp, total_heads)
+        assert sum(s.num_heads for _, s in sources) == len(mine)  # each head exactly once
+        for p_rank, heads in sources:
+            mem.apply(plan_transfer(p_layouts[p_rank], src_ids, d_layout, dst_ids, heads=heads))
+        got = buf.reshape(regions, num_blocks, -1)
+        expected = np.zeros_like(got)
+        for r in range(regions):
+            for s, d in zip(src_ids, dst_ids, strict=True):
+                for k, head in enumerate(mine):
+                    at = k * head_bytes + np.arange(head_bytes)
+                    expected[r, d, at] = _value(r, s, head, np.arange(head_bytes))
+        np.testing.assert_array_equal(got, expected)

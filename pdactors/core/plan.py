@@ -14,6 +14,12 @@ Pure and sans-IO (numpy only). The rules:
   Coalescing is worth about tenfold on GPUs (see DESIGN.md), which is why it happens here, once.
 * Every block id is bounds-checked against its region on its side before any address is
   computed: a plan never holds a descriptor outside its region.
+* Heterogeneous tensor parallelism: a rank holds a contiguous range of the model's KV heads
+  (:func:`rank_heads`; with more ranks than heads each holds one, replicated), and in each
+  region a block is its heads back to back, ``block_bytes / heads`` bytes each (vLLM CPU's
+  ``[blocks, kv_heads, block_size, 2*head]``, and GPUs' head-major ``HND`` layout). A
+  :class:`HeadSlice` restricts a plan to some heads on both sides; :func:`tp_sources` says
+  which P ranks supply which heads of a D rank.
 """
 
 from __future__ import annotations
@@ -29,7 +35,15 @@ import numpy.typing as npt
 from pdactors.errors import LayoutMismatch, PlanError
 from pdactors.messages import BlockLayout, Layout
 
-__all__ = ["TransferPlan", "check_layout", "peer_tp_rank", "plan_transfer"]
+__all__ = [
+    "HeadSlice",
+    "TransferPlan",
+    "check_layout",
+    "peer_tp_rank",
+    "plan_transfer",
+    "rank_heads",
+    "tp_sources",
+]
 
 Addrs = npt.NDArray[np.uint64]
 _Ids = npt.NDArray[np.int64]
@@ -135,6 +149,40 @@ def _prepare_pair(src: Layout, dst: Layout) -> tuple[_Prepared, _Prepared]:
     return sp, dp
 
 
+@functools.lru_cache(maxsize=64)
+def _prepare_heads(src: Layout, dst: Layout, heads: HeadSlice) -> tuple[_Prepared, _Prepared]:
+    """Both layouts narrowed to the head slice: each region's base moved to the slice's first
+    head on its side and its block bytes cut to the slice's (equal on both sides, or the
+    engines differ in dtype, head size or block size)."""
+    sp, dp = _prepare(src), _prepare(dst)
+    if len(sp.num_blocks) != len(dp.num_blocks):
+        raise LayoutMismatch(
+            f"P has {len(sp.num_blocks)} KV regions, D has {len(dp.num_blocks)}: "
+            "the engines are not configured alike"
+        )
+    h = heads
+    if h.num_heads < 1 or h.src_first < 0 or h.dst_first < 0 or min(h.src_heads, h.dst_heads) < 1:
+        raise PlanError(f"bad head slice {h}")
+    if h.src_first + h.num_heads > h.src_heads or h.dst_first + h.num_heads > h.dst_heads:
+        raise PlanError(f"head slice {h} reaches past the heads a block holds")
+    if np.any(sp.block_bytes % h.src_heads) or np.any(dp.block_bytes % h.dst_heads):
+        raise LayoutMismatch(f"a region's block bytes do not split into {h.src_heads} (P) or "
+                             f"{h.dst_heads} (D) heads")  # fmt: skip
+    s_head = sp.block_bytes // np.uint64(h.src_heads)
+    d_head = dp.block_bytes // np.uint64(h.dst_heads)
+    if not np.array_equal(s_head, d_head):
+        r = int(np.flatnonzero(s_head != d_head)[0])
+        raise LayoutMismatch(
+            f"region {r} holds {int(s_head[r])} bytes per head per block on P but "
+            f"{int(d_head[r])} on D (different dtype, head size or block size?)"
+        )
+    moved = s_head * np.uint64(h.num_heads)
+    return (
+        sp._replace(base=sp.base + s_head * np.uint64(h.src_first), block_bytes=moved),
+        dp._replace(base=dp.base + d_head * np.uint64(h.dst_first), block_bytes=moved),
+    )
+
+
 def _as_ids(ids: Sequence[int], side: str) -> _Ids:
     try:
         arr = np.asarray(ids, dtype=np.int64)
@@ -178,24 +226,86 @@ def _descriptors(prep: _Prepared, ids: _Ids) -> Addrs:
     return addrs.ravel()
 
 
+class HeadSlice(NamedTuple):
+    """``num_heads`` KV heads moved from P's local head ``src_first`` (of the ``src_heads``
+    each P block holds) to D's local head ``dst_first`` (of ``dst_heads``)."""
+
+    src_heads: int
+    dst_heads: int
+    src_first: int
+    dst_first: int
+    num_heads: int
+
+
+def rank_heads(tp_rank: int, tp_size: int, total_heads: int) -> range:
+    """The model's KV heads that TP rank ``tp_rank`` of ``tp_size`` holds (vLLM's split).
+
+    ``tp_size <= total_heads``: an equal contiguous range each (``total_heads`` must divide
+    evenly). More ranks than heads (GQA replication): one head each, ``tp_size /
+    total_heads`` ranks in a row sharing it. Raises :class:`PlanError` for shapes vLLM refuses.
+    """
+    if total_heads < 1 or not 0 <= tp_rank < tp_size:
+        raise PlanError(f"tp rank {tp_rank} of {tp_size} with {total_heads} KV heads")
+    if tp_size <= total_heads:
+        if total_heads % tp_size:
+            raise PlanError(f"{total_heads} KV heads do not split over tp_size {tp_size}")
+        per = total_heads // tp_size
+        return range(tp_rank * per, (tp_rank + 1) * per)
+    if tp_size % total_heads:
+        raise PlanError(f"tp_size {tp_size} is not a multiple of {total_heads} KV heads")
+    head = tp_rank // (tp_size // total_heads)
+    return range(head, head + 1)
+
+
+def tp_sources(d_rank: int, d_tp: int, p_tp: int, total_heads: int) -> list[tuple[int, HeadSlice]]:
+    """Which P ranks supply D rank ``d_rank``'s heads: ``(p_rank, slice)`` in head order, one
+    per contiguous run of heads from one P rank, covering D's heads exactly once.
+
+    Where several P ranks hold a head (P has more ranks than heads), D rank ``j`` takes it from
+    the ``j``-th of them (modulo their number), so D's ranks spread over P's replicas.
+    """
+    mine = rank_heads(d_rank, d_tp, total_heads)
+    p_heads = [rank_heads(i, p_tp, total_heads) for i in range(p_tp)]
+    out: list[tuple[int, HeadSlice]] = []
+    for head in mine:
+        holders = [i for i, heads in enumerate(p_heads) if head in heads]
+        p_rank = holders[d_rank % len(holders)]
+        src_first = head - p_heads[p_rank].start
+        dst_first = head - mine.start
+        if out and out[-1][0] == p_rank:
+            prev = out[-1][1]
+            if prev.src_first + prev.num_heads == src_first:
+                out[-1] = (p_rank, prev._replace(num_heads=prev.num_heads + 1))
+                continue
+        out.append((p_rank, HeadSlice(len(p_heads[p_rank]), len(mine), src_first, dst_first, 1)))
+    return out
+
+
 def plan_transfer(
     src: Layout,
     src_blocks: Sequence[int],
     dst: Layout,
     dst_blocks: Sequence[int],
     regions: Sequence[int] | None = None,
+    heads: HeadSlice | None = None,
 ) -> TransferPlan:
     """Plan copying P's blocks ``src_blocks`` (in layout ``src``) into D's ``dst_blocks``.
 
     If D asks for fewer blocks than P has, P's *last* ``len(dst_blocks)`` blocks are sent
     (D holds the prefix already). Empty ``dst_blocks`` gives an empty plan. ``regions``: only
     these regions (by index, e.g. one layer's K and V while it is streamed), default all.
+    ``heads``: only these KV heads of each block (heterogeneous TP: P's and D's blocks hold
+    different heads), default the whole block.
 
-    Raises :class:`LayoutMismatch` when the region counts or per-region ``block_bytes``
-    differ, and :class:`PlanError` for a malformed layout, more ``dst_blocks`` than
-    ``src_blocks``, a block id outside its region, or a destination block named twice.
+    Raises :class:`LayoutMismatch` when the region counts or per-region ``block_bytes`` (per
+    head, with ``heads``) differ, and :class:`PlanError` for a malformed layout or head slice,
+    more ``dst_blocks`` than ``src_blocks``, a block id outside its region, or a destination
+    block named twice.
     """
-    sp, dp = _prepare_pair(src, dst)
+    if heads is None:
+        sp, dp = _prepare_pair(src, dst)
+    else:
+        sp, dp = _prepare_heads(src, dst, heads)
     n, m = len(dst_blocks), len(src_blocks)
     if n > m:
         raise PlanError(f"D asks for {n} blocks but P holds only {m}")
@@ -213,7 +323,7 @@ def plan_transfer(
         sp, dp = _only(sp, regions), _only(dp, regions)
     s_addr = _descriptors(sp, s_ids)
     d_addr = _descriptors(dp, d_ids)
-    lengths = np.repeat(sp.block_bytes, n)
+    lengths = np.repeat(sp.block_bytes, n)  # per head slice: the slice's bytes
     total = len(lengths)
     if total > 1:
         # A descriptor starts a new run unless it continues the previous one on both sides.
