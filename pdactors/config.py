@@ -66,13 +66,16 @@ class Liveness(msgspec.Struct, frozen=True, kw_only=True):
 
     * ``heartbeat_interval``: seconds between pings on an idle connection.
     * ``heartbeat_timeout``: a connection silent this long after a ping is dropped, and every
-      transfer on it ends ("peer gone") — about a second by default.
+      transfer on it ends ("peer gone"): how fast a *hung* peer is noticed (a dead one is
+      noticed at once, by its disconnect). 3 s by default: on an oversubscribed host (vLLM's
+      CPU workers spinning on every core) libzmq's I/O thread can be starved for over a
+      second, and a live peer must not be judged gone.
     * ``connect_timeout``: D gives up on a P whose side channel never completes a handshake
       (refused, unroutable, or stopped before it answered) after this long.
     """
 
-    heartbeat_interval: float = 0.25
-    heartbeat_timeout: float = 1.0
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 3.0
     connect_timeout: float = 2.0
 
     def __post_init__(self) -> None:

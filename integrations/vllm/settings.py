@@ -37,6 +37,9 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       alive but never answers; a dead or hung P ends its pulls within about a second.
     * ``lookup_timeout``: the longest a bootstrap query may take (s), default 10.
     * ``register_timeout``: how long P retries registering with the bootstrap (s), default 30.
+    * ``heartbeat_timeout``: a side-channel peer silent this long is judged hung and its
+      transfers end (s), default 3; a dead peer is noticed at once by its disconnect. Raise it
+      on hosts so oversubscribed that a process can get no CPU for seconds.
     * ``idle_wait_ms``: on a step with nothing to compute (every request waits for KV), the
       worker waits up to this long for the next transfer result instead of returning at once,
       and the engine core naps instead of spinning (see :mod:`integrations.vllm.idle`);
@@ -67,6 +70,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     pull_timeout: float = 540.0
     lookup_timeout: float = 10.0
     register_timeout: float = 30.0
+    heartbeat_timeout: float = 3.0
     idle_wait_ms: float = 20.0
     eager_send: bool = True
     layerwise: bool = False

