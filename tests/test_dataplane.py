@@ -499,3 +499,24 @@ async def test_a_before_that_raises_fails_only_its_write(pair: Pair) -> None:
     np.testing.assert_array_equal(dst[[0, 2]], src[[0, 2]])
     assert not dst[1].any()
     assert pair.p.statistics().failures == 1
+
+
+async def test_an_engine_call_that_raises_fails_its_writes_with_a_transfer_error(
+    pair: Pair,
+) -> None:
+    """A binding that raises instead of returning a code: each write the call carried gets a
+    TransferError naming the exception (a sender catches it and keeps serving)."""
+    src, dst, write = one_block_writes(pair, 2)
+    real = pair.p_engine.inner
+
+    class Raising:
+        def batch_transfer_sync_write(self, *args: Any) -> int:
+            raise RuntimeError("binding exploded")
+
+    pair.p_engine.inner = Raising()
+    with trio.fail_after(TIMEOUT), pytest.raises(TransferError, match="binding exploded"):
+        await write(0)
+    pair.p_engine.inner = real
+    with trio.fail_after(TIMEOUT):
+        await write(1)  # the data plane goes on
+    np.testing.assert_array_equal(dst[1], src[1])

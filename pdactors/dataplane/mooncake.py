@@ -257,6 +257,12 @@ class MooncakeDataPlane:
             result = await trio.to_thread.run_sync(
                 _batch_call(engine, peer, batch), limiter=self._limiter, abandon_on_cancel=False
             )
+        except trio.Cancelled:
+            raise  # only while waiting for a worker thread: the call never started
+        except Exception as exc:  # the engine call itself raised: each write it carried fails
+            result = (_RAISED, {})
+            for piece in batch:
+                piece.write.error = piece.write.error or f"the engine call raised {exc!r}"
         finally:
             queue.free_calls += 1
             if result is None:  # cancelled before the call started: the pieces wait for another
@@ -273,6 +279,8 @@ class MooncakeDataPlane:
                         job.code, job.error = _BEFORE_FAILED, unready[id(job)]
                 elif rc == 0:
                     job.pending -= 1
+                elif rc == _RAISED:
+                    job.code = rc
                 elif job.error is None:
                     others = len(jobs) - 1
                     plural = "s" if others > 1 else ""
@@ -377,6 +385,8 @@ def _descriptors(batch: list[_Piece]) -> int:
 
 #: The code of a write whose ``before`` raised (no engine call was made for it).
 _BEFORE_FAILED = -10_000
+#: The code of a write whose engine call raised instead of returning a code.
+_RAISED = -10_001
 
 
 def _batch_call(
