@@ -131,36 +131,20 @@ def _prepare(layout: Layout) -> _Prepared:
 
 
 @functools.lru_cache(maxsize=64)
-def _prepare_pair(src: Layout, dst: Layout) -> tuple[_Prepared, _Prepared]:
-    """Both layouts prepared, checked to be alike once per pair (D workers are few)."""
-    sp = _prepare(src)
-    dp = _prepare(dst)
-    if len(sp.num_blocks) != len(dp.num_blocks):
-        raise LayoutMismatch(
-            f"P has {len(sp.num_blocks)} KV regions, D has {len(dp.num_blocks)}: "
-            "the engines are not configured alike"
-        )
-    if not np.array_equal(sp.block_bytes, dp.block_bytes):
-        r = int(np.flatnonzero(sp.block_bytes != dp.block_bytes)[0])
-        raise LayoutMismatch(
-            f"region {r} moves {int(sp.block_bytes[r])} bytes per block on P but "
-            f"{int(dp.block_bytes[r])} on D (different dtype, heads or block size?)"
-        )
-    return sp, dp
-
-
-@functools.lru_cache(maxsize=64)
-def _prepare_heads(src: Layout, dst: Layout, heads: HeadSlice) -> tuple[_Prepared, _Prepared]:
-    """Both layouts narrowed to the head slice: each region's base moved to the slice's first
-    head on its side and its block bytes cut to the slice's (equal on both sides, or the
-    engines differ in dtype, head size or block size)."""
+def _prepare_pair(
+    src: Layout, dst: Layout, heads: HeadSlice | None = None
+) -> tuple[_Prepared, _Prepared]:
+    """Both layouts prepared and checked to be alike, once per pair (D workers are few); with
+    ``heads``, narrowed to that head slice: each region's base moved to the slice's first head
+    on its side and its block bytes cut to the slice's (equal on both sides, or the engines
+    differ in dtype, head size or block size)."""
     sp, dp = _prepare(src), _prepare(dst)
     if len(sp.num_blocks) != len(dp.num_blocks):
         raise LayoutMismatch(
             f"P has {len(sp.num_blocks)} KV regions, D has {len(dp.num_blocks)}: "
             "the engines are not configured alike"
         )
-    h = heads
+    h = _WHOLE if heads is None else heads
     if h.num_heads < 1 or h.src_first < 0 or h.dst_first < 0 or min(h.src_heads, h.dst_heads) < 1:
         raise PlanError(f"bad head slice {h}")
     if h.src_first + h.num_heads > h.src_heads or h.dst_first + h.num_heads > h.dst_heads:
@@ -172,10 +156,13 @@ def _prepare_heads(src: Layout, dst: Layout, heads: HeadSlice) -> tuple[_Prepare
     d_head = dp.block_bytes // np.uint64(h.dst_heads)
     if not np.array_equal(s_head, d_head):
         r = int(np.flatnonzero(s_head != d_head)[0])
+        unit, why = ("per block", "heads") if heads is None else ("per head per block", "head size")
         raise LayoutMismatch(
-            f"region {r} holds {int(s_head[r])} bytes per head per block on P but "
-            f"{int(d_head[r])} on D (different dtype, head size or block size?)"
+            f"region {r} moves {int(s_head[r])} bytes {unit} on P but "
+            f"{int(d_head[r])} on D (different dtype, {why} or block size?)"
         )
+    if heads is None:
+        return sp, dp
     moved = s_head * np.uint64(h.num_heads)
     return (
         sp._replace(base=sp.base + s_head * np.uint64(h.src_first), block_bytes=moved),
@@ -235,6 +222,10 @@ class HeadSlice(NamedTuple):
     src_first: int
     dst_first: int
     num_heads: int
+
+
+#: The whole block: what a plan without a head slice moves.
+_WHOLE = HeadSlice(1, 1, 0, 0, 1)
 
 
 def rank_heads(tp_rank: int, tp_size: int, total_heads: int) -> range:
@@ -302,10 +293,7 @@ def plan_transfer(
     more ``dst_blocks`` than ``src_blocks``, a block id outside its region, or a destination
     block named twice.
     """
-    if heads is None:
-        sp, dp = _prepare_pair(src, dst)
-    else:
-        sp, dp = _prepare_heads(src, dst, heads)
+    sp, dp = _prepare_pair(src, dst, heads)
     n, m = len(dst_blocks), len(src_blocks)
     if n > m:
         raise PlanError(f"D asks for {n} blocks but P holds only {m}")
