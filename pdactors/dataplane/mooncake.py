@@ -224,18 +224,14 @@ class MooncakeDataPlane:
                     await self._call(peer, queue)
                 else:
                     await job.changed.wait()
-        except BaseException:
-            queue.drop(job)
-            queue.kick()
-            with trio.CancelScope(shield=True):
-                while job.running:
-                    await job.changed.wait()
-            raise
+        finally:
+            if job.pending:  # cancelled or failed: the rest is not sent, what is in flight ends
+                queue.drop(job)
+                queue.kick()
+                with trio.CancelScope(shield=True):
+                    while job.running:
+                        await job.changed.wait()
         if job.error is not None:
-            queue.drop(job)  # the rest of a failed write is not sent
-            queue.kick()
-            while job.running:
-                await job.changed.wait()
             self._failures += 1
             if job.code == _BEFORE_FAILED:
                 raise DataPlaneError(f"write of {job.nbytes} bytes to {peer}: {job.error}")
@@ -252,7 +248,9 @@ class MooncakeDataPlane:
             piece.write.running += 1
         queue.free_calls -= 1
         self._calls += 1
+        jobs = {id(piece.write): piece.write for piece in batch}
         result: tuple[int, dict[int, str]] | None = None
+        failure = ""
         try:
             result = await trio.to_thread.run_sync(
                 _batch_call(engine, peer, batch), limiter=self._limiter, abandon_on_cancel=False
@@ -260,33 +258,31 @@ class MooncakeDataPlane:
         except trio.Cancelled:
             raise  # only while waiting for a worker thread: the call never started
         except Exception as exc:  # the engine call itself raised: each write it carried fails
-            result = (_RAISED, {})
-            for piece in batch:
-                piece.write.error = piece.write.error or f"the engine call raised {exc!r}"
+            result, failure = (_RAISED, {}), f"the engine call raised {exc!r}"
         finally:
             queue.free_calls += 1
             if result is None:  # cancelled before the call started: the pieces wait for another
                 queue.pieces.extendleft(reversed(batch))
-            jobs = {id(piece.write): piece.write for piece in batch}
+            rc, unready = result if result is not None else (0, {})
+            if rc not in (0, _RAISED):
+                others = len(jobs) - 1
+                plural = "s" if others > 1 else ""
+                carried = f", carrying {others} other write{plural}" if others else ""
+                failure = f"engine call of {_descriptors(batch)} descriptors{carried} failed"
             for piece in batch:
                 job = piece.write
                 job.running -= 1
                 if result is None:
                     continue
-                rc, unready = result
                 if id(job) in unready:
-                    if job.error is None:
-                        job.code, job.error = _BEFORE_FAILED, unready[id(job)]
+                    code, error = _BEFORE_FAILED, unready[id(job)]
                 elif rc == 0:
                     job.pending -= 1
-                elif rc == _RAISED:
-                    job.code = rc
-                elif job.error is None:
-                    others = len(jobs) - 1
-                    plural = "s" if others > 1 else ""
-                    carried = f", carrying {others} other write{plural}" if others else ""
-                    job.code = rc
-                    job.error = f"engine call of {_descriptors(batch)} descriptors{carried} failed"
+                    continue
+                else:
+                    code, error = rc, failure
+                if job.error is None:  # the first failure of a write is its cause
+                    job.code, job.error = code, error
             for job in jobs.values():
                 job.changed.fire()
             queue.kick()
