@@ -34,7 +34,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       (s), default 480 (P's queue may be long; a D that goes away ends its waits at once).
     * ``unclaimed_ttl``: how long P keeps finished KV that no D pulls (s), default 120.
     * ``pull_timeout``: the pull deadline on D (s), default 540: a last resort for a P that is
-      alive but never answers; a dead or hung P ends its pulls within about a second.
+      alive but never answers; a dead P ends its pulls at once, a hung one within
+      ``heartbeat_timeout``.
     * ``lookup_timeout``: the longest a bootstrap query may take (s), default 10.
     * ``register_timeout``: how long P retries registering with the bootstrap (s), default 30.
     * ``heartbeat_timeout``: a side-channel peer silent this long is judged hung and its

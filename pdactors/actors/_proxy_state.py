@@ -23,14 +23,19 @@ class Backend:
     role: Role
     url: str
     bootstrap_url: str | None = None  # P only
-    engine_id: str | None = None  # P only: its lowest DP rank's, as last read from the bootstrap
-    #: P only: the engine id of each DP rank that has workers (vLLM's ``<id>_dp<rank>``).
+    #: P only: the engine id of each DP rank that has workers (vLLM's ``<id>_dp<rank>``), as
+    #: last read from the bootstrap.
     dp_engines: dict[int, str] = field(default_factory=dict)
     up: bool = False
     problem: str = "not checked yet"
     outstanding: int = 0
     bootstrap_slow: bool = False  # P only: its bootstrap gave no answer in the last round
     _dp_next: int = 0
+
+    @property
+    def engine_id(self) -> str | None:
+        """P only: its lowest DP rank's engine id (None until the bootstrap was read)."""
+        return self.dp_engines[min(self.dp_engines)] if self.dp_engines else None
 
     def pick_dp(self) -> tuple[int | None, str | None]:
         """P: the DP rank for the next request (round robin) and that rank's engine id; the

@@ -324,12 +324,12 @@ class _Proxy:
         if problem is not None:
             b.problem = problem
         elif engines:
-            engine_id = engines[min(engines)]
-            if b.engine_id is not None and engine_id != b.engine_id:
-                log.warning("proxy: %s engine id changed %s -> %s", b.url, b.engine_id, engine_id)
+            old = b.engine_id
             if len(engines) > 1 and engines != b.dp_engines:
                 log.info("proxy: %s has %d DP ranks: %s", b.url, len(engines), engines)
-            b.engine_id, b.dp_engines = engine_id, engines
+            b.dp_engines = engines
+            if old is not None and b.engine_id != old:
+                log.warning("proxy: %s engine id changed %s -> %s", b.url, old, b.engine_id)
         self.metrics.backend_up.labels(b.role, b.url).set(1 if b.up else 0)
         if was_up and not b.up:
             log.warning("proxy: %s %s out of rotation: %s", b.role, b.url, b.problem)

@@ -158,9 +158,10 @@ class Sender:
         if (stream := self._streams.get(transfer_id)) is not None:
             self._end_stream(transfer_id, stream, complete)  # the rest of the KV goes out now
             return
-        if complete is not None:
+        effects = self._table.prefill_ready(transfer_id, tuple(block_ids), trio.current_time())
+        if complete is not None:  # once the table took it; a Release below forgets it again
             self._complete[transfer_id] = complete
-        self._apply(self._table.prefill_ready(transfer_id, tuple(block_ids), trio.current_time()))
+        self._apply(effects)
 
     def transfer_streaming(self, transfer_id: str, block_ids: list[int] | tuple[int, ...]) -> None:
         """P begins computing the KV of ``transfer_id`` into ``block_ids``, layer by layer
