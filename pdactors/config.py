@@ -106,6 +106,8 @@ class SenderConfig(msgspec.Struct, frozen=True, kw_only=True):
     * ``lease_interval``: seconds between renewals of the registration (a lease: the bootstrap
       drops a worker that stops renewing after ``lease_ttl``); 0 registers once, as upstream.
     * ``liveness``: heartbeats on the side channel (how fast a dead D is noticed).
+    * ``kv_heads``: the model's KV heads in all (vLLM's ``get_total_num_kv_heads()``); needed
+      to serve a D whose TP size differs (0: unknown, taken from D's pull).
     """
 
     engine_id: str
@@ -136,6 +138,8 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
       Keep it above P's ``ready_timeout`` plus a write. Default 540 s.
     * ``lookup_timeout``: the longest a bootstrap query may take.
     * ``liveness``: heartbeats on the side channel (how fast a dead or hung P is noticed).
+    * ``kv_heads``: the model's KV heads in all (vLLM's ``get_total_num_kv_heads()``); needed
+      to pull from a P whose TP size differs (0: unknown, equal TP sizes only).
     """
 
     engine_id: str = "decode"
@@ -144,6 +148,7 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
     lookup_timeout: float = 10.0
     tick_interval: float = 0.1
     liveness: Liveness = Liveness()
+    kv_heads: int = 0
 
 
 Routing = Literal["round_robin", "least_outstanding"]

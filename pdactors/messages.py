@@ -97,6 +97,9 @@ class PullRequest(_Msg, frozen=True, tag="pull"):
 
     ``layout`` is sent the first time D talks to this P worker; afterwards only ``layout_id``
     (P answers :class:`LayoutUnknown` when it has forgotten it, and D resends with the layout).
+    ``tp_rank``/``tp_size`` are D's; ``kv_heads`` is the model's KV head count (0: D did not
+    say; needed when P's and D's TP sizes differ) and ``p_tp_size`` the TP size D took P to
+    have from the bootstrap (0: not said); P refuses a pull planned for another shape.
     """
 
     transfer_id: str
@@ -108,6 +111,8 @@ class PullRequest(_Msg, frozen=True, tag="pull"):
     block_ids: tuple[int, ...]
     layout_id: str
     layout: Layout | None = None
+    kv_heads: int = 0
+    p_tp_size: int = 0
 
 
 class CancelPull(_Msg, frozen=True, tag="cancel"):

@@ -11,11 +11,13 @@ from hypothesis import strategies as st
 
 from pdactors.core.plan import (
     HeadSlice,
+    WHOLE_BLOCK,
     TransferPlan,
     check_layout,
-    peer_tp_rank,
     plan_transfer,
     rank_heads,
+    tp_expected,
+    tp_pulls,
     tp_sources,
 )
 from pdactors.errors import LayoutMismatch, PlanError
@@ -219,15 +221,79 @@ def test_check_layout_rejects_empty_layout_and_accepts_good_one() -> None:
     check_layout(Layout((BlockLayout(2**64 - 16, 2, 8, 8),)))
 
 
-def test_peer_tp_rank() -> None:
-    assert peer_tp_rank(0, 1, 1) == 0
-    assert peer_tp_rank(3, 4, 4) == 3
-    with pytest.raises(PlanError, match=r"heterogeneous TP .* not supported yet"):
-        peer_tp_rank(0, 2, 4)
-    with pytest.raises(PlanError, match="outside tp_size"):
-        peer_tp_rank(2, 2, 2)
-    with pytest.raises(PlanError, match="outside tp_size"):
-        peer_tp_rank(-1, 2, 2)
+def test_tp_pulls_pairs_equal_sizes_rank_for_rank_in_whole_blocks() -> None:
+    assert tp_pulls(0, 1, 1, 0) == {0: (WHOLE_BLOCK,)}
+    assert tp_pulls(3, 4, 4, 0) == {3: (WHOLE_BLOCK,)}  # no head count needed
+    assert tp_expected(3, 4, 4, 0) == 1
+    with pytest.raises(PlanError, match="needs the model's KV head count"):
+        tp_pulls(0, 2, 4, 0)
+    with pytest.raises(PlanError, match="D tp rank 2 of 2"):
+        tp_pulls(2, 2, 2, 8)
+    with pytest.raises(PlanError, match="D tp rank -1"):
+        tp_pulls(-1, 2, 2, 8)
+    with pytest.raises(PlanError, match="do not split"):
+        tp_pulls(0, 1, 3, 4)  # a P shape vLLM refuses
+
+
+def test_tp_pulls_two_to_one_and_one_to_two() -> None:
+    # P TP 2 -> D TP 1, 4 heads: D's one rank takes heads 0-1 from P0 and 2-3 from P1.
+    assert tp_pulls(0, 1, 2, 4) == {
+        0: (HeadSlice(2, 4, 0, 0, 2),),
+        1: (HeadSlice(2, 4, 0, 2, 2),),
+    }
+    assert [tp_expected(p, 1, 2, 4) for p in (0, 1)] == [1, 1]
+    # P TP 1 -> D TP 2: both D ranks pull from P0, each its half of P's heads.
+    assert tp_pulls(0, 2, 1, 4) == {0: (HeadSlice(4, 2, 0, 0, 2),)}
+    assert tp_pulls(1, 2, 1, 4) == {0: (HeadSlice(4, 2, 2, 0, 2),)}
+    assert tp_expected(0, 2, 1, 4) == 2
+
+
+def test_tp_pulls_tells_replicas_d_does_not_read() -> None:
+    # 2 heads, P TP 4 (each head on two P ranks) -> D TP 1: D reads P0 and P2 and tells P1
+    # and P3 with an empty pull, so they free their blocks.
+    assert tp_pulls(0, 1, 4, 2) == {
+        0: (HeadSlice(1, 2, 0, 0, 1),),
+        1: (),
+        2: (HeadSlice(1, 2, 0, 1, 1),),
+        3: (),
+    }
+    assert [tp_expected(p, 1, 4, 2) for p in range(4)] == [1, 1, 1, 1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    heads_log=st.integers(0, 4),
+    p_log=st.integers(0, 5),
+    d_log=st.integers(0, 5),
+)
+def test_tp_pulls_cover_every_head_once_and_every_p_rank(
+    heads_log: int, p_log: int, d_log: int
+) -> None:
+    """For any power-of-two shape vLLM runs: each D rank gets each of its heads from exactly
+    one P rank that holds it, every P rank is pulled at least once per transfer (else its
+    blocks would wait for their expiry), and tp_expected counts those pulls."""
+    total, p_tp, d_tp = 1 << heads_log, 1 << p_log, 1 << d_log
+    pulled = [0] * p_tp
+    for d in range(d_tp):
+        pulls = tp_pulls(d, d_tp, p_tp, total)
+        mine = rank_heads(d, d_tp, total)
+        got: list[int] = []
+        for p, slices in pulls.items():
+            pulled[p] += 1
+            theirs = rank_heads(p, p_tp, total)
+            if p_tp == d_tp:
+                assert (p, slices) == (d, (WHOLE_BLOCK,))
+                got += list(mine)
+                continue
+            for h in slices:
+                assert (h.src_heads, h.dst_heads) == (len(theirs), len(mine))
+                src = [theirs.start + h.src_first + i for i in range(h.num_heads)]
+                dst = [mine.start + h.dst_first + i for i in range(h.num_heads)]
+                assert src == dst  # the same model heads on both sides
+                got += dst
+        assert sorted(got) == list(mine)
+    assert min(pulled) >= 1
+    assert pulled == [tp_expected(p, d_tp, p_tp, total) for p in range(p_tp)]
 
 
 # --------------------------------------------------------------------------- property

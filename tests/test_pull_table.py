@@ -23,7 +23,7 @@ def test_the_record_holds_the_whole_pull() -> None:
     assert (pull.bootstrap_url, pull.engine_id, pull.block_ids) == ("http://b", "p", (1, 2))
     assert (pull.started, pull.deadline, pull.state) == (0.0, 10.0, PullState.LOOKING_UP)
     t.sent("t1", "tcp://p")
-    assert (pull.state, pull.peer) == (PullState.SENT, "tcp://p")
+    assert (pull.state, pull.peers, pull.waiting) == (PullState.SENT, ("tcp://p",), {"tcp://p"})
     [done] = t.answered("t1", ok=True)
     assert isinstance(done, Completed) and done.pull is pull
 
@@ -102,7 +102,7 @@ def test_peer_lost_ends_every_pull_sent_there_and_frees_aborting_ones_at_once() 
     t.sent("b", "tcp://p")
     t.sent("c", "tcp://q")  # another P worker: untouched
     t.abort("b", "client went away")
-    assert t.on_peer("tcp://p") == 2
+    assert t.on_peer("tcp://p") == ["a", "b"]
     effects = t.peer_lost("tcp://p", "P gone: closed")
     assert effects == [
         Completed("a", PullEnd.P_GONE, "P gone: closed"),
@@ -179,3 +179,64 @@ def test_every_pull_ends_exactly_once_whatever_happens(events: list[tuple[str, s
     ends += [e.transfer_id for e in t.tick(1e9) if isinstance(e, Completed)]
     assert sorted(ends) == ["t1", "t2", "t3"]
     assert len(t) == 0
+
+
+# --------------------------------------------------------------------------- several P workers
+
+
+def test_a_pull_from_two_p_workers_is_delivered_when_both_answered() -> None:
+    t = started()
+    assert t.sent("t1", ("tcp://p0", "tcp://p1")) == []
+    assert t.on_peer("tcp://p1") == ["t1"]
+    assert t.answered("t1", ok=True, peer="tcp://p0") == []
+    assert t.answered("t1", ok=True, peer="tcp://p0") == []  # twice: ignored
+    assert t.on_peer("tcp://p0") == []
+    assert t.answered("t1", ok=True, peer="tcp://p1") == [Completed("t1", PullEnd.DELIVERED)]
+    with pytest.raises(ValueError, match="distinct"):
+        started().sent("t1", ("tcp://p", "tcp://p"))
+
+
+def test_one_refusal_stops_the_other_p_worker_and_ends_once_it_answered() -> None:
+    t = started()
+    t.sent("t1", ("tcp://p0", "tcp://p1"))
+    with pytest.raises(ValueError, match="say which"):
+        t.answered("t1", ok=True)
+    # P1 refuses while P0 may be writing into D's blocks: stop P0, end when it says so
+    assert t.answered("t1", ok=False, reason="bad", peer="tcp://p1") == [
+        SendCancel("tcp://p0", "t1", "bad")
+    ]
+    assert t.state("t1") is PullState.ABORTING
+    assert t.answered("t1", ok=True, peer="tcp://p0") == [Completed("t1", PullEnd.REFUSED, "bad")]
+
+
+def test_a_lost_p_worker_fails_the_pull_once_the_others_are_done() -> None:
+    t = started()
+    t.sent("t1", ("tcp://p0", "tcp://p1"))
+    assert t.peer_lost("tcp://p0", "P gone: closed") == [
+        SendCancel("tcp://p1", "t1", "P gone: closed")
+    ]
+    assert t.peer_lost("tcp://p1", "P gone: closed") == [
+        Completed("t1", PullEnd.P_GONE, "P gone: closed")
+    ]
+
+
+def test_abort_of_a_pull_from_two_p_workers_cancels_both_and_waits_for_both() -> None:
+    t = started()
+    t.sent("t1", ("tcp://p0", "tcp://p1"))
+    assert t.abort("t1", "bye") == [
+        SendCancel("tcp://p0", "t1", "bye"),
+        SendCancel("tcp://p1", "t1", "bye"),
+    ]
+    assert t.answered("t1", ok=False, reason="cancelled", peer="tcp://p1") == []
+    assert t.answered("t1", ok=True, peer="tcp://p0") == [Completed("t1", PullEnd.ABORTED, "bye")]
+
+
+def test_deadline_cancels_only_the_p_workers_that_did_not_answer() -> None:
+    t = started()
+    t.sent("t1", ("tcp://p0", "tcp://p1"))
+    t.answered("t1", ok=True, peer="tcp://p0")
+    reason = "no answer from a live P within the pull deadline (10 s)"
+    assert t.tick(10.0) == [
+        Completed("t1", PullEnd.DEADLINE, reason),
+        SendCancel("tcp://p1", "t1", reason),
+    ]

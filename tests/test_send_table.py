@@ -11,10 +11,11 @@ from pdactors.errors import IllegalTransition
 from pdactors.messages import PullDone, PullFailed, PullRequest
 
 D = b"d-worker"
+D2 = b"d-worker-rank-1"
 
 
-def pull(tid: str = "t1", blocks: tuple[int, ...] = (5, 6)) -> PullRequest:
-    return PullRequest(tid, "127.0.0.1:1", 0, 1, 0, 1, blocks, "layout")
+def pull(tid: str = "t1", blocks: tuple[int, ...] = (5, 6), d_rank: int = 0) -> PullRequest:
+    return PullRequest(tid, "127.0.0.1:1", d_rank, 1 + d_rank, 0, 1, blocks, "layout")
 
 
 def table() -> SendTable:
@@ -27,7 +28,7 @@ def test_ready_then_pull_starts_send_then_done_replies_and_releases() -> None:
     assert t.prefill_ready("t1", (1, 2), 1.0) == []
     assert t.state("t1") is SendState.READY
     p = pull()
-    assert t.pull_arrived("t1", D, p, 2.0) == [StartSend("t1", p, (1, 2))]
+    assert t.pull_arrived("t1", D, p, 2.0) == [StartSend("t1", p, (1, 2), identity=D)]
     assert t.state("t1") is SendState.SENDING
     effects = t.send_finished("t1", 3.0, nbytes=10, descriptors=1)
     assert effects == [Reply(D, PullDone("t1", 10, 1)), Release("t1", SendState.DONE)]
@@ -40,7 +41,7 @@ def test_pull_before_prefill_waits_then_starts_when_ready() -> None:
     assert t.pull_arrived("t1", D, p, 0.0) == []
     assert t.state("t1") is SendState.PENDING
     assert t.prefill_started("t1", 0.5) == []
-    assert t.prefill_ready("t1", (3,), 1.0) == [StartSend("t1", p, (3,))]
+    assert t.prefill_ready("t1", (3,), 1.0) == [StartSend("t1", p, (3,), identity=D)]
 
 
 def test_streaming_with_a_waiting_pull_starts_a_streamed_send() -> None:
@@ -48,7 +49,7 @@ def test_streaming_with_a_waiting_pull_starts_a_streamed_send() -> None:
     p = pull()
     t.prefill_started("t1", 0.0)
     t.pull_arrived("t1", D, p, 0.1)
-    assert t.prefill_streaming("t1", (3, 4), 0.2) == [StartSend("t1", p, (3, 4), streamed=True)]
+    assert t.prefill_streaming("t1", (3, 4), 0.2) == [StartSend("t1", p, (3, 4), streamed=True, identity=D)]
     assert t.state("t1") is SendState.SENDING
     # a cancel waits for the write, which ends once P is done
     assert t.pull_cancelled("t1", D, 0.3) == []
@@ -63,7 +64,7 @@ def test_streaming_without_a_pull_changes_nothing_and_ready_sends_as_usual() -> 
     assert t.state("t1") is SendState.PENDING
     assert t.prefill_ready("t1", (3,), 0.2) == []
     p = pull()
-    assert t.pull_arrived("t1", D, p, 0.3) == [StartSend("t1", p, (3,))]
+    assert t.pull_arrived("t1", D, p, 0.3) == [StartSend("t1", p, (3,), identity=D)]
 
 
 def test_streaming_after_the_end_or_after_ready_changes_nothing() -> None:
@@ -269,7 +270,7 @@ def test_the_same_pull_twice_from_the_same_d_is_a_resend_not_a_duplicate() -> No
     assert isinstance(refused, Reply) and isinstance(refused.msg, PullFailed)
     [refused] = t.pull_arrived("t1", D, pull(blocks=(9,)), 0.3)
     assert isinstance(refused, Reply) and isinstance(refused.msg, PullFailed)
-    assert t.prefill_ready("t1", (1, 2), 1.0) == [StartSend("t1", first, (1, 2))]
+    assert t.prefill_ready("t1", (1, 2), 1.0) == [StartSend("t1", first, (1, 2), identity=D)]
 
 
 _OPS = st.lists(
@@ -277,27 +278,32 @@ _OPS = st.lists(
         st.sampled_from(
             ["started", "ready", "streaming", "dropped", "pull", "cancel", "gone", "done", "fail"]
         ),
-        st.sampled_from(["t1", "t2", "t3", "t4"]),
+        st.sampled_from(["t1", "t2", "t3", "t4"]),  # t3 and t4 are pulled by two D workers
         st.sampled_from([0.0, 0.5, 3.0, 20.0, 50.0]),  # time passing before the op
+        st.sampled_from([0, 1]),  # which D worker acts (t1 and t2: always the first)
     ),
-    max_size=50,
+    max_size=60,
 )
+_PULLERS = {"t1": 1, "t2": 1, "t3": 2, "t4": 2}
 
 
 @settings(max_examples=300, deadline=None)
 @given(_OPS)
 def test_deadlines_come_due_in_order_and_every_block_is_released_once(
-    ops: list[tuple[str, str, float]],
+    ops: list[tuple[str, str, float, int]],
 ) -> None:
     """Whatever happens, each tick ends exactly the transfers whose deadline passed (the
     deadline queues stay ordered and consistent with the states), and every transfer given
-    blocks is released exactly once."""
+    blocks is released exactly once, also when two D workers pull one transfer."""
     t = table()
     now = 0.0
     given_blocks: set[str] = set()
     released: list[str] = []
-    for op, tid, wait in ops:
+    for op, tid, wait, who in ops:
         now += wait
+        expected = _PULLERS[tid]
+        who = who if expected > 1 else 0
+        d = (D, D2)[who]
         effects = list(t.tick(now))
         state = t.state(tid)
         if op == "started" and state not in (SendState.READY, SendState.SENDING):
@@ -311,21 +317,29 @@ def test_deadlines_come_due_in_order_and_every_block_is_released_once(
         elif op == "dropped":
             effects += t.prefill_dropped(tid, now)
         elif op == "pull":
-            effects += t.pull_arrived(tid, D, pull(tid), now)
+            effects += t.pull_arrived(tid, d, pull(tid, d_rank=who), now, expected=expected)
         elif op == "cancel":
-            effects += t.pull_cancelled(tid, D, now)
+            effects += t.pull_cancelled(tid, d, now)
         elif op == "gone":
-            effects += t.peer_gone(D, now)
-        elif op in ("done", "fail") and state is SendState.SENDING:
-            effects += t.send_finished(tid, now, error="x" if op == "fail" else None)
+            effects += t.peer_gone(d, now)
+        elif op in ("done", "fail") and _writing(t, tid, d):
+            error = "x" if op == "fail" else None
+            effects += t.send_finished(tid, now, identity=d, error=error)
         released += [e.transfer_id for e in effects if isinstance(e, Release)]
         _check_deadlines(t, now)
-    sending = [tid for tid in given_blocks if t.state(tid) is SendState.SENDING]
-    for tid in sending:
-        released += [e.transfer_id for e in t.send_finished(tid, now) if isinstance(e, Release)]
+    for tid in given_blocks:
+        for d in (D, D2):
+            if _writing(t, tid, d):
+                released += [e.transfer_id for e in t.send_finished(tid, now, identity=d)
+                             if isinstance(e, Release)]  # fmt: skip
     released += [e.transfer_id for e in t.tick(now + 1e4) if isinstance(e, Release)]
     assert sorted(released) == sorted(given_blocks)
     assert t.statistics().live == 0
+
+
+def _writing(t: SendTable, tid: str, identity: bytes) -> bool:
+    entry = t._entries.get(tid)
+    return entry is not None and any(c.writing and c.identity == identity for c in entry.claims)
 
 
 def _check_deadlines(t: SendTable, now: float) -> None:
@@ -342,12 +356,92 @@ def _check_deadlines(t: SendTable, now: float) -> None:
     for tid, entry in t._entries.items():
         match entry.state:
             case SendState.PENDING:
-                expected = "pulls" if entry.pull is not None else "no_pull"
+                expected = "pulls" if entry.claims else "no_pull"
+                assert not any(c.writing for c in entry.claims)
             case SendState.READY:
                 expected = "unclaimed"
+                assert not entry.claims
             case SendState.SENDING:
                 expected = None
+                assert entry.claims and all(c.writing for c in entry.claims)
             case _:
                 expected = "tombstones"
         inside = [name for name, queue in queues.items() if tid in queue]
         assert inside == ([expected] if expected else []), (tid, entry.state, inside)
+
+
+# --------------------------------------------------------------------------- several D workers
+
+
+def test_two_d_workers_each_get_a_write_and_the_blocks_wait_for_both() -> None:
+    """P TP 1 → D TP 2: both D ranks pull one transfer; P frees its blocks after the second."""
+    t = table()
+    p0, p1 = pull(d_rank=0), pull(d_rank=1)
+    t.prefill_ready("t1", (1, 2), 0.0)
+    assert t.pull_arrived("t1", D, p0, 0.1, expected=2) == [
+        StartSend("t1", p0, (1, 2), identity=D)
+    ]
+    [done] = t.send_finished("t1", 0.2, identity=D, nbytes=4)
+    assert done == Reply(D, PullDone("t1", 4, 0))
+    assert t.state("t1") is SendState.READY  # D rank 1 has not pulled yet: keep the blocks
+    assert t.pull_arrived("t1", D2, p1, 0.3, expected=2) == [
+        StartSend("t1", p1, (1, 2), identity=D2)
+    ]
+    assert t.send_finished("t1", 0.4, identity=D2) == [
+        Reply(D2, PullDone("t1", 0, 0)),
+        Release("t1", SendState.DONE),
+    ]
+    [late] = t.pull_arrived("t1", D2, p1, 0.5, expected=2)
+    assert isinstance(late.msg, PullFailed) and "already delivered" in late.msg.reason
+
+
+def test_two_d_workers_waiting_both_start_when_ready_and_end_after_the_last_write() -> None:
+    t = table()
+    p0, p1 = pull(d_rank=0), pull(d_rank=1)
+    t.pull_arrived("t1", D, p0, 0.0, expected=2)
+    t.pull_arrived("t1", D2, p1, 0.1, expected=2)
+    assert t.prefill_streaming("t1", (3,), 0.2) == []  # several writers: not streamed
+    assert t.prefill_ready("t1", (3,), 0.3) == [
+        StartSend("t1", p0, (3,), identity=D),
+        StartSend("t1", p1, (3,), identity=D2),
+    ]
+    with pytest.raises(IllegalTransition, match="2 writes match"):
+        t.send_finished("t1", 0.4)  # which one?
+    [failed] = t.send_finished("t1", 0.4, identity=D2, error="boom")
+    assert failed == Reply(D2, PullFailed("t1", "boom"))
+    assert t.state("t1") is SendState.SENDING  # D rank 0's write is still in flight
+    effects = t.send_finished("t1", 0.5, identity=D)
+    assert effects == [Reply(D, PullDone("t1", 0, 0)), Release("t1", SendState.FAILED)]
+
+
+def test_pulls_that_disagree_on_d_shape_or_repeat_a_rank_are_refused() -> None:
+    t = table()
+    t.pull_arrived("t1", D, pull(d_rank=0), 0.0, expected=2)
+    [other] = t.pull_arrived("t1", D2, pull(d_rank=1), 0.1, expected=3)
+    assert isinstance(other.msg, PullFailed) and "disagree" in other.msg.reason
+    [dup] = t.pull_arrived("t1", D2, pull(d_rank=0), 0.2, expected=2)
+    assert isinstance(dup.msg, PullFailed) and "duplicate" in dup.msg.reason
+
+
+def test_a_cancel_while_another_d_is_written_ends_the_transfer_after_that_write() -> None:
+    t = table()
+    t.prefill_ready("t1", (1,), 0.0)
+    t.pull_arrived("t1", D, pull(d_rank=0), 0.1, expected=2)
+    # D rank 1 gives up before pulling: answered at once; D rank 0's write runs to its end
+    assert t.pull_cancelled("t1", D2, 0.2, "client left") == [
+        Reply(D2, PullFailed("t1", "cancelled"))
+    ]
+    assert t.send_finished("t1", 0.3, identity=D) == [
+        Reply(D, PullDone("t1", 0, 0)),
+        Release("t1", SendState.CANCELLED),
+    ]
+
+
+def test_a_gone_d_worker_ends_a_transfer_another_d_waits_for() -> None:
+    t = table()
+    t.pull_arrived("t1", D, pull(d_rank=0), 0.0, expected=2)
+    t.pull_arrived("t1", D2, pull(d_rank=1), 0.1, expected=2)
+    [told] = t.peer_gone(D2, 0.2)
+    assert told.identity == D and isinstance(told.msg, PullFailed)
+    assert t.state("t1") is SendState.CANCELLED
+    assert t.prefill_ready("t1", (1,), 0.3) == [Release("t1", SendState.CANCELLED)]

@@ -11,40 +11,42 @@ from collections import defaultdict
 import trio
 
 from pdactors.bootstrap_client import BootstrapClient
-from pdactors.config import RankInfo
-from pdactors.core.plan import peer_tp_rank
 from pdactors.errors import BootstrapError
 from pdactors.messages import BootstrapAnswer
 
-__all__ = ["Lookups"]
+__all__ = ["Lookups", "Workers"]
+
+#: One engine's side-channel addresses: ``{tp_rank: {pp_rank: address}}``.
+Workers = dict[int, dict[int, str]]
 
 
 class Lookups:
-    """Where each engine's worker for ``ranks`` listens, as the bootstraps last said."""
+    """Where each engine's workers listen, as the bootstraps last said."""
 
-    def __init__(self, client: BootstrapClient, ranks: RankInfo, timeout: float) -> None:
+    def __init__(self, client: BootstrapClient, timeout: float) -> None:
         self._client = client
-        self._ranks = ranks
         self._timeout = timeout
         self._answers: dict[str, BootstrapAnswer] = {}
         self._failures: dict[str, tuple[float, BootstrapError]] = {}  # url -> the last one
         self._locks: defaultdict[str, trio.Lock] = defaultdict(trio.Lock)
 
-    async def resolve(self, url: str, engine_id: str) -> str:
-        """The side-channel address of ``engine_id``'s worker that serves my rank. Checkpoint.
+    async def resolve(self, url: str, engine_id: str) -> Workers:
+        """The side-channel addresses of ``engine_id``'s workers, ``{tp_rank: {pp_rank:
+        address}}`` (P's TP size is how many TP ranks there are, as upstream reads it).
+        Checkpoint.
 
         Raises :class:`BootstrapError` when the bootstrap cannot be reached (at once when it
         refuses the connection), does not answer within the timeout, or does not know the
         engine.
         """
-        address = self._find(url, engine_id)
-        if address is not None:
-            return address
+        workers = self._find(url, engine_id)
+        if workers is not None:
+            return workers
         asked = trio.current_time()
         async with self._locks[url]:  # one query in flight per bootstrap
-            address = self._find(url, engine_id)  # another task may have just refreshed it
-            if address is not None:
-                return address
+            workers = self._find(url, engine_id)  # another task may have just refreshed it
+            if workers is not None:
+                return workers
             failed = self._failures.get(url)
             if failed is not None and failed[0] >= asked:
                 raise failed[1]  # the query we queued behind just failed: no second one
@@ -59,10 +61,10 @@ class Lookups:
                 raise
             self._failures.pop(url, None)
             self._answers[url] = answer
-        address = self._find(url, engine_id)
-        if address is None:
+        workers = self._find(url, engine_id)
+        if workers is None:
             raise BootstrapError(f"engine {engine_id!r} is not registered at {url}")
-        return address
+        return workers
 
     def forget(self, url: str) -> None:
         """Ask ``url`` again next time."""
@@ -75,14 +77,11 @@ class Lookups:
             if any(address in by_pp.values() for tps in by_tp for by_pp in tps):
                 del self._answers[url]
 
-    def _find(self, url: str, engine_id: str) -> str | None:
+    def _find(self, url: str, engine_id: str) -> Workers | None:
         answer = self._answers.get(url)
         if answer is None:
             return None
-        ranks = self._ranks
         for entry in answer.values():
-            if entry.engine_id != engine_id:
-                continue
-            tp = peer_tp_rank(ranks.tp_rank, ranks.tp_size, len(entry.worker_addr))
-            return entry.worker_addr.get(tp, {}).get(ranks.pp_rank)
+            if entry.engine_id == engine_id and entry.worker_addr:
+                return entry.worker_addr
         return None

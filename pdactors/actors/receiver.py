@@ -25,13 +25,13 @@ import trio
 
 from pdactors import timeline
 from pdactors._pulse import Pulse
-from pdactors.actors._lookups import Lookups
+from pdactors.actors._lookups import Lookups, Workers
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import ReceiverConfig
-from pdactors.core.plan import check_layout
+from pdactors.core.plan import check_layout, tp_pulls
 from pdactors.core.pull_table import Completed, PullEffect, PullTable, SendCancel
 from pdactors.dataplane.base import DataPlane
-from pdactors.errors import PdError, PullFailedError
+from pdactors.errors import BootstrapError, PdError, PullFailedError
 from pdactors.messages import (
     CancelPull,
     ErrorReply,
@@ -100,7 +100,7 @@ class Receiver:
         self._layout_id = layout_id(dataplane.session, layout)
         self._nursery = nursery
         self._table = PullTable(timeout=config.pull_timeout)
-        self._lookups = Lookups(client, config.ranks, config.lookup_timeout)
+        self._lookups = Lookups(client, config.lookup_timeout)
         self._peers: dict[str, _Peer] = {}
         self._peer_locks: defaultdict[str, trio.Lock] = defaultdict(trio.Lock)
         self._finished: set[str] = set()
@@ -207,16 +207,16 @@ class Receiver:
         if pull is None:
             return
         try:
-            address = await self._lookups.resolve(pull.bootstrap_url, pull.engine_id)
-            peer = await self._peer(address)
+            p_tp, addresses = await self._p_workers(pull.bootstrap_url, pull.engine_id)
+            peers = [await self._peer(address) for address in addresses]
         except (PdError, OSError) as exc:
             where = f"P {pull.engine_id} via {pull.bootstrap_url}"
             self._apply(self._table.fail(tid, f"cannot reach {where}: {exc}"))
             return
         if self._table.get(tid) is not pull:  # aborted or timed out while looking P up
             return
-        if peer.lost:
-            self._apply(self._table.fail(tid, f"P worker {address} was just lost"))
+        if lost := [p.address for p in peers if p.lost]:
+            self._apply(self._table.fail(tid, f"P worker {lost[0]} was just lost"))
             return
         ranks = self.config.ranks
         request = PullRequest(
@@ -228,18 +228,43 @@ class Receiver:
             pp_size=ranks.pp_size,
             block_ids=pull.block_ids,
             layout_id=self._layout_id,
+            kv_heads=self.config.kv_heads,
+            p_tp_size=p_tp,
         )
         # Recorded before the send: P's answer may arrive before this task runs again.
-        self._apply(self._table.sent(tid, address, request))
+        self._apply(self._table.sent(tid, addresses, request))
         timeline.mark(tid, "pull_sent")
-        if not peer.knows_layout:
-            # Messages on one connection arrive in order: whoever sends first carries the layout.
-            peer.knows_layout = True
-            request = self._with_layout(request)
-        try:
-            await peer.dealer.send(encode_frames(request))
-        except trio.ClosedResourceError:  # P was lost meanwhile: that ended the pull already
-            self._apply(self._table.fail(tid, f"P worker {address} was lost"))
+        for peer in peers:
+            frames = request
+            if not peer.knows_layout:
+                # Messages on one connection arrive in order: whoever sends first carries it.
+                peer.knows_layout = True
+                frames = self._with_layout(request)
+            try:
+                await peer.dealer.send(encode_frames(frames))
+            except trio.ClosedResourceError:  # P was lost meanwhile: that ended its part
+                lost_now = f"P worker {peer.address} was lost"
+                self._apply(self._table.fail(tid, lost_now, peer=peer.address))
+
+    async def _p_workers(self, url: str, engine_id: str) -> tuple[int, list[str]]:
+        """P's TP size and the side-channel addresses of the P workers this rank pulls from.
+        Checkpoint. Raises :class:`PdError` when P's registration does not have them (asked
+        twice: a cached answer may predate a P worker's registration)."""
+        ranks = self.config.ranks
+        for fresh in (False, True):
+            if fresh:
+                self._lookups.forget(url)
+            workers = await self._lookups.resolve(url, engine_id)
+            p_tp = len(workers)
+            sources = tp_pulls(ranks.tp_rank, ranks.tp_size, p_tp, self.config.kv_heads)
+            addresses = [_worker(workers, p, ranks.pp_rank) for p in sources]
+            if None not in addresses:
+                return p_tp, [a for a in addresses if a is not None]
+        missing = [p for p, a in zip(sources, addresses, strict=True) if a is None]
+        raise BootstrapError(
+            f"engine {engine_id!r} at {url} has no worker registered for tp rank {missing[0]} "
+            f"pp rank {ranks.pp_rank} (TP ranks registered: {sorted(workers)})"
+        )
 
     def _with_layout(self, request: PullRequest) -> PullRequest:
         return msgspec.structs.replace(request, layout=self.layout)
@@ -281,13 +306,11 @@ class Receiver:
         self._lookups.forget_address(address)
         pulls = self._table.on_peer(address)
         level = logging.INFO if address in self._down or not pulls else logging.WARNING
-        log.log(level, "P worker %s gone (%s): %d pulls end", address, reason, pulls)
+        log.log(level, "P worker %s gone (%s): %d pulls end", address, reason, len(pulls))
         self._down.add(address)
-        effects = self._table.peer_lost(address, f"P gone: {reason}")
-        self._apply(effects)
-        ended = [e.transfer_id for e in effects if isinstance(e, Completed)]
-        if ended:
-            self._nursery.start_soon(self._parting_cancels, address, ended)
+        self._apply(self._table.peer_lost(address, f"P gone: {reason}"))
+        if pulls:
+            self._nursery.start_soon(self._parting_cancels, address, pulls)
 
     async def _parting_cancels(self, address: str, transfer_ids: list[str]) -> None:
         """Best effort after a lost connection: if P is in fact alive (only the link broke),
@@ -340,7 +363,7 @@ class Receiver:
                 self._apply(self._table.answered(tid, ok=False, reason=reason, peer=peer.address))
             case LayoutUnknown(transfer_id=tid):
                 pull = self._table.get(tid)
-                if pull is not None and pull.request is not None and pull.peer == peer.address:
+                if pull is not None and pull.request is not None and peer.address in pull.waiting:
                     # P forgot us (restart): resend with the layout
                     frames = encode_frames(self._with_layout(pull.request))
                     self._nursery.start_soon(self._send_quietly, peer, frames)
@@ -393,6 +416,10 @@ class Receiver:
         else:
             self._failed[tid] = done.reason
         self._results_changed.fire()
+
+
+def _worker(workers: Workers, tp_rank: int, pp_rank: int) -> str | None:
+    return workers.get(tp_rank, {}).get(pp_rank)
 
 
 async def serve_receiver(

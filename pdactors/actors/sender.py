@@ -24,13 +24,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 import trio
 
 from pdactors import timeline
 from pdactors._pulse import Pulse
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import SenderConfig
-from pdactors.core.plan import check_layout, peer_tp_rank, plan_transfer
+from pdactors.core.plan import HeadSlice, check_layout, plan_transfer, tp_expected, tp_pulls
 from pdactors.core.send_table import (
     Effect,
     Release,
@@ -65,6 +66,8 @@ _MAX_LAYOUTS = 1024
 #: Peers remembered as having sent garbage (logged once each); forgotten when they disconnect.
 _MAX_BAD_PEERS = 4096
 
+
+_NO_ADDRS = np.empty(0, dtype=np.uint64)
 
 #: A blocking wait for KV to be complete in memory (e.g. a CUDA event's ``synchronize``).
 Complete = Callable[[], object]
@@ -268,15 +271,41 @@ class Sender:
                 return [Reply(identity, LayoutUnknown(tid, pull.layout_id))]
             # The pull keeps its layout: an eviction before the write cannot fail it.
             pull = msgspec.structs.replace(pull, layout=known)
-        ranks = self.config.ranks
         try:
-            mine = peer_tp_rank(pull.tp_rank, pull.tp_size, ranks.tp_size)
+            self._heads(pull)
+            expected = self._expected(pull)
         except PlanError as exc:
             return [Reply(identity, PullFailed(tid, str(exc)))]
-        if mine != ranks.tp_rank or pull.pp_rank != ranks.pp_rank:
-            reason = f"pull for tp {pull.tp_rank}/pp {pull.pp_rank} reached P worker {ranks}"
-            return [Reply(identity, PullFailed(tid, reason))]
-        return self._table.pull_arrived(tid, identity, pull, now)
+        return self._table.pull_arrived(tid, identity, pull, now, expected=expected)
+
+    def _kv_heads(self, pull: PullRequest) -> int:
+        mine = self.config.kv_heads
+        if mine and pull.kv_heads and mine != pull.kv_heads:
+            raise PlanError(f"D's model has {pull.kv_heads} KV heads, P's {mine}")
+        return mine or pull.kv_heads
+
+    def _heads(self, pull: PullRequest) -> tuple[HeadSlice, ...]:
+        """The heads of each block this P worker writes for ``pull`` (none: D's shape only
+        needs it to hear the pull, to free its blocks). Raises :class:`PlanError` when the
+        pull is not this worker's to answer."""
+        ranks = self.config.ranks
+        if pull.p_tp_size and pull.p_tp_size != ranks.tp_size:
+            raise PlanError(
+                f"D planned for a P with tp_size {pull.p_tp_size}, this P has {ranks.tp_size} "
+                "(was the bootstrap's answer incomplete?)"
+            )
+        pulls = tp_pulls(pull.tp_rank, pull.tp_size, ranks.tp_size, self._kv_heads(pull))
+        if ranks.tp_rank not in pulls or pull.pp_rank != ranks.pp_rank:
+            raise PlanError(
+                f"pull for tp {pull.tp_rank}/{pull.tp_size}, pp {pull.pp_rank} reached P worker "
+                f"{ranks}, which does not serve it"
+            )
+        return pulls[ranks.tp_rank]
+
+    def _expected(self, pull: PullRequest) -> int:
+        """How many D workers pull each transfer from this P worker (D's shape says)."""
+        ranks = self.config.ranks
+        return tp_expected(ranks.tp_rank, pull.tp_size, ranks.tp_size, self._kv_heads(pull))
 
     async def _outbox_loop(self) -> None:
         async for identity, msg in self._outbox_recv:
@@ -302,7 +331,7 @@ class Sender:
             if stream is not None:
                 error = await self._stream(job, stream, written)
             else:
-                await self._write(job, written, before=self._complete.pop(job.transfer_id, None))
+                await self._write(job, written, before=self._complete.get(job.transfer_id))
         except (PlanError, DataPlaneError) as exc:
             error = str(exc)
         finally:
@@ -323,6 +352,7 @@ class Sender:
             self._table.send_finished(
                 job.transfer_id,
                 now,
+                identity=job.identity,
                 error=error,
                 nbytes=written.nbytes,
                 descriptors=written.descriptors,
@@ -340,10 +370,20 @@ class Sender:
         (in the engine's worker thread) says they are complete."""
         pull = job.pull
         assert pull.layout is not None
-        plan = plan_transfer(self.layout, job.src_blocks, pull.layout, pull.block_ids, regions)
-        await self._dataplane.write(pull.session, plan.src, plan.dst, plan.lengths, before=before)
-        written.nbytes += plan.nbytes
-        written.descriptors += plan.descriptors
+        plans = [
+            plan_transfer(self.layout, job.src_blocks, pull.layout, pull.block_ids, regions, h)
+            for h in self._heads(pull)
+        ]
+        if len(plans) == 1:
+            src, dst, lengths = plans[0].src, plans[0].dst, plans[0].lengths
+        else:  # several head slices (or none: this worker only frees its blocks)
+            src, dst, lengths = (
+                np.concatenate([getattr(p, a) for p in plans] or [_NO_ADDRS])
+                for a in ("src", "dst", "lengths")
+            )
+        await self._dataplane.write(pull.session, src, dst, lengths, before=before)
+        written.nbytes += sum(p.nbytes for p in plans)
+        written.descriptors += sum(p.descriptors for p in plans)
 
     async def _stream(self, job: StartSend, stream: _Stream, written: _Written) -> str | None:
         """Write each layer as P reports it complete, then the rest; the error, if any.

@@ -36,12 +36,14 @@ from pdactors.errors import LayoutMismatch, PlanError
 from pdactors.messages import BlockLayout, Layout
 
 __all__ = [
+    "WHOLE_BLOCK",
     "HeadSlice",
     "TransferPlan",
     "check_layout",
-    "peer_tp_rank",
     "plan_transfer",
     "rank_heads",
+    "tp_expected",
+    "tp_pulls",
     "tp_sources",
 ]
 
@@ -144,7 +146,7 @@ def _prepare_pair(
             f"P has {len(sp.num_blocks)} KV regions, D has {len(dp.num_blocks)}: "
             "the engines are not configured alike"
         )
-    h = _WHOLE if heads is None else heads
+    h = WHOLE_BLOCK if heads is None else heads
     if h.num_heads < 1 or h.src_first < 0 or h.dst_first < 0 or min(h.src_heads, h.dst_heads) < 1:
         raise PlanError(f"bad head slice {h}")
     if h.src_first + h.num_heads > h.src_heads or h.dst_first + h.num_heads > h.dst_heads:
@@ -225,7 +227,7 @@ class HeadSlice(NamedTuple):
 
 
 #: The whole block: what a plan without a head slice moves.
-_WHOLE = HeadSlice(1, 1, 0, 0, 1)
+WHOLE_BLOCK = HeadSlice(1, 1, 0, 0, 1)
 
 
 def rank_heads(tp_rank: int, tp_size: int, total_heads: int) -> range:
@@ -293,7 +295,7 @@ def plan_transfer(
     more ``dst_blocks`` than ``src_blocks``, a block id outside its region, or a destination
     block named twice.
     """
-    sp, dp = _prepare_pair(src, dst, heads)
+    sp, dp = _prepare_pair(src, dst, None if heads == WHOLE_BLOCK else heads)
     n, m = len(dst_blocks), len(src_blocks)
     if n > m:
         raise PlanError(f"D asks for {n} blocks but P holds only {m}")
@@ -329,17 +331,38 @@ def plan_transfer(
     return TransferPlan(src=s_addr, dst=d_addr, lengths=lengths)
 
 
-def peer_tp_rank(local_tp_rank: int, local_tp_size: int, remote_tp_size: int) -> int:
-    """The remote TP rank that exchanges KV with ``local_tp_rank``.
+@functools.lru_cache(maxsize=256)
+def tp_pulls(d_rank: int, d_tp: int, p_tp: int, total_heads: int) -> dict[int, tuple[HeadSlice, ...]]:
+    """The P ranks that D rank ``d_rank`` of ``d_tp`` pulls a transfer from, with the head
+    slices each one writes: the one place P's and D's tensor-parallel ranks are paired.
 
-    Only homogeneous TP is supported (rank ``i`` ↔ rank ``i``). This is the one place the
-    mapping lives. Raises :class:`PlanError` for a bad rank or different TP sizes.
+    Equal TP sizes: rank ``i`` ↔ rank ``i``, whole blocks (``total_heads`` is not needed, 0
+    will do). Otherwise the sources of :func:`tp_sources`, plus every P rank that is no D
+    rank's source (GQA replicas D does not read) with no slices: P rank ``i`` then hears from
+    D rank ``i % d_tp``, so each P rank gets at least one pull per transfer and knows when it
+    may free its blocks. Raises :class:`PlanError` for shapes vLLM refuses.
     """
-    if not 0 <= local_tp_rank < local_tp_size:
-        raise PlanError(f"tp_rank {local_tp_rank} is outside tp_size {local_tp_size}")
-    if remote_tp_size != local_tp_size:
+    if not 0 <= d_rank < d_tp or p_tp < 1:
+        raise PlanError(f"D tp rank {d_rank} of {d_tp} with P tp_size {p_tp}")
+    if d_tp == p_tp:
+        return {d_rank: (WHOLE_BLOCK,)}
+    if total_heads < 1:
         raise PlanError(
-            f"heterogeneous TP (local tp_size {local_tp_size}, remote {remote_tp_size}) "
-            "is not supported yet"
+            f"heterogeneous TP (P tp_size {p_tp}, D tp_size {d_tp}) needs the model's KV head "
+            "count on both sides (kv_heads)"
         )
-    return local_tp_rank
+    rank_heads(0, p_tp, total_heads)  # P's shape must be one vLLM runs
+    pulls: dict[int, list[HeadSlice]] = {}
+    for p_rank, heads in tp_sources(d_rank, d_tp, p_tp, total_heads):
+        pulls.setdefault(p_rank, []).append(heads)
+    used = {p for j in range(d_tp) for p, _ in tp_sources(j, d_tp, p_tp, total_heads)}
+    for p_rank in range(d_rank, p_tp, d_tp):
+        if p_rank not in used:
+            pulls[p_rank] = []
+    return {p: tuple(slices) for p, slices in sorted(pulls.items())}
+
+
+@functools.lru_cache(maxsize=256)
+def tp_expected(p_rank: int, d_tp: int, p_tp: int, total_heads: int) -> int:
+    """How many D ranks pull each transfer from P rank ``p_rank`` (see :func:`tp_pulls`)."""
+    return sum(p_rank in tp_pulls(j, d_tp, p_tp, total_heads) for j in range(d_tp))

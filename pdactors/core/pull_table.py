@@ -7,30 +7,40 @@ exactly once, as one :class:`Completed` effect with a typed :class:`PullEnd`. A 
 reached P when D gave up (abort, deadline) also yields :class:`SendCancel`, so P frees its
 blocks at once instead of waiting for its own expiry.
 
-An abort of a pull that reached P does not end it at once: P may be writing into D's blocks, so
-the pull ends (as aborted) when P answers anything, when P is known to be gone (no write can
-land any more), or at the deadline. Only then may D reuse the blocks.
+A pull may go to several P workers (heterogeneous tensor parallelism: a D rank takes its heads
+from several P ranks); it is delivered once every one of them has answered that its part
+landed. An abort of a pull that reached P does not end it at once: P may be writing into D's
+blocks, so the pull ends (as aborted) when every P worker asked has answered anything or is
+known to be gone (no write can land any more), or at the deadline. Only then may D reuse the
+blocks. When one of several P workers refuses or is lost, the others are told to stop
+(:class:`SendCancel`) and the pull ends, with the first failure, once they have all answered
+or are gone.
 
 ============  ===========================  ===============================================
 state         entered when                 leaves when
 ============  ===========================  ===============================================
 LOOKING_UP    ``start``                    ``sent`` → SENT; ``fail`` / ``abort`` / the
                                            deadline → ended
-SENT          the pull went out to P       P answers, ``fail``, ``peer_lost`` or the
-                                           deadline → ended (+ SendCancel on the deadline);
-                                           ``abort`` → ABORTING (+ SendCancel)
-ABORTING      D gave up on a pull P has    P answers (whatever it says), ``fail``,
-                                           ``peer_lost`` or the deadline → ended (ABORTED)
+SENT          the pull went out to P       every P worker answered → ended; one refuses or
+              (one or more workers)        is lost → ended when it was the last one asked,
+                                           else ABORTING (+ SendCancel to the others);
+                                           ``fail`` or the deadline → ended (+ SendCancel
+                                           to those not answered); ``abort`` → ABORTING
+                                           (+ SendCancel)
+ABORTING      D gave up on a pull P has,   every P worker asked answered (whatever it
+              or a part of it failed       says) or is lost, ``fail``, or the deadline →
+                                           ended (ABORTED, or the part's failure)
 ============  ===========================  ===============================================
 
 A second ``start`` for a transfer id in flight raises :class:`DuplicateTransfer` and changes
 nothing. Ended pulls are forgotten at once; a late answer from P, or one from a peer the pull
-was not sent to, is ignored.
+was not sent to (or that answered already), is ignored.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdactors.errors import DuplicateTransfer, IllegalTransition
@@ -82,9 +92,14 @@ class Pull:
     started: float
     deadline: float
     state: PullState = PullState.LOOKING_UP
-    peer: str = ""
+    #: The P workers asked (side-channel addresses), and the request each was sent.
+    peers: tuple[str, ...] = ()
     request: PullRequest | None = None
+    #: Those of ``peers`` that have not answered and are not known gone.
+    waiting: set[str] = field(default_factory=set)
     abort_reason: str = ""
+    #: ABORTING because a part failed (not D's abort): how the pull ends.
+    failure: tuple[PullEnd, str] | None = None
     waiter: object = field(default=None)
 
 
@@ -137,9 +152,9 @@ class PullTable:
         pull = self._pulls.get(transfer_id)
         return pull.state if pull else None
 
-    def on_peer(self, peer: str) -> int:
-        """How many pulls in flight were sent to ``peer``."""
-        return sum(1 for p in self._pulls.values() if p.peer == peer)
+    def on_peer(self, peer: str) -> list[str]:
+        """The pulls in flight that wait for an answer from ``peer``."""
+        return [t for t, p in self._pulls.items() if peer in p.waiting]
 
     # ------------------------------------------------------------------ D's engine
 
@@ -177,54 +192,71 @@ class PullTable:
         if pull.state is PullState.LOOKING_UP:
             return [self._end(pull, PullEnd.ABORTED, reason)]
         pull.state, pull.abort_reason = PullState.ABORTING, reason
-        return [SendCancel(pull.peer, transfer_id, reason)]
+        return self._cancels(pull, reason)
 
     # ------------------------------------------------------------------ the actor's work
 
     def sent(
-        self, transfer_id: str, peer: str, request: PullRequest | None = None
+        self, transfer_id: str, peers: str | Sequence[str], request: PullRequest | None = None
     ) -> list[PullEffect]:
-        """The pull request went out to ``peer``. If it ended meanwhile, cancel it there."""
+        """The pull ``request`` went out to ``peers`` (one P worker's address, or several).
+        If the pull ended meanwhile, cancel it there."""
+        peers = (peers,) if isinstance(peers, str) else tuple(peers)
+        if not peers or len(set(peers)) != len(peers):
+            raise ValueError(f"{transfer_id}: a pull goes to distinct P workers, got {peers}")
         pull = self._pulls.get(transfer_id)
         if pull is None:
-            return [SendCancel(peer, transfer_id, "pull ended before it was sent")]
+            return [SendCancel(p, transfer_id, "pull ended before it was sent") for p in peers]
         if pull.state is not PullState.LOOKING_UP:
             raise IllegalTransition(f"{transfer_id}: sent while {pull.state.value}")
-        pull.state, pull.peer, pull.request = PullState.SENT, peer, request
+        pull.state, pull.peers, pull.request = PullState.SENT, peers, request
+        pull.waiting = set(peers)
         return []
 
     def answered(
         self, transfer_id: str, *, ok: bool, reason: str = "", peer: str | None = None
     ) -> list[PullEffect]:
         """P answered (``PullDone`` → ok, ``PullFailed`` → not ok). Late answers, and answers
-        from a ``peer`` other than the one asked, are ignored."""
+        from a ``peer`` that was not asked or answered already, are ignored. ``peer`` may be
+        left out for a pull sent to one P worker."""
         pull = self._pulls.get(transfer_id)
         if pull is None or pull.state is PullState.LOOKING_UP:
             return []
-        if peer is not None and peer != pull.peer:
+        if peer is None:
+            if len(pull.peers) != 1:
+                raise ValueError(f"{transfer_id}: went to {len(pull.peers)} P workers; say which")
+            peer = pull.peers[0]
+        if peer not in pull.waiting:
             return []
-        if pull.state is PullState.ABORTING:  # P is done with D's blocks; D gave up on them
-            return [self._end(pull, PullEnd.ABORTED, pull.abort_reason)]
-        return [self._end(pull, PullEnd.DELIVERED if ok else PullEnd.REFUSED, reason)]
+        pull.waiting.discard(peer)
+        if not ok:
+            return self._part_failed(pull, PullEnd.REFUSED, reason)
+        return self._settled(pull)
 
-    def fail(self, transfer_id: str, reason: str) -> list[PullEffect]:
-        """D could not find or reach P for this pull; ignored if already ended."""
+    def fail(self, transfer_id: str, reason: str, peer: str | None = None) -> list[PullEffect]:
+        """D could not find or reach P for this pull (``peer``: one of the P workers it was
+        sent to; None: all of them); ignored if already ended."""
         pull = self._pulls.get(transfer_id)
         if pull is None:
             return []
-        if pull.state is PullState.ABORTING:
-            return [self._end(pull, PullEnd.ABORTED, f"{pull.abort_reason}; {reason}")]
-        return [self._end(pull, PullEnd.UNREACHABLE, reason)]
+        if pull.state is PullState.ABORTING and peer is None:
+            return [self._end(pull, *self._abort_end(pull, reason))]
+        if pull.state is PullState.LOOKING_UP or peer is None:
+            return [self._end(pull, PullEnd.UNREACHABLE, reason), *self._cancels(pull, reason)]
+        if peer not in pull.waiting:
+            return []
+        pull.waiting.discard(peer)
+        return self._part_failed(pull, PullEnd.UNREACHABLE, reason)
 
     def peer_lost(self, peer: str, reason: str) -> list[PullEffect]:
         """P's side channel at ``peer`` is gone (process died, heartbeats stopped): every pull
-        sent there ends now, and an aborting one frees D's blocks at once."""
+        waiting for it ends now (once the other P workers it went to are done with D's
+        blocks), and an aborting one frees D's blocks as soon as nothing else may write."""
         effects: list[PullEffect] = []
-        for pull in [p for p in self._pulls.values() if p.peer == peer]:
-            if pull.state is PullState.ABORTING:
-                effects.append(self._end(pull, PullEnd.ABORTED, f"{pull.abort_reason}; {reason}"))
-            else:
-                effects.append(self._end(pull, PullEnd.P_GONE, reason))
+        for tid in self.on_peer(peer):
+            pull = self._pulls[tid]
+            pull.waiting.discard(peer)
+            effects += self._part_failed(pull, PullEnd.P_GONE, reason)
         return effects
 
     # ------------------------------------------------------------------ time
@@ -234,13 +266,12 @@ class PullTable:
         effects: list[PullEffect] = []
         for pull in [p for p in self._pulls.values() if now >= p.deadline]:
             if pull.state is PullState.ABORTING:
-                reason = f"{pull.abort_reason}; P did not confirm within {self.timeout:g} s"
-                effects.append(self._end(pull, PullEnd.ABORTED, reason))
+                unconfirmed = f"P did not confirm within {self.timeout:g} s"
+                effects.append(self._end(pull, *self._abort_end(pull, unconfirmed)))
                 continue
             reason = f"no answer from a live P within the pull deadline ({self.timeout:g} s)"
             effects.append(self._end(pull, PullEnd.DEADLINE, reason))
-            if pull.state is PullState.SENT:
-                effects.append(SendCancel(pull.peer, pull.transfer_id, reason))
+            effects += self._cancels(pull, reason)
         return effects
 
     def next_deadline(self) -> float:
@@ -248,6 +279,33 @@ class PullTable:
         return min((p.deadline for p in self._pulls.values()), default=float("inf"))
 
     # ------------------------------------------------------------------ internals
+
+    def _part_failed(self, pull: Pull, end: PullEnd, reason: str) -> list[PullEffect]:
+        """One P worker of ``pull`` refused or is gone: the pull fails, once the others are
+        done with D's blocks (they are asked to stop)."""
+        if pull.state is PullState.ABORTING:  # the first failure, or D's abort, stands
+            return self._settled(pull, reason)
+        pull.state, pull.failure = PullState.ABORTING, (end, reason)
+        return [*self._cancels(pull, reason), *self._settled(pull)]
+
+    def _settled(self, pull: Pull, why: str = "") -> list[PullEffect]:
+        """End ``pull`` if no P worker may still write into its blocks."""
+        if pull.waiting:
+            return []
+        if pull.state is PullState.ABORTING:
+            return [self._end(pull, *self._abort_end(pull, why))]
+        return [self._end(pull, PullEnd.DELIVERED, "")]
+
+    @staticmethod
+    def _abort_end(pull: Pull, why: str) -> tuple[PullEnd, str]:
+        """How an ABORTING pull ends: as D's abort, or with the failure of one of its parts."""
+        if pull.failure is not None:
+            return pull.failure
+        return PullEnd.ABORTED, f"{pull.abort_reason}; {why}" if why else pull.abort_reason
+
+    def _cancels(self, pull: Pull, reason: str) -> list[PullEffect]:
+        """Tell every P worker of ``pull`` that has not answered that D gave up on it."""
+        return [SendCancel(p, pull.transfer_id, reason) for p in pull.peers if p in pull.waiting]
 
     def _end(self, pull: Pull, end: PullEnd, reason: str) -> Completed:
         del self._pulls[pull.transfer_id]

@@ -9,7 +9,7 @@ Rules (``state`` of one transfer id):
 ============  ==============================  ==============================================
 state         entered when                    leaves when
 ============  ==============================  ==============================================
-PENDING       P's prefill started, or D's     P: ready → SENDING if a pull waits, else READY;
+PENDING       P's prefill started, or D's     P: ready → SENDING if pulls wait, else READY;
               pull came first                 P: streaming with a pull waiting → SENDING
                                               (streamed: written layer by layer while P
                                               computes it; otherwise no change);
@@ -19,11 +19,13 @@ PENDING       P's prefill started, or D's     P: ready → SENDING if a pull wai
                                               ``ready_timeout`` → TIMED_OUT; no pull and no
                                               ready within ``ready_timeout`` → EXPIRED
 READY         P finished: its block ids       pull arrives → SENDING; ``unclaimed_ttl``
-              are known, no pull yet          passes → EXPIRED (+Release); D cancels or P
-                                              drops → CANCELLED / DROPPED (+Release)
-SENDING       a pull met P's blocks           the write ends → DONE or FAILED (+Reply,
-                                              +Release); cancels and a lost D wait for the
-                                              write (it cannot be stopped)
+              are known, no pull (or not      passes → EXPIRED (+Release); D cancels or P
+              every expected pull) yet        drops → CANCELLED / DROPPED (+Release)
+SENDING       a pull met P's blocks; more     the last write in flight ends → DONE, or
+              pulls may join while writing    FAILED when a write failed (+Reply, +Release),
+                                              or READY while expected pulls are still to
+                                              come; cancels and drops wait for the writes
+                                              (they cannot be stopped), then end it
 DONE, FAILED, an end                          ``tombstone_ttl`` passes → forgotten
 TIMED_OUT,
 EXPIRED,
@@ -37,6 +39,12 @@ a pull waiting, unclaimed KV, tombstones), and :meth:`tick` looks only at the he
 due. A tick costs what it ends, not what the table holds: at thousands of transfers per second
 the tombstones alone are hundreds of thousands of entries. ``now`` must never go backwards.
 
+One transfer may be pulled by several D workers (heterogeneous tensor parallelism: D ranks
+that take different heads of one P rank). The first pull says how many will come
+(``expected``; one unless D's shape says otherwise); each pull is written as soon as both it
+and P's blocks are there, and the transfer ends once every expected pull was answered, or one
+write failed. Between writes it waits, READY, for the pulls still to come.
+
 An ended transfer stays as a *tombstone* for ``tombstone_ttl`` so that a late pull is answered
 at once (no long waits), and a late "ready" for a transfer D gave up on is released at once.
 P's blocks are released (``Release``) exactly once for every transfer that was READY.
@@ -48,7 +56,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdactors.errors import IllegalTransition
 from pdactors.messages import Msg, PullDone, PullFailed, PullRequest
@@ -102,7 +110,8 @@ class Reply:
 
 @dataclass(frozen=True, slots=True)
 class StartSend:
-    """Write P's ``src_blocks`` into the blocks named by ``pull``; then call ``send_finished``.
+    """Write P's ``src_blocks`` into the blocks named by ``pull`` (from the D worker behind
+    ``identity``); then call ``send_finished``.
 
     ``streamed``: P is still computing the KV; the actor writes it layer by layer as P reports
     each one complete, and the rest once P says the prefill is done.
@@ -112,6 +121,7 @@ class StartSend:
     pull: PullRequest
     src_blocks: tuple[int, ...]
     streamed: bool = False
+    identity: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,12 +136,27 @@ Effect = Reply | StartSend | Release
 
 
 @dataclass(slots=True)
+class _Claim:
+    """One D worker's pull of a transfer, not answered yet."""
+
+    identity: bytes
+    pull: PullRequest
+    writing: bool = False
+
+
+@dataclass(slots=True)
 class _Entry:
     state: SendState
     since: float
     blocks: tuple[int, ...] | None = None
-    identity: bytes = b""
-    pull: PullRequest | None = None
+    #: Pulls not answered yet: all waiting while PENDING, all being written while SENDING.
+    claims: list[_Claim] = field(default_factory=list)
+    expected: int = 0  # pulls this transfer gets in all (0: none arrived yet)
+    answered: int = 0  # pulls answered by a write
+    pulled_by: set[int] = field(default_factory=set)  # D tp ranks whose pull arrived
+    error: str = ""  # the first failed write's
+    #: P dropped it or D cancelled while writes were in flight: how it ends after them.
+    giving_up: SendState | None = None
     reason: str = ""
     had_blocks: bool = False
     #: The deadline queue this entry is in (None: SENDING has no deadline).
@@ -203,8 +228,8 @@ class SendTable:
             # D gave up (or P dropped it) before the KV was ready: nobody will pull it.
             return [Release(transfer_id, entry.state)]
         entry.blocks = blocks
-        if entry.pull is not None:
-            return self._start_send(transfer_id, entry, now)
+        if entry.claims:
+            return self._start_sends(transfer_id, entry, now)
         self._move(transfer_id, entry, SendState.READY, now)
         return []
 
@@ -213,18 +238,21 @@ class SendTable:
     ) -> list[Effect]:
         """P begins computing the KV of ``transfer_id`` into ``blocks`` now, layer by layer.
 
-        If D's pull is waiting, the write starts at once, streamed (SENDING; the actor then
-        takes P's word that the prefill is done itself, not through :meth:`prefill_ready`).
-        Otherwise nothing changes: :meth:`prefill_ready` sends the whole KV as usual.
+        If D's pull is waiting (and it is the only one the transfer gets), the write starts at
+        once, streamed (SENDING; the actor then takes P's word that the prefill is done
+        itself, not through :meth:`prefill_ready`). Otherwise nothing changes:
+        :meth:`prefill_ready` sends the whole KV as usual.
         """
         entry = self._entries.get(transfer_id)
-        if entry is None or entry.state is not SendState.PENDING or entry.pull is None:
+        if entry is None or entry.state is not SendState.PENDING or entry.expected != 1:
+            return []
+        if not entry.claims:
             return []
         if entry.had_blocks:
             raise IllegalTransition(f"{transfer_id}: streaming after its KV was ready")
         entry.had_blocks = True
         entry.blocks = blocks
-        return self._start_send(transfer_id, entry, now, streamed=True)
+        return self._start_sends(transfer_id, entry, now, streamed=True)
 
     def prefill_dropped(self, transfer_id: str, now: float, reason: str = "") -> list[Effect]:
         """P will not finish ``transfer_id`` (aborted, failed); a waiting D hears at once."""
@@ -233,38 +261,56 @@ class SendTable:
     # ------------------------------------------------------------------ D's side channel
 
     def pull_arrived(
-        self, transfer_id: str, identity: bytes, pull: PullRequest, now: float
+        self,
+        transfer_id: str,
+        identity: bytes,
+        pull: PullRequest,
+        now: float,
+        *,
+        expected: int = 1,
     ) -> list[Effect]:
-        """D asks for ``transfer_id``; answered now, when P is ready, or at the deadline."""
+        """D asks for ``transfer_id``; answered now, when P is ready, or at the deadline.
+
+        ``expected``: how many D workers pull this transfer from this P worker (D's shape
+        says; each D tp rank once).
+        """
         entry = self._entries.get(transfer_id)
         if entry is None:
             entry = self._new_pending(transfer_id, now)
-        if entry.state.ended:
-            reason = entry.reason or _END_REASONS[entry.state]
+        if entry.state.ended or entry.giving_up is not None:
+            reason = entry.reason or _END_REASONS[entry.giving_up or entry.state]
             return [Reply(identity, PullFailed(transfer_id, reason))]
-        if entry.pull is not None:
-            if identity == entry.identity and _same_pull(pull, entry.pull):
+        for claim in entry.claims:
+            if claim.identity == identity and _same_pull(pull, claim.pull):
                 return []  # the same request again (a resend): the first one is answered
+        if pull.tp_rank in entry.pulled_by:
             return [Reply(identity, PullFailed(transfer_id, "duplicate pull for this transfer"))]
-        entry.identity, entry.pull = identity, pull
-        if entry.state is SendState.READY:
-            return self._start_send(transfer_id, entry, now)
-        self._arm(transfer_id, entry, self._pulls, now + self.ready_timeout)
+        if entry.expected and expected != entry.expected:
+            reason = f"D's pulls disagree on its shape ({entry.expected} vs {expected} pullers)"
+            return [Reply(identity, PullFailed(transfer_id, reason))]
+        entry.expected = expected
+        entry.pulled_by.add(pull.tp_rank)
+        claim = _Claim(identity, pull)
+        entry.claims.append(claim)
+        if entry.blocks is not None:  # READY, or SENDING another D's pull
+            return self._start_sends(transfer_id, entry, now)
+        if entry.timer is not self._pulls:
+            self._arm(transfer_id, entry, self._pulls, now + self.ready_timeout)
         return []
 
     def peer_gone(self, identity: bytes, now: float, reason: str = "") -> list[Effect]:
         """The D worker behind ``identity`` is gone (its side channel closed or went silent).
 
-        Every transfer it pulled that is not being written ends as CANCELLED, with no reply;
-        P's blocks are released now, or as soon as they are ready (the tombstone). A write in
-        flight runs to its end, which releases the blocks.
+        Every transfer with a pull of its waiting for P's KV ends as CANCELLED (other D
+        workers waiting for it are told); P's blocks are released now, or as soon as they are
+        ready (the tombstone). A write in flight runs to its end, which releases the blocks.
         """
         reason = "the pulling D worker is gone" + (f": {reason}" if reason else "")
         effects: list[Effect] = []
-        # Only PENDING entries with a pull have an identity: they are all in the pull queue.
-        for tid in [tid for tid in self._pulls if self._entries[tid].identity == identity]:
+        # Only PENDING entries have waiting pulls: they are all in the pull queue.
+        for tid in [t for t in self._pulls if _pulled_by(self._entries[t], identity)]:
             entry = self._entries[tid]
-            entry.pull = None  # nobody to answer
+            entry.claims = [c for c in entry.claims if c.identity != identity]  # no answer
             effects += self._end(tid, entry, SendState.CANCELLED, now, reason)
         return effects
 
@@ -274,11 +320,15 @@ class SendTable:
         """D gave up on ``transfer_id``: free P's blocks now or as soon as they are ready.
 
         D waits for P's word that its blocks are no longer being written: answered at once,
-        or by the reply of the write in flight.
+        or by the reply of its write in flight.
         """
-        sending = self.state(transfer_id) is SendState.SENDING
+        entry = self._entries.get(transfer_id)
+        writing = False
+        if entry is not None:
+            writing = any(c.writing and c.identity == identity for c in entry.claims)
+            entry.claims = [c for c in entry.claims if c.writing or c.identity != identity]
         effects = self._give_up(transfer_id, SendState.CANCELLED, now, reason)
-        if not sending:
+        if not writing:
             effects.append(Reply(identity, PullFailed(transfer_id, "cancelled")))
         return effects
 
@@ -289,23 +339,42 @@ class SendTable:
         transfer_id: str,
         now: float,
         *,
+        identity: bytes | None = None,
         error: str | None = None,
         nbytes: int = 0,
         descriptors: int = 0,
     ) -> list[Effect]:
-        """The write started by :class:`StartSend` ended (``error`` None: it landed)."""
+        """The write started by :class:`StartSend` for the D worker behind ``identity`` ended
+        (``error`` None: it landed). ``identity`` may be left out while one write is in
+        flight."""
         entry = self._entries.get(transfer_id)
+        writes = [c for c in entry.claims if c.writing] if entry is not None else []
         if entry is None or entry.state is not SendState.SENDING:
             state = entry.state.value if entry else "unknown"
             raise IllegalTransition(f"{transfer_id}: send finished while {state}")
-        identity = entry.identity
+        if identity is not None:
+            writes = [c for c in writes if c.identity == identity]
+        if len(writes) != 1:
+            raise IllegalTransition(f"{transfer_id}: {len(writes)} writes match this end")
+        claim = writes[0]
+        entry.claims.remove(claim)
+        entry.answered += 1
         if error is None:
             reply: Msg = PullDone(transfer_id, nbytes, descriptors)
-            effects = self._end(transfer_id, entry, SendState.DONE, now, "")
         else:
             reply = PullFailed(transfer_id, error)
-            effects = self._end(transfer_id, entry, SendState.FAILED, now, error)
-        return [Reply(identity, reply), *effects]
+            entry.error = entry.error or error
+        effects: list[Effect] = [Reply(claim.identity, reply)]
+        if entry.claims:  # other D workers' writes are in flight
+            return effects
+        if entry.error:
+            return effects + self._end(transfer_id, entry, SendState.FAILED, now, entry.error)
+        if entry.answered >= entry.expected:
+            return effects + self._end(transfer_id, entry, SendState.DONE, now, "")
+        if entry.giving_up is not None:
+            return effects + self._end(transfer_id, entry, entry.giving_up, now, entry.reason)
+        self._move(transfer_id, entry, SendState.READY, now)  # more D workers will pull it
+        return effects
 
     # ------------------------------------------------------------------ time
 
@@ -338,11 +407,13 @@ class SendTable:
             self._arm(transfer_id, entry, self._tombstones, now + self.tombstone_ttl)
             self._counts[state] += 1
             return []
-        if entry.state.ended or entry.state is SendState.SENDING:
-            # A write in flight cannot be stopped; its end releases the blocks.
+        if entry.state.ended:
             return []
-        if state is SendState.CANCELLED:
-            entry.pull = None  # D is gone: no reply
+        if entry.state is SendState.SENDING:
+            # A write in flight cannot be stopped; its end ends the transfer and frees blocks.
+            if entry.giving_up is None:
+                entry.giving_up, entry.reason = state, reason
+            return []
         return self._end(transfer_id, entry, state, now, reason)
 
     def _new_pending(self, transfer_id: str, now: float) -> _Entry:
@@ -371,27 +442,32 @@ class SendTable:
         if queue is not None:
             queue[transfer_id] = deadline
 
-    def _start_send(
+    def _start_sends(
         self, transfer_id: str, entry: _Entry, now: float, *, streamed: bool = False
     ) -> list[Effect]:
-        assert entry.pull is not None and entry.blocks is not None
+        """Write every pull that waits (P's blocks are known)."""
+        assert entry.blocks is not None
         self._move(transfer_id, entry, SendState.SENDING, now)
-        return [StartSend(transfer_id, entry.pull, entry.blocks, streamed)]
+        effects: list[Effect] = []
+        for claim in entry.claims:
+            if not claim.writing:
+                claim.writing = True
+                effects.append(
+                    StartSend(transfer_id, claim.pull, entry.blocks, streamed, claim.identity)
+                )
+        return effects
 
     def _end(
         self, transfer_id: str, entry: _Entry, state: SendState, now: float, reason: str
     ) -> list[Effect]:
-        """Move a live entry to the end ``state``: answer a waiting pull, release blocks."""
-        effects: list[Effect] = []
-        if entry.pull is not None and entry.state is SendState.PENDING:
-            effects.append(
-                Reply(entry.identity, PullFailed(transfer_id, reason or _END_REASONS[state]))
-            )
+        """Move a live entry to the end ``state``: answer waiting pulls, release blocks."""
+        reply = PullFailed(transfer_id, reason or _END_REASONS[state])
+        effects: list[Effect] = [Reply(c.identity, reply) for c in entry.claims if not c.writing]
         if entry.blocks is not None:
             effects.append(Release(transfer_id, state))
         self._move(transfer_id, entry, state, now)
-        entry.reason, entry.pull, entry.blocks = reason, None, None
-        entry.identity = b""
+        entry.reason, entry.blocks, entry.claims = reason, None, []
+        entry.pulled_by = set()
         self._counts[state] += 1
         return effects
 
@@ -399,6 +475,10 @@ class SendTable:
 def _same_pull(a: PullRequest, b: PullRequest) -> bool:
     """The same request, whether or not one of them carried D's layout."""
     return (a.session, a.block_ids, a.layout_id) == (b.session, b.block_ids, b.layout_id)
+
+
+def _pulled_by(entry: _Entry, identity: bytes) -> bool:
+    return any(c.identity == identity for c in entry.claims)
 
 
 def _due(queue: OrderedDict[str, float], now: float) -> list[str]:
