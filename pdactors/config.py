@@ -123,6 +123,7 @@ class SenderConfig(msgspec.Struct, frozen=True, kw_only=True):
     lease_ttl: float = 5.0
     tick_interval: float = 0.1
     liveness: Liveness = Liveness()
+    kv_heads: int = 0
 
     def __post_init__(self) -> None:
         if self.lease_interval < 0 or self.lease_ttl <= self.lease_interval:

@@ -115,7 +115,7 @@ async def test_a_lost_d_frees_what_it_was_waiting_for() -> None:
             request = PullRequest("gone", "127.0.0.1:1", 0, 1, 0, 1, (0, 1), "l", layout)
             async with open_dealer(p.sender.address, liveness=Liveness()) as dealer:
                 await dealer.send(encode_frames(request))
-                while p.sender._table._entries["gone"].pull is None:
+                while not p.sender._table._entries["gone"].claims:
                     await trio.sleep(0.01)
             # the dealer is closed: D is gone; P hears it from its ROUTER's monitor
             while p.sender.transfer_state("gone") is not SendState.CANCELLED:

@@ -229,9 +229,9 @@ class PullTable:
         if peer not in pull.waiting:
             return []
         pull.waiting.discard(peer)
-        if not ok:
+        if not ok and pull.state is not PullState.ABORTING:
             return self._part_failed(pull, PullEnd.REFUSED, reason)
-        return self._settled(pull)
+        return self._settled(pull)  # aborting: P's answer, whatever it says, is its "stopped"
 
     def fail(self, transfer_id: str, reason: str, peer: str | None = None) -> list[PullEffect]:
         """D could not find or reach P for this pull (``peer``: one of the P workers it was

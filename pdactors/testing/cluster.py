@@ -1,15 +1,22 @@
 """The standalone harness: a bootstrap, P senders and D receivers with real Mooncake engines.
 
-No vLLM: each engine's KV cache is a numpy buffer ``[layers, num_blocks, block_bytes]`` (one
+No vLLM: each worker's KV cache is a numpy buffer ``[layers, num_blocks, block_bytes]`` (one
 region per layer, registered with a real Mooncake engine over TCP on loopback), and a
 :class:`BlockPool` plays vLLM's block manager. :func:`run_transfer` drives one request through
 the actors exactly as the vLLM adapter does: P reports the prefill pending then ready, D pulls
 into freshly allocated blocks, P frees its blocks when the sender releases them.
+
+Tensor parallelism: an engine of ``tp`` workers (each with its own Mooncake engine, as vLLM's
+worker processes have) shares one block pool, since vLLM's scheduler hands every worker the
+same block ids; each worker's blocks hold its KV heads (:func:`~pdactors.core.plan.rank_heads`)
+back to back, and P frees a transfer's blocks once every worker released them, as vLLM's
+scheduler does with ``finished_sending``.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -24,8 +31,14 @@ from pdactors._pulse import Pulse
 from pdactors.actors.bootstrap import serve_bootstrap
 from pdactors.actors.receiver import Receiver, serve_receiver
 from pdactors.actors.sender import Sender, serve_sender
-from pdactors.config import BootstrapConfig, DataPlaneConfig, ReceiverConfig, SenderConfig
-from pdactors.core.plan import packed_layout
+from pdactors.config import (
+    BootstrapConfig,
+    DataPlaneConfig,
+    RankInfo,
+    ReceiverConfig,
+    SenderConfig,
+)
+from pdactors.core.plan import packed_layout, rank_heads
 from pdactors.dataplane import DataPlane, open_mooncake
 from pdactors.errors import PdError
 from pdactors.transport import ZMQ, Transport
@@ -79,9 +92,25 @@ class BlockPool:
 
 
 class KVBuffer:
-    """One engine's KV cache: ``layers`` regions of ``num_blocks`` blocks of ``block_bytes``."""
+    """One worker's KV cache: ``layers`` regions of ``num_blocks`` blocks of ``block_bytes``.
 
-    def __init__(self, layers: int, num_blocks: int, block_bytes: int) -> None:
+    ``heads``: which of the model's ``total_heads`` KV heads its blocks hold, back to back
+    (a tensor-parallel rank's; default the one "head" that is the whole block).
+    """
+
+    def __init__(
+        self,
+        layers: int,
+        num_blocks: int,
+        block_bytes: int,
+        *,
+        heads: range = range(1),
+        total_heads: int = 1,
+    ) -> None:
+        if block_bytes % len(heads):
+            raise ValueError(f"{block_bytes} block bytes do not split into {len(heads)} heads")
+        self.heads, self.total_heads = heads, total_heads
+        self.head_bytes = block_bytes // len(heads)
         self.data: npt.NDArray[np.uint8] = np.zeros((layers, num_blocks, block_bytes), np.uint8)
         self.layout = packed_layout(self.data.ctypes.data, layers, num_blocks, block_bytes)
 
@@ -92,14 +121,18 @@ class KVBuffer:
     def expected(self, transfer_id: str, count: int) -> npt.NDArray[np.uint8]:
         """The bytes P writes for ``transfer_id``: ``[layers, count, block_bytes]``.
 
-        Each block holds a byte ramp shifted by an offset unique to (request, layer, block), so
-        a misplaced, shifted or missing block is caught.
+        Each head of each block holds a byte ramp shifted by an offset unique to (request,
+        layer, block, head), so a misplaced, shifted or missing block — or head — is caught;
+        this buffer's heads are its part of the model's block.
         """
         layers, _, block_bytes = self.data.shape
         seed = int.from_bytes(hashlib.blake2b(transfer_id.encode(), digest_size=4).digest())
-        ramp = np.arange(block_bytes, dtype=np.uint8)
-        offsets = (seed + np.arange(layers * count, dtype=np.uint64) * 40503) % 251
-        return ramp[None, None, :] + offsets.astype(np.uint8).reshape(layers, count, 1)
+        ramp = np.arange(self.head_bytes, dtype=np.uint64)
+        cells = np.arange(layers * count, dtype=np.uint64)[:, None] * np.uint64(self.total_heads)
+        heads = cells + np.arange(self.heads.start, self.heads.stop, dtype=np.uint64)[None, :]
+        offsets = (seed + heads * 40503) % 251  # [layers * count, heads]
+        block = (ramp[None, None, :] + offsets[:, :, None]) % 256
+        return block.astype(np.uint8).reshape(layers, count, block_bytes)
 
     def fill(self, transfer_id: str, blocks: list[int]) -> None:
         self.data[:, blocks, :] = self.expected(transfer_id, len(blocks))
@@ -112,27 +145,40 @@ class KVBuffer:
 
 @dataclass
 class PrefillNode:
+    """One P worker. The workers of one engine share ``pool``, ``owned`` and ``releases``."""
+
     engine_id: str
     sender: Sender
     kv: KVBuffer
     pool: BlockPool
     dataplane: DataPlane
     owned: dict[str, list[int]] = field(default_factory=dict)
+    tp_rank: int = 0
+    tp_size: int = 1
+    releases: Counter[str] = field(default_factory=Counter)
 
     async def free_released(self) -> None:
-        """Free P's blocks as the sender releases them (vLLM's ``finished_sending``)."""
+        """Free P's blocks as the senders release them (vLLM's ``finished_sending``: once
+        every worker of the engine has)."""
         while True:
             for tid in await self.sender.wait_finished():
-                self.pool.free(self.owned.pop(tid))
+                self.releases[tid] += 1
+                if self.releases[tid] == self.tp_size:
+                    del self.releases[tid]
+                    self.pool.free(self.owned.pop(tid))
 
 
 @dataclass
 class DecodeNode:
+    """One D worker. The workers of one engine share ``pool``."""
+
     engine_id: str
     receiver: Receiver
     kv: KVBuffer
     pool: BlockPool
     dataplane: DataPlane
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 @dataclass
@@ -143,7 +189,16 @@ class Cluster:
 
     @property
     def pools(self) -> list[BlockPool]:
-        return [n.pool for n in self.prefill] + [n.pool for n in self.decode]
+        nodes: list[PrefillNode | DecodeNode] = [*self.prefill, *self.decode]
+        return list({id(n.pool): n.pool for n in nodes}.values())
+
+    def prefill_workers(self, engine: int) -> list[PrefillNode]:
+        """The workers of P engine ``engine`` (by index), in TP rank order."""
+        return [n for n in self.prefill if n.engine_id == f"prefill-{engine}"]
+
+    def decode_workers(self, engine: int) -> list[DecodeNode]:
+        """The workers of D engine ``engine`` (by index), in TP rank order."""
+        return [n for n in self.decode if n.engine_id == f"decode-{engine}"]
 
     def blocks_in_use(self) -> int:
         """Blocks allocated anywhere in the cluster (0 once every transfer ended)."""
@@ -174,48 +229,75 @@ async def open_cluster(
     receiver: ReceiverConfig | None = None,
     wrap_prefill: DataPlaneWrapper | None = None,
     transport: Transport = ZMQ,
+    p_tp: int = 1,
+    d_tp: int = 1,
+    kv_heads: int = 0,
 ) -> AsyncIterator[Cluster]:
-    """Start a bootstrap, ``prefill`` senders and ``decode`` receivers, each with its own
-    Mooncake engine and KV buffer; stop them all on exit.
+    """Start a bootstrap, ``prefill`` P engines of ``p_tp`` workers and ``decode`` D engines of
+    ``d_tp`` workers, each worker with its own Mooncake engine and KV buffer; stop them all on
+    exit.
 
-    ``sender`` / ``receiver`` give the other settings (their engine ids, ranks and bootstrap
-    URL are filled in here). ``wrap_prefill`` wraps P's real data plane (fault injection);
-    ``transport`` is every actor's side channel (a memory transport, a faulty wrapper, ...).
+    ``block_bytes`` is one layer's block of the whole model: ``kv_heads`` KV heads (0: TP sizes
+    are equal and heads do not matter) split over each engine's workers as vLLM splits them.
+    ``sender`` / ``receiver`` give the other settings (their engine ids, ranks, head count and
+    bootstrap URL are filled in here). ``wrap_prefill`` wraps P's real data planes (fault
+    injection); ``transport`` is every actor's side channel (a memory transport, a faulty
+    wrapper, ...).
     """
     dp_config = dataplane or DataPlaneConfig()
     s_config = sender or SenderConfig(engine_id="prefill")
     r_config = receiver or ReceiverConfig()
+    total = kv_heads or 1
+    if not kv_heads and p_tp != d_tp:
+        raise ValueError("P and D of different TP sizes need kv_heads")
+    shapes = [("prefill", e, p_tp) for e in range(prefill)]
+    shapes += [("decode", e, d_tp) for e in range(decode)]
     async with AsyncExitStack() as stack:
         planes = [
             await stack.enter_async_context(open_mooncake(dp_config))
-            for _ in range(prefill + decode)
+            for _, _, tp in shapes
+            for _ in range(tp)
         ]
         async with trio.open_nursery() as nursery:
             url = await nursery.start(serve_bootstrap, BootstrapConfig())
             p_nodes: list[PrefillNode] = []
             d_nodes: list[DecodeNode] = []
-            for i, plane in enumerate(planes):
-                kv = KVBuffer(layers, num_blocks, block_bytes)
-                plane.register(kv.regions)
-                if i < prefill:
-                    engine_id = f"prefill-{i}"
-                    config = replace(s_config, engine_id=engine_id, bootstrap_url=url)
-                    wrapped = wrap_prefill(plane) if wrap_prefill else plane
-                    snd = await nursery.start(
-                        partial(serve_sender, transport=transport), config, wrapped, kv.layout
-                    )
-                    node = PrefillNode(engine_id, snd, kv, BlockPool(num_blocks), plane)
-                    nursery.start_soon(node.free_released)
-                    p_nodes.append(node)
-                else:
-                    engine_id = f"decode-{i - prefill}"
-                    rcv = await nursery.start(
-                        partial(serve_receiver, transport=transport),
-                        replace(r_config, engine_id=engine_id),
-                        plane,
-                        kv.layout,
-                    )
-                    d_nodes.append(DecodeNode(engine_id, rcv, kv, BlockPool(num_blocks), plane))
+            worker_planes = iter(planes)
+            for role, e, tp in shapes:
+                engine_id = f"{role}-{e}"
+                pool, owned, releases = BlockPool(num_blocks), dict[str, list[int]](), Counter[str]()
+                for rank in range(tp):
+                    plane = next(worker_planes)
+                    heads = rank_heads(rank, tp, total) if kv_heads else range(1)
+                    local = block_bytes * len(heads) // total if kv_heads else block_bytes
+                    kv = KVBuffer(layers, num_blocks, local, heads=heads, total_heads=total)
+                    plane.register(kv.regions)
+                    ranks = RankInfo(tp_rank=rank, tp_size=tp)
+                    if role == "prefill":
+                        config = replace(
+                            s_config,
+                            engine_id=engine_id,
+                            bootstrap_url=url,
+                            ranks=ranks,
+                            kv_heads=kv_heads,
+                        )
+                        wrapped = wrap_prefill(plane) if wrap_prefill else plane
+                        snd = await nursery.start(
+                            partial(serve_sender, transport=transport), config, wrapped, kv.layout
+                        )
+                        node = PrefillNode(
+                            engine_id, snd, kv, pool, plane, owned, rank, tp, releases
+                        )
+                        nursery.start_soon(node.free_released)
+                        p_nodes.append(node)
+                    else:
+                        rcv = await nursery.start(
+                            partial(serve_receiver, transport=transport),
+                            replace(r_config, engine_id=engine_id, ranks=ranks, kv_heads=kv_heads),
+                            plane,
+                            kv.layout,
+                        )
+                        d_nodes.append(DecodeNode(engine_id, rcv, kv, pool, plane, rank, tp))
             try:
                 yield Cluster(url, p_nodes, d_nodes)
             finally:
@@ -241,33 +323,46 @@ async def run_transfer(
     d: int = 0,
     d_blocks: int | None = None,
 ) -> TransferOutcome:
-    """Move one request's KV from P ``p`` to D ``d`` through the actors and verify it on D.
+    """Move one request's KV from P engine ``p`` to D engine ``d`` through the actors (every
+    worker of each) and verify it on D, head by head.
 
     ``d_blocks`` (≤ ``num_blocks``) pulls only the last blocks, as a D with a prefix-cache hit
-    does. D's blocks are freed when the pull ends, whatever the outcome. Checkpoint.
+    does. D's blocks are freed when every worker's pull has ended, whatever the outcome.
+    Checkpoint.
     """
-    pnode, dnode = cluster.prefill[p], cluster.decode[d]
+    p_workers, d_workers = cluster.prefill_workers(p), cluster.decode_workers(d)
+    pnode = p_workers[0]
     src = pnode.pool.allocate(num_blocks)
     pnode.owned[transfer_id] = src
-    pnode.kv.fill(transfer_id, src)
-    pnode.sender.transfer_pending(transfer_id)
-    pnode.sender.transfer_ready(transfer_id, src)
-    dst = dnode.pool.allocate(num_blocks if d_blocks is None else d_blocks)
+    for worker in p_workers:
+        worker.kv.fill(transfer_id, src)
+        worker.sender.transfer_pending(transfer_id)
+        worker.sender.transfer_ready(transfer_id, src)
+    dst = d_workers[0].pool.allocate(num_blocks if d_blocks is None else d_blocks)
+    errors: dict[int, str] = {}
+
+    async def pull(worker: DecodeNode) -> None:
+        try:
+            await worker.receiver.pull(
+                transfer_id,
+                bootstrap_url=cluster.bootstrap_url,
+                engine_id=pnode.engine_id,
+                block_ids=dst,
+            )
+        except PdError as exc:
+            errors[worker.tp_rank] = getattr(exc, "reason", str(exc))
+
     start = trio.current_time()
     try:
-        await dnode.receiver.pull(
-            transfer_id,
-            bootstrap_url=cluster.bootstrap_url,
-            engine_id=pnode.engine_id,
-            block_ids=dst,
-        )
-    except PdError as exc:
-        reason = getattr(exc, "reason", str(exc))
-        return TransferOutcome(transfer_id, False, reason, 0, trio.current_time() - start, False)
-    else:
+        async with trio.open_nursery() as nursery:  # each pull ends on its own
+            for worker in d_workers:
+                nursery.start_soon(pull, worker)
         seconds = trio.current_time() - start
-        verified = dnode.kv.verify(transfer_id, dst, num_blocks)
-        nbytes = len(dst) * dnode.kv.layout.bytes_per_block
+        if errors:
+            reason = "; ".join(f"D rank {r}: {why}" for r, why in sorted(errors.items()))
+            return TransferOutcome(transfer_id, False, reason, 0, seconds, False)
+        verified = all(w.kv.verify(transfer_id, dst, num_blocks) for w in d_workers)
+        nbytes = len(dst) * sum(w.kv.layout.bytes_per_block for w in d_workers)
         return TransferOutcome(transfer_id, True, "", nbytes, seconds, verified)
     finally:
-        dnode.pool.free(dst)
+        d_workers[0].pool.free(dst)

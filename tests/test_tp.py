@@ -1,0 +1,153 @@
+"""Tensor-parallel shapes through the actors: real ZMQ sockets, a real Mooncake engine per
+worker, every byte of every head verified on each D worker, no block left allocated.
+
+Heterogeneous TP: a D worker pulls its heads from several P workers (P TP > D TP), or several
+D workers take head ranges of one P worker (P TP < D TP); with more workers than KV heads the
+heads are replicated (GQA) and P workers whose replica D does not read are still told, so they
+free their blocks at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import trio
+
+from pdactors.messages import PullFailed, PullRequest, decode_frames, encode_frames
+from pdactors.testing import Cluster, FaultyDataPlane, open_cluster, run_transfer
+from pdactors.testing.cluster import DecodeNode
+from pdactors.transport import open_dealer
+
+SHAPE = {"layers": 3, "num_blocks": 32, "block_bytes": 4096}
+
+
+async def settled(cluster: Cluster) -> None:
+    with trio.fail_after(5):
+        await cluster.wait_settled()
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "heads"),
+    [
+        (2, 2, 4),  # homogeneous: rank i <-> rank i, whole blocks
+        (2, 1, 4),  # one D worker pulls half of its heads from each P worker
+        (1, 2, 4),  # two D workers each take half of P's heads
+        (4, 1, 2),  # P replicates each head twice: D reads one replica, tells the other
+        (1, 4, 2),  # D replicates: four D workers, two per head, all from one P worker
+        (2, 4, 8),  # 1 -> 2 per P worker
+    ],
+)
+async def test_every_head_lands_on_the_right_d_worker(p_tp: int, d_tp: int, heads: int) -> None:
+    with trio.fail_after(60):
+        async with open_cluster(p_tp=p_tp, d_tp=d_tp, kv_heads=heads, **SHAPE) as cluster:
+            assert [n.tp_rank for n in cluster.prefill] == list(range(p_tp))
+            for i, (count, d_blocks) in enumerate([(5, None), (8, None), (6, 2)]):
+                outcome = await run_transfer(cluster, f"t{i}", count, d_blocks=d_blocks)
+                assert outcome.ok and outcome.verified, outcome.reason
+            landed = sum(n.receiver.pull_seconds.__len__() for n in cluster.decode)
+            assert landed == 3 * d_tp
+            await settled(cluster)
+
+
+async def test_the_same_bytes_arrive_whatever_the_shapes() -> None:
+    """2 -> 1 moves the model's KV exactly as 1 -> 1 does: D's buffers end up equal."""
+    results = []
+    for p_tp in (1, 2):
+        with trio.fail_after(60):
+            async with open_cluster(p_tp=p_tp, d_tp=1, kv_heads=4, **SHAPE) as cluster:
+                outcome = await run_transfer(cluster, "same", 7)
+                assert outcome.ok and outcome.verified
+                results.append((outcome.nbytes, cluster.decode[0].kv.data.copy()))
+                await settled(cluster)
+    (n1, kv1), (n2, kv2) = results
+    assert n1 == n2 == 7 * 3 * 4096
+    assert (kv1 == kv2).all() and kv1.any()
+
+
+async def test_one_p_worker_failing_fails_the_pull_only_after_the_other_stopped_writing() -> None:
+    """P TP 2 -> D TP 1: P rank 1's write fails while rank 0's is still in flight. D's pull must
+    not end (and D's blocks must not be reused) until rank 0 is done with them."""
+    planes: list[FaultyDataPlane] = []
+
+    def wrap(plane: object) -> FaultyDataPlane:
+        faulty = FaultyDataPlane(plane, fail_writes=len(planes))  # type: ignore[arg-type]
+        planes.append(faulty)
+        return faulty
+
+    with trio.fail_after(30):
+        async with open_cluster(p_tp=2, d_tp=1, kv_heads=4, wrap_prefill=wrap, **SHAPE) as cluster:
+            gate = planes[0].gate = trio.Event()  # rank 0's write waits here
+            d: DecodeNode = cluster.decode[0]
+            async with trio.open_nursery() as nursery:
+                result: list[object] = []
+
+                async def transfer() -> None:
+                    result.append(await run_transfer(cluster, "t-fail", 4))
+
+                nursery.start_soon(transfer)
+                while not (planes[0].writes_started and planes[1].writes_started):
+                    await trio.sleep(0.01)
+                await trio.sleep(0.2)  # rank 1's failure has reached D by now
+                assert d.receiver.in_flight == 1  # ...but rank 0 may still write: not ended
+                assert d.pool.in_use == 4
+                gate.set()
+            [outcome] = result
+            assert not outcome.ok and "injected fault" in outcome.reason  # type: ignore[attr-defined]
+            planes[0].gate = None
+            good = await run_transfer(cluster, "t-next", 4)
+            assert good.ok and good.verified
+            await settled(cluster)
+
+
+async def test_a_pull_planned_for_another_shape_is_refused_and_p_serves_on() -> None:
+    with trio.fail_after(30):
+        async with open_cluster(p_tp=2, d_tp=1, kv_heads=4, **SHAPE) as cluster:
+            p = cluster.prefill[0]
+            layout = cluster.decode[0].kv.layout
+            bad = [
+                # D believed P has 4 TP ranks (a stale or partial bootstrap answer)
+                (dict(tp_size=1, p_tp_size=4, kv_heads=4), "planned for a P with tp_size 4"),
+                # D's model has other heads
+                (dict(tp_size=1, p_tp_size=2, kv_heads=8), "D's model has 8 KV heads"),
+                # D TP 3 does not divide 4 heads
+                (dict(tp_size=3, p_tp_size=2, kv_heads=4), "do not split"),
+            ]
+            async with open_dealer(p.sender.address) as dealer:
+                for i, (shape, why) in enumerate(bad):
+                    request = PullRequest(
+                        f"bad{i}",
+                        "127.0.0.1:1",
+                        0,
+                        shape["tp_size"],
+                        0,
+                        1,
+                        (0,),
+                        "x",
+                        layout,
+                        kv_heads=shape["kv_heads"],
+                        p_tp_size=shape["p_tp_size"],
+                    )
+                    await dealer.send(encode_frames(request))
+                    answer = decode_frames(await dealer.receive())
+                    assert isinstance(answer, PullFailed) and why in answer.reason, answer
+            outcome = await run_transfer(cluster, "after", 3)
+            assert outcome.ok and outcome.verified
+            await settled(cluster)
+
+
+async def test_many_concurrent_transfers_two_to_one() -> None:
+    with trio.fail_after(60):
+        async with open_cluster(p_tp=2, d_tp=1, kv_heads=4, **SHAPE) as cluster:
+            outcomes = []
+            ids = itertools.count()
+
+            async def worker() -> None:
+                for _ in range(6):
+                    outcomes.append(await run_transfer(cluster, f"c{next(ids)}", 2))
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(8):
+                    nursery.start_soon(worker)
+            assert len(outcomes) == 48 and all(o.ok and o.verified for o in outcomes)
+            await settled(cluster)
