@@ -36,11 +36,19 @@ def harness(
         str, typer.Option(help="Mooncake protocol: tcp, rdma, nvlink_intra.")
     ] = "tcp",
     device: Annotated[str, typer.Option(help="Mooncake device name (RDMA NIC).")] = "",
+    p_tp: Annotated[int, typer.Option(help="P's tensor-parallel workers.")] = 1,
+    d_tp: Annotated[int, typer.Option(help="D's tensor-parallel workers.")] = 1,
+    kv_heads: Annotated[
+        int,
+        typer.Option(help="The model's KV heads (split --block-bytes); 8 when TP sizes differ."),
+    ] = 0,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run P and D actors with real Mooncake engines, move real KV bytes and verify them.
 
     Defaults are DESIGN.md's reference request: 36 layers x 63 blocks x 64 KiB = 141.75 MiB.
+    With --p-tp/--d-tp each engine runs that many workers (one Mooncake engine each), each
+    holding its KV heads, and every head is verified on the D worker that holds it.
     Exits 1 when any byte is wrong, any transfer fails, or any block is left allocated.
     """
     _setup(verbose)
@@ -61,6 +69,9 @@ def harness(
         concurrency=concurrency,
         dataplane=dataplane,
         progress=True,
+        p_tp=p_tp,
+        d_tp=d_tp,
+        kv_heads=kv_heads or (8 if p_tp != d_tp else 0),
     )
     report = trio.run(run)
     typer.echo(report.summary())

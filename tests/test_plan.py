@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdactors.core.plan import (
-    HeadSlice,
     WHOLE_BLOCK,
+    HeadSlice,
     TransferPlan,
     check_layout,
     plan_transfer,

@@ -49,7 +49,9 @@ def test_streaming_with_a_waiting_pull_starts_a_streamed_send() -> None:
     p = pull()
     t.prefill_started("t1", 0.0)
     t.pull_arrived("t1", D, p, 0.1)
-    assert t.prefill_streaming("t1", (3, 4), 0.2) == [StartSend("t1", p, (3, 4), streamed=True, identity=D)]
+    assert t.prefill_streaming("t1", (3, 4), 0.2) == [
+        StartSend("t1", p, (3, 4), streamed=True, identity=D)
+    ]
     assert t.state("t1") is SendState.SENDING
     # a cancel waits for the write, which ends once P is done
     assert t.pull_cancelled("t1", D, 0.3) == []
@@ -378,9 +380,7 @@ def test_two_d_workers_each_get_a_write_and_the_blocks_wait_for_both() -> None:
     t = table()
     p0, p1 = pull(d_rank=0), pull(d_rank=1)
     t.prefill_ready("t1", (1, 2), 0.0)
-    assert t.pull_arrived("t1", D, p0, 0.1, expected=2) == [
-        StartSend("t1", p0, (1, 2), identity=D)
-    ]
+    assert t.pull_arrived("t1", D, p0, 0.1, expected=2) == [StartSend("t1", p0, (1, 2), identity=D)]
     [done] = t.send_finished("t1", 0.2, identity=D, nbytes=4)
     assert done == Reply(D, PullDone("t1", 4, 0))
     assert t.state("t1") is SendState.READY  # D rank 1 has not pulled yet: keep the blocks

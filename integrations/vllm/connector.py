@@ -7,6 +7,7 @@ Load it by name (``"kv_connector": "PdActorsConnector"``, registered by the vLLM
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -162,6 +163,15 @@ class PdActorsConnector(KVConnectorBase_V1):
     ) -> PdActorsPromMetrics:
         return PdActorsPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Heads outermost in each block (``LBHNC``, vLLM's ``HND``; what vLLM CPU always
+        uses), so a TP rank's head range is one contiguous span per block and P and D of
+        different TP sizes can exchange head slices, as upstream's MooncakeConnector asks."""
+        if vllm_config.model_config is None or vllm_config.model_config.use_mla:
+            return None
+        return "LBHNC"
+
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()
@@ -177,7 +187,7 @@ def _place(vllm_config: VllmConfig, engine_id: str) -> WorkerPlace:
     transfer = vllm_config.kv_transfer_config
     assert transfer is not None
     pp = get_pp_group()
-    return worker_place(
+    place = worker_place(
         vllm_config.parallel_config,
         transfer,
         engine_id,
@@ -186,6 +196,8 @@ def _place(vllm_config: VllmConfig, engine_id: str) -> WorkerPlace:
         pp_rank=pp.rank_in_group,
         pp_size=pp.world_size,
     )
+    heads = vllm_config.model_config.get_total_num_kv_heads()
+    return dataclasses.replace(place, kv_heads=int(heads))
 
 
 def worker_place(

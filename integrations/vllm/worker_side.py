@@ -126,6 +126,7 @@ class WorkerPlace:
     is_consumer: bool
     ranks: RankInfo
     runs_bootstrap: bool
+    kv_heads: int = 0  # the model's KV heads in all (heterogeneous TP needs them)
 
 
 class WorkerSide:
@@ -222,6 +223,7 @@ class WorkerSide:
                     unclaimed_ttl=s.unclaimed_ttl,
                     register_timeout=s.register_timeout,
                     liveness=liveness,
+                    kv_heads=place.kv_heads,
                 )
                 self._sender = await nursery.start(serve_sender, sender_config, plane, layout)
                 nursery.start_soon(self._collect_sent, self._sender)
@@ -232,6 +234,7 @@ class WorkerSide:
                     pull_timeout=s.pull_timeout,
                     lookup_timeout=s.lookup_timeout,
                     liveness=liveness,
+                    kv_heads=place.kv_heads,
                 )
                 self._receiver = await nursery.start(serve_receiver, receiver_config, plane, layout)
                 nursery.start_soon(self._collect_received, self._receiver)

@@ -332,7 +332,9 @@ def plan_transfer(
 
 
 @functools.lru_cache(maxsize=256)
-def tp_pulls(d_rank: int, d_tp: int, p_tp: int, total_heads: int) -> dict[int, tuple[HeadSlice, ...]]:
+def tp_pulls(
+    d_rank: int, d_tp: int, p_tp: int, total_heads: int
+) -> dict[int, tuple[HeadSlice, ...]]:
     """The P ranks that D rank ``d_rank`` of ``d_tp`` pulls a transfer from, with the head
     slices each one writes: the one place P's and D's tensor-parallel ranks are paired.
 

@@ -127,12 +127,12 @@ class KVBuffer:
         """
         layers, _, block_bytes = self.data.shape
         seed = int.from_bytes(hashlib.blake2b(transfer_id.encode(), digest_size=4).digest())
-        ramp = np.arange(self.head_bytes, dtype=np.uint64)
+        ramp = np.arange(self.head_bytes, dtype=np.uint64).astype(np.uint8)  # wraps at 256
         cells = np.arange(layers * count, dtype=np.uint64)[:, None] * np.uint64(self.total_heads)
         heads = cells + np.arange(self.heads.start, self.heads.stop, dtype=np.uint64)[None, :]
-        offsets = (seed + heads * 40503) % 251  # [layers * count, heads]
-        block = (ramp[None, None, :] + offsets[:, :, None]) % 256
-        return block.astype(np.uint8).reshape(layers, count, block_bytes)
+        offsets = ((seed + heads * 40503) % 251).astype(np.uint8)  # [layers * count, heads]
+        block = ramp[None, None, :] + offsets[:, :, None]  # uint8: wraps at 256 too
+        return block.reshape(layers, count, block_bytes)
 
     def fill(self, transfer_id: str, blocks: list[int]) -> None:
         self.data[:, blocks, :] = self.expected(transfer_id, len(blocks))
@@ -265,7 +265,11 @@ async def open_cluster(
             worker_planes = iter(planes)
             for role, e, tp in shapes:
                 engine_id = f"{role}-{e}"
-                pool, owned, releases = BlockPool(num_blocks), dict[str, list[int]](), Counter[str]()
+                pool, owned, releases = (
+                    BlockPool(num_blocks),
+                    dict[str, list[int]](),
+                    Counter[str](),
+                )
                 for rank in range(tp):
                     plane = next(worker_planes)
                     heads = rank_heads(rank, tp, total) if kv_heads else range(1)
@@ -334,10 +338,10 @@ async def run_transfer(
     pnode = p_workers[0]
     src = pnode.pool.allocate(num_blocks)
     pnode.owned[transfer_id] = src
-    for worker in p_workers:
-        worker.kv.fill(transfer_id, src)
-        worker.sender.transfer_pending(transfer_id)
-        worker.sender.transfer_ready(transfer_id, src)
+    for p_worker in p_workers:
+        p_worker.kv.fill(transfer_id, src)
+        p_worker.sender.transfer_pending(transfer_id)
+        p_worker.sender.transfer_ready(transfer_id, src)
     dst = d_workers[0].pool.allocate(num_blocks if d_blocks is None else d_blocks)
     errors: dict[int, str] = {}
 

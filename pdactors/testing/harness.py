@@ -1,4 +1,5 @@
-"""``pdactors harness``: many requests through a 1P1D cluster, every byte verified on D."""
+"""``pdactors harness``: many requests through a 1P1D cluster (of any TP shapes), every byte
+verified on D."""
 
 from __future__ import annotations
 
@@ -79,19 +80,30 @@ async def run_harness(
     concurrency: int = 1,
     dataplane: DataPlaneConfig | None = None,
     progress: bool = False,
+    p_tp: int = 1,
+    d_tp: int = 1,
+    kv_heads: int = 0,
 ) -> HarnessReport:
     """Run ``requests`` transfers of ``blocks`` × ``layers`` × ``block_bytes`` bytes, at most
-    ``concurrency`` at once, through a bootstrap, one P sender and one D receiver with real
-    Mooncake engines, and verify every byte on D. Checkpoint.
+    ``concurrency`` at once, through a bootstrap, one P engine of ``p_tp`` senders and one D
+    engine of ``d_tp`` receivers with real Mooncake engines, and verify every byte of every
+    head on D. ``kv_heads``: the model's KV heads (needed when the TP sizes differ), which
+    split ``block_bytes`` as vLLM splits heads over TP ranks. Checkpoint.
     """
     latencies: list[float] = []
     outcomes: list[TransferOutcome] = []
     pool_blocks = blocks * concurrency
     async with open_cluster(
-        layers=layers, num_blocks=pool_blocks, block_bytes=block_bytes, dataplane=dataplane
+        layers=layers,
+        num_blocks=pool_blocks,
+        block_bytes=block_bytes,
+        dataplane=dataplane,
+        p_tp=p_tp,
+        d_tp=d_tp,
+        kv_heads=kv_heads,
     ) as cluster:
         # One warm-up transfer opens the connections; it is not counted.
-        await run_transfer(cluster, "warmup", blocks)
+        warmup = await run_transfer(cluster, "warmup", blocks)
         next_id = iter(range(requests))
         with _progress(requests, progress and requests >= 16) as bar:
             task = bar.add_task("transfers", total=requests) if bar else None
@@ -118,7 +130,8 @@ async def run_harness(
         ok=sum(o.ok for o in outcomes),
         verified=sum(o.verified for o in outcomes),
         failed={o.transfer_id: o.reason for o in outcomes if not o.ok},
-        bytes_per_request=layers * blocks * block_bytes,
+        # What lands on D: the model's KV once, more where D's workers replicate heads.
+        bytes_per_request=warmup.nbytes or layers * blocks * block_bytes,
         seconds=seconds,
         latencies=tuple(latencies),
         blocks_leaked=leaked,

