@@ -69,9 +69,16 @@ class BlockLayout(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Layout(msgspec.Struct, frozen=True, array_like=True):
-    """An engine rank's KV memory: its regions in a fixed order shared by P and D."""
+    """An engine rank's KV memory: its regions in a fixed order shared by P and D.
+
+    ``names``: one per region (vLLM's layer name, with the part for K and V kept apart), or
+    none. With names on both sides, P writes each of its regions into D's region of the same
+    name: how a pipeline stage of P, which holds some layers, fills a D that holds them all.
+    Without, regions pair by position.
+    """
 
     regions: tuple[BlockLayout, ...]
+    names: tuple[str, ...] = ()
 
     @property
     def bytes_per_block(self) -> int:

@@ -39,8 +39,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     * ``lookup_timeout``: the longest a bootstrap query may take (s), default 10.
     * ``register_timeout``: how long P retries registering with the bootstrap (s), default 30.
     * ``heartbeat_timeout``: a side-channel peer silent this long is judged hung and its
-      transfers end (s), default 3; a dead peer is noticed at once by its disconnect. Raise it
-      on hosts so oversubscribed that a process can get no CPU for seconds.
+      transfers end (s), default 3; a dead peer is noticed at once by its disconnect (a refused
+      connection at once too). It also bounds a new connection's handshake: a P that accepts
+      but does not answer within it is judged hung. Raise it on hosts so oversubscribed that
+      a process can get no CPU for seconds.
     * ``idle_wait_ms``: on a step with nothing to compute (every request waits for KV), the
       worker waits up to this long for the next transfer result instead of returning at once,
       and the engine core naps instead of spinning (see :mod:`integrations.vllm.idle`);

@@ -63,10 +63,12 @@ def layout_from_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -
 
     A tensor whose first dimension is the block count is one region (vLLM CPU:
     ``[blocks, kv_heads, block_size, 2*head]``); one whose second dimension is, with K and V
-    first (``[2, blocks, ...]``), is two. Regions are ordered by layer name so P and D agree.
+    first (``[2, blocks, ...]``), is two. Regions are ordered by layer name and carry it, so a
+    P pipeline stage (some layers) writes each into D's region of the same name.
     Memory is registered by underlying storage, so views of one allocation count once.
     """
     regions: list[BlockLayout] = []
+    names: list[str] = []
     storages: dict[int, int] = {}
     layer_regions: dict[str, tuple[int, ...]] = {}
     for name in sorted(kv_caches):
@@ -80,6 +82,7 @@ def layout_from_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -
         else:
             raise PdError(f"KV cache {name} of shape {tuple(cache.shape)} has no block dimension")
         layer_regions[name] = tuple(range(len(regions), len(regions) + len(parts)))
+        names += [name] if len(parts) == 1 else [f"{name}[{k}]" for k in range(len(parts))]
         for part in parts:
             if not part[0].is_contiguous():
                 raise PdError(f"KV cache {name}: a block is not contiguous in memory")
@@ -91,7 +94,8 @@ def layout_from_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -
                     stride=part.stride(0) * part.element_size(),
                 )
             )
-    return KVRegistration(Layout(tuple(regions)), sorted(storages.items()), layer_regions)
+    layout = Layout(tuple(regions), tuple(names))
+    return KVRegistration(layout, sorted(storages.items()), layer_regions)
 
 
 @dataclass
@@ -207,7 +211,9 @@ class WorkerSide:
             hostname=s.host,
             workers=s.sender_workers,
         )
-        liveness = Liveness(heartbeat_timeout=s.heartbeat_timeout)
+        # A handshake a starved peer cannot answer is a heartbeat it cannot answer: one bound.
+        hung = s.heartbeat_timeout
+        liveness = Liveness(heartbeat_timeout=hung, connect_timeout=hung)
         async with open_mooncake(plane_config) as plane, trio.open_nursery() as nursery:
             plane.register(memory)
             if place.runs_bootstrap:

@@ -25,7 +25,7 @@ import trio
 
 from pdactors import timeline
 from pdactors._pulse import Pulse
-from pdactors.actors._lookups import Lookups, Workers
+from pdactors.actors._lookups import Lookups
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import ReceiverConfig
 from pdactors.core.plan import check_layout, tp_pulls
@@ -257,14 +257,24 @@ class Receiver:
             workers = await self._lookups.resolve(url, engine_id)
             p_tp = len(workers)
             sources = tp_pulls(ranks.tp_rank, ranks.tp_size, p_tp, self.config.kv_heads)
-            addresses = [_worker(workers, p, ranks.pp_rank) for p in sources]
-            if None not in addresses:
+            wanted = [(tp, pp) for tp in sources for pp in self._stages(workers.get(tp, {}))]
+            addresses = [workers.get(tp, {}).get(pp) for tp, pp in wanted]
+            if wanted and None not in addresses:
                 return p_tp, [a for a in addresses if a is not None]
-        missing = [p for p, a in zip(sources, addresses, strict=True) if a is None]
+        missing = [w for w, a in zip(wanted, addresses, strict=True) if a is None] or [(0, 0)]
         raise BootstrapError(
-            f"engine {engine_id!r} at {url} has no worker registered for tp rank {missing[0]} "
-            f"pp rank {ranks.pp_rank} (TP ranks registered: {sorted(workers)})"
+            f"engine {engine_id!r} at {url} has no worker registered for tp rank "
+            f"{missing[0][0]} pp rank {missing[0][1]} (registered: "
+            f"{ {tp: sorted(pps) for tp, pps in sorted(workers.items())} })"
         )
+
+    def _stages(self, by_pp: dict[int, str]) -> list[int]:
+        """The P pipeline stages to pull from: the same stage when P has as many as D, else
+        every stage (P PP 2 -> D PP 1: each stage writes its layers, matched by name)."""
+        ranks = self.config.ranks
+        if len(by_pp) == ranks.pp_size:
+            return [ranks.pp_rank]
+        return sorted(by_pp)
 
     def _with_layout(self, request: PullRequest) -> PullRequest:
         return msgspec.structs.replace(request, layout=self.layout)
@@ -416,10 +426,6 @@ class Receiver:
         else:
             self._failed[tid] = done.reason
         self._results_changed.fire()
-
-
-def _worker(workers: Workers, tp_rank: int, pp_rank: int) -> str | None:
-    return workers.get(tp_rank, {}).get(pp_rank)
 
 
 async def serve_receiver(

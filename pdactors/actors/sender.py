@@ -31,7 +31,14 @@ from pdactors import timeline
 from pdactors._pulse import Pulse
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import SenderConfig
-from pdactors.core.plan import HeadSlice, check_layout, plan_transfer, tp_expected, tp_pulls
+from pdactors.core.plan import (
+    HeadSlice,
+    check_layout,
+    matching_regions,
+    plan_transfer,
+    tp_expected,
+    tp_pulls,
+)
 from pdactors.core.send_table import (
     Effect,
     Release,
@@ -295,7 +302,9 @@ class Sender:
                 "(was the bootstrap's answer incomplete?)"
             )
         pulls = tp_pulls(pull.tp_rank, pull.tp_size, ranks.tp_size, self._kv_heads(pull))
-        if ranks.tp_rank not in pulls or pull.pp_rank != ranks.pp_rank:
+        # Equal PP sizes pair stage with stage; otherwise D pulls from every stage of P.
+        other_stage = pull.pp_size == ranks.pp_size and pull.pp_rank != ranks.pp_rank
+        if ranks.tp_rank not in pulls or other_stage:
             raise PlanError(
                 f"pull for tp {pull.tp_rank}/{pull.tp_size}, pp {pull.pp_rank} reached P worker "
                 f"{ranks}, which does not serve it"
@@ -370,8 +379,9 @@ class Sender:
         (in the engine's worker thread) says they are complete."""
         pull = job.pull
         assert pull.layout is not None
+        d_layout = matching_regions(self.layout, pull.layout)  # P's layers in D's memory
         plans = [
-            plan_transfer(self.layout, job.src_blocks, pull.layout, pull.block_ids, regions, h)
+            plan_transfer(self.layout, job.src_blocks, d_layout, pull.block_ids, regions, h)
             for h in self._heads(pull)
         ]
         if len(plans) == 1:

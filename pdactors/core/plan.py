@@ -40,6 +40,7 @@ __all__ = [
     "HeadSlice",
     "TransferPlan",
     "check_layout",
+    "matching_regions",
     "plan_transfer",
     "rank_heads",
     "tp_expected",
@@ -91,11 +92,17 @@ def check_layout(layout: Layout) -> None:
     """Check that ``layout`` is well formed.
 
     At least one region; in each, ``base >= 0``, positive ``num_blocks``, ``block_bytes`` and
-    ``stride``, ``block_bytes <= stride``, and the region's last byte is a 64-bit address.
-    Raises :class:`PlanError` naming the first bad region.
+    ``stride``, ``block_bytes <= stride``, and the region's last byte is a 64-bit address;
+    names, if any, one per region and distinct. Raises :class:`PlanError` naming the first bad
+    region.
     """
     if not layout.regions:
         raise PlanError("layout has no regions")
+    if layout.names and (
+        len(layout.names) != len(layout.regions) or len(set(layout.names)) != len(layout.names)
+    ):
+        raise PlanError(f"{len(layout.names)} region names for {len(layout.regions)} regions, "
+                        "or a name given twice")  # fmt: skip
     for r, reg in enumerate(layout.regions):
         if reg.base < 0 or reg.num_blocks <= 0 or reg.block_bytes <= 0 or reg.stride <= 0:
             raise PlanError(f"region {r}: base must be >= 0 and sizes > 0, got {reg}")
@@ -170,6 +177,25 @@ def _prepare_pair(
         sp._replace(base=sp.base + s_head * np.uint64(h.src_first), block_bytes=moved),
         dp._replace(base=dp.base + d_head * np.uint64(h.dst_first), block_bytes=moved),
     )
+
+
+@functools.lru_cache(maxsize=64)
+def matching_regions(src: Layout, dst: Layout) -> Layout:
+    """``dst``'s regions in ``src``'s order, paired by name: what a P pipeline stage (some
+    layers) writes into a D that holds more. Without names on both sides, or with the same
+    names, ``dst`` itself (regions pair by position). Raises :class:`LayoutMismatch` naming a
+    region of P that D does not have."""
+    if not (src.names and dst.names) or src.names == dst.names:
+        return dst
+    index = {name: i for i, name in enumerate(dst.names)}
+    missing = [n for n in src.names if n not in index]
+    if missing:
+        raise LayoutMismatch(
+            f"D has no KV region {missing[0]!r} of P ({len(missing)} of P's "
+            f"{len(src.names)} missing): the engines do not serve the same model"
+        )
+    rows = [index[n] for n in src.names]
+    return Layout(tuple(dst.regions[i] for i in rows), src.names)
 
 
 def _as_ids(ids: Sequence[int], side: str) -> _Ids:

@@ -16,6 +16,7 @@ scheduler does with ``finished_sending``.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -41,6 +42,7 @@ from pdactors.config import (
 from pdactors.core.plan import packed_layout, rank_heads
 from pdactors.dataplane import DataPlane, open_mooncake
 from pdactors.errors import PdError
+from pdactors.messages import Layout
 from pdactors.transport import ZMQ, Transport
 
 __all__ = [
@@ -96,6 +98,8 @@ class KVBuffer:
 
     ``heads``: which of the model's ``total_heads`` KV heads its blocks hold, back to back
     (a tensor-parallel rank's; default the one "head" that is the whole block).
+    ``first_layer``: the model layer of its first region (a pipeline stage's); regions are
+    named by model layer.
     """
 
     def __init__(
@@ -106,13 +110,17 @@ class KVBuffer:
         *,
         heads: range = range(1),
         total_heads: int = 1,
+        first_layer: int = 0,
     ) -> None:
         if block_bytes % len(heads):
             raise ValueError(f"{block_bytes} block bytes do not split into {len(heads)} heads")
         self.heads, self.total_heads = heads, total_heads
         self.head_bytes = block_bytes // len(heads)
+        self.first_layer = first_layer
         self.data: npt.NDArray[np.uint8] = np.zeros((layers, num_blocks, block_bytes), np.uint8)
-        self.layout = packed_layout(self.data.ctypes.data, layers, num_blocks, block_bytes)
+        packed = packed_layout(self.data.ctypes.data, layers, num_blocks, block_bytes)
+        names = tuple(f"layers.{first_layer + i}" for i in range(layers))
+        self.layout = Layout(packed.regions, names)
 
     @property
     def regions(self) -> list[tuple[int, int]]:
@@ -128,7 +136,8 @@ class KVBuffer:
         layers, _, block_bytes = self.data.shape
         seed = int.from_bytes(hashlib.blake2b(transfer_id.encode(), digest_size=4).digest())
         ramp = np.arange(self.head_bytes, dtype=np.uint64).astype(np.uint8)  # wraps at 256
-        cells = np.arange(layers * count, dtype=np.uint64)[:, None] * np.uint64(self.total_heads)
+        cells = np.arange(layers * count, dtype=np.uint64) + np.uint64(self.first_layer * count)
+        cells = cells[:, None] * np.uint64(self.total_heads)
         heads = cells + np.arange(self.heads.start, self.heads.stop, dtype=np.uint64)[None, :]
         offsets = ((seed + heads * 40503) % 251).astype(np.uint8)  # [layers * count, heads]
         block = ramp[None, None, :] + offsets[:, :, None]  # uint8: wraps at 256 too
@@ -156,6 +165,8 @@ class PrefillNode:
     tp_rank: int = 0
     tp_size: int = 1
     releases: Counter[str] = field(default_factory=Counter)
+    pp_rank: int = 0
+    pp_size: int = 1
 
     async def free_released(self) -> None:
         """Free P's blocks as the senders release them (vLLM's ``finished_sending``: once
@@ -163,7 +174,7 @@ class PrefillNode:
         while True:
             for tid in await self.sender.wait_finished():
                 self.releases[tid] += 1
-                if self.releases[tid] == self.tp_size:
+                if self.releases[tid] == self.tp_size * self.pp_size:
                     del self.releases[tid]
                     self.pool.free(self.owned.pop(tid))
 
@@ -232,6 +243,7 @@ async def open_cluster(
     p_tp: int = 1,
     d_tp: int = 1,
     kv_heads: int = 0,
+    p_pp: int = 1,
 ) -> AsyncIterator[Cluster]:
     """Start a bootstrap, ``prefill`` P engines of ``p_tp`` workers and ``decode`` D engines of
     ``d_tp`` workers, each worker with its own Mooncake engine and KV buffer; stop them all on
@@ -239,6 +251,8 @@ async def open_cluster(
 
     ``block_bytes`` is one layer's block of the whole model: ``kv_heads`` KV heads (0: TP sizes
     are equal and heads do not matter) split over each engine's workers as vLLM splits them.
+    ``p_pp``: P's pipeline stages (each TP rank of each holds ``layers / p_pp`` layers; D
+    holds them all and pulls from every stage).
     ``sender`` / ``receiver`` give the other settings (their engine ids, ranks, head count and
     bootstrap URL are filled in here). ``wrap_prefill`` wraps P's real data planes (fault
     injection); ``transport`` is every actor's side channel (a memory transport, a faulty
@@ -250,33 +264,42 @@ async def open_cluster(
     total = kv_heads or 1
     if not kv_heads and p_tp != d_tp:
         raise ValueError("P and D of different TP sizes need kv_heads")
-    shapes = [("prefill", e, p_tp) for e in range(prefill)]
-    shapes += [("decode", e, d_tp) for e in range(decode)]
+    if layers % p_pp:
+        raise ValueError(f"{layers} layers do not split into {p_pp} pipeline stages")
+    shapes = [("prefill", e, p_tp, p_pp) for e in range(prefill)]
+    shapes += [("decode", e, d_tp, 1) for e in range(decode)]
     async with AsyncExitStack() as stack:
         planes = [
             await stack.enter_async_context(open_mooncake(dp_config))
-            for _, _, tp in shapes
-            for _ in range(tp)
+            for _, _, tp, pp in shapes
+            for _ in range(tp * pp)
         ]
         async with trio.open_nursery() as nursery:
             url = await nursery.start(serve_bootstrap, BootstrapConfig())
             p_nodes: list[PrefillNode] = []
             d_nodes: list[DecodeNode] = []
             worker_planes = iter(planes)
-            for role, e, tp in shapes:
+            for role, e, tp, pp in shapes:
                 engine_id = f"{role}-{e}"
                 pool, owned, releases = (
                     BlockPool(num_blocks),
                     dict[str, list[int]](),
                     Counter[str](),
                 )
-                for rank in range(tp):
+                for stage, rank in itertools.product(range(pp), range(tp)):
                     plane = next(worker_planes)
                     heads = rank_heads(rank, tp, total) if kv_heads else range(1)
                     local = block_bytes * len(heads) // total if kv_heads else block_bytes
-                    kv = KVBuffer(layers, num_blocks, local, heads=heads, total_heads=total)
+                    kv = KVBuffer(
+                        layers // pp,
+                        num_blocks,
+                        local,
+                        heads=heads,
+                        total_heads=total,
+                        first_layer=stage * layers // pp,
+                    )
                     plane.register(kv.regions)
-                    ranks = RankInfo(tp_rank=rank, tp_size=tp)
+                    ranks = RankInfo(tp_rank=rank, tp_size=tp, pp_rank=stage, pp_size=pp)
                     if role == "prefill":
                         config = replace(
                             s_config,
@@ -290,7 +313,7 @@ async def open_cluster(
                             partial(serve_sender, transport=transport), config, wrapped, kv.layout
                         )
                         node = PrefillNode(
-                            engine_id, snd, kv, pool, plane, owned, rank, tp, releases
+                            engine_id, snd, kv, pool, plane, owned, rank, tp, releases, stage, pp
                         )
                         nursery.start_soon(node.free_released)
                         p_nodes.append(node)
