@@ -151,3 +151,37 @@ async def test_many_concurrent_transfers_two_to_one() -> None:
                     nursery.start_soon(worker)
             assert len(outcomes) == 48 and all(o.ok and o.verified for o in outcomes)
             await settled(cluster)
+
+
+@pytest.mark.parametrize(("p_tp", "p_pp", "d_tp"), [(1, 2, 1), (2, 2, 1), (1, 2, 2)])
+async def test_p_pipeline_stages_each_write_their_layers_into_d(
+    p_tp: int, p_pp: int, d_tp: int
+) -> None:
+    """P PP 2 -> D PP 1: D's pull goes to every stage; each writes its layers into D's regions
+    of the same name; D's blocks hold the whole model's KV."""
+    shape = {**SHAPE, "layers": 4}
+    with trio.fail_after(60):
+        async with open_cluster(
+            p_tp=p_tp, p_pp=p_pp, d_tp=d_tp, kv_heads=4 if p_tp != d_tp else 0, **shape
+        ) as cluster:
+            stages = {(n.pp_rank, n.kv.layout.names) for n in cluster.prefill}
+            assert stages == {(0, ("layers.0", "layers.1")), (1, ("layers.2", "layers.3"))}
+            for i, (count, d_blocks) in enumerate([(5, None), (6, 3)]):
+                outcome = await run_transfer(cluster, f"pp{i}", count, d_blocks=d_blocks)
+                assert outcome.ok and outcome.verified, outcome.reason
+            await settled(cluster)
+
+
+async def test_a_p_stage_with_a_layer_d_lacks_is_refused() -> None:
+    from pdactors.core.plan import matching_regions
+    from pdactors.errors import LayoutMismatch
+    from pdactors.messages import Layout
+
+    with trio.fail_after(30):
+        async with open_cluster(p_pp=2, **{**SHAPE, "layers": 4}) as cluster:
+            p = cluster.prefill[1]
+            d_layout = cluster.decode[0].kv.layout
+            other = Layout(d_layout.regions, tuple(f"other.{i}" for i in range(4)))
+            with pytest.raises(LayoutMismatch, match=r"D has no KV region 'layers\.2'"):
+                matching_regions(p.kv.layout, other)
+            assert matching_regions(p.kv.layout, d_layout).regions == d_layout.regions[2:]

@@ -29,6 +29,8 @@ class HarnessReport:
     seconds: float
     latencies: tuple[float, ...]
     blocks_leaked: int
+    #: Descriptors P's workers wrote per request, all together (after coalescing).
+    descriptors_per_request: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -125,6 +127,7 @@ async def run_harness(
         with trio.move_on_after(5):
             await cluster.wait_settled()
         leaked = cluster.blocks_in_use()
+        descriptors = sum(n.sender.descriptors_sent for n in cluster.prefill)
     return HarnessReport(
         requests=requests,
         ok=sum(o.ok for o in outcomes),
@@ -135,4 +138,5 @@ async def run_harness(
         seconds=seconds,
         latencies=tuple(latencies),
         blocks_leaked=leaked,
+        descriptors_per_request=descriptors / (requests + 1),  # with the warm-up
     )

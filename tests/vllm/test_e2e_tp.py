@@ -57,12 +57,14 @@ def shapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Clust
             "extra_args": TP2,
         },
         "decode": {"core": D_CORES, "kv_transfer_config": d_config, "extra_args": TP2},
-        # TP 1 on each side, for the heterogeneous pairs (same engine id, its own bootstrap)
+        # TP 1 on each side, for the heterogeneous pairs (same engine id, its own bootstrap).
+        # Each gets both cores: pinned to one, it shared it with the TP 2 peer's rank there,
+        # and P's Mooncake TCP write to that rank stalled for Mooncake's 30 s (see D_CORES).
         "prefill1": {
-            "core": 0,
+            "core": "0-1",
             "kv_transfer_config": producer_config("prefill-e2e", port1, **HEARTBEAT),
         },
-        "decode1": {"core": 1, "kv_transfer_config": d_config},
+        "decode1": {"core": "0-1", "kv_transfer_config": d_config},
     }
     with servers(specs, model, logs) as s:
         warm_up(list(s.values()))
@@ -110,7 +112,8 @@ def test_every_tp_rank_of_p_registers(shapes: dict[str, Cluster]) -> None:
 @pytest.mark.parametrize("length", [20, 300])
 def test_pd_equals_a_single_tp2_server(shapes: dict[str, Cluster], shape: str, length: int) -> None:
     cluster = shapes[shape]
-    prompt = prompt_ids(length, seed=length)
+    # A prompt of its own per shape: D's prefix cache keeps what an earlier shape sent it.
+    prompt = prompt_ids(length, seed=length + 1000 * SHAPES.index(shape))
     expected = completion(cluster.single, prompt, max_tokens=16)
     local_before, external_before = cluster.d_prompt_tokens()
     _, answer = cluster.disaggregated(prompt, 16)
@@ -123,7 +126,9 @@ def test_pd_equals_a_single_tp2_server(shapes: dict[str, Cluster], shape: str, l
 @pytest.mark.parametrize("shape", SHAPES)
 def test_concurrent_requests(shapes: dict[str, Cluster], shape: str) -> None:
     cluster = shapes[shape]
-    prompts = [prompt_ids(10 + 53 * i % 300, seed=500 + i) for i in range(8)]
+    prompts = [
+        prompt_ids(10 + 53 * i % 300, seed=500 + 100 * SHAPES.index(shape) + i) for i in range(8)
+    ]
     with ThreadPoolExecutor(8) as pool:
         expected = list(pool.map(lambda p: completion(cluster.single, p, max_tokens=8), prompts))
         got = list(pool.map(lambda p: cluster.disaggregated(p, 8)[1], prompts))

