@@ -85,6 +85,18 @@ def producer_config(engine_id: str, bootstrap_port: int, **extra: Any) -> dict[s
     }
 
 
+def consumer_config(engine_id: str, **extra: Any) -> dict[str, Any]:
+    """D's ``--kv-transfer-config``: PdActorsConnector as ``kv_consumer`` with engine id
+    ``engine_id``, a failed load failing its request, and ``extra`` settings."""
+    return {
+        "kv_connector": "PdActorsConnector",
+        "kv_role": "kv_consumer",
+        "engine_id": engine_id,
+        "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": extra,
+    }
+
+
 @contextmanager
 def vllm_server(
     name: str,

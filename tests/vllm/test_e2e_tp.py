@@ -19,7 +19,14 @@ import pytest
 pytest.importorskip("vllm")
 
 from integrations.vllm.tiny_model import ensure_tiny_model
-from tests.vllm.servers import Server, completion, free_port, producer_config, servers
+from tests.vllm.servers import (
+    Server,
+    completion,
+    consumer_config,
+    free_port,
+    producer_config,
+    servers,
+)
 from tests.vllm.test_e2e import Cluster, prompt_ids, text_and_reason
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -41,13 +48,7 @@ def shapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Clust
     model = ensure_tiny_model()
     logs = tmp_path_factory.mktemp("vllm-tp-logs")
     port = free_port()
-    d_config = {
-        "kv_connector": "PdActorsConnector",
-        "kv_role": "kv_consumer",
-        "engine_id": "decode-e2e",
-        "kv_load_failure_policy": "fail",
-        "kv_connector_extra_config": {"pull_timeout": 60, **HEARTBEAT},
-    }
+    d_config = consumer_config("decode-e2e", pull_timeout=60, **HEARTBEAT)
     port1 = free_port()
     specs = {
         "single": {"core": BOTH_CORES, "extra_args": TP2},
