@@ -105,8 +105,9 @@ class PullRequest(_Msg, frozen=True, tag="pull"):
     ``layout`` is sent the first time D talks to this P worker; afterwards only ``layout_id``
     (P answers :class:`LayoutUnknown` when it has forgotten it, and D resends with the layout).
     ``tp_rank``/``tp_size`` are D's; ``kv_heads`` is the model's KV head count (0: D did not
-    say; needed when P's and D's TP sizes differ) and ``p_tp_size`` the TP size D took P to
-    have from the bootstrap (0: not said); P refuses a pull planned for another shape.
+    say; needed when P's and D's TP sizes differ); ``p_tp_size`` / ``p_pp_size`` the TP and PP
+    sizes D took P to have from the bootstrap (0: not said). P refuses a pull planned for
+    another shape, with ``lookup_again`` set.
     """
 
     transfer_id: str
@@ -120,6 +121,7 @@ class PullRequest(_Msg, frozen=True, tag="pull"):
     layout: Layout | None = None
     kv_heads: int = 0
     p_tp_size: int = 0
+    p_pp_size: int = 0
 
 
 class CancelPull(_Msg, frozen=True, tag="cancel"):
@@ -138,10 +140,12 @@ class PullDone(_Msg, frozen=True, tag="done"):
 
 
 class PullFailed(_Msg, frozen=True, tag="failed"):
-    """P → D: ``transfer_id`` will not be delivered; ``reason`` says why."""
+    """P → D: ``transfer_id`` will not be delivered; ``reason`` says why. ``lookup_again``: D's
+    view of P (from the bootstrap) is stale or partial; D should look P up again."""
 
     transfer_id: str
     reason: str
+    lookup_again: bool = False
 
 
 class LayoutUnknown(_Msg, frozen=True, tag="layout?"):

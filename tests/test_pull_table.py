@@ -144,7 +144,7 @@ def test_answer_before_send_recorded_is_ignored() -> None:
 
 _EVENTS = st.lists(
     st.tuples(
-        st.sampled_from(["sent", "ok", "no", "fail", "abort", "lost", "tick"]),
+        st.sampled_from(["sent", "sent2", "ok", "no", "fail", "abort", "lost", "tick"]),
         st.sampled_from(["t1", "t2", "t3"]),
         st.sampled_from(["tcp://p", "tcp://q"]),
     ),
@@ -155,6 +155,8 @@ _EVENTS = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(_EVENTS)
 def test_every_pull_ends_exactly_once_whatever_happens(events: list[tuple[str, str, str]]) -> None:
+    """Pulls to one or two P workers: each ends exactly once, and never while a P worker it
+    went to may still write (not answered, not lost), except at its deadline."""
     t = PullTable(timeout=5.0)
     ends: list[str] = []
     for tid in ("t1", "t2", "t3"):
@@ -162,12 +164,13 @@ def test_every_pull_ends_exactly_once_whatever_happens(events: list[tuple[str, s
     now = 0.0
     for kind, tid, peer in events:
         effects = []
-        if kind == "sent" and t.state(tid) is PullState.LOOKING_UP:
-            effects = t.sent(tid, peer)
+        pull = t.get(tid)
+        if kind in ("sent", "sent2") and t.state(tid) is PullState.LOOKING_UP:
+            effects = t.sent(tid, peer if kind == "sent" else ("tcp://p", "tcp://q"))
         elif kind in ("ok", "no"):
-            effects = t.answered(tid, ok=kind == "ok")
+            effects = t.answered(tid, ok=kind == "ok", peer=peer)
         elif kind == "fail":
-            effects = t.fail(tid, "x")
+            effects = t.fail(tid, "x", peer=peer if pull and len(pull.peers) > 1 else None)
         elif kind == "abort":
             effects = t.abort(tid)
         elif kind == "lost":
@@ -175,7 +178,11 @@ def test_every_pull_ends_exactly_once_whatever_happens(events: list[tuple[str, s
         elif kind == "tick":
             now += 2.0
             effects = t.tick(now)
-        ends += [e.transfer_id for e in effects if isinstance(e, Completed)]
+        for e in effects:
+            if isinstance(e, Completed):
+                ends.append(e.transfer_id)
+                assert e.pull is not None
+                assert not e.pull.waiting or now >= e.pull.deadline, e
     ends += [e.transfer_id for e in t.tick(1e9) if isinstance(e, Completed)]
     assert sorted(ends) == ["t1", "t2", "t3"]
     assert len(t) == 0

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdactors.core.send_table import Release, Reply, SendState, SendTable, StartSend
+from pdactors.core.send_table import Effect, Release, Reply, SendState, SendTable, StartSend
 from pdactors.errors import IllegalTransition
 from pdactors.messages import PullDone, PullFailed, PullRequest
 
@@ -301,6 +301,9 @@ def test_deadlines_come_due_in_order_and_every_block_is_released_once(
     now = 0.0
     given_blocks: set[str] = set()
     released: list[str] = []
+    asked: list[tuple[str, bytes]] = []  # pulls the table took and must answer, once each
+    answered: list[tuple[str, bytes]] = []
+    gone: set[bytes] = set()  # D workers that went away: nobody to answer
     for op, tid, wait, who in ops:
         now += wait
         expected = _PULLERS[tid]
@@ -319,24 +322,36 @@ def test_deadlines_come_due_in_order_and_every_block_is_released_once(
         elif op == "dropped":
             effects += t.prefill_dropped(tid, now)
         elif op == "pull":
+            before = len(t._entries[tid].claims) if tid in t._entries else 0
             effects += t.pull_arrived(tid, d, pull(tid, d_rank=who), now, expected=expected)
+            if (tid in t._entries and len(t._entries[tid].claims) > before) or any(
+                isinstance(e, StartSend) and e.identity == d for e in effects
+            ):
+                asked.append((tid, d))
         elif op == "cancel":
             effects += t.pull_cancelled(tid, d, now)
         elif op == "gone":
             effects += t.peer_gone(d, now)
+            gone.add(d)
         elif op in ("done", "fail") and _writing(t, tid, d):
             error = "x" if op == "fail" else None
             effects += t.send_finished(tid, now, identity=d, error=error)
         released += [e.transfer_id for e in effects if isinstance(e, Release)]
+        answered += [(e.msg.transfer_id, e.identity) for e in effects if isinstance(e, Reply)]
         _check_deadlines(t, now)
+    late: list[Effect] = []
     for tid in given_blocks:
         for d in (D, D2):
             if _writing(t, tid, d):
-                released += [e.transfer_id for e in t.send_finished(tid, now, identity=d)
-                             if isinstance(e, Release)]  # fmt: skip
-    released += [e.transfer_id for e in t.tick(now + 1e4) if isinstance(e, Release)]
+                late += t.send_finished(tid, now, identity=d)
+    late += t.tick(now + 1e4)
+    released += [e.transfer_id for e in late if isinstance(e, Release)]
+    answered += [(e.msg.transfer_id, e.identity) for e in late if isinstance(e, Reply)]
     assert sorted(released) == sorted(given_blocks)
     assert t.statistics().live == 0
+    # Every pull the table took was answered, unless its D worker went away (no one to tell).
+    unanswered = [a for a in asked if a not in answered and a[1] not in gone]
+    assert not unanswered
 
 
 def _writing(t: SendTable, tid: str, identity: bytes) -> bool:

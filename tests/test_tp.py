@@ -14,7 +14,15 @@ import itertools
 import pytest
 import trio
 
-from pdactors.messages import PullFailed, PullRequest, decode_frames, encode_frames
+from pdactors import PullFailedError, open_bootstrap_client
+from pdactors.core.pull_table import PullState
+from pdactors.messages import (
+    PullFailed,
+    PullRequest,
+    RegisterWorker,
+    decode_frames,
+    encode_frames,
+)
 from pdactors.testing import Cluster, FaultyDataPlane, open_cluster, run_transfer
 from pdactors.testing.cluster import DecodeNode
 from pdactors.transport import open_dealer
@@ -88,8 +96,14 @@ async def test_one_p_worker_failing_fails_the_pull_only_after_the_other_stopped_
                 nursery.start_soon(transfer)
                 while not (planes[0].writes_started and planes[1].writes_started):
                     await trio.sleep(0.01)
-                await trio.sleep(0.2)  # rank 1's failure has reached D by now
-                assert d.receiver.in_flight == 1  # ...but rank 0 may still write: not ended
+                # Rank 1's failure reaches D: the pull stops rank 0 but waits for its word.
+                p0 = cluster.prefill[0].sender.address
+                with trio.fail_after(10):
+                    while (pull := d.receiver._table.get("t-fail")) is None or pull.waiting != {p0}:
+                        await trio.sleep(0.01)
+                assert pull.state is PullState.ABORTING and d.receiver.in_flight == 1
+                await trio.sleep(0.2)
+                assert d.receiver.in_flight == 1  # rank 0 may still write: not ended
                 assert d.pool.in_use == 4
                 gate.set()
             [outcome] = result
@@ -131,8 +145,46 @@ async def test_a_pull_planned_for_another_shape_is_refused_and_p_serves_on() -> 
                     await dealer.send(encode_frames(request))
                     answer = decode_frames(await dealer.receive())
                     assert isinstance(answer, PullFailed) and why in answer.reason, answer
+                    assert answer.lookup_again == (i == 0)  # only a stale view of P
             outcome = await run_transfer(cluster, "after", 3)
             assert outcome.ok and outcome.verified
+            await settled(cluster)
+
+
+async def test_a_partial_registration_is_refused_then_looked_up_again() -> None:
+    """D reads P's TP size from the bootstrap; while only P's rank 0 is registered (under an
+    engine id of its own here), D plans for a TP 1 P and P refuses with lookup_again, so D
+    asks the bootstrap again next time and then pulls from both ranks."""
+    with trio.fail_after(30):
+        async with (
+            open_cluster(p_tp=2, d_tp=1, kv_heads=4, **SHAPE) as cluster,
+            open_bootstrap_client() as client,
+        ):
+            p0, p1 = cluster.prefill
+            d = cluster.decode[0]
+            url = cluster.bootstrap_url
+            await client.register(
+                url, RegisterWorker("late", 0, 0, 0, p0.sender.address), timeout=5
+            )
+            src = p0.owned["x1"] = p0.pool.allocate(2)
+            for worker in (p0, p1):
+                worker.kv.fill("x1", src)
+                worker.sender.transfer_ready("x1", src)
+            dst = d.pool.allocate(2)
+            with pytest.raises(PullFailedError, match="planned for a P with tp_size 1"):
+                await d.receiver.pull("x1", bootstrap_url=url, engine_id="late", block_ids=dst)
+            await client.register(
+                url, RegisterWorker("late", 0, 1, 0, p1.sender.address), timeout=5
+            )
+            for worker in (p0, p1):  # P's request for x1 goes away: both free its blocks
+                worker.sender.transfer_dropped("x1")
+            src = p0.owned["x2"] = p0.pool.allocate(2)
+            for worker in (p0, p1):
+                worker.kv.fill("x2", src)
+                worker.sender.transfer_ready("x2", src)
+            await d.receiver.pull("x2", bootstrap_url=url, engine_id="late", block_ids=dst)
+            assert d.kv.verify("x2", dst, 2)
+            d.pool.free(dst)
             await settled(cluster)
 
 

@@ -207,7 +207,7 @@ class Receiver:
         if pull is None:
             return
         try:
-            p_tp, addresses = await self._p_workers(pull.bootstrap_url, pull.engine_id)
+            p_tp, p_pp, addresses = await self._p_workers(pull.bootstrap_url, pull.engine_id)
             peers = [await self._peer(address) for address in addresses]
         except (PdError, OSError) as exc:
             where = f"P {pull.engine_id} via {pull.bootstrap_url}"
@@ -230,11 +230,14 @@ class Receiver:
             layout_id=self._layout_id,
             kv_heads=self.config.kv_heads,
             p_tp_size=p_tp,
+            p_pp_size=p_pp,
         )
         # Recorded before the send: P's answer may arrive before this task runs again.
         self._apply(self._table.sent(tid, addresses, request))
         timeline.mark(tid, "pull_sent")
         for peer in peers:
+            if self._table.get(tid) is not pull or peer.address not in pull.waiting:
+                continue  # ended, or this part did, while sending to the others
             frames = request
             if not peer.knows_layout:
                 # Messages on one connection arrive in order: whoever sends first carries it.
@@ -246,8 +249,9 @@ class Receiver:
                 lost_now = f"P worker {peer.address} was lost"
                 self._apply(self._table.fail(tid, lost_now, peer=peer.address))
 
-    async def _p_workers(self, url: str, engine_id: str) -> tuple[int, list[str]]:
-        """P's TP size and the side-channel addresses of the P workers this rank pulls from.
+    async def _p_workers(self, url: str, engine_id: str) -> tuple[int, int, list[str]]:
+        """P's TP and PP sizes (as registered) and the side-channel addresses of the P workers
+        this rank pulls from.
         Checkpoint. Raises :class:`PdError` when P's registration does not have them (asked
         twice: a cached answer may predate a P worker's registration)."""
         ranks = self.config.ranks
@@ -260,7 +264,11 @@ class Receiver:
             wanted = [(tp, pp) for tp in sources for pp in self._stages(workers.get(tp, {}))]
             addresses = [workers.get(tp, {}).get(pp) for tp, pp in wanted]
             if wanted and None not in addresses:
-                return p_tp, [a for a in addresses if a is not None]
+                found = [a for a in addresses if a is not None]
+                if len(set(found)) != len(found):
+                    raise BootstrapError(f"engine {engine_id!r} at {url}: two workers share "
+                                         f"one address ({found})")  # fmt: skip
+                return p_tp, max(len(by_pp) for by_pp in workers.values()), found
         missing = [w for w, a in zip(wanted, addresses, strict=True) if a is None] or [(0, 0)]
         raise BootstrapError(
             f"engine {engine_id!r} at {url} has no worker registered for tp rank "
@@ -368,7 +376,9 @@ class Receiver:
             case PullDone(transfer_id=tid):
                 timeline.mark(tid, "landed")
                 self._apply(self._table.answered(tid, ok=True, peer=peer.address))
-            case PullFailed(transfer_id=tid, reason=reason):
+            case PullFailed(transfer_id=tid, reason=reason, lookup_again=again):
+                if again and (pull := self._table.get(tid)) is not None:
+                    self._lookups.forget(pull.bootstrap_url)  # P has more workers than we knew
                 reason = f"P: {reason}"
                 self._apply(self._table.answered(tid, ok=False, reason=reason, peer=peer.address))
             case LayoutUnknown(transfer_id=tid):

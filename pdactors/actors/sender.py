@@ -76,6 +76,11 @@ _MAX_BAD_PEERS = 4096
 
 _NO_ADDRS = np.empty(0, dtype=np.uint64)
 
+
+class _StaleView(PlanError):
+    """D planned a pull for another shape of P than this one (a partial bootstrap answer)."""
+
+
 #: A blocking wait for KV to be complete in memory (e.g. a CUDA event's ``synchronize``).
 Complete = Callable[[], object]
 #: Regions of a streamed transfer whose KV P computed, and the wait for it (None: in memory).
@@ -282,7 +287,8 @@ class Sender:
             self._heads(pull)
             expected = self._expected(pull)
         except PlanError as exc:
-            return [Reply(identity, PullFailed(tid, str(exc)))]
+            stale = isinstance(exc, _StaleView)
+            return [Reply(identity, PullFailed(tid, str(exc), lookup_again=stale))]
         return self._table.pull_arrived(tid, identity, pull, now, expected=expected)
 
     def _kv_heads(self, pull: PullRequest) -> int:
@@ -296,10 +302,13 @@ class Sender:
         needs it to hear the pull, to free its blocks). Raises :class:`PlanError` when the
         pull is not this worker's to answer."""
         ranks = self.config.ranks
-        if pull.p_tp_size and pull.p_tp_size != ranks.tp_size:
-            raise PlanError(
-                f"D planned for a P with tp_size {pull.p_tp_size}, this P has {ranks.tp_size} "
-                "(was the bootstrap's answer incomplete?)"
+        if (pull.p_tp_size and pull.p_tp_size != ranks.tp_size) or (
+            pull.p_pp_size and pull.p_pp_size != ranks.pp_size
+        ):
+            raise _StaleView(
+                f"D planned for a P with tp_size {pull.p_tp_size}, pp_size {pull.p_pp_size}; "
+                f"this P has {ranks.tp_size}, {ranks.pp_size} (was the bootstrap's answer "
+                "incomplete?)"
             )
         pulls = tp_pulls(pull.tp_rank, pull.tp_size, ranks.tp_size, self._kv_heads(pull))
         # Equal PP sizes pair stage with stage; otherwise D pulls from every stage of P.

@@ -25,8 +25,9 @@ Pure and sans-IO (numpy only). The rules:
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
@@ -360,7 +361,7 @@ def plan_transfer(
 @functools.lru_cache(maxsize=256)
 def tp_pulls(
     d_rank: int, d_tp: int, p_tp: int, total_heads: int
-) -> dict[int, tuple[HeadSlice, ...]]:
+) -> Mapping[int, tuple[HeadSlice, ...]]:
     """The P ranks that D rank ``d_rank`` of ``d_tp`` pulls a transfer from, with the head
     slices each one writes: the one place P's and D's tensor-parallel ranks are paired.
 
@@ -373,7 +374,7 @@ def tp_pulls(
     if not 0 <= d_rank < d_tp or p_tp < 1:
         raise PlanError(f"D tp rank {d_rank} of {d_tp} with P tp_size {p_tp}")
     if d_tp == p_tp:
-        return {d_rank: (WHOLE_BLOCK,)}
+        return MappingProxyType({d_rank: (WHOLE_BLOCK,)})  # cached: read-only
     if total_heads < 1:
         raise PlanError(
             f"heterogeneous TP (P tp_size {p_tp}, D tp_size {d_tp}) needs the model's KV head "
@@ -387,7 +388,7 @@ def tp_pulls(
     for p_rank in range(d_rank, p_tp, d_tp):
         if p_rank not in used:
             pulls[p_rank] = []
-    return {p: tuple(slices) for p, slices in sorted(pulls.items())}
+    return MappingProxyType({p: tuple(slices) for p, slices in sorted(pulls.items())})
 
 
 @functools.lru_cache(maxsize=256)

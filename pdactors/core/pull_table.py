@@ -239,13 +239,13 @@ class PullTable:
         pull = self._pulls.get(transfer_id)
         if pull is None:
             return []
-        if pull.state is PullState.ABORTING and peer is None:
-            return [self._end(pull, *self._abort_end(pull, reason))]
-        if pull.state is PullState.LOOKING_UP or peer is None:
-            return [self._end(pull, PullEnd.UNREACHABLE, reason), *self._cancels(pull, reason)]
-        if peer not in pull.waiting:
-            return []
-        pull.waiting.discard(peer)
+        if pull.state is PullState.LOOKING_UP:
+            return [self._end(pull, PullEnd.UNREACHABLE, reason)]
+        if peer is not None:
+            if peer not in pull.waiting:
+                return []
+            pull.waiting.discard(peer)
+        # The P workers still waiting may be writing: stop them, end once they are done.
         return self._part_failed(pull, PullEnd.UNREACHABLE, reason)
 
     def peer_lost(self, peer: str, reason: str) -> list[PullEffect]:

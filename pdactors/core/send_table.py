@@ -280,6 +280,8 @@ class SendTable:
         if entry.state.ended or entry.giving_up is not None:
             reason = entry.reason or _END_REASONS[entry.giving_up or entry.state]
             return [Reply(identity, PullFailed(transfer_id, reason))]
+        if entry.error:  # a write failed: it ends FAILED once the others are done
+            return [Reply(identity, PullFailed(transfer_id, entry.error))]
         for claim in entry.claims:
             if claim.identity == identity and _same_pull(pull, claim.pull):
                 return []  # the same request again (a resend): the first one is answered
