@@ -36,11 +36,14 @@ class BootstrapClient:
     """Registers workers with, and looks engines up in, a bootstrap registry over HTTP.
 
     Wraps an ``httpx.AsyncClient`` that the caller owns (see :func:`open_bootstrap_client`).
-    URLs are the registry's base URL, e.g. ``"http://127.0.0.1:8998"``.
+    URLs are the registry's base URL, e.g. ``"http://127.0.0.1:8998"``. ``token``: the
+    registry's bearer token (``pdactors bootstrap --token-file``), sent with every register
+    and query.
     """
 
-    def __init__(self, http: httpx.AsyncClient) -> None:
+    def __init__(self, http: httpx.AsyncClient, token: str | None = None) -> None:
         self._http = http
+        self._auth = {"authorization": f"Bearer {token}"} if token else {}
 
     # ASYNC109 (use fail_after): ``timeout`` is a retry budget, and the error it ends in must
     # name the last failed attempt, which a caller's fail_after could not do.
@@ -71,7 +74,7 @@ class BootstrapClient:
                 _route(url, "register"),
                 content=body,
                 params=params,
-                headers={"content-type": "application/json"},
+                headers={"content-type": "application/json", **self._auth},
             )
             if resp.status_code == 200:
                 return
@@ -102,7 +105,7 @@ class BootstrapClient:
 
         async def attempt() -> None:
             nonlocal result
-            resp = await self._http.get(_route(url, "query"))
+            resp = await self._http.get(_route(url, "query"), headers=self._auth)
             if resp.status_code != 200:
                 raise _Refused(f"HTTP {resp.status_code}: {resp.text[:200]}")
             try:
@@ -115,13 +118,14 @@ class BootstrapClient:
 
 
 @asynccontextmanager
-async def open_bootstrap_client() -> AsyncIterator[BootstrapClient]:
-    """Open a :class:`BootstrapClient` that owns its HTTP connection pool.
+async def open_bootstrap_client(token: str | None = None) -> AsyncIterator[BootstrapClient]:
+    """Open a :class:`BootstrapClient` that owns its HTTP connection pool (``token``: the
+    registry's bearer token, if it asks for one).
 
     Proxy settings in the environment are ignored: the registry is always dialled directly.
     """
     async with httpx.AsyncClient(trust_env=False) as http:
-        yield BootstrapClient(http)
+        yield BootstrapClient(http, token)
 
 
 _NO_ANSWER: Final = "no attempt finished"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from functools import partial
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -121,6 +122,13 @@ def chaos(
 def bootstrap(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind (0: any free port).")] = 8998,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="File holding a bearer token that POST /register and GET /query must carry "
+            "(GET /health stays open). Without it anyone who can reach the port may register."
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = True,
 ) -> None:
     """Serve the bootstrap registry (POST /register, GET /query, GET /health) until Ctrl-C."""
@@ -130,15 +138,29 @@ def bootstrap(
     from pdactors.actors.bootstrap import serve_bootstrap
     from pdactors.config import BootstrapConfig
 
+    config = BootstrapConfig(host=host, port=port, token=_token(token_file, "--token-file"))
+
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            url = await nursery.start(serve_bootstrap, BootstrapConfig(host=host, port=port))
+            url = await nursery.start(serve_bootstrap, config)
             typer.echo(f"bootstrap serving on {url}")
 
     try:
         trio.run(main)
     except KeyboardInterrupt:
         pass
+
+
+def _token(path: Path | None, option: str) -> str | None:
+    """The token in the file ``path`` names (None: no file), or a clean CLI error."""
+    if path is None:
+        return None
+    from pdactors.config import read_token_file
+
+    try:
+        return read_token_file(path)
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(str(exc), param_hint=option) from None
 
 
 #: Where a prefill engine's bootstrap listens when ``--prefill`` names only the engine
@@ -182,6 +204,10 @@ def proxy(
     request_timeout: Annotated[
         float, typer.Option(help="The longest one request may take, in seconds.")
     ] = 600.0,
+    bootstrap_token_file: Annotated[
+        Path | None,
+        typer.Option(help="File holding the bearer token P's bootstraps ask for."),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = True,
 ) -> None:
     """Serve the OpenAI-compatible PD proxy (/v1/completions, /v1/chat/completions, /v1/models,
@@ -203,6 +229,7 @@ def proxy(
             routing=routing,  # type: ignore[arg-type]  # checked by ProxyConfig
             health_interval=health_interval,
             request_timeout=request_timeout,
+            bootstrap_token=_token(bootstrap_token_file, "--bootstrap-token-file"),
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

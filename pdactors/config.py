@@ -3,6 +3,8 @@ vLLM adapter; everything else receives one of these."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
 import msgspec
@@ -17,7 +19,9 @@ __all__ = [
     "RankInfo",
     "ReceiverConfig",
     "Routing",
+    "Secret",
     "SenderConfig",
+    "read_token_file",
 ]
 
 Protocol = Literal["tcp", "rdma", "nvlink_intra"]
@@ -84,10 +88,31 @@ class Liveness(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class BootstrapConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Where the bootstrap registry listens (port 0: any free port)."""
+    """Where the bootstrap registry listens (port 0: any free port). ``token``: when set,
+    ``POST /register`` and ``GET /query`` need ``Authorization: Bearer <token>`` (401
+    otherwise); ``GET /health`` stays open."""
 
     host: str = "127.0.0.1"
     port: int = 0
+    token: str | None = None
+
+
+class Secret(str):
+    """A string that keeps itself out of reprs (configs are logged; tokens must not be)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+
+def read_token_file(path: str | os.PathLike[str]) -> Secret:
+    """The secret in the file at ``path`` (surrounding whitespace stripped). Raises
+    :class:`ValueError` for an empty file and :class:`OSError` when it cannot be read."""
+    token = Path(path).read_text().strip()
+    if not token:
+        raise ValueError(f"token file {path} is empty")
+    return Secret(token)
 
 
 class SenderConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -124,6 +149,7 @@ class SenderConfig(msgspec.Struct, frozen=True, kw_only=True):
     tick_interval: float = 0.1
     liveness: Liveness = Liveness()
     kv_heads: int = 0
+    bootstrap_token: str | None = None
 
     def __post_init__(self) -> None:
         if self.lease_interval < 0 or self.lease_ttl <= self.lease_interval:
@@ -150,6 +176,7 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
     tick_interval: float = 0.1
     liveness: Liveness = Liveness()
     kv_heads: int = 0
+    bootstrap_token: str | None = None
 
 
 Routing = Literal["round_robin", "least_outstanding"]
@@ -175,6 +202,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     * ``connect_timeout``: the longest a connection to an engine may take to open.
     * ``max_connections``: connections the proxy keeps open to the engines, all together.
     * ``max_body_bytes``: request bodies above this are refused with 413.
+    * ``bootstrap_token``: the bearer token P's bootstraps ask for (``pdactors bootstrap
+      --token-file``), sent with the proxy's ``GET /query``.
     """
 
     prefill: tuple[PrefillBackend, ...]
@@ -188,6 +217,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     connect_timeout: float = 5.0
     max_connections: int = 1024
     max_body_bytes: int = 32 * 1024 * 1024
+    bootstrap_token: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from pdactors.config import Protocol
+from pdactors.config import Protocol, read_token_file
 
 __all__ = ["ConnectorSettings", "settings_from_extra_config"]
 
@@ -29,6 +29,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       registry (defaults ``127.0.0.1`` / ``8998``, upstream's ``VLLM_MOONCAKE_BOOTSTRAP_PORT``).
     * ``bootstrap_server_address``: ``host:port`` of an external bootstrap (``pdactors
       bootstrap``); when set, no worker runs one (upstream's key).
+    * ``bootstrap_token_file``: a file holding the bootstrap's bearer token: the embedded
+      bootstrap then asks for it on ``/register`` and ``/query``, and P and D send it
+      (``pdactors bootstrap --token-file`` and ``pdactors proxy --bootstrap-token-file`` take
+      the same file).
     * ``sender_workers``: engine calls P runs at once (worker threads), default 2.
     * ``ready_timeout``: the longest P holds a pull from a connected D waiting for the prefill
       (s), default 480 (P's queue may be long; a D that goes away ends its waits at once).
@@ -67,6 +71,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = 8998
     bootstrap_server_address: str | None = None
+    bootstrap_token_file: str | None = None
     sender_workers: int = 2
     ready_timeout: float = 480.0
     unclaimed_ttl: float = 120.0
@@ -78,6 +83,13 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     eager_send: bool = True
     layerwise: bool = False
     timeline: bool = False
+
+    def bootstrap_token(self) -> str | None:
+        """The bootstrap's bearer token, read from ``bootstrap_token_file`` (None: none).
+        Raises :class:`OSError` or :class:`ValueError` (empty file)."""
+        if self.bootstrap_token_file is None:
+            return None
+        return read_token_file(self.bootstrap_token_file)
 
     @property
     def external_bootstrap(self) -> bool:

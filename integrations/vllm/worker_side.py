@@ -216,8 +216,9 @@ class WorkerSide:
         liveness = Liveness(heartbeat_timeout=hung, connect_timeout=hung)
         async with open_mooncake(plane_config) as plane, trio.open_nursery() as nursery:
             plane.register(memory)
+            token = s.bootstrap_token()
             if place.runs_bootstrap:
-                config = BootstrapConfig(host=s.bootstrap_host, port=s.bootstrap_port)
+                config = BootstrapConfig(host=s.bootstrap_host, port=s.bootstrap_port, token=token)
                 await nursery.start(serve_bootstrap, config)
             if place.is_producer:
                 sender_config = SenderConfig(
@@ -230,6 +231,7 @@ class WorkerSide:
                     register_timeout=s.register_timeout,
                     liveness=liveness,
                     kv_heads=place.kv_heads,
+                    bootstrap_token=token,
                 )
                 self._sender = await nursery.start(serve_sender, sender_config, plane, layout)
                 nursery.start_soon(self._collect_sent, self._sender)
@@ -241,6 +243,7 @@ class WorkerSide:
                     lookup_timeout=s.lookup_timeout,
                     liveness=liveness,
                     kv_heads=place.kv_heads,
+                    bootstrap_token=token,
                 )
                 self._receiver = await nursery.start(serve_receiver, receiver_config, plane, layout)
                 nursery.start_soon(self._collect_received, self._receiver)

@@ -29,6 +29,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from pdactors.actors._auth import BearerCheck
 from pdactors.actors._http import bind_listener, serve_http
 from pdactors.config import BootstrapConfig
 from pdactors.messages import BootstrapAnswer, BootstrapEntry, RegisterWorker
@@ -133,15 +134,28 @@ class BootstrapRegistry:
 # --------------------------------------------------------------------------- HTTP face
 
 
-def _json(body: object, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(body), status=status, content_type="application/json")
+def _json(body: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        msgspec.json.encode(body), status=status, content_type="application/json", headers=headers
+    )
 
 
-def _make_app(registry: BootstrapRegistry) -> QuartTrio:
+def _make_app(registry: BootstrapRegistry, token: str | None = None) -> QuartTrio:
     # static_folder=None: no /static route; the app serves exactly three routes.
     app = QuartTrio(__name__, static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = _MAX_BODY_BYTES
     decoder = msgspec.json.Decoder(RegisterWorker)
+    check = BearerCheck(token, "the bootstrap registry", log)
+
+    @app.before_request
+    async def authenticate() -> Response | None:
+        if request.path == "/health":
+            return None  # open: load balancers and the proxy's health loop
+        client = request.remote_addr or "unknown client"
+        reason = check.refusal(request.headers.get("authorization"), client)
+        if reason is None:
+            return None
+        return _json({"error": reason}, 401, {"WWW-Authenticate": 'Bearer realm="pdactors"'})
 
     @app.post("/register")
     async def register() -> Response:
@@ -207,7 +221,9 @@ async def serve_bootstrap(
     Binds ``config.host:config.port`` (port 0: a free port), then reports the bound URL, e.g.
     ``"http://127.0.0.1:40123"``, through ``task_status.started`` (a wildcard host is
     reported as loopback, so the URL can be dialled). Every request is answered; bad input
-    gets a 400 with ``{"error": ...}`` and never stops the server. Each registration is
+    gets a 400 with ``{"error": ...}`` and never stops the server. With ``config.token``,
+    ``/register`` and ``/query`` without that bearer token get a 401 (each refused client is
+    logged once). Each registration is
     logged on ``"pdactors.bootstrap"``.
 
     Usage: ``url = await nursery.start(serve_bootstrap, BootstrapConfig())``, or
@@ -221,7 +237,7 @@ async def serve_bootstrap(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_expire_loop, registry)
         await serve_http(
-            _make_app(registry),
+            _make_app(registry, config.token),
             sock,
             errorlog=_http_log,
             announce=lambda url: log.info("bootstrap: listening on %s", url),

@@ -253,7 +253,7 @@ class _Proxy:
     def __init__(self, config: ProxyConfig, probe_http: httpx.AsyncClient) -> None:
         self.config = config
         self.probe_http = probe_http  # httpx, its own pool: request traffic never delays probes
-        self.bootstrap = BootstrapClient(probe_http)
+        self.bootstrap = BootstrapClient(probe_http, config.bootstrap_token)
         prefill = [Backend("prefill", p.url.rstrip("/"), p.bootstrap_url) for p in config.prefill]
         decode = [Backend("decode", url.rstrip("/")) for url in config.decode]
         self.prefill = Pool("prefill", prefill, config.routing)

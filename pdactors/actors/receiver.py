@@ -451,7 +451,10 @@ async def serve_receiver(
     ``layout`` is D's KV memory, already registered with ``dataplane`` (P writes into it);
     ``transport`` is the side channel (real ZMQ by default; see :mod:`pdactors.transport`).
     """
-    async with open_bootstrap_client() as client, trio.open_nursery() as nursery:
+    async with (
+        open_bootstrap_client(config.bootstrap_token) as client,
+        trio.open_nursery() as nursery,
+    ):
         receiver = Receiver(config, dataplane, layout, client, nursery, transport)
         nursery.start_soon(receiver._tick_loop)
         log.info("receiver %s rank %s ready", config.engine_id, config.ranks)

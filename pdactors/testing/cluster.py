@@ -244,6 +244,7 @@ async def open_cluster(
     d_tp: int = 1,
     kv_heads: int = 0,
     p_pp: int = 1,
+    bootstrap_token: str | None = None,
 ) -> AsyncIterator[Cluster]:
     """Start a bootstrap, ``prefill`` P engines of ``p_tp`` workers and ``decode`` D engines of
     ``d_tp`` workers, each worker with its own Mooncake engine and KV buffer; stop them all on
@@ -251,6 +252,7 @@ async def open_cluster(
 
     ``block_bytes`` is one layer's block of the whole model: ``kv_heads`` KV heads (0: TP sizes
     are equal and heads do not matter) split over each engine's workers as vLLM splits them.
+    ``bootstrap_token``: the bootstrap asks for it (give it to ``sender`` and ``receiver``).
     ``p_pp``: P's pipeline stages (each TP rank of each holds ``layers / p_pp`` layers; D
     holds them all and pulls from every stage).
     ``sender`` / ``receiver`` give the other settings (their engine ids, ranks, head count and
@@ -275,7 +277,7 @@ async def open_cluster(
             for _ in range(tp * pp)
         ]
         async with trio.open_nursery() as nursery:
-            url = await nursery.start(serve_bootstrap, BootstrapConfig())
+            url = await nursery.start(serve_bootstrap, BootstrapConfig(token=bootstrap_token))
             p_nodes: list[PrefillNode] = []
             d_nodes: list[DecodeNode] = []
             worker_planes = iter(planes)
