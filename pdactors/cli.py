@@ -208,6 +208,21 @@ def proxy(
         Path | None,
         typer.Option(help="File holding the bearer token P's bootstraps ask for."),
     ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="PDACTORS_PROXY_API_KEY",
+            help="Clients must send Authorization: Bearer KEY (OpenAI's convention; /health "
+            "and /metrics stay open).",
+        ),
+    ] = None,
+    engine_api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="PDACTORS_ENGINE_API_KEY",
+            help="The --api-key the vLLM servers were started with; sent to them.",
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = True,
 ) -> None:
     """Serve the OpenAI-compatible PD proxy (/v1/completions, /v1/chat/completions, /v1/models,
@@ -217,7 +232,7 @@ def proxy(
     import trio
 
     from pdactors.actors.proxy import serve_proxy
-    from pdactors.config import PrefillBackend, ProxyConfig
+    from pdactors.config import PrefillBackend, ProxyConfig, Secret
 
     backends = tuple(PrefillBackend(*_prefill_backend(p)) for p in prefill)
     try:
@@ -230,6 +245,8 @@ def proxy(
             health_interval=health_interval,
             request_timeout=request_timeout,
             bootstrap_token=_token(bootstrap_token_file, "--bootstrap-token-file"),
+            api_key=Secret(api_key) if api_key else None,
+            engine_api_key=Secret(engine_api_key) if engine_api_key else None,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

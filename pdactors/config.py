@@ -204,6 +204,12 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     * ``max_body_bytes``: request bodies above this are refused with 413.
     * ``bootstrap_token``: the bearer token P's bootstraps ask for (``pdactors bootstrap
       --token-file``), sent with the proxy's ``GET /query``.
+    * ``api_key``: when set, clients must send ``Authorization: Bearer <api_key>`` (OpenAI's
+      convention) on every route but ``/health`` and ``/metrics``; 401 with OpenAI's error
+      body otherwise.
+    * ``engine_api_key``: the key the engines were started with (vLLM's ``--api-key``), sent
+      to them instead of the client's. With neither key set, the client's ``Authorization``
+      header is passed to the engines as it came.
     """
 
     prefill: tuple[PrefillBackend, ...]
@@ -218,6 +224,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_connections: int = 1024
     max_body_bytes: int = 32 * 1024 * 1024
     bootstrap_token: str | None = None
+    api_key: str | None = None
+    engine_api_key: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:

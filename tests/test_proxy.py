@@ -58,6 +58,7 @@ class FakeEngine:
     error_event: bool = False  # streams: an error event (vLLM's shape) after the first chunk
     received: list[dict[str, Any]] = field(default_factory=list)
     dp_ranks_seen: list[str | None] = field(default_factory=list)  # X-data-parallel-rank
+    auth_seen: list[str | None] = field(default_factory=list)  # Authorization
     dp_ranks: int = 1  # DP ranks its bootstrap lists (engine ids "<engine_id>_dp<rank>")
     cancelled: list[str] = field(default_factory=list)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
@@ -98,6 +99,7 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
         body = await request.get_json()
         engine.received.append(body)
         engine.dp_ranks_seen.append(request.headers.get("X-data-parallel-rank"))
+        engine.auth_seen.append(request.headers.get("Authorization"))
         tid = body["kv_transfer_params"]["transfer_id"]
         try:
             if engine.hold is not None:
@@ -136,6 +138,7 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
 
     @app.get("/v1/models")
     async def models() -> Response:
+        engine.auth_seen.append(request.headers.get("Authorization"))
         return _json({"object": "list", "data": [{"id": "tiny", "owned_by": engine.name}]})
 
     @app.get("/health")
@@ -813,3 +816,73 @@ async def test_a_single_dp_rank_gets_no_header() -> None:
         assert resp.status_code == 200, resp.text
         assert s.p[0].dp_ranks_seen == [None]
         assert s.d[0].received[0]["kv_transfer_params"]["remote_engine_id"] == "prefill-0"
+
+
+# --------------------------------------------------------------------------- API keys
+
+
+async def test_the_api_key_is_asked_for_and_the_engines_get_their_own(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, "pdactors.proxy")
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(api_key="client-key", engine_api_key="engine-key") as s:
+            for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "client-key"}):
+                for body in (completion_body(), completion_body(stream=True)):
+                    resp = await s.client.post("/v1/completions", json=body, headers=headers)
+                    assert resp.status_code == 401, resp.text
+                    error = resp.json()["error"]
+                    assert (error["type"], error["code"]) == (
+                        "invalid_request_error",
+                        "invalid_api_key",
+                    )
+                resp = await s.client.post(
+                    "/v1/chat/completions", json=chat_body(), headers=headers
+                )
+                assert resp.status_code == 401
+                assert (await s.client.get("/v1/models", headers=headers)).status_code == 401
+            assert s.p[0].received == [] and s.d[0].received == []  # nothing reached an engine
+            assert (await s.client.get("/health")).status_code == 200  # open
+            m = await s.metrics()  # open
+            assert m[total("completions", "unauthorized")] == 6
+            good = {"authorization": "Bearer client-key"}
+            resp = await s.client.post("/v1/completions", json=completion_body(), headers=good)
+            assert resp.status_code == 200, resp.text
+            resp = await s.client.get("/v1/models", headers=good)
+            assert resp.status_code == 200
+            assert s.p[0].auth_seen == ["Bearer engine-key"]
+            assert s.d[0].auth_seen == ["Bearer engine-key", "Bearer engine-key"]
+    refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 1, refusals  # once per client address
+    assert "client-key" not in caplog.text
+
+
+async def test_without_keys_the_clients_authorization_reaches_the_engines() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            headers = {"authorization": "Bearer the-clients"}
+            resp = await s.client.post("/v1/completions", json=completion_body(), headers=headers)
+            assert resp.status_code == 200
+            assert s.p[0].auth_seen == s.d[0].auth_seen == ["Bearer the-clients"]
+        async with open_setup(api_key="proxy-only") as s:
+            headers = {"authorization": "Bearer proxy-only"}
+            resp = await s.client.post("/v1/completions", json=completion_body(), headers=headers)
+            assert resp.status_code == 200
+            assert s.p[0].auth_seen == s.d[0].auth_seen == [None]  # the proxy's key stays here
+
+
+async def test_the_openai_client_with_and_without_the_key() -> None:
+    openai = pytest.importorskip("openai")
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(api_key="sk-test") as s:
+
+            def call(key: str) -> str:
+                client = openai.OpenAI(base_url=f"{s.url}/v1", api_key=key, max_retries=0)
+                with client:
+                    answer = client.completions.create(model="tiny", prompt="hello", max_tokens=5)
+                return str(answer.choices[0].text)
+
+            assert await trio.to_thread.run_sync(call, "sk-test") == "d0 says hi"
+            with pytest.raises(openai.AuthenticationError) as info:
+                await trio.to_thread.run_sync(call, "sk-wrong")
+            assert info.value.code == "invalid_api_key"

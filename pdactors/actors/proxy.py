@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -54,6 +54,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from pdactors.actors._auth import BearerCheck
 from pdactors.actors._engine_http import ConnectFailed, EngineClient, EngineError, EngineResponse
 from pdactors.actors._http import bind_listener, serve_http
 from pdactors.actors._proxy_state import Backend, Metrics, Pool
@@ -99,9 +100,16 @@ class _Failure:
     outcome: str
 
     @classmethod
-    def of(cls, status: int, message: str, kind: str, outcome: str) -> _Failure:
-        error = {"message": message, "type": kind, "code": status}
+    def of(
+        cls, status: int, message: str, kind: str, outcome: str, code: int | str | None = None
+    ) -> _Failure:
+        error = {"message": message, "type": kind, "code": status if code is None else code}
         return cls(status, msgspec.json.encode({"error": error}), outcome)
+
+    @classmethod
+    def unauthorized(cls, message: str) -> _Failure:
+        """OpenAI's answer to a missing or wrong API key."""
+        return cls.of(401, message, "invalid_request_error", "unauthorized", "invalid_api_key")
 
     def response(self) -> Response:
         return Response(self.body, status=self.status, content_type="application/json")
@@ -243,6 +251,13 @@ class _ProxyApp(QuartTrio):  # type: ignore[misc]
         await super().__call__(scope, receive, send)
 
 
+def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
@@ -254,6 +269,7 @@ class _Proxy:
         self.config = config
         self.probe_http = probe_http  # httpx, its own pool: request traffic never delays probes
         self.bootstrap = BootstrapClient(probe_http, config.bootstrap_token)
+        self.auth = BearerCheck(config.api_key, "the proxy", log)
         prefill = [Backend("prefill", p.url.rstrip("/"), p.bootstrap_url) for p in config.prefill]
         decode = [Backend("decode", url.rstrip("/")) for url in config.decode]
         self.prefill = Pool("prefill", prefill, config.routing)
@@ -382,6 +398,13 @@ class _Proxy:
         nursery: trio.Nursery,
         arrived: float,
     ) -> None:
+        peer = scope.get("client")
+        client = peer[0] if peer else "unknown client"
+        refused = self.auth.refusal(_header(scope["headers"], b"authorization"), client)
+        if refused is not None:
+            self.metrics.requests.labels(endpoint.name, "unauthorized").inc()
+            await reply.failure(_Failure.unauthorized(refused))
+            return
         if raw is None:
             limit = self.config.max_body_bytes
             message = f"the body is larger than {limit} bytes"
@@ -401,7 +424,7 @@ class _Proxy:
             return
         tid = uuid.uuid4().hex
         headers = [(b"content-type", b"application/json"), (b"x-request-id", tid.encode())]
-        headers += [(k, v) for k, v in scope["headers"] if k == b"authorization"]
+        headers += self._engine_auth(scope["headers"])
         dp_rank, p_engine_id = p.pick_dp()
         p_headers = headers
         if dp_rank is not None:  # vLLM's API server sends the request to that DP engine
@@ -615,13 +638,23 @@ class _Proxy:
 
     # ------------------------------------------------------------------ models
 
-    async def models(self) -> Response:
+    def _engine_auth(self, incoming: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """The ``Authorization`` header for the engines: their own key when configured, none
+        when only the proxy has a key (it is the proxy's, not theirs), else the client's."""
+        if self.config.engine_api_key:
+            return [(b"authorization", f"Bearer {self.config.engine_api_key}".encode())]
+        if self.config.api_key:
+            return []
+        return [(k, v) for k, v in incoming if k == b"authorization"]
+
+    async def models(self, incoming: bytes | None = None) -> Response:
         d = next((b for b in self.decode.backends if b.up), None)
         if d is None:
             return _Failure.of(503, self.decode.why_none(), "service_unavailable", "").response()
         with trio.move_on_after(self.config.health_timeout):
             try:
-                resp = await self.probe_http.get(f"{d.url}/v1/models")
+                auth = dict(self._engine_auth([(b"authorization", incoming)] if incoming else []))
+                resp = await self.probe_http.get(f"{d.url}/v1/models", headers=auth)
             except httpx.HTTPError as exc:
                 return self._transport_failure(d, exc).response()
             content_type = resp.headers.get("content-type", "application/json")
@@ -655,9 +688,18 @@ def _make_app(proxy: _Proxy) -> QuartTrio:
     async def completions_put() -> Response:  # never POST: served on raw ASGI (app.fast)
         return _Failure.of(405, "use POST", "invalid_request_error", "").response()
 
+    @app.before_request
+    async def authenticate() -> Response | None:
+        if request.path in ("/health", "/metrics"):
+            return None  # open: load balancers and Prometheus
+        client = request.remote_addr or "unknown client"
+        refused = proxy.auth.refusal(request.headers.get("authorization"), client)
+        return None if refused is None else _Failure.unauthorized(refused).response()
+
     @app.get("/v1/models")
     async def models() -> Response:
-        return await proxy.models()
+        incoming = request.headers.get("authorization")
+        return await proxy.models(incoming.encode("latin-1") if incoming else None)
 
     @app.get("/health")
     async def health() -> Response:
