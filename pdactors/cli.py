@@ -43,6 +43,9 @@ def harness(
         int,
         typer.Option(help="The model's KV heads (split --block-bytes); 8 when TP sizes differ."),
     ] = 0,
+    secure: Annotated[
+        bool, typer.Option("--secure", help="ZMQ CURVE on the side channel (fresh keys).")
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run P and D actors with real Mooncake engines, move real KV bytes and verify them.
@@ -73,6 +76,7 @@ def harness(
         p_tp=p_tp,
         d_tp=d_tp,
         kv_heads=kv_heads or (8 if p_tp != d_tp else 0),
+        secure=secure,
     )
     report = trio.run(run)
     typer.echo(report.summary())

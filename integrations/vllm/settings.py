@@ -12,6 +12,8 @@ from typing import Any
 import msgspec
 
 from pdactors.config import Protocol, read_token_file
+from pdactors.transport import ZmqTransport
+from pdactors.transport.curve import curve_from_secret
 
 __all__ = ["ConnectorSettings", "settings_from_extra_config"]
 
@@ -29,6 +31,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       registry (defaults ``127.0.0.1`` / ``8998``, upstream's ``VLLM_MOONCAKE_BOOTSTRAP_PORT``).
     * ``bootstrap_server_address``: ``host:port`` of an external bootstrap (``pdactors
       bootstrap``); when set, no worker runs one (upstream's key).
+    * ``side_channel_secret_file``: a file holding the deployment secret from which P's and
+      D's CURVE keys are derived: P's side channel then lets in only D workers of the
+      deployment, and D talks only to P workers of it (docs/security.md). Every P and D of
+      the deployment must name the same secret.
     * ``bootstrap_token_file``: a file holding the bootstrap's bearer token: the embedded
       bootstrap then asks for it on ``/register`` and ``/query``, and P and D send it
       (``pdactors bootstrap --token-file`` and ``pdactors proxy --bootstrap-token-file`` take
@@ -72,6 +78,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     bootstrap_port: int = 8998
     bootstrap_server_address: str | None = None
     bootstrap_token_file: str | None = None
+    side_channel_secret_file: str | None = None
     sender_workers: int = 2
     ready_timeout: float = 480.0
     unclaimed_ttl: float = 120.0
@@ -90,6 +97,14 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
         if self.bootstrap_token_file is None:
             return None
         return read_token_file(self.bootstrap_token_file)
+
+    def side_channel(self) -> ZmqTransport:
+        """The side channel's transport: CURVE with the keys derived from
+        ``side_channel_secret_file``, or plain ZMQ. Raises :class:`OSError` or
+        :class:`ValueError`."""
+        if self.side_channel_secret_file is None:
+            return ZmqTransport()
+        return ZmqTransport(*curve_from_secret(read_token_file(self.side_channel_secret_file)))
 
     @property
     def external_bootstrap(self) -> bool:

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -217,6 +218,7 @@ class WorkerSide:
         async with open_mooncake(plane_config) as plane, trio.open_nursery() as nursery:
             plane.register(memory)
             token = s.bootstrap_token()
+            transport = s.side_channel()
             if place.runs_bootstrap:
                 config = BootstrapConfig(host=s.bootstrap_host, port=s.bootstrap_port, token=token)
                 await nursery.start(serve_bootstrap, config)
@@ -233,7 +235,9 @@ class WorkerSide:
                     kv_heads=place.kv_heads,
                     bootstrap_token=token,
                 )
-                self._sender = await nursery.start(serve_sender, sender_config, plane, layout)
+                self._sender = await nursery.start(
+                    partial(serve_sender, transport=transport), sender_config, plane, layout
+                )
                 nursery.start_soon(self._collect_sent, self._sender)
             if place.is_consumer:
                 receiver_config = ReceiverConfig(
@@ -245,7 +249,9 @@ class WorkerSide:
                     kv_heads=place.kv_heads,
                     bootstrap_token=token,
                 )
-                self._receiver = await nursery.start(serve_receiver, receiver_config, plane, layout)
+                self._receiver = await nursery.start(
+                    partial(serve_receiver, transport=transport), receiver_config, plane, layout
+                )
                 nursery.start_soon(self._collect_received, self._receiver)
             task_status.started()
 

@@ -4,6 +4,7 @@ verified on D."""
 from __future__ import annotations
 
 import contextlib
+import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -13,6 +14,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pdactors.config import DataPlaneConfig
 from pdactors.testing.cluster import TransferOutcome, open_cluster, run_transfer
+from pdactors.transport import ZMQ, ZmqTransport
+from pdactors.transport.curve import curve_from_secret
 
 __all__ = ["HarnessReport", "run_harness"]
 
@@ -85,12 +88,14 @@ async def run_harness(
     p_tp: int = 1,
     d_tp: int = 1,
     kv_heads: int = 0,
+    secure: bool = False,
 ) -> HarnessReport:
     """Run ``requests`` transfers of ``blocks`` × ``layers`` × ``block_bytes`` bytes, at most
     ``concurrency`` at once, through a bootstrap, one P engine of ``p_tp`` senders and one D
     engine of ``d_tp`` receivers with real Mooncake engines, and verify every byte of every
     head on D. ``kv_heads``: the model's KV heads (needed when the TP sizes differ), which
-    split ``block_bytes`` as vLLM splits heads over TP ranks. Checkpoint.
+    split ``block_bytes`` as vLLM splits heads over TP ranks. ``secure``: the side channel runs
+    ZMQ CURVE with keys derived from a fresh secret. Checkpoint.
     """
     latencies: list[float] = []
     outcomes: list[TransferOutcome] = []
@@ -103,6 +108,7 @@ async def run_harness(
         p_tp=p_tp,
         d_tp=d_tp,
         kv_heads=kv_heads,
+        transport=ZmqTransport(*curve_from_secret(secrets.token_urlsafe(32))) if secure else ZMQ,
     ) as cluster:
         # One warm-up transfer opens the connections; it is not counted.
         warmup = await run_transfer(cluster, "warmup", blocks)

@@ -15,6 +15,7 @@ from typing import Protocol
 import trio
 
 from pdactors.config import Liveness
+from pdactors.transport.curve import Curve
 
 __all__ = ["ZMQ", "Dealer", "Router", "Transport", "ZmqTransport"]
 
@@ -67,21 +68,37 @@ class Transport(Protocol):
 
 class ZmqTransport:
     """The real side channel: :func:`~pdactors.transport.zmq.open_router` /
-    :func:`~pdactors.transport.zmq.open_dealer` on the process-wide ZMQ context."""
+    :func:`~pdactors.transport.zmq.open_dealer` on the process-wide ZMQ context.
+
+    With ``server`` / ``client`` CURVE keys (:mod:`pdactors.transport.curve`), routers are
+    CURVE servers and dealers CURVE clients: ``ZmqTransport(*curve_from_secret(secret))``
+    secures both roles of a process that knows the deployment secret.
+    """
+
+    def __init__(self, server: Curve | None = None, client: Curve | None = None) -> None:
+        self.server, self.client = server, client
+
+    @property
+    def secure(self) -> bool:
+        return self.server is not None or self.client is not None
 
     def open_router(
         self, host: str, port: int = 0, *, liveness: Liveness | None = None
     ) -> AbstractAsyncContextManager[Router]:
         from pdactors.transport.zmq import open_router
 
-        return open_router(host, port, liveness=liveness)
+        if self.client is not None and self.server is None:
+            raise ValueError("this transport has CURVE keys for D only; P needs server keys")
+        return open_router(host, port, liveness=liveness, curve=self.server)
 
     def open_dealer(
         self, address: str, *, liveness: Liveness | None = None
     ) -> AbstractAsyncContextManager[Dealer]:
         from pdactors.transport.zmq import open_dealer
 
-        return open_dealer(address, liveness=liveness)
+        if self.server is not None and self.client is None:
+            raise ValueError("this transport has CURVE keys for P only; D needs client keys")
+        return open_dealer(address, liveness=liveness, curve=self.client)
 
 
 #: The default transport of the actors.

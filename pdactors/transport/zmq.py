@@ -60,6 +60,7 @@ from pdactors.transport._socket import (
     _monitor,
     _TrioSocket,
 )
+from pdactors.transport.curve import Curve, connect_curve, serve_curve, stop_curve
 
 __all__ = [
     "DEFAULT_HWM",
@@ -315,16 +316,19 @@ async def open_router(
     context: zmq.Context[Any] | None = None,
     hwm: int = DEFAULT_HWM,
     liveness: Liveness | None = None,
+    curve: Curve | None = None,
 ) -> AsyncIterator[RouterSocket]:
     """Bind a ROUTER socket on ``tcp://host:port`` (port 0: any free port) for the block.
 
     ``context`` defaults to the process-wide ``zmq.Context.instance()``; ``hwm`` is the queue
     bound per peer and direction (0: none); ``liveness`` turns on heartbeats and
-    :attr:`RouterSocket.lost_peers`. Leaving the block closes the socket (linger 0).
-    Raises ``zmq.ZMQError`` if the address cannot be bound.
+    :attr:`RouterSocket.lost_peers`; ``curve`` makes it a CURVE server that lets in only the
+    D keys it names (:mod:`pdactors.transport.curve`). Leaving the block closes the socket
+    (linger 0). Raises ``zmq.ZMQError`` if the address cannot be bound.
     """
     socket = _new_socket(context, zmq.ROUTER, hwm, liveness)
     monitor = None
+    domain = serve_curve(socket, curve) if curve is not None else None
     try:
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         monitor = _monitor(socket) if liveness is not None else None
@@ -332,9 +336,15 @@ async def open_router(
         address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
     except BaseException:
         _close_now(socket, monitor)
+        if domain is not None:
+            stop_curve(socket.context, domain)
         raise
-    async with _watched(RouterSocket(socket, address), monitor) as router:
-        yield router
+    try:
+        async with _watched(RouterSocket(socket, address), monitor) as router:
+            yield router
+    finally:
+        if domain is not None:
+            stop_curve(socket.context, domain)
 
 
 @asynccontextmanager
@@ -344,18 +354,22 @@ async def open_dealer(
     context: zmq.Context[Any] | None = None,
     hwm: int = DEFAULT_HWM,
     liveness: Liveness | None = None,
+    curve: Curve | None = None,
 ) -> AsyncIterator[DealerSocket]:
     """Connect a DEALER socket to ``address`` (``"tcp://host:port"``) for the block.
 
     The connection is made (and remade) in the background; sends queue until it is up.
     ``context``, ``hwm`` and ``liveness`` are as for :func:`open_router` (with liveness,
-    :meth:`DealerSocket.wait_lost` tells when the peer is gone). Leaving the block closes the
-    socket (linger 0). Raises :class:`TransportError` if the address is malformed or cannot be
-    resolved.
+    :meth:`DealerSocket.wait_lost` tells when the peer is gone); ``curve`` makes it a CURVE
+    client of the one P key it names (a P with another key fails the handshake: lost at
+    once). Leaving the block closes the socket (linger 0). Raises :class:`TransportError` if
+    the address is malformed or cannot be resolved.
     """
     socket = _new_socket(context, zmq.DEALER, hwm, liveness)
     monitor = None
     try:
+        if curve is not None:
+            connect_curve(socket, curve)
         monitor = _monitor(socket) if liveness is not None else None
         socket.connect(address)
     except zmq.ZMQError as exc:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 pytest.importorskip("vllm")
@@ -252,3 +253,28 @@ def test_a_dead_trio_thread_fails_its_pulls_then_the_actors_come_back(pair: Pair
     run_step(pair.p, PdActorsMetadata(ready={"preq10": SendSpec("t10", (18,))}))
     assert "dreq10" not in wait_for(pair.d, "recved", "dreq10")["failed"]
     run_step(pair.p, PdActorsMetadata(dropped=["t8"]))  # P's side of the dead pull
+
+
+def test_a_shared_secret_and_bootstrap_token_secure_the_worker_sides(tmp_path: Path) -> None:
+    """side_channel_secret_file (CURVE) and bootstrap_token_file: P and D of the deployment
+    move KV; the bootstrap answers nobody without the token."""
+    secret, token = tmp_path / "secret", tmp_path / "token"
+    secret.write_text("a deployment secret of the tests\n")
+    token.write_text("bootstrap-token\n")
+    pair = Pair(side_channel_secret_file=str(secret), bootstrap_token_file=str(token))
+    try:
+        for layer in pair.p_kv.values():
+            layer[1:3].copy_(torch.randn(2, 2, 16, 64))
+        run_step(pair.p, PdActorsMetadata(pending=["s1"]))
+        pair.pull("dreq-s", "s1", (7, 8))
+        run_step(pair.p, PdActorsMetadata(ready={"preq-s": SendSpec("s1", (1, 2))}))
+        assert "dreq-s" not in wait_for(pair.d, "recved", "dreq-s")["failed"]
+        for name in pair.p_kv:
+            assert torch.equal(pair.d_kv[name][7:9], pair.p_kv[name][1:3])
+        wait_for(pair.p, "sent", "preq-s")
+        url = pair.settings.bootstrap_url
+        assert httpx.get(f"{url}/query", timeout=5, trust_env=False).status_code == 401
+        assert httpx.get(f"{url}/health", timeout=5, trust_env=False).status_code == 200
+    finally:
+        pair.p.shutdown()
+        pair.d.shutdown()

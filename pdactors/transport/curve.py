@@ -1,0 +1,155 @@
+"""ZMQ CURVE on the side channel: P's ROUTER is a CURVE server, D's DEALERs are clients.
+
+Nothing here is home-made cryptography: libzmq's CURVE (Curve25519, via libsodium) encrypts and
+authenticates every connection; pyzmq's :class:`zmq.auth.thread.ThreadAuthenticator` answers
+libzmq's ZAP requests, and checks each D's public key against the keys P was given. D knows the
+one key its P must have (``server_key``): a P with another key fails the handshake and D judges
+it gone at once. A DEALER whose key P was not given never completes the handshake: it gets no
+answer, and no actor sees it.
+
+Keys come from ``zmq.auth.create_certificates`` files (:func:`curve_from_files`) or from one
+deployment secret (:func:`curve_from_secret`: every P worker shares one keypair and every D
+worker another, both derived from the secret with BLAKE2b under distinct personalisations, so
+a process that knows the secret knows both public keys and no key needs to travel).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+from pdactors.config import Secret
+
+__all__ = ["Curve", "curve_from_files", "curve_from_secret"]
+
+log = logging.getLogger("pdactors.transport.curve")
+
+
+class Curve(msgspec.Struct, frozen=True, kw_only=True):
+    """One end's CURVE keys (Z85 text, 40 characters each).
+
+    * ``public`` / ``secret``: this end's keypair.
+    * ``server_key``: (D) the public key P's side channel must have.
+    * ``clients``: (P) the public keys of the D workers allowed to connect.
+    """
+
+    public: str
+    secret: str
+    server_key: str = ""
+    clients: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for key in (self.public, self.secret, self.server_key, *self.clients):
+            if key and len(key) != 40:
+                raise ValueError("CURVE keys are 40 characters of Z85 text")
+
+
+def _derived(secret: str, role: bytes) -> tuple[str, str]:
+    raw = hashlib.blake2b(secret.encode(), digest_size=32, person=b"pdactors-" + role).digest()
+    private = z85.encode(raw)
+    return zmq.curve_public(private).decode(), Secret(private.decode())
+
+
+def curve_from_secret(secret: str) -> tuple[Curve, Curve]:
+    """P's and D's CURVE keys, both derived from one deployment ``secret``: ``(prefill,
+    decode)``; P allows exactly D's key and D expects exactly P's."""
+    if len(secret) < 16:
+        raise ValueError("a deployment secret needs at least 16 characters")
+    p_public, p_secret = _derived(secret, b"prefill")
+    d_public, d_secret = _derived(secret, b"decode")
+    return (
+        Curve(public=p_public, secret=p_secret, clients=(d_public,)),
+        Curve(public=d_public, secret=d_secret, server_key=p_public),
+    )
+
+
+def curve_from_files(own: str | Path, peers: str | Path, *, server: bool) -> Curve:
+    """Keys from ``zmq.auth.create_certificates`` files: ``own`` is this end's ``.key_secret``
+    file; ``peers`` a public ``.key`` file or a directory of them (P: the D keys it allows; D:
+    P's key, exactly one). Raises :class:`OSError` or :class:`ValueError`."""
+    public, secret = zmq.auth.load_certificate(own)
+    if secret is None:
+        raise ValueError(f"{own} holds no secret key (pass the .key_secret file)")
+    peer_path = Path(peers)
+    if peer_path.is_dir():
+        keys = sorted(k.decode() for k in zmq.auth.load_certificates(peer_path))
+    else:
+        keys = [zmq.auth.load_certificate(peer_path)[0].decode()]
+    if not keys:
+        raise ValueError(f"no public keys in {peers}")
+    if server:
+        return Curve(public=public.decode(), secret=Secret(secret.decode()), clients=tuple(keys))
+    if len(keys) != 1:
+        raise ValueError(f"D expects exactly one P key, {peers} holds {len(keys)}")
+    return Curve(public=public.decode(), secret=Secret(secret.decode()), server_key=keys[0])
+
+
+# --------------------------------------------------------------------------- ZAP on P
+
+
+class _Allowed:
+    """The ZAP callback of one ROUTER: its allowed client keys; refusals logged once a key."""
+
+    def __init__(self, clients: tuple[str, ...]) -> None:
+        self.clients = frozenset(clients)
+        self.refused: set[bytes] = set()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key.decode() in self.clients:
+            return True
+        if key not in self.refused and len(self.refused) < 4096:
+            self.refused.add(key)
+            log.warning("side channel %s refused a D with an unknown key %s", domain, key.decode())
+        return False
+
+
+_lock = threading.Lock()
+_authenticators: dict[int, ThreadAuthenticator] = {}  # per ZMQ context
+_domains = itertools.count()
+
+
+def serve_curve(socket: zmq.Socket[Any], curve: Curve) -> str:
+    """Make ``socket`` (a ROUTER, not bound yet) a CURVE server that lets in ``curve.clients``
+    only; returns its ZAP domain (give it to :func:`stop_curve` when the socket closes)."""
+    if not curve.clients:
+        raise ValueError("a CURVE side channel needs the D keys it lets in")
+    context = socket.context
+    domain = f"pdactors-{next(_domains)}"
+    with _lock:
+        auth = _authenticators.get(id(context))
+        if auth is None:
+            auth = _authenticators[id(context)] = ThreadAuthenticator(context, log=log)
+            auth.start()
+        auth.configure_curve_callback(domain, _Allowed(curve.clients))
+    socket.curve_secretkey = curve.secret.encode()
+    socket.curve_publickey = curve.public.encode()
+    socket.curve_server = True
+    socket.zap_domain = domain.encode()
+    return domain
+
+
+def stop_curve(context: zmq.Context[Any], domain: str) -> None:
+    """Forget a closed ROUTER's ZAP domain."""
+    with _lock:
+        auth = _authenticators.get(id(context))
+        if auth is not None:
+            auth.credentials_providers.pop(domain, None)
+
+
+def connect_curve(socket: zmq.Socket[Any], curve: Curve) -> None:
+    """Make ``socket`` (a DEALER, not connected yet) a CURVE client of ``curve.server_key``."""
+    if not curve.server_key:
+        raise ValueError("a CURVE client needs P's public key (server_key)")
+    socket.curve_secretkey = curve.secret.encode()
+    socket.curve_publickey = curve.public.encode()
+    socket.curve_serverkey = curve.server_key.encode()
