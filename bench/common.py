@@ -8,6 +8,7 @@ import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -29,6 +30,7 @@ from pdactors import (
     serve_sender,
 )
 from pdactors.core.plan import packed_layout
+from pdactors.transport import ZMQ, Transport
 
 
 @dataclass
@@ -53,6 +55,7 @@ async def open_pair(
     pool: int,
     block_bytes: int,
     select_gpu: Callable[[int], None] | None = None,
+    transport: Transport = ZMQ,
 ) -> AsyncIterator[Pair]:
     """Bootstrap + sender over ``p_ptr`` + receiver over ``d_ptr`` (each ``nbytes``).
 
@@ -74,9 +77,14 @@ async def open_pair(
         async with trio.open_nursery() as nursery:
             url = await nursery.start(serve_bootstrap, BootstrapConfig())
             sender = await nursery.start(
-                serve_sender, SenderConfig(engine_id="p", bootstrap_url=url), p_plane, p_layout
+                partial(serve_sender, transport=transport),
+                SenderConfig(engine_id="p", bootstrap_url=url),
+                p_plane,
+                p_layout,
             )
-            receiver = await nursery.start(serve_receiver, ReceiverConfig(), d_plane, d_layout)
+            receiver = await nursery.start(
+                partial(serve_receiver, transport=transport), ReceiverConfig(), d_plane, d_layout
+            )
             yield Pair(url, sender, receiver, p_plane, d_plane, p_layout, d_layout)
             nursery.cancel_scope.cancel()
 

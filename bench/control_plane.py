@@ -10,6 +10,7 @@ gives *P CPU µs per transfer* and the rate one sender sustains on one core (1 /
     python bench/control_plane.py                       # P and D in two processes
     python bench/control_plane.py --one-process         # both in one Trio thread (older figures)
     python bench/control_plane.py --old-rev 46911a9     # the same run against an older library too
+    python bench/control_plane.py --compare-curve       # without and with ZMQ CURVE, and the ratios
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
 
 import numpy as np
 import trio
@@ -27,6 +29,8 @@ from common import open_pair, worktree
 
 from pdactors import DataPlaneConfig, ReceiverConfig, open_mooncake, serve_receiver
 from pdactors.core.plan import packed_layout, plan_transfer
+from pdactors.transport import ZMQ, Transport, ZmqTransport
+from pdactors.transport.curve import curve_from_secret
 
 HEADER = (
     "| concurrency | transfers | p50 ms | p99 ms | transfers/s | P CPU µs/transfer"
@@ -94,7 +98,9 @@ async def d_main(args: argparse.Namespace) -> None:
         plane.register([(d.ctypes.data, d.nbytes)])
         layout = packed_layout(d.ctypes.data, 1, pool, args.block_bytes)
         async with trio.open_nursery() as nursery:
-            receiver = await nursery.start(serve_receiver, ReceiverConfig(), plane, layout)
+            receiver = await nursery.start(
+                partial(serve_receiver, transport=transport(args)), ReceiverConfig(), plane, layout
+            )
 
             async def pull(name: str, slot: int) -> None:
                 await receiver.pull(name, bootstrap_url=args.url, engine_id="p", block_ids=[slot])
@@ -139,12 +145,14 @@ async def p_main(args: argparse.Namespace) -> None:
         layers=1,
         pool=pool,
         block_bytes=args.block_bytes,
+        transport=transport(args),
     ) as pair:
         sender = pair.sender
         where = "one process" if args.one_process else "P and D in two processes"
+        curve = ", side channel with ZMQ CURVE" if args.curve else ""
         print(
             f"# control plane: 1-block transfers of {args.block_bytes} B, TCP loopback, {where};"
-            f" {args.workers} workers, {args.calls_per_peer} engine calls per peer"
+            f" {args.workers} workers, {args.calls_per_peer} engine calls per peer{curve}"
         )
         print(HEADER)
         async with trio.open_nursery() as nursery:
@@ -248,9 +256,45 @@ def parse() -> argparse.Namespace:
     ap.add_argument(
         "--old-rev", help="first run the same benchmark against the library at this git revision"
     )
+    ap.add_argument("--curve", action="store_true", help="ZMQ CURVE on the side channel")
+    ap.add_argument(
+        "--compare-curve", action="store_true", help="run without and with --curve, print ratios"
+    )
     ap.add_argument("--d-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     return ap.parse_args()
+
+
+#: Both processes derive the same CURVE keys from it (a benchmark, not a secret).
+BENCH_SECRET = "pdactors control-plane benchmark"
+
+
+def transport(args: argparse.Namespace) -> Transport:
+    return ZmqTransport(*curve_from_secret(BENCH_SECRET)) if args.curve else ZMQ
+
+
+def compare_curve() -> None:
+    """This benchmark without and with CURVE, one after the other, then the ratios per level."""
+    argv = [a for a in sys.argv[1:] if a != "--compare-curve"]
+    rows: list[dict[str, list[str]]] = []
+    for extra in ([], ["--curve"]):
+        out = subprocess.run(
+            [sys.executable, __file__, *argv, *extra], check=True, capture_output=True, text=True
+        ).stdout
+        print(out, end="", flush=True)
+        table = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
+        rows.append({cells[0].strip(): [c.strip() for c in cells] for cells in table[1:]})
+    print(
+        "\n| concurrency | transfers/s with / without CURVE | p50 with / without"
+        " | p99 with / without |\n|---|---|---|---|"
+    )
+    off, on = rows
+    for level, plain in off.items():
+        if level not in on or not level.isdigit():
+            continue
+        cur = on[level]
+        ratio = [float(cur[i]) / float(plain[i]) for i in (4, 2, 3)]
+        print(f"| {level} | {ratio[0]:.2f} | {ratio[1]:.2f} | {ratio[2]:.2f} |")
 
 
 def run_old(rev: str) -> None:
@@ -265,6 +309,9 @@ def run_old(rev: str) -> None:
 
 if __name__ == "__main__":
     parsed = parse()
+    if parsed.compare_curve:
+        compare_curve()
+        sys.exit(0)
     if parsed.old_rev and not parsed.d_child:
         run_old(parsed.old_rev)
     trio.run(d_main if parsed.d_child else p_main, parsed)

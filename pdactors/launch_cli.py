@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,7 +18,15 @@ import trio
 import typer
 from rich.console import Console
 
-from pdactors.launcher import ChildDied, LaunchConfig, Plan, launch, plan_deployment
+from pdactors.launcher import (
+    ChildDied,
+    LaunchConfig,
+    Plan,
+    is_loopback,
+    launch,
+    make_secrets,
+    plan_deployment,
+)
 
 __all__ = ["launch_command"]
 
@@ -49,8 +58,11 @@ def _load(config_file: Path | None, overrides: dict[str, Any]) -> LaunchConfig:
         raise typer.BadParameter(str(exc)) from None
 
 
-async def _completions(url: str, model: str, prompts: list[str]) -> list[str]:
-    async with httpx.AsyncClient(trust_env=False, timeout=120) as http:
+async def _completions(
+    url: str, model: str, prompts: list[str], api_key: str | None = None
+) -> list[str]:
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(trust_env=False, timeout=120, headers=headers) as http:
         texts = []
         for prompt in prompts:
             body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
@@ -79,6 +91,14 @@ def launch_command(
     smoke: Annotated[
         bool, typer.Option("--smoke", help="Check answers against a single server, then exit.")
     ] = False,
+    secure: Annotated[
+        bool | None,
+        typer.Option(
+            "--secure",
+            help="Generate a side-channel secret (ZMQ CURVE), a bootstrap token and a proxy API "
+            "key for the run (in a private directory) and wire every component with them.",
+        ),
+    ] = None,
 ) -> None:
     """Start a disaggregated deployment: P and D vLLM servers with PdActorsConnector, and the
     proxy. With no options: the tiny model on CPU, 1P1D. Ctrl-C stops everything."""
@@ -94,10 +114,27 @@ def launch_command(
             "device_name": device,
             "prefill_gpus": tuple(prefill_gpus) if prefill_gpus else None,
             "decode_gpus": tuple(decode_gpus) if decode_gpus else None,
+            "secure": secure,
         },
     )
     path = config.model or _tiny_model()
-    plan = plan_deployment(config, path, served_name=None if config.model else "tiny", single=smoke)
+    run_secrets = None
+    if config.secure:
+        run_secrets = make_secrets(Path(tempfile.mkdtemp(prefix="pdactors-secrets-")))
+        console.print(f"credentials for this run (0600): {run_secrets.directory}")
+    elif not is_loopback(config.host):
+        console.print(
+            f"[yellow]warning: serving on {config.host} without --secure: anyone who can reach "
+            "it can register with the bootstrap, pull or write KV and use the proxy[/]"
+        )
+    plan = plan_deployment(
+        config,
+        path,
+        served_name=None if config.model else "tiny",
+        single=smoke,
+        run_secrets=run_secrets,
+    )
+    api_key = run_secrets.api_key if run_secrets else None
     status = console.status("starting")
     healthy: set[str] = set()
 
@@ -113,15 +150,16 @@ def launch_command(
     async def ready(plan: Plan) -> None:
         status.stop()
         console.print(f"[bold]proxy: {plan.proxy_url}[/]")
+        auth = f"-H 'Authorization: Bearer {api_key}' " if api_key else ""
         console.print(
-            f"curl {plan.proxy_url}/v1/completions -H 'Content-Type: application/json' "
+            f"curl {plan.proxy_url}/v1/completions -H 'Content-Type: application/json' {auth}"
             f'-d \'{{"model": "{plan.model_name}", "prompt": "Hello", "max_tokens": 16}}\''
         )
         if not smoke:
             await trio.sleep_forever()
         single = next(c for c in plan.children if c.name == "single")
         single_url = single.health_url.removesuffix("/health")
-        got = await _completions(plan.proxy_url, plan.model_name, SMOKE_PROMPTS)
+        got = await _completions(plan.proxy_url, plan.model_name, SMOKE_PROMPTS, api_key)
         want = await _completions(single_url, plan.model_name, SMOKE_PROMPTS)
         result["same"] = sum(g == w for g, w in zip(got, want, strict=True))
         for prompt, g, w in zip(SMOKE_PROMPTS, got, want, strict=True):

