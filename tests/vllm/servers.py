@@ -185,6 +185,14 @@ def post_completion(server: Server, prompt: str | list[int], **body: Any) -> htt
     return httpx.post(url, json=payload, timeout=120, trust_env=False)
 
 
+def proxied_completion(proxy_url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """POST /v1/completions (greedy) to a proxy at ``proxy_url``; raises on HTTP errors."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    resp = httpx.post(f"{proxy_url}/v1/completions", json=body, timeout=120, trust_env=False)
+    resp.raise_for_status()
+    return dict(resp.json())
+
+
 def completion(server: Server, prompt: str | list[int], **body: Any) -> dict[str, Any]:
     """POST /v1/completions (greedy) and return the JSON answer; raises on HTTP errors."""
     response = post_completion(server, prompt, **body)

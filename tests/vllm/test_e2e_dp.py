@@ -27,6 +27,7 @@ from tests.vllm.servers import (
     consumer_config,
     free_port,
     producer_config,
+    proxied_completion,
     proxy,
     servers,
 )
@@ -44,12 +45,7 @@ class DataParallel:
     proxy_url: str
 
     def complete(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-        resp = httpx.post(
-            f"{self.proxy_url}/v1/completions", json=body, timeout=120, trust_env=False
-        )
-        resp.raise_for_status()
-        return dict(resp.json())
+        return proxied_completion(self.proxy_url, prompt, max_tokens)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,15 @@ import pytest
 pytest.importorskip("vllm")
 
 from integrations.vllm.tiny_model import ensure_tiny_model
-from tests.vllm.servers import Server, completion, free_port, producer_config, proxy, servers
+from tests.vllm.servers import (
+    Server,
+    completion,
+    free_port,
+    producer_config,
+    proxied_completion,
+    proxy,
+    servers,
+)
 from tests.vllm.test_e2e import prompt_ids, text_and_reason
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -40,12 +48,7 @@ class XpYd:
     proxy_url: str
 
     def complete(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-        resp = httpx.post(
-            f"{self.proxy_url}/v1/completions", json=body, timeout=120, trust_env=False
-        )
-        resp.raise_for_status()
-        return dict(resp.json())
+        return proxied_completion(self.proxy_url, prompt, max_tokens)
 
     def received(self, d: Server) -> float:
         return d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
