@@ -7,6 +7,7 @@ timeout=...)`` or ``await client.query(url, timeout=...)``. It speaks to ours
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Final
@@ -18,7 +19,7 @@ import trio
 from pdactors.errors import BootstrapError, BootstrapTimeout
 from pdactors.messages import BootstrapAnswer, BootstrapEntry, RegisterWorker
 
-__all__ = ["BootstrapClient", "open_bootstrap_client"]
+__all__ = ["BootstrapClient", "open_bootstrap_client", "tls_verify"]
 
 _FIRST_DELAY: Final = 0.05
 _MAX_DELAY: Final = 1.0
@@ -118,17 +119,34 @@ class BootstrapClient:
 
 
 @asynccontextmanager
-async def open_bootstrap_client(token: str | None = None) -> AsyncIterator[BootstrapClient]:
+async def open_bootstrap_client(
+    token: str | None = None, ca_file: str | None = None
+) -> AsyncIterator[BootstrapClient]:
     """Open a :class:`BootstrapClient` that owns its HTTP connection pool (``token``: the
-    registry's bearer token, if it asks for one).
+    registry's bearer token, if it asks for one; ``ca_file``: the CA bundle that signs an
+    ``https://`` registry's certificate, the system's CAs otherwise).
 
     Proxy settings in the environment are ignored: the registry is always dialled directly.
     """
-    async with httpx.AsyncClient(trust_env=False) as http:
+    async with httpx.AsyncClient(trust_env=False, verify=tls_verify(ca_file)) as http:
         yield BootstrapClient(http, token)
 
 
+def tls_verify(ca_file: str | None) -> ssl.SSLContext | bool:
+    """What httpx verifies servers with: a context trusting ``ca_file``, or the system's CAs."""
+    return ssl.create_default_context(cafile=ca_file) if ca_file else True
+
+
 _NO_ANSWER: Final = "no attempt finished"
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message``, with the first message found down the cause chain when the error
+    itself has none (httpx's ConnectError over TLS carries the SSL reason in its cause)."""
+    cause: BaseException | None = exc
+    while cause is not None and not str(cause):
+        cause = cause.__cause__ or cause.__context__
+    return f"{type(exc).__name__}: {cause}" if cause is not None else type(exc).__name__
 
 
 def _route(url: str, route: str) -> str:
@@ -156,7 +174,7 @@ async def _retry(
             except httpx.InvalidURL as exc:
                 raise BootstrapError(f"{what}: {exc}") from None
             except (httpx.HTTPError, BootstrapError) as exc:
-                last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                last_error = _describe(exc)
                 if not retry:
                     raise BootstrapError(f"{what}: {last_error}") from None
             await trio.sleep(delay)

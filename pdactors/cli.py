@@ -133,6 +133,10 @@ def bootstrap(
             "(GET /health stays open). Without it anyone who can reach the port may register."
         ),
     ] = None,
+    certfile: Annotated[
+        Path | None, typer.Option(help="PEM certificate (chain): serve HTTPS.")
+    ] = None,
+    keyfile: Annotated[Path | None, typer.Option(help="PEM private key of --certfile.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = True,
 ) -> None:
     """Serve the bootstrap registry (POST /register, GET /query, GET /health) until Ctrl-C."""
@@ -142,7 +146,15 @@ def bootstrap(
     from pdactors.actors.bootstrap import serve_bootstrap
     from pdactors.config import BootstrapConfig
 
-    config = BootstrapConfig(host=host, port=port, token=_token(token_file, "--token-file"))
+    if (certfile is None) != (keyfile is None):
+        raise typer.BadParameter("give both --certfile and --keyfile, or neither")
+    config = BootstrapConfig(
+        host=host,
+        port=port,
+        token=_token(token_file, "--token-file"),
+        certfile=str(certfile) if certfile else None,
+        keyfile=str(keyfile) if keyfile else None,
+    )
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -227,6 +239,14 @@ def proxy(
             help="The --api-key the vLLM servers were started with; sent to them.",
         ),
     ] = None,
+    certfile: Annotated[
+        Path | None, typer.Option(help="PEM certificate (chain): serve HTTPS.")
+    ] = None,
+    keyfile: Annotated[Path | None, typer.Option(help="PEM private key of --certfile.")] = None,
+    ca_file: Annotated[
+        Path | None,
+        typer.Option(help="CA bundle that signs the bootstraps' and engines' certificates."),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = True,
 ) -> None:
     """Serve the OpenAI-compatible PD proxy (/v1/completions, /v1/chat/completions, /v1/models,
@@ -251,6 +271,9 @@ def proxy(
             bootstrap_token=_token(bootstrap_token_file, "--bootstrap-token-file"),
             api_key=Secret(api_key) if api_key else None,
             engine_api_key=Secret(engine_api_key) if engine_api_key else None,
+            certfile=str(certfile) if certfile else None,
+            keyfile=str(keyfile) if keyfile else None,
+            ca_file=str(ca_file) if ca_file else None,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

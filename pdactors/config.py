@@ -95,6 +95,8 @@ class BootstrapConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 0
     token: str | None = None
+    certfile: str | None = None  # PEM certificate (chain) and key: serve HTTPS
+    keyfile: str | None = None
 
 
 class Secret(str):
@@ -150,6 +152,7 @@ class SenderConfig(msgspec.Struct, frozen=True, kw_only=True):
     liveness: Liveness = Liveness()
     kv_heads: int = 0
     bootstrap_token: str | None = None
+    bootstrap_ca_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.lease_interval < 0 or self.lease_ttl <= self.lease_interval:
@@ -177,6 +180,7 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
     liveness: Liveness = Liveness()
     kv_heads: int = 0
     bootstrap_token: str | None = None
+    bootstrap_ca_file: str | None = None
 
 
 Routing = Literal["round_robin", "least_outstanding"]
@@ -207,6 +211,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     * ``api_key``: when set, clients must send ``Authorization: Bearer <api_key>`` (OpenAI's
       convention) on every route but ``/health`` and ``/metrics``; 401 with OpenAI's error
       body otherwise.
+    * ``certfile`` / ``keyfile``: serve HTTPS with this PEM certificate and key.
+    * ``ca_file``: the CA bundle that signs the bootstraps' certificates (a private CA); the
+      system's CAs otherwise.
     * ``engine_api_key``: the key the engines were started with (vLLM's ``--api-key``), sent
       to them instead of the client's. With neither key set, the client's ``Authorization``
       header is passed to the engines as it came.
@@ -226,6 +233,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     bootstrap_token: str | None = None
     api_key: str | None = None
     engine_api_key: str | None = None
+    certfile: str | None = None
+    keyfile: str | None = None
+    ca_file: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:

@@ -35,6 +35,9 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       D's CURVE keys are derived: P's side channel then lets in only D workers of the
       deployment, and D talks only to P workers of it (docs/security.md). Every P and D of
       the deployment must name the same secret.
+    * ``bootstrap_certfile`` / ``bootstrap_keyfile``: the embedded bootstrap serves HTTPS with
+      them (P then advertises an ``https://`` bootstrap address); ``bootstrap_ca_file``: the CA
+      bundle that signs the bootstrap's certificate (a private CA), for P and D.
     * ``bootstrap_token_file``: a file holding the bootstrap's bearer token: the embedded
       bootstrap then asks for it on ``/register`` and ``/query``, and P and D send it
       (``pdactors bootstrap --token-file`` and ``pdactors proxy --bootstrap-token-file`` take
@@ -78,6 +81,9 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     bootstrap_port: int = 8998
     bootstrap_server_address: str | None = None
     bootstrap_token_file: str | None = None
+    bootstrap_certfile: str | None = None
+    bootstrap_keyfile: str | None = None
+    bootstrap_ca_file: str | None = None
     side_channel_secret_file: str | None = None
     sender_workers: int = 2
     ready_timeout: float = 480.0
@@ -116,7 +122,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
         if self.bootstrap_server_address is not None:
             address = self.bootstrap_server_address
             return address if "://" in address else f"http://{address}"
-        return f"http://{self.bootstrap_host}:{self.bootstrap_port}"
+        scheme = "https" if self.bootstrap_certfile else "http"
+        return f"{scheme}://{self.bootstrap_host}:{self.bootstrap_port}"
 
 
 def settings_from_extra_config(extra: dict[str, Any]) -> ConnectorSettings:

@@ -220,7 +220,13 @@ class WorkerSide:
             token = s.bootstrap_token()
             transport = s.side_channel()
             if place.runs_bootstrap:
-                config = BootstrapConfig(host=s.bootstrap_host, port=s.bootstrap_port, token=token)
+                config = BootstrapConfig(
+                    host=s.bootstrap_host,
+                    port=s.bootstrap_port,
+                    token=token,
+                    certfile=s.bootstrap_certfile,
+                    keyfile=s.bootstrap_keyfile,
+                )
                 await nursery.start(serve_bootstrap, config)
             if place.is_producer:
                 sender_config = SenderConfig(
@@ -234,6 +240,7 @@ class WorkerSide:
                     liveness=liveness,
                     kv_heads=place.kv_heads,
                     bootstrap_token=token,
+                    bootstrap_ca_file=s.bootstrap_ca_file,
                 )
                 self._sender = await nursery.start(
                     partial(serve_sender, transport=transport), sender_config, plane, layout
@@ -248,6 +255,7 @@ class WorkerSide:
                     liveness=liveness,
                     kv_heads=place.kv_heads,
                     bootstrap_token=token,
+                    bootstrap_ca_file=s.bootstrap_ca_file,
                 )
                 self._receiver = await nursery.start(
                     partial(serve_receiver, transport=transport), receiver_config, plane, layout

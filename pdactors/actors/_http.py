@@ -40,11 +40,13 @@ async def bind_listener(host: str, port: int, what: str) -> trio.socket.SocketTy
 
 
 def _reachable_url(bound: str) -> str:
-    """``http://0.0.0.0:P`` → ``http://127.0.0.1:P`` (and ``[::]`` → ``[::1]``): a URL to dial."""
-    for wildcard, loopback in (("0.0.0.0", "127.0.0.1"), ("[::]", "[::1]")):
-        prefix = f"http://{wildcard}:"
-        if bound.startswith(prefix):
-            return f"http://{loopback}:{bound.removeprefix(prefix)}"
+    """``http://0.0.0.0:P`` → ``http://127.0.0.1:P`` (and ``[::]`` → ``[::1]``, and the same
+    for ``https``): a URL to dial."""
+    for scheme in ("http", "https"):
+        for wildcard, loopback in (("0.0.0.0", "127.0.0.1"), ("[::]", "[::1]")):
+            prefix = f"{scheme}://{wildcard}:"
+            if bound.startswith(prefix):
+                return f"{scheme}://{loopback}:{bound.removeprefix(prefix)}"
     return bound
 
 
@@ -54,14 +56,21 @@ async def serve_http(
     *,
     errorlog: logging.Logger,
     announce: Callable[[str], None],
+    certfile: str | None = None,
+    keyfile: str | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on the socket from :func:`bind_listener` until cancelled; ``announce`` and
     ``task_status`` get the bound URL (a wildcard host is reported as loopback).
 
-    Hypercorn's messages go to ``errorlog`` (its INFO lines as DEBUG); no access log.
+    With ``certfile`` and ``keyfile`` (PEM), it serves HTTPS (hypercorn's TLS) and the URL is
+    ``https://``. Hypercorn's messages go to ``errorlog`` (its INFO lines as DEBUG); no access
+    log.
     """
     hconfig = HypercornConfig()
+    if (certfile is None) != (keyfile is None):
+        raise ValueError("TLS needs both a certificate file and a key file")
+    hconfig.certfile, hconfig.keyfile = certfile, keyfile
     hconfig.bind = [f"fd://{sock.detach()}"]  # hypercorn takes the bound socket over
     hconfig.accesslog = None
     hconfig.errorlog = errorlog

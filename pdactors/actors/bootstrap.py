@@ -241,6 +241,8 @@ async def serve_bootstrap(
             sock,
             errorlog=_http_log,
             announce=lambda url: log.info("bootstrap: listening on %s", url),
+            certfile=config.certfile,
+            keyfile=config.keyfile,
             task_status=task_status,
         )
 

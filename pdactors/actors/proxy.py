@@ -58,7 +58,7 @@ from pdactors.actors._auth import BearerCheck
 from pdactors.actors._engine_http import ConnectFailed, EngineClient, EngineError, EngineResponse
 from pdactors.actors._http import bind_listener, serve_http
 from pdactors.actors._proxy_state import Backend, Metrics, Pool
-from pdactors.bootstrap_client import BootstrapClient
+from pdactors.bootstrap_client import BootstrapClient, tls_verify
 from pdactors.config import ProxyConfig
 from pdactors.errors import BootstrapError, BootstrapTimeout
 
@@ -731,10 +731,12 @@ def _make_app(proxy: _Proxy) -> QuartTrio:
 
 @asynccontextmanager
 async def _open_http(
-    timeouts: httpx.Timeout, limits: httpx.Limits
+    timeouts: httpx.Timeout, limits: httpx.Limits, ca_file: str | None = None
 ) -> AsyncIterator[httpx.AsyncClient]:
     # Proxy settings in the environment are ignored: engines are always dialled directly.
-    client = httpx.AsyncClient(trust_env=False, timeout=timeouts, limits=limits)
+    client = httpx.AsyncClient(
+        trust_env=False, timeout=timeouts, limits=limits, verify=tls_verify(ca_file)
+    )
     try:
         yield client
     finally:
@@ -763,7 +765,7 @@ async def serve_proxy(
     """
     probe_timeout = httpx.Timeout(config.health_timeout)
     probe_limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with _open_http(probe_timeout, probe_limits) as probe_http:
+    async with _open_http(probe_timeout, probe_limits, config.ca_file) as probe_http:
         proxy = _Proxy(config, probe_http)
         sock = await bind_listener(config.host, config.port, "the proxy")
         try:
@@ -780,7 +782,15 @@ async def _serve(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(proxy.watch_health)
         app = _make_app(proxy)
-        serve = partial(serve_http, app, sock, errorlog=_http_log, announce=lambda _: None)
+        serve = partial(
+            serve_http,
+            app,
+            sock,
+            errorlog=_http_log,
+            announce=lambda _: None,
+            certfile=config.certfile,
+            keyfile=config.keyfile,
+        )
         url = await nursery.start(serve)  # announced below, with the backends
         prefill = ", ".join(f"{p.url} (bootstrap {p.bootstrap_url})" for p in config.prefill)
         log.info(

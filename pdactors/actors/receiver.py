@@ -452,7 +452,7 @@ async def serve_receiver(
     ``transport`` is the side channel (real ZMQ by default; see :mod:`pdactors.transport`).
     """
     async with (
-        open_bootstrap_client(config.bootstrap_token) as client,
+        open_bootstrap_client(config.bootstrap_token, config.bootstrap_ca_file) as client,
         trio.open_nursery() as nursery,
     ):
         receiver = Receiver(config, dataplane, layout, client, nursery, transport)

@@ -475,7 +475,7 @@ async def serve_sender(
     """
     async with (
         transport.open_router(config.host, config.port, liveness=config.liveness) as router,
-        open_bootstrap_client(config.bootstrap_token) as client,
+        open_bootstrap_client(config.bootstrap_token, config.bootstrap_ca_file) as client,
         trio.open_nursery() as nursery,
     ):
         sender = Sender(config, dataplane, layout, router, nursery)

@@ -1,0 +1,115 @@
+"""TLS at the HTTP edges: the bootstrap and the proxy serve HTTPS with a certificate from a
+private CA (trustme); clients given that CA verify it, clients without it refuse the server,
+and P and D register, look up and move KV through an HTTPS bootstrap."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+import trustme
+
+from pdactors import PrefillBackend, ProxyConfig, ReceiverConfig, SenderConfig, serve_proxy
+from pdactors.actors.bootstrap import serve_bootstrap
+from pdactors.bootstrap_client import open_bootstrap_client, tls_verify
+from pdactors.config import BootstrapConfig
+from pdactors.errors import BootstrapError
+from pdactors.messages import RegisterWorker
+from pdactors.testing import open_cluster, run_transfer
+
+
+class Pki:
+    def __init__(self, tmp: Path) -> None:
+        ca = trustme.CA()
+        cert = ca.issue_cert("127.0.0.1", "localhost")
+        self.ca_file = str(tmp / "ca.pem")
+        self.certfile = str(tmp / "server.pem")
+        self.keyfile = str(tmp / "server.key")
+        ca.cert_pem.write_to_path(self.ca_file)
+        cert.cert_chain_pems[0].write_to_path(self.certfile)
+        for extra in cert.cert_chain_pems[1:]:
+            extra.write_to_path(self.certfile, append=True)
+        cert.private_key_pem.write_to_path(self.keyfile)
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Iterator[Pki]:
+    yield Pki(tmp_path)
+
+
+async def test_an_https_bootstrap_is_verified_with_the_private_ca(pki: Pki) -> None:
+    config = BootstrapConfig(certfile=pki.certfile, keyfile=pki.keyfile)
+    worker = RegisterWorker("p", 0, 0, 0, "tcp://127.0.0.1:5555")
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(serve_bootstrap, config)
+            assert url.startswith("https://127.0.0.1:")
+            async with open_bootstrap_client(ca_file=pki.ca_file) as client:
+                await client.register(url, worker, timeout=5)
+                assert (await client.query(url, timeout=5))[0].engine_id == "p"
+            async with open_bootstrap_client() as client:  # the system's CAs: not this one
+                with pytest.raises(BootstrapError, match=r"CERTIFICATE_VERIFY_FAILED"):
+                    await client.query(url, timeout=5, retry=False)
+            plain = url.replace("https://", "http://")
+            async with httpx.AsyncClient(trust_env=False) as http:
+                with pytest.raises(httpx.HTTPError):
+                    await http.get(f"{plain}/health")  # no plain HTTP on a TLS port
+            nursery.cancel_scope.cancel()
+
+
+async def test_p_and_d_through_an_https_bootstrap(
+    pki: Pki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pdactors.testing.cluster as cluster_module
+
+    real = cluster_module.BootstrapConfig
+
+    def with_tls(**kwargs: object) -> BootstrapConfig:
+        return real(certfile=pki.certfile, keyfile=pki.keyfile, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cluster_module, "BootstrapConfig", with_tls)
+    with trio.fail_after(60):
+        async with open_cluster(
+            sender=SenderConfig(engine_id="p", bootstrap_ca_file=pki.ca_file),
+            receiver=ReceiverConfig(bootstrap_ca_file=pki.ca_file),
+        ) as cluster:
+            assert cluster.bootstrap_url.startswith("https://")
+            outcome = await run_transfer(cluster, "over-tls", 3)
+            assert outcome.ok and outcome.verified, outcome.reason
+            await cluster.wait_settled()
+
+
+async def test_the_proxy_serves_https_and_reads_an_https_bootstrap(pki: Pki) -> None:
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            tls = BootstrapConfig(certfile=pki.certfile, keyfile=pki.keyfile)
+            boot = await nursery.start(serve_bootstrap, tls)
+            # stand-ins for P's and D's engines (plain HTTP): servers whose /health answers 200
+            p_engine = await nursery.start(serve_bootstrap, BootstrapConfig())
+            d_engine = await nursery.start(serve_bootstrap, BootstrapConfig())
+            async with open_bootstrap_client(ca_file=pki.ca_file) as client:
+                await client.register(
+                    boot, RegisterWorker("p-tls", 0, 0, 0, "tcp://127.0.0.1:9"), timeout=5
+                )
+            config = ProxyConfig(
+                prefill=(PrefillBackend(p_engine, boot),),
+                decode=(d_engine,),
+                certfile=pki.certfile,
+                keyfile=pki.keyfile,
+                ca_file=pki.ca_file,
+                health_interval=0.05,
+            )
+            url = await nursery.start(serve_proxy, config)
+            assert url.startswith("https://")
+            async with httpx.AsyncClient(trust_env=False, verify=tls_verify(pki.ca_file)) as http:
+                with trio.fail_after(10):
+                    while True:  # the proxy read P's engine id from the HTTPS bootstrap
+                        resp = await http.get(f"{url}/health")
+                        if resp.status_code == 200:
+                            break
+                        await trio.sleep(0.05)
+                assert resp.json()["prefill"][0]["engine_id"] == "p-tls"
+            nursery.cancel_scope.cancel()
