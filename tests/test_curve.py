@@ -31,7 +31,7 @@ async def test_only_the_right_keys_get_through_and_strangers_disturb_no_one(
 ) -> None:
     caplog.set_level(logging.WARNING, "pdactors.transport.curve")
     p, d = curve_from_secret(SECRET)
-    with trio.fail_after(30):
+    with trio.fail_after(60):
         async with open_router("127.0.0.1", curve=p, liveness=LIVE) as router:
             async with open_dealer(router.address, curve=d, liveness=LIVE) as good:
                 await good.send([b"hello"])
@@ -49,7 +49,9 @@ async def test_only_the_right_keys_get_through_and_strangers_disturb_no_one(
                 for curve in attempts:
                     async with open_dealer(router.address, curve=curve, liveness=LIVE) as bad:
                         await bad.send([b"let me in"])
-                        assert "handshake" in await bad.wait_lost(5.0)
+                        # never up: a failed handshake (at once, usually) or none within 5 s
+                        reason = await bad.wait_lost(5.0)
+                        assert "handshake" in reason or "no connection" in reason, reason
                 with trio.move_on_after(0.5):
                     raise AssertionError(f"the router heard a stranger: {await router.receive()}")
                 await good.send([b"still here"])  # the good connection was not disturbed
@@ -117,3 +119,43 @@ def test_a_transport_with_one_role_refuses_the_other() -> None:
         ZmqTransport(client=d).open_router("127.0.0.1")
     with pytest.raises(ValueError, match="D needs client keys"):
         ZmqTransport(server=p).open_dealer("tcp://127.0.0.1:1")
+
+
+async def test_a_stranger_cannot_get_bytes_written_and_the_harness_runs_secure() -> None:
+    """A DEALER without the deployment's keys sends a well-formed pull for a real, ready
+    transfer straight to P's side channel: nothing is written and the transfer is untouched;
+    D of the deployment then pulls it as usual. Then ``pdactors harness --secure``'s run."""
+    from pdactors.core.send_table import SendState
+    from pdactors.messages import PullRequest, encode_frames
+    from pdactors.testing.harness import run_harness
+
+    p_keys, _ = curve_from_secret(SECRET)
+    with trio.fail_after(60):
+        async with open_cluster(transport=ZmqTransport(*curve_from_secret(SECRET))) as cluster:
+            p, d = cluster.prefill[0], cluster.decode[0]
+            src = p.owned["target"] = p.pool.allocate(2)
+            p.kv.fill("target", src)
+            p.sender.transfer_ready("target", src)
+            dst = d.pool.allocate(2)
+            request = PullRequest(
+                "target", d.dataplane.session, 0, 1, 0, 1, tuple(dst), "x", d.kv.layout
+            )
+            async with open_dealer(
+                p.sender.address, curve=stranger(p_keys.public), liveness=LIVE
+            ) as bad:
+                await bad.send(encode_frames(request))
+                reason = await bad.wait_lost(5.0)
+                assert "handshake" in reason or "no connection" in reason, reason
+            assert p.sender.transfer_state("target") is SendState.READY  # nobody pulled it
+            assert not d.kv.data[:, dst].any()  # and nothing was written into D
+            await d.receiver.pull(
+                "target",
+                bootstrap_url=cluster.bootstrap_url,
+                engine_id=p.engine_id,
+                block_ids=dst,
+            )
+            assert d.kv.verify("target", dst, 2)
+            d.pool.free(dst)
+            await cluster.wait_settled()
+    report = await run_harness(requests=4, blocks=4, layers=2, block_bytes=4096, secure=True)
+    assert report.passed, report.summary()
