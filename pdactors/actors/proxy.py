@@ -377,6 +377,13 @@ class _Proxy:
         logged with its traceback and answered 500 when nothing was sent yet."""
         reply = _Reply(send)
         arrived = trio.current_time()
+        peer = scope.get("client")
+        client = peer[0] if peer else "unknown client"
+        refused = self.auth.refusal(_header(scope["headers"], b"authorization"), client)
+        if refused is not None:  # before reading a byte of the body
+            self.metrics.requests.labels(endpoint.name, "unauthorized").inc()
+            await reply.failure(_Failure.unauthorized(refused))
+            return
         try:
             async with trio.open_nursery() as nursery:
                 raw = await _read_body(receive, self.config.max_body_bytes)
@@ -398,13 +405,6 @@ class _Proxy:
         nursery: trio.Nursery,
         arrived: float,
     ) -> None:
-        peer = scope.get("client")
-        client = peer[0] if peer else "unknown client"
-        refused = self.auth.refusal(_header(scope["headers"], b"authorization"), client)
-        if refused is not None:
-            self.metrics.requests.labels(endpoint.name, "unauthorized").inc()
-            await reply.failure(_Failure.unauthorized(refused))
-            return
         if raw is None:
             limit = self.config.max_body_bytes
             message = f"the body is larger than {limit} bytes"
