@@ -245,7 +245,7 @@ def proxy(
     keyfile: Annotated[Path | None, typer.Option(help="PEM private key of --certfile.")] = None,
     ca_file: Annotated[
         Path | None,
-        typer.Option(help="CA bundle that signs the bootstraps' and engines' certificates."),
+        typer.Option(help="CA bundle that signs the bootstraps' certificates (HTTPS bootstraps)."),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = True,
 ) -> None:
@@ -269,8 +269,8 @@ def proxy(
             health_interval=health_interval,
             request_timeout=request_timeout,
             bootstrap_token=_token(bootstrap_token_file, "--bootstrap-token-file"),
-            api_key=Secret(api_key) if api_key else None,
-            engine_api_key=Secret(engine_api_key) if engine_api_key else None,
+            api_key=Secret(api_key.strip()) if api_key and api_key.strip() else None,
+            engine_api_key=Secret(engine_api_key.strip()) if engine_api_key else None,
             certfile=str(certfile) if certfile else None,
             keyfile=str(keyfile) if keyfile else None,
             ca_file=str(ca_file) if ca_file else None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -170,6 +171,9 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
     * ``liveness``: heartbeats on the side channel (how fast a dead or hung P is noticed).
     * ``kv_heads``: the model's KV heads in all (vLLM's ``get_total_num_kv_heads()``); needed
       to pull from a P whose TP size differs (0: unknown, equal TP sizes only).
+    * ``bootstrap_token`` / ``bootstrap_ca_file``: the bootstraps' bearer token and CA bundle.
+      With a token, D looks P up only at ``trusted_bootstraps`` (a request names its
+      bootstrap, and must not be able to collect the token); a pull naming another fails.
     """
 
     engine_id: str = "decode"
@@ -181,6 +185,22 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_heads: int = 0
     bootstrap_token: str | None = None
     bootstrap_ca_file: str | None = None
+    trusted_bootstraps: tuple[str, ...] = ()
+
+    def trusts(self, bootstrap_url: str) -> bool:
+        """Whether D may send its bootstrap token to ``bootstrap_url``: the bootstrap named by a
+        request is the requester's choice, so with a token D talks only to the bootstraps
+        (``scheme://host:port``) it was given in ``trusted_bootstraps``."""
+        if self.bootstrap_token is None:
+            return True
+        return origin(bootstrap_url) in {origin(u) for u in self.trusted_bootstraps}
+
+
+def origin(url: str) -> str:
+    """``scheme://host:port`` of ``url`` (the default port made explicit), for comparisons."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{parts.scheme}://{(parts.hostname or '').lower()}:{port}"
 
 
 Routing = Literal["round_robin", "least_outstanding"]

@@ -127,6 +127,11 @@ def launch_command(
             f"[yellow]warning: serving on {config.host} without --secure: anyone who can reach "
             "it can register with the bootstrap, pull or write KV and use the proxy[/]"
         )
+    if config.secure and not is_loopback(config.host):
+        console.print(
+            f"[yellow]note: the HTTP edges on {config.host} are not TLS here: tokens and keys "
+            "cross the network in the clear (see docs/security.md for certfile/keyfile)[/]"
+        )
     plan = plan_deployment(
         config,
         path,
@@ -160,7 +165,8 @@ def launch_command(
         single = next(c for c in plan.children if c.name == "single")
         single_url = single.health_url.removesuffix("/health")
         got = await _completions(plan.proxy_url, plan.model_name, SMOKE_PROMPTS, api_key)
-        want = await _completions(single_url, plan.model_name, SMOKE_PROMPTS)
+        engine_key = plan.extra.get("engine_key")
+        want = await _completions(single_url, plan.model_name, SMOKE_PROMPTS, engine_key)
         result["same"] = sum(g == w for g, w in zip(got, want, strict=True))
         for prompt, g, w in zip(SMOKE_PROMPTS, got, want, strict=True):
             mark = "[green]same[/]" if g == w else "[red]DIFFERENT[/]"

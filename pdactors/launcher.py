@@ -147,22 +147,29 @@ class RunSecrets:
     directory: Path
     side_channel: Path  # the deployment secret CURVE keys are derived from
     bootstrap_token: Path
-    api_key: str  # the proxy's (clients send it as a bearer token)
+    api_key: str = field(repr=False)  # the proxy's (clients send it as a bearer token)
+    engine_key: str = field(default="", repr=False)  # the vLLM servers' --api-key
 
 
 def make_secrets(directory: Path) -> RunSecrets:
-    """Fresh random credentials for a run, written under ``directory`` (created 0700)."""
+    """Fresh random credentials for a run, written under ``directory`` (created 0700; it may
+    exist only if it is empty and private, e.g. from ``tempfile.mkdtemp``)."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    directory.chmod(0o700)
+    if any(directory.iterdir()) or directory.stat().st_mode & 0o077:
+        raise ValueError(f"{directory} must be a new, private (0700), empty directory")
     files = {}
-    for name in ("side-channel.secret", "bootstrap.token", "proxy.key"):
+    for name in ("side-channel.secret", "bootstrap.token", "proxy.key", "engine.key"):
         path = directory / name
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        fd = os.open(path, flags, 0o600)
         with os.fdopen(fd, "w") as out:
             out.write(secrets.token_urlsafe(32) + "\n")
         files[name] = path
     api_key = files["proxy.key"].read_text().strip()
-    return RunSecrets(directory, files["side-channel.secret"], files["bootstrap.token"], api_key)
+    engine_key = files["engine.key"].read_text().strip()
+    return RunSecrets(
+        directory, files["side-channel.secret"], files["bootstrap.token"], api_key, engine_key
+    )
 
 
 def plan_deployment(
@@ -197,11 +204,14 @@ def plan_deployment(
     prefills: list[tuple[str, str]] = []
     decodes: list[str] = []
 
+    # vLLM reads its --api-key from VLLM_API_KEY: the key stays out of argv (ps).
+    server_env = {**base_env, "VLLM_API_KEY": run_secrets.engine_key} if run_secrets else base_env
+
     def env_for(index: int, gpus: tuple[str, ...], slot: int) -> dict[str, str]:
         if gpus:
-            return {**base_env, "CUDA_VISIBLE_DEVICES": gpus[index]}
+            return {**server_env, "CUDA_VISIBLE_DEVICES": gpus[index]}
         return {
-            **base_env,
+            **server_env,
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": str(slot % cores),
         }
@@ -236,11 +246,14 @@ def plan_deployment(
         prefills.append((f"http://{host}:{port}", f"http://{host}:{bootstrap}"))
     for j in range(config.decode):
         port = _port(0, host)
+        d_extra = dict(extra)
+        if run_secrets is not None:  # D sends the bootstrap token to these only
+            d_extra["trusted_bootstraps"] = [boot for _, boot in prefills]
         kv = {
             "kv_connector": "PdActorsConnector",
             "kv_role": "kv_consumer",
             "engine_id": f"decode-{j}",
-            "kv_connector_extra_config": extra,
+            "kv_connector_extra_config": d_extra,
         }
         servers.append(
             vllm_server(
@@ -278,12 +291,17 @@ def plan_deployment(
     proxy_env = base_env
     if run_secrets is not None:
         argv += ["--bootstrap-token-file", str(run_secrets.bootstrap_token)]
-        proxy_env = {**base_env, "PDACTORS_PROXY_API_KEY": run_secrets.api_key}  # not in argv
+        proxy_env = {  # not in argv
+            **base_env,
+            "PDACTORS_PROXY_API_KEY": run_secrets.api_key,
+            "PDACTORS_ENGINE_API_KEY": run_secrets.engine_key,
+        }
     proxy_url = f"http://{host}:{proxy_port}"
     proxy = Child("proxy", argv, proxy_env, f"{proxy_url}/health")
     extra_info: dict[str, Any] = {"single": single}
     if run_secrets is not None:
         extra_info["api_key"] = run_secrets.api_key
+        extra_info["engine_key"] = run_secrets.engine_key
     return Plan([*servers, proxy], proxy_url, served_name or model, extra_info)
 
 

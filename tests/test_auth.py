@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 import httpx
 import pytest
@@ -147,3 +148,49 @@ def test_token_files_and_secrets(tmp_path: object) -> None:
     path.write_text("\n")
     with pytest.raises(ValueError, match="empty"):
         read_token_file(path)
+
+
+async def test_d_sends_its_token_only_to_trusted_bootstraps() -> None:
+    """A request names its bootstrap (remote_bootstrap_addr): a D holding the token must not
+    send it to one it was not given, or anyone could collect it by naming their own."""
+    seen: list[str | None] = []
+    from quart import request
+    from quart_trio import QuartTrio
+
+    from pdactors.actors._http import bind_listener, serve_http
+
+    collector = QuartTrio("collector")
+
+    @collector.get("/query")
+    async def query() -> dict[str, object]:
+        seen.append(request.headers.get("authorization"))
+        return {}
+
+    with trio.fail_after(30):
+        async with (
+            open_cluster(
+                sender=SenderConfig(engine_id="p", bootstrap_token=TOKEN),
+                receiver=ReceiverConfig(bootstrap_token=TOKEN),
+                bootstrap_token=TOKEN,
+            ) as cluster,
+            trio.open_nursery() as nursery,
+        ):
+            sock = await bind_listener("127.0.0.1", 0, "the collector")
+            evil = await nursery.start(
+                partial(
+                    serve_http, collector, sock, errorlog=logging.getLogger("x"), announce=print
+                )
+            )
+            d = cluster.decode[0]
+            with pytest.raises(PullFailedError, match="not among this D's trusted_bootstraps"):
+                await d.receiver.pull(
+                    "lure",
+                    bootstrap_url=evil,
+                    engine_id=cluster.prefill[0].engine_id,
+                    block_ids=[0],
+                )
+            assert seen == []  # no request, so no token, reached it
+            outcome = await run_transfer(cluster, "trusted", 2)  # the real one still works
+            assert outcome.ok and outcome.verified
+            nursery.cancel_scope.cancel()
+            await cluster.wait_settled()

@@ -198,8 +198,12 @@ def test_a_secure_plan_wires_every_component_with_fresh_private_credentials(
 ) -> None:
     run = make_secrets(tmp_path / "secrets")
     assert stat.S_IMODE(run.directory.stat().st_mode) == 0o700
-    for path in (run.side_channel, run.bootstrap_token):
+    for path in run.directory.iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(path.read_text().strip()) >= 40
+    assert {p.name for p in run.directory.iterdir()} >= {"proxy.key", "engine.key"}
+    assert run.api_key not in repr(run) and run.engine_key not in repr(run)
+    with pytest.raises(ValueError, match="new, private"):
+        make_secrets(run.directory)  # never into a directory that already holds files
     assert make_secrets(tmp_path / "other").api_key != run.api_key  # fresh for each run
     config = LaunchConfig(proxy_port=0, secure=True)
     plan = plan_deployment(config, "/models/tiny", served_name="tiny", run_secrets=run)
@@ -209,9 +213,15 @@ def test_a_secure_plan_wires_every_component_with_fresh_private_credentials(
         extra = kv["kv_connector_extra_config"]
         assert extra["side_channel_secret_file"] == str(run.side_channel)
         assert extra["bootstrap_token_file"] == str(run.bootstrap_token)
+        assert server.env["VLLM_API_KEY"] == run.engine_key  # the engines want a key too
+    p_bootstrap = proxy.argv[proxy.argv.index("--prefill") + 1].split("@")[1]
+    d_kv = json.loads(d.argv[d.argv.index("--kv-transfer-config") + 1])
+    assert d_kv["kv_connector_extra_config"]["trusted_bootstraps"] == [p_bootstrap]
+    assert proxy.env["PDACTORS_ENGINE_API_KEY"] == run.engine_key
     assert proxy.argv[proxy.argv.index("--bootstrap-token-file") + 1] == str(run.bootstrap_token)
     assert proxy.env["PDACTORS_PROXY_API_KEY"] == run.api_key == plan.extra["api_key"]
-    assert all(run.api_key not in arg for c in plan.children for arg in c.argv)  # not in ps
+    keys = (run.api_key, run.engine_key)
+    assert not [a for c in plan.children for a in c.argv if any(k in a for k in keys)]  # not in ps
     with pytest.raises(ValueError, match="needs its secrets"):
         plan_deployment(config, "/models/tiny")
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")

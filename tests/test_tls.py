@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import trio
 import trustme
@@ -112,4 +113,16 @@ async def test_the_proxy_serves_https_and_reads_an_https_bootstrap(pki: Pki) -> 
                             break
                         await trio.sleep(0.05)
                 assert resp.json()["prefill"][0]["engine_id"] == "p-tls"
+            # the same proxy without the private CA cannot trust that bootstrap: P stays out
+            blind = await nursery.start(
+                serve_proxy, msgspec.structs.replace(config, ca_file=None, port=0)
+            )
+            async with httpx.AsyncClient(trust_env=False, verify=tls_verify(pki.ca_file)) as http:
+                with trio.fail_after(10):
+                    while True:
+                        report = (await http.get(f"{blind}/health")).json()
+                        if "CERTIFICATE_VERIFY_FAILED" in report["prefill"][0].get("problem", ""):
+                            break
+                        await trio.sleep(0.05)
+                assert (await http.get(f"{blind}/health")).status_code == 503
             nursery.cancel_scope.cancel()

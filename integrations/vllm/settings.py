@@ -38,6 +38,9 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     * ``bootstrap_certfile`` / ``bootstrap_keyfile``: the embedded bootstrap serves HTTPS with
       them (P then advertises an ``https://`` bootstrap address); ``bootstrap_ca_file``: the CA
       bundle that signs the bootstrap's certificate (a private CA), for P and D.
+    * ``trusted_bootstraps``: (D) the bootstrap URLs D may send the token to; a request naming
+      another bootstrap fails (a request names its bootstrap and must not collect the token).
+      Needed on D with ``bootstrap_token_file``.
     * ``bootstrap_token_file``: a file holding the bootstrap's bearer token: the embedded
       bootstrap then asks for it on ``/register`` and ``/query``, and P and D send it
       (``pdactors bootstrap --token-file`` and ``pdactors proxy --bootstrap-token-file`` take
@@ -81,6 +84,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     bootstrap_port: int = 8998
     bootstrap_server_address: str | None = None
     bootstrap_token_file: str | None = None
+    trusted_bootstraps: tuple[str, ...] = ()
     bootstrap_certfile: str | None = None
     bootstrap_keyfile: str | None = None
     bootstrap_ca_file: str | None = None

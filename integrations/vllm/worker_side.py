@@ -256,6 +256,7 @@ class WorkerSide:
                     kv_heads=place.kv_heads,
                     bootstrap_token=token,
                     bootstrap_ca_file=s.bootstrap_ca_file,
+                    trusted_bootstraps=(*s.trusted_bootstraps, s.bootstrap_url),
                 )
                 self._receiver = await nursery.start(
                     partial(serve_receiver, transport=transport), receiver_config, plane, layout

@@ -206,6 +206,11 @@ class Receiver:
         pull = self._table.get(tid)
         if pull is None:
             return
+        if not self.config.trusts(pull.bootstrap_url):
+            reason = (f"bootstrap {pull.bootstrap_url} is not among this D's trusted_bootstraps "
+                      "(its bootstrap token goes to those only)")  # fmt: skip
+            self._apply(self._table.fail(tid, reason))
+            return
         try:
             p_tp, p_pp, addresses = await self._p_workers(pull.bootstrap_url, pull.engine_id)
             peers = [await self._peer(address) for address in addresses]

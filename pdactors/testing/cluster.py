@@ -322,7 +322,13 @@ async def open_cluster(
                     else:
                         rcv = await nursery.start(
                             partial(serve_receiver, transport=transport),
-                            replace(r_config, engine_id=engine_id, ranks=ranks, kv_heads=kv_heads),
+                            replace(
+                                r_config,
+                                engine_id=engine_id,
+                                ranks=ranks,
+                                kv_heads=kv_heads,
+                                trusted_bootstraps=(*r_config.trusted_bootstraps, url),
+                            ),
                             plane,
                             kv.layout,
                         )

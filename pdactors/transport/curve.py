@@ -107,7 +107,9 @@ class _Allowed:
     def callback(self, domain: str, key: bytes) -> bool:
         if key.decode() in self.clients:
             return True
-        if key not in self.refused and len(self.refused) < 4096:
+        if key not in self.refused:
+            if len(self.refused) >= 4096:
+                self.refused.clear()
             self.refused.add(key)
             log.warning("side channel %s refused a D with an unknown key %s", domain, key.decode())
         return False
@@ -131,10 +133,16 @@ def serve_curve(socket: zmq.Socket[Any], curve: Curve) -> str:
             auth = _authenticators[id(context)] = ThreadAuthenticator(context, log=log)
             auth.start()
         auth.configure_curve_callback(domain, _Allowed(curve.clients))
-    socket.curve_secretkey = curve.secret.encode()
-    socket.curve_publickey = curve.public.encode()
-    socket.curve_server = True
-    socket.zap_domain = domain.encode()
+    try:
+        socket.curve_secretkey = curve.secret.encode()
+        socket.curve_publickey = curve.public.encode()
+        socket.curve_server = True
+        socket.zap_domain = domain.encode()
+        # Fail closed: without a ZAP handler answering, refuse rather than let anyone in.
+        socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+    except BaseException:
+        stop_curve(context, domain)
+        raise
     return domain
 
 

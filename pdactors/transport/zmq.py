@@ -328,8 +328,10 @@ async def open_router(
     """
     socket = _new_socket(context, zmq.ROUTER, hwm, liveness)
     monitor = None
-    domain = serve_curve(socket, curve) if curve is not None else None
+    domain: str | None = None
     try:
+        if curve is not None:
+            domain = serve_curve(socket, curve)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         monitor = _monitor(socket) if liveness is not None else None
         socket.bind(f"tcp://{host}:{port}")
