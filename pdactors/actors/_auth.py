@@ -10,10 +10,9 @@ from __future__ import annotations
 import hmac
 import logging
 
-__all__ = ["BearerCheck"]
+from pdactors._once import FirstTimes
 
-#: Client addresses remembered as refused (logged once each); forgotten all at once past this.
-_MAX_REMEMBERED = 4096
+__all__ = ["BearerCheck"]
 
 
 class BearerCheck:
@@ -23,7 +22,7 @@ class BearerCheck:
         self._token = token.encode() if token else None
         self._what = what
         self._log = log
-        self._refused: set[str] = set()
+        self._refused = FirstTimes()  # clients logged as refused
 
     @property
     def enabled(self) -> bool:
@@ -43,9 +42,6 @@ class BearerCheck:
             return None
         else:
             reason = f"{self._what}: wrong token"
-        if client not in self._refused:
-            if len(self._refused) >= _MAX_REMEMBERED:
-                self._refused.clear()
-            self._refused.add(client)
+        if self._refused.first(client):
             self._log.warning("%s refused for %s: %s", self._what, client, reason)
         return reason

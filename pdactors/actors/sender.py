@@ -28,6 +28,7 @@ import numpy as np
 import trio
 
 from pdactors import timeline
+from pdactors._once import FirstTimes
 from pdactors._pulse import Pulse
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import SenderConfig
@@ -70,8 +71,6 @@ __all__ = ["Sender", "serve_sender"]
 log = logging.getLogger("pdactors.sender")
 
 _MAX_LAYOUTS = 1024
-#: Peers remembered as having sent garbage (logged once each); forgotten when they disconnect.
-_MAX_BAD_PEERS = 4096
 
 
 _NO_ADDRS = np.empty(0, dtype=np.uint64)
@@ -135,7 +134,8 @@ class Sender:
         self._outbox_send, self._outbox_recv = trio.open_memory_channel[tuple[bytes, Msg]](math.inf)
         self._finished: set[str] = set()
         self._finished_changed = Pulse()
-        self._bad_peers: set[bytes] = set()
+        #: Peers that sent garbage (logged once each); forgotten when they disconnect.
+        self._bad_peers = FirstTimes()
         self._streams: dict[str, _Stream] = {}  # transfers written while P computes them
         self._complete: dict[str, Complete] = {}  # ready KV a GPU may still be computing
         self.bytes_sent = 0
@@ -249,7 +249,7 @@ class Sender:
 
     async def _loss_loop(self) -> None:
         async for identity in self._router.lost_peers:
-            self._bad_peers.discard(identity)
+            self._bad_peers.forget(identity)
             effects = self._table.peer_gone(identity, trio.current_time())
             if effects:
                 log.warning(
@@ -258,10 +258,7 @@ class Sender:
             self._apply(effects)
 
     def _bad_frame(self, identity: bytes, reason: str) -> None:
-        if identity not in self._bad_peers:  # log once per peer, answer every time
-            if len(self._bad_peers) >= _MAX_BAD_PEERS:
-                self._bad_peers.clear()
-            self._bad_peers.add(identity)
+        if self._bad_peers.first(identity):  # log once per peer, answer every time
             log.warning("bad frame from peer %s: %s", identity.hex(), reason)
         self._outbox_send.send_nowait((identity, ErrorReply(reason)))
 

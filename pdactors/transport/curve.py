@@ -28,6 +28,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from pdactors._once import FirstTimes
 from pdactors.config import Secret
 
 __all__ = ["Curve", "curve_from_files", "curve_from_secret"]
@@ -102,15 +103,12 @@ class _Allowed:
 
     def __init__(self, clients: tuple[str, ...]) -> None:
         self.clients = frozenset(clients)
-        self.refused: set[bytes] = set()
+        self.refused = FirstTimes()  # keys logged as refused
 
     def callback(self, domain: str, key: bytes) -> bool:
         if key.decode() in self.clients:
             return True
-        if key not in self.refused:
-            if len(self.refused) >= 4096:
-                self.refused.clear()
-            self.refused.add(key)
+        if self.refused.first(key):
             log.warning("side channel %s refused a D with an unknown key %s", domain, key.decode())
         return False
 
