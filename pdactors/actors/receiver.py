@@ -268,24 +268,25 @@ class Receiver:
             sources = tp_pulls(ranks.tp_rank, ranks.tp_size, p_tp, self.config.kv_heads)
             wanted = [(tp, pp) for tp in sources for pp in self._stages(workers.get(tp, {}))]
             addresses = [workers.get(tp, {}).get(pp) for tp, pp in wanted]
-            if wanted and None not in addresses:
+            if None not in addresses:
                 found = [a for a in addresses if a is not None]
                 if len(set(found)) != len(found):
                     raise BootstrapError(f"engine {engine_id!r} at {url}: two workers share "
                                          f"one address ({found})")  # fmt: skip
                 return p_tp, max(len(by_pp) for by_pp in workers.values()), found
-        missing = [w for w, a in zip(wanted, addresses, strict=True) if a is None] or [(0, 0)]
+        tp, pp = next(w for w, a in zip(wanted, addresses, strict=True) if a is None)
         raise BootstrapError(
-            f"engine {engine_id!r} at {url} has no worker registered for tp rank "
-            f"{missing[0][0]} pp rank {missing[0][1]} (registered: "
+            f"engine {engine_id!r} at {url} has no worker registered for tp rank {tp} "
+            f"pp rank {pp} (registered: "
             f"{ {tp: sorted(pps) for tp, pps in sorted(workers.items())} })"
         )
 
     def _stages(self, by_pp: dict[int, str]) -> list[int]:
         """The P pipeline stages to pull from: the same stage when P has as many as D, else
-        every stage (P PP 2 -> D PP 1: each stage writes its layers, matched by name)."""
+        every stage (P PP 2 -> D PP 1: each stage writes its layers, matched by name). A TP
+        rank with no stage registered: D's own stage, which is then reported missing."""
         ranks = self.config.ranks
-        if len(by_pp) == ranks.pp_size:
+        if len(by_pp) in (0, ranks.pp_size):
             return [ranks.pp_rank]
         return sorted(by_pp)
 

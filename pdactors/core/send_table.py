@@ -310,7 +310,7 @@ class SendTable:
         reason = "the pulling D worker is gone" + (f": {reason}" if reason else "")
         effects: list[Effect] = []
         # Only PENDING entries have waiting pulls: they are all in the pull queue.
-        for tid in [t for t in self._pulls if _pulled_by(self._entries[t], identity)]:
+        for tid in [t for t in self._pulls if _has_claim_from(self._entries[t], identity)]:
             entry = self._entries[tid]
             entry.claims = [c for c in entry.claims if c.identity != identity]  # no answer
             effects += self._end(tid, entry, SendState.CANCELLED, now, reason)
@@ -479,7 +479,7 @@ def _same_pull(a: PullRequest, b: PullRequest) -> bool:
     return (a.session, a.block_ids, a.layout_id) == (b.session, b.block_ids, b.layout_id)
 
 
-def _pulled_by(entry: _Entry, identity: bytes) -> bool:
+def _has_claim_from(entry: _Entry, identity: bytes) -> bool:
     return any(c.identity == identity for c in entry.claims)
 
 
