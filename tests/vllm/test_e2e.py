@@ -55,6 +55,30 @@ class Cluster:
             )
             return (p_answer.result() if p_answer else None), d_answer.result()
 
+    def assert_pd_equals_single(
+        self, prompt: list[int], max_tokens: int
+    ) -> tuple[dict[str, Any] | None, dict[str, Any], dict[str, Any]]:
+        """One request through P and D: D's answer equals the single server's and D computed
+        none of the prompt. Returns (P's answer, D's answer, the single server's)."""
+        expected = completion(self.single, prompt, max_tokens=max_tokens)
+        local_before, external_before = self.d_prompt_tokens()
+        p_answer, d_answer = self.disaggregated(prompt, max_tokens)
+        assert text_and_reason(d_answer) == text_and_reason(expected)
+        local_after, external_after = self.d_prompt_tokens()
+        assert local_after == local_before, "D computed prompt tokens itself"
+        assert external_after - external_before == len(prompt)
+        return p_answer, d_answer, expected
+
+    def assert_concurrent_equal_single(self, prompts: list[list[int]], max_tokens: int) -> None:
+        """``prompts`` at once through the single server, then through P and D: equal."""
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            want = list(
+                pool.map(lambda p: completion(self.single, p, max_tokens=max_tokens), prompts)
+            )
+            got = list(pool.map(lambda p: self.disaggregated(p, max_tokens)[1], prompts))
+        for i, (w, g) in enumerate(zip(want, got, strict=True)):
+            assert text_and_reason(g) == text_and_reason(w), f"prompt {i}"
+
     def d_prompt_tokens(self) -> tuple[float, float]:
         """D's prompt tokens so far: (computed locally, received by KV transfer)."""
         m = "vllm:prompt_tokens_by_source_total"

@@ -9,7 +9,6 @@ The three servers start once for the module.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -18,13 +17,12 @@ pytest.importorskip("vllm")
 
 from integrations.vllm.tiny_model import ensure_tiny_model
 from tests.vllm.servers import (
-    completion,
     consumer_config,
     free_port,
     producer_config,
     servers,
 )
-from tests.vllm.test_e2e import Cluster, prompt_ids, text_and_reason
+from tests.vllm.test_e2e import Cluster, prompt_ids
 
 pytestmark = [
     pytest.mark.vllm,
@@ -69,20 +67,9 @@ def test_both_stages_of_p_register(cluster: Cluster) -> None:
 
 @pytest.mark.parametrize("length", [20, 300])
 def test_pp2_to_pp1_equals_a_single_server(cluster: Cluster, length: int) -> None:
-    prompt = prompt_ids(length, seed=length + 7)
-    expected = completion(cluster.single, prompt, max_tokens=16)
-    local_before, external_before = cluster.d_prompt_tokens()
-    _, answer = cluster.disaggregated(prompt, 16)
-    assert text_and_reason(answer) == text_and_reason(expected)
-    local_after, external_after = cluster.d_prompt_tokens()
-    assert local_after == local_before, "D computed prompt tokens itself"
-    assert external_after - external_before == length
+    cluster.assert_pd_equals_single(prompt_ids(length, seed=length + 7), 16)
 
 
 def test_pp2_concurrent_requests(cluster: Cluster) -> None:
     prompts = [prompt_ids(10 + 53 * i % 300, seed=700 + i) for i in range(8)]
-    with ThreadPoolExecutor(8) as pool:
-        expected = list(pool.map(lambda p: completion(cluster.single, p, max_tokens=8), prompts))
-        got = list(pool.map(lambda p: cluster.disaggregated(p, 8)[1], prompts))
-    for i, (want, have) in enumerate(zip(expected, got, strict=True)):
-        assert text_and_reason(have) == text_and_reason(want), f"prompt {i}"
+    cluster.assert_concurrent_equal_single(prompts, 8)

@@ -27,7 +27,7 @@ from tests.vllm.servers import (
     producer_config,
     servers,
 )
-from tests.vllm.test_e2e import Cluster, prompt_ids, text_and_reason
+from tests.vllm.test_e2e import Cluster, prompt_ids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -114,14 +114,9 @@ def test_every_tp_rank_of_p_registers(shapes: dict[str, Cluster]) -> None:
 def test_pd_equals_a_single_tp2_server(shapes: dict[str, Cluster], shape: str, length: int) -> None:
     cluster = shapes[shape]
     # A prompt of its own per shape: D's prefix cache keeps what an earlier shape sent it.
-    prompt = prompt_ids(length, seed=length + 1000 * SHAPES.index(shape))
-    expected = completion(cluster.single, prompt, max_tokens=16)
-    local_before, external_before = cluster.d_prompt_tokens()
-    _, answer = cluster.disaggregated(prompt, 16)
-    assert text_and_reason(answer) == text_and_reason(expected)
-    local_after, external_after = cluster.d_prompt_tokens()
-    assert local_after == local_before, "D computed prompt tokens itself"
-    assert external_after - external_before == length
+    cluster.assert_pd_equals_single(
+        prompt_ids(length, seed=length + 1000 * SHAPES.index(shape)), 16
+    )
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -130,8 +125,4 @@ def test_concurrent_requests(shapes: dict[str, Cluster], shape: str) -> None:
     prompts = [
         prompt_ids(10 + 53 * i % 300, seed=500 + 100 * SHAPES.index(shape) + i) for i in range(8)
     ]
-    with ThreadPoolExecutor(8) as pool:
-        expected = list(pool.map(lambda p: completion(cluster.single, p, max_tokens=8), prompts))
-        got = list(pool.map(lambda p: cluster.disaggregated(p, 8)[1], prompts))
-    for i, (want, have) in enumerate(zip(expected, got, strict=True)):
-        assert text_and_reason(have) == text_and_reason(want), f"prompt {i}"
+    cluster.assert_concurrent_equal_single(prompts, 8)
