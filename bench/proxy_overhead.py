@@ -8,7 +8,7 @@ it. On a machine whose cores the engines use, that CPU is what the proxy takes f
 what queues requests behind each other under load.
 
     python bench/proxy_overhead.py [--requests 2000] [--concurrency 1 32] [--stream]
-        [--old-proxy REV] [--pin]
+        [--old-proxy REV] [--pin] [--compare-tls]
 
 Paths: *direct to D* (the client sends D's request only), *direct P+D* (the client sends P's
 request in the background and reads D's answer: the direct flow of upstream's example proxy;
@@ -16,7 +16,9 @@ its latency is D's answer's), and each proxy. ``--old-proxy REV`` also measures 
 git revision REV (a temporary worktree), in the same run, in front of the same stand-ins.
 ``--pin`` puts the proxies on CPU 1 and this process (client and stand-ins) on CPU 0, so that
 the added latency is the proxy's own and not its CPU queueing behind the stand-ins' (the
-deployment shape where the proxy has a core of its own).
+deployment shape where the proxy has a core of its own). ``--compare-tls`` also measures the
+proxy in front of a second pair of stand-ins that serve HTTPS (a private CA, trustme), in the
+same run: what TLS between the proxy and the engines costs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -93,12 +96,16 @@ async def measure(
 
 
 @asynccontextmanager
-async def proxy_process(p: FakeEngine, d: FakeEngine, cwd: Path) -> AsyncIterator[tuple[str, int]]:
+async def proxy_process(
+    p: FakeEngine, d: FakeEngine, cwd: Path, ca_file: str | None = None
+) -> AsyncIterator[tuple[str, int]]:
     """``pdactors proxy`` (the code in ``cwd``) in front of the stand-ins: (URL, pid)."""
     cmd = [
         sys.executable, "-m", "pdactors.cli", "proxy", "--port", "0",
         "--prefill", f"{p.url}@{p.url}", "--decode", d.url,
     ]  # fmt: skip
+    if ca_file is not None:
+        cmd += ["--ca-file", ca_file]
     env = {**os.environ, "PYTHONPATH": str(cwd)}
     proc = await trio.lowlevel.open_process(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
@@ -124,6 +131,11 @@ async def main(args: argparse.Namespace) -> None:
             await nursery.start(serve_fake, engine)
         proxies = [("proxy", ROOT)]
         with contextlib.ExitStack() as stack:
+            tls_pair = None
+            if args.compare_tls:
+                tls_pair = await _tls_stand_ins(
+                    nursery, Path(stack.enter_context(tempfile.TemporaryDirectory()))
+                )
             if args.old_proxy:
                 proxies.append(
                     (f"proxy {args.old_proxy}", stack.enter_context(worktree(args.old_proxy)))
@@ -138,6 +150,12 @@ async def main(args: argparse.Namespace) -> None:
                     (name, *await procs.enter_async_context(proxy_process(p, d, cwd)))
                     for name, cwd in proxies
                 ]
+                if tls_pair is not None:
+                    p_tls, d_tls, ca_file = tls_pair
+                    over_tls = proxy_process(p_tls, d_tls, ROOT, ca_file)
+                    urls.append(
+                        ("proxy → HTTPS engines", *await procs.enter_async_context(over_tls))
+                    )
                 if args.pin:
                     os.sched_setaffinity(0, {0})
                     for _, _, pid in urls:
@@ -167,6 +185,26 @@ async def main(args: argparse.Namespace) -> None:
         nursery.cancel_scope.cancel()
 
 
+async def _tls_stand_ins(nursery: trio.Nursery, folder: Path) -> tuple[FakeEngine, FakeEngine, str]:
+    """A P and a D stand-in serving HTTPS with a certificate of a private CA; and its file."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    ca_file, certfile, keyfile = (str(folder / n) for n in ("ca.pem", "cert.pem", "key.pem"))
+    ca.cert_pem.write_to_path(ca_file)
+    for i, pem in enumerate(cert.cert_chain_pems):
+        pem.write_to_path(certfile, append=i > 0)
+    cert.private_key_pem.write_to_path(keyfile)
+    engines = (
+        FakeEngine("p0", engine_id="prefill-0", tls=(certfile, keyfile)),
+        FakeEngine("d0", tls=(certfile, keyfile)),
+    )
+    for engine in engines:
+        await nursery.start(serve_fake, engine)
+    return engines[0], engines[1], ca_file
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -176,4 +214,7 @@ if __name__ == "__main__":
     ap.add_argument("--stream", action="store_true", help="streamed completions (SSE)")
     ap.add_argument("--old-proxy", metavar="REV", help="also measure the proxy of this revision")
     ap.add_argument("--pin", action="store_true", help="proxies on CPU 1, the rest on CPU 0")
+    ap.add_argument(
+        "--compare-tls", action="store_true", help="also the proxy in front of HTTPS stand-ins"
+    )
     trio.run(main, ap.parse_args())

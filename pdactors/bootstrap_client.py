@@ -16,7 +16,7 @@ import httpx
 import msgspec
 import trio
 
-from pdactors.errors import BootstrapError, BootstrapTimeout
+from pdactors.errors import BootstrapError, BootstrapTimeout, describe
 from pdactors.messages import BootstrapAnswer, BootstrapEntry, RegisterWorker
 
 __all__ = ["BootstrapClient", "open_bootstrap_client", "tls_verify"]
@@ -140,15 +140,6 @@ def tls_verify(ca_file: str | None) -> ssl.SSLContext | bool:
 _NO_ANSWER: Final = "no attempt finished"
 
 
-def _describe(exc: BaseException) -> str:
-    """``Type: message``, with the first message found down the cause chain when the error
-    itself has none (httpx's ConnectError over TLS carries the SSL reason in its cause)."""
-    cause: BaseException | None = exc
-    while cause is not None and not str(cause):
-        cause = cause.__cause__ or cause.__context__
-    return f"{type(exc).__name__}: {cause}" if cause is not None else type(exc).__name__
-
-
 def _route(url: str, route: str) -> str:
     return f"{url.rstrip('/')}/{route}"
 
@@ -174,7 +165,7 @@ async def _retry(
             except httpx.InvalidURL as exc:
                 raise BootstrapError(f"{what}: {exc}") from None
             except (httpx.HTTPError, BootstrapError) as exc:
-                last_error = _describe(exc)
+                last_error = describe(exc)
                 if not retry:
                     raise BootstrapError(f"{what}: {last_error}") from None
             await trio.sleep(delay)

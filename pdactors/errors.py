@@ -13,7 +13,18 @@ __all__ = [
     "PlanError",
     "PullFailedError",
     "TransferError",
+    "describe",
 ]
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message``, with the first message found down the cause chain when the error
+    itself has none (httpx's ConnectError and trio's BrokenResourceError over TLS carry the SSL
+    reason in their cause)."""
+    cause: BaseException | None = exc
+    while cause is not None and not str(cause):
+        cause = cause.__cause__ or cause.__context__
+    return f"{type(exc).__name__}: {cause}" if cause is not None else type(exc).__name__
 
 
 class PdError(Exception):

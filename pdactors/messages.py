@@ -40,6 +40,7 @@ __all__ = [
     "RegisterWorker",
     "decode_frames",
     "encode_frames",
+    "is_curve_key",
     "layout_id",
 ]
 
@@ -192,14 +193,29 @@ def decode_frames(frames: list[bytes]) -> Msg:
 # --------------------------------------------------------------------------- bootstrap (JSON)
 
 
-class RegisterWorker(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``POST /register`` body: one worker's side-channel address (upstream's shape)."""
+_Z85 = frozenset(
+    "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+)
+
+
+def is_curve_key(key: str) -> bool:
+    """``key`` has the form of a CURVE key in Z85 text (40 characters of its alphabet)."""
+    return len(key) == 40 and _Z85.issuperset(key)
+
+
+class RegisterWorker(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """``POST /register`` body: one worker's side-channel address (upstream's shape).
+
+    ``curve_key`` (ours; left out of the JSON when empty, and ignored by upstream's bootstrap)
+    is the worker's CURVE public key, which D checks against the keys it trusts.
+    """
 
     engine_id: str
     dp_rank: int
     tp_rank: int
     pp_rank: int
     addr: str
+    curve_key: str = ""
 
     def __post_init__(self) -> None:
         if min(self.dp_rank, self.tp_rank, self.pp_rank) < 0:
@@ -208,17 +224,21 @@ class RegisterWorker(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("engine_id must not be empty")
         if not self.addr.startswith("tcp://"):
             raise ValueError("addr must be a tcp:// address")
+        if self.curve_key and not is_curve_key(self.curve_key):
+            raise ValueError("curve_key must be a CURVE public key: 40 characters of Z85 text")
 
 
-class BootstrapEntry(msgspec.Struct):
+class BootstrapEntry(msgspec.Struct, omit_defaults=True):
     """One DP rank of the ``GET /query`` answer: ``{"engine_id", "worker_addr": {tp: {pp: addr}}}``.
 
     The whole answer is ``dict[int, BootstrapEntry]`` keyed by DP rank (JSON object keys are
-    strings on the wire; msgspec converts them).
+    strings on the wire; msgspec converts them). ``curve_keys`` (ours, ``{tp: {pp: key}}``,
+    present only when a worker registered a key) are the workers' CURVE public keys.
     """
 
     engine_id: str
     worker_addr: dict[int, dict[int, str]]
+    curve_keys: dict[int, dict[int, str]] = msgspec.field(default_factory=dict)
 
 
 BootstrapAnswer = dict[int, BootstrapEntry]

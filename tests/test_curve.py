@@ -12,18 +12,20 @@ import trio
 import zmq
 import zmq.auth
 
-from pdactors.config import Liveness
+from pdactors.config import Liveness, SenderConfig
 from pdactors.testing import open_cluster, run_transfer
 from pdactors.transport import ZmqTransport, open_dealer, open_router
-from pdactors.transport.curve import Curve, curve_from_files, curve_from_secret
+from pdactors.transport.curve import Curve, UntrustedServer, curve_from_files, curve_from_secret
 
 SECRET = "the deployment secret, long enough"
 LIVE = Liveness(connect_timeout=2.0)
 
 
-def stranger(server_key: str) -> Curve:
+def stranger(server_key: str = "") -> Curve:
+    """A keypair nobody was given (trusting ``server_key``, or acting as a P)."""
     public, secret = zmq.curve_keypair()
-    return Curve(public=public.decode(), secret=secret.decode(), server_key=server_key)
+    servers = (server_key,) if server_key else ()
+    return Curve(public=public.decode(), secret=secret.decode(), servers=servers)
 
 
 async def test_only_the_right_keys_get_through_and_strangers_disturb_no_one(
@@ -43,12 +45,13 @@ async def test_only_the_right_keys_get_through_and_strangers_disturb_no_one(
                 attempts = [
                     outsider,  # a key P was not given
                     outsider,  # again: logged once
-                    Curve(public=d.public, secret=d.secret, server_key=d.public),  # not P's key
+                    Curve(public=d.public, secret=d.secret, servers=(d.public,)),  # not P's key
                     None,  # no CURVE at all
                 ]
                 for curve in attempts:
                     async with open_dealer(router.address, curve=curve, liveness=LIVE) as bad:
-                        await bad.send([b"let me in"])
+                        with trio.move_on_after(1):  # waits if no connection is left to queue on
+                            await bad.send([b"let me in"])
                         # never up: a failed handshake (at once, usually) or none within 5 s
                         reason = await bad.wait_lost(5.0)
                         assert "handshake" in reason or "no connection" in reason, reason
@@ -64,7 +67,7 @@ async def test_only_the_right_keys_get_through_and_strangers_disturb_no_one(
 def test_keys_from_a_secret_and_from_certificate_files(tmp_path: Path) -> None:
     p, d = curve_from_secret(SECRET)
     assert p == curve_from_secret(SECRET)[0]  # derived, not random
-    assert p.clients == (d.public,) and d.server_key == p.public
+    assert p.clients == (d.public,) and d.servers == (p.public,)
     assert curve_from_secret(SECRET + "!")[0].public != p.public
     assert SECRET not in repr(p) and p.secret not in repr(p)
     with pytest.raises(ValueError, match="at least 16"):
@@ -78,11 +81,23 @@ def test_keys_from_a_secret_and_from_certificate_files(tmp_path: Path) -> None:
     server = curve_from_files(tmp_path / "p.key_secret", d_keys, server=True)
     assert len(server.clients) == 2
     client = curve_from_files(tmp_path / "d1.key_secret", tmp_path / "p.key", server=False)
-    assert client.server_key == server.public and client.public in server.clients
+    assert client.servers == (server.public,) and client.public in server.clients
     with pytest.raises(ValueError, match="no secret key"):
         curve_from_files(tmp_path / "p.key", d_keys, server=True)
-    with pytest.raises(ValueError, match="exactly one P key"):
-        curve_from_files(tmp_path / "d1.key_secret", d_keys, server=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no public keys"):
+        curve_from_files(tmp_path / "d1.key_secret", tmp_path / "empty", server=False)
+    # the key D demands of a P worker: the one it registered, if D trusts it
+    trusting_two = curve_from_files(tmp_path / "d1.key_secret", d_keys, server=False)
+    _, second = trusting_two.servers
+    assert trusting_two.server_key(second, "tcp://p:1") == second
+    with pytest.raises(UntrustedServer, match="was not given"):
+        trusting_two.server_key(server.public, "tcp://p:1")
+    with pytest.raises(UntrustedServer, match="registered no CURVE key"):
+        trusting_two.server_key("", "tcp://p:1")
+    assert client.server_key("", "tcp://p:1") == server.public  # the only key D trusts
+    with pytest.raises(ValueError, match="Z85"):
+        Curve(public="~" * 40, secret=client.secret)
 
 
 async def test_actors_move_kv_with_curve_on_and_a_d_without_the_keys_fails_fast() -> None:
@@ -95,12 +110,13 @@ async def test_actors_move_kv_with_curve_on_and_a_d_without_the_keys_fails_fast(
             async with open_cluster(
                 transport=ZmqTransport(*curve_from_secret(SECRET + "x"))
             ) as other:
-                # a D of another deployment, pointed at this P: handshake refused, pull fails
+                # a D of another deployment, pointed at this P: it does not trust the key P
+                # registered, so it does not even connect; the pull fails at once
                 from pdactors import PullFailedError
 
                 d = other.decode[0]
                 dst = d.pool.allocate(1)
-                with pytest.raises(PullFailedError, match="handshake"):
+                with pytest.raises(PullFailedError, match="which this D was not given"):
                     await d.receiver.pull(
                         "foreign",
                         bootstrap_url=cluster.bootstrap_url,
@@ -143,7 +159,10 @@ async def test_a_stranger_cannot_get_bytes_written_and_the_harness_runs_secure()
             async with open_dealer(
                 p.sender.address, curve=stranger(p_keys.public), liveness=LIVE
             ) as bad:
-                await bad.send(encode_frames(request))
+                # queued, or (once the handshake failed and no connection is left to queue
+                # on) refused: a DEALER's send waits for one; either way nothing reaches P
+                with trio.move_on_after(1):
+                    await bad.send(encode_frames(request))
                 reason = await bad.wait_lost(5.0)
                 assert "handshake" in reason or "no connection" in reason, reason
             assert p.sender.transfer_state("target") is SendState.READY  # nobody pulled it
@@ -159,3 +178,102 @@ async def test_a_stranger_cannot_get_bytes_written_and_the_harness_runs_secure()
             await cluster.wait_settled()
     report = await run_harness(requests=4, blocks=4, layers=2, block_bytes=4096, secure=True)
     assert report.passed, report.summary()
+
+
+def _certificates(root: Path, *names: str) -> dict[str, Path]:
+    """``zmq.auth.create_certificates`` for each name: ``{name: secret file}``; the public
+    ``.key`` files of names starting with ``p`` go to ``root/p_keys``, of ``d`` to ``d_keys``."""
+    secrets_of: dict[str, Path] = {}
+    for folder in ("p_keys", "d_keys"):
+        (root / folder).mkdir()
+    for name in names:
+        public, secret = zmq.auth.create_certificates(root, name)
+        Path(public).rename(root / f"{name[0]}_keys" / f"{name}.key")
+        secrets_of[name] = Path(secret)
+    return secrets_of
+
+
+async def test_per_engine_keys_travel_with_the_bootstrap_entry(tmp_path: Path) -> None:
+    """Two P engines with keys of their own (certificate files): each registers its public key
+    with its bootstrap entry, D (trusting both) demands of each worker the key it registered
+    and moves verified KV from both; a D that trusts only one P refuses the other before
+    connecting; a registration under P's engine id with a key D does not trust, or with P's
+    real public key at a socket that lacks P's secret, gets no byte of D's request."""
+    from pdactors import PullFailedError
+    from pdactors.bootstrap_client import open_bootstrap_client
+    from pdactors.messages import RegisterWorker
+
+    files = _certificates(tmp_path, "p0", "p1", "d0")
+    p_curves = [curve_from_files(files[p], tmp_path / "d_keys", server=True) for p in ("p0", "p1")]
+    d_curve = curve_from_files(files["d0"], tmp_path / "p_keys", server=False)
+    assert p_curves[0].public != p_curves[1].public and len(d_curve.servers) == 2
+
+    def side(role: str, engine: int) -> ZmqTransport:
+        return (
+            ZmqTransport(server=p_curves[engine])
+            if role == "prefill"
+            else ZmqTransport(client=d_curve)
+        )
+
+    with trio.fail_after(90):
+        # registered once (no lease renewals): the forged entries below stay until replaced
+        once = SenderConfig(engine_id="prefill", lease_interval=0)
+        async with open_cluster(prefill=2, transport=side, sender=once) as cluster:
+            async with open_bootstrap_client() as client:
+                answer = await client.query(cluster.bootstrap_url, timeout=5)
+            assert [answer[dp].curve_keys for dp in (0, 1)] == [
+                {0: {0: p_curves[0].public}},
+                {0: {0: p_curves[1].public}},
+            ]
+            for p in (0, 1):
+                outcome = await run_transfer(cluster, f"from-p{p}", 3, p=p)
+                assert outcome.ok and outcome.verified, outcome.reason
+
+            p1 = cluster.prefill[1]
+            only_p0 = Curve(
+                public=d_curve.public, secret=d_curve.secret, servers=(p_curves[0].public,)
+            )
+            async with open_cluster(prefill=0, transport=ZmqTransport(client=only_p0)) as other:
+                narrow = other.decode[0]
+                dst = narrow.pool.allocate(1)
+                with pytest.raises(PullFailedError, match="which this D was not given"):
+                    await narrow.receiver.pull(
+                        "not-yours",
+                        bootstrap_url=cluster.bootstrap_url,
+                        engine_id=p1.engine_id,
+                        block_ids=dst,
+                    )
+                narrow.pool.free(dst)
+
+            # Impostors take over P1's DP rank in the (open) bootstrap: their own key, then
+            # P1's public key at a socket that lacks P1's secret. A fresh D (nothing cached)
+            # looks P1 up each time.
+            impostor = stranger()
+            served = Curve(
+                public=impostor.public, secret=impostor.secret, clients=(d_curve.public,)
+            )
+            for registered, expected in [
+                (impostor.public, "which this D was not given"),
+                (p_curves[1].public, "handshake"),
+            ]:
+                async with (
+                    open_router("127.0.0.1", curve=served, liveness=LIVE) as fake,
+                    open_cluster(prefill=0, transport=ZmqTransport(client=d_curve)) as fresh,
+                ):
+                    forged = RegisterWorker("prefill-1", 1, 0, 0, fake.address, registered)
+                    async with open_bootstrap_client() as client:
+                        await client.register(cluster.bootstrap_url, forged, timeout=5)
+                    d = fresh.decode[0]
+                    dst = d.pool.allocate(1)
+                    with pytest.raises(PullFailedError, match=expected):
+                        await d.receiver.pull(
+                            f"forged-{registered}",
+                            bootstrap_url=cluster.bootstrap_url,
+                            engine_id="prefill-1",
+                            block_ids=dst,
+                        )
+                    d.pool.free(dst)
+                    with trio.move_on_after(0.5):
+                        raise AssertionError(f"the impostor heard D: {await fake.receive()}")
+            again = await run_transfer(cluster, "p0-untouched", 2, p=0)
+            assert again.ok and again.verified, again.reason

@@ -183,6 +183,11 @@ async def test_slots_bound_the_open_answers() -> None:
             engine.close()
 
 
-def test_only_plain_http_engine_urls() -> None:
-    with pytest.raises(ValueError, match="http://host"):
-        EngineClient("https://example", connect_timeout=1, slots=trio.Semaphore(1))
+def test_only_http_and_https_engine_urls() -> None:
+    for bad in ("ftp://example", "example:8000", "http://"):
+        with pytest.raises(ValueError, match=r"http\(s\)://host"):
+            EngineClient(bad, connect_timeout=1, slots=trio.Semaphore(1))
+    secure = EngineClient("https://example", connect_timeout=1, slots=trio.Semaphore(1))
+    assert secure.port == 443 and secure.tls is not None
+    plain = EngineClient("http://example:8100", connect_timeout=1, slots=trio.Semaphore(1))
+    assert plain.port == 8100 and plain.tls is None

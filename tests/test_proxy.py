@@ -62,6 +62,7 @@ class FakeEngine:
     dp_ranks: int = 1  # DP ranks its bootstrap lists (engine ids "<engine_id>_dp<rank>")
     cancelled: list[str] = field(default_factory=list)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    tls: tuple[str, str] | None = None  # (certfile, keyfile): serve HTTPS
 
     def tids(self) -> list[str]:
         return [body["kv_transfer_params"]["transfer_id"] for body in self.received]
@@ -167,6 +168,8 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
 async def serve_fake(engine: FakeEngine, *, task_status: trio.TaskStatus[str]) -> None:
     config = HypercornConfig()
     config.bind = ["127.0.0.1:0"]
+    if engine.tls is not None:
+        config.certfile, config.keyfile = engine.tls
     config.accesslog = None
     config.errorlog = logging.getLogger("tests.fake_engine")
     with engine.scope:
@@ -223,13 +226,22 @@ async def wait_health(setup: Setup, status: int) -> dict[str, Any]:
 
 @asynccontextmanager
 async def open_setup(
-    n_p: int = 1, n_d: int = 1, *, healthy: bool = True, p_dp: int = 1, **config: Any
+    n_p: int = 1,
+    n_d: int = 1,
+    *,
+    healthy: bool = True,
+    p_dp: int = 1,
+    engine_tls: tuple[str, str] | None = None,
+    **config: Any,
 ) -> AsyncIterator[Setup]:
+    """Fake engines (``engine_tls``: serving HTTPS) behind a proxy with ``config``."""
     p = [
-        FakeEngine(f"p{i}", engine_id=f"prefill-{i}", healthy=healthy, dp_ranks=p_dp)
+        FakeEngine(
+            f"p{i}", engine_id=f"prefill-{i}", healthy=healthy, dp_ranks=p_dp, tls=engine_tls
+        )
         for i in range(n_p)
     ]
-    d = [FakeEngine(f"d{i}") for i in range(n_d)]
+    d = [FakeEngine(f"d{i}", tls=engine_tls) for i in range(n_d)]
     async with trio.open_nursery() as nursery:
         for engine in p + d:
             await nursery.start(serve_fake, engine)

@@ -4,6 +4,7 @@ and P and D register, look up and move KV through an HTTPS bootstrap."""
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import trio
 import trustme
 
 from pdactors import PrefillBackend, ProxyConfig, ReceiverConfig, SenderConfig, serve_proxy
+from pdactors.actors._engine_http import ConnectFailed, EngineClient
 from pdactors.actors.bootstrap import serve_bootstrap
 from pdactors.bootstrap_client import open_bootstrap_client, tls_verify
 from pdactors.config import BootstrapConfig
@@ -126,3 +128,56 @@ async def test_the_proxy_serves_https_and_reads_an_https_bootstrap(pki: Pki) -> 
                         await trio.sleep(0.05)
                 assert (await http.get(f"{blind}/health")).status_code == 503
             nursery.cancel_scope.cancel()
+
+
+async def test_the_proxy_speaks_https_to_engines_and_verifies_them(pki: Pki) -> None:
+    """Engines serving HTTPS (vLLM's --ssl-certfile): the proxy with the private CA probes
+    them, reads P's bootstrap and relays completions (plain and streamed) over TLS, reusing
+    its connections; without the CA, the engines are never trusted and nothing reaches them."""
+    from tests.test_proxy import completion_body, open_setup
+
+    tls = (pki.certfile, pki.keyfile)
+    with trio.fail_after(30):
+        async with open_setup(engine_tls=tls, ca_file=pki.ca_file) as s:
+            assert s.p[0].url.startswith("https://") and s.d[0].url.startswith("https://")
+            for _ in range(3):
+                resp = await s.client.post("/v1/completions", json=completion_body())
+                assert resp.status_code == 200, resp.text
+                assert resp.json()["choices"][0]["text"] == "d0 says hi"
+            streamed = await s.client.post("/v1/completions", json=completion_body(stream=True))
+            assert streamed.status_code == 200 and "[DONE]" in streamed.text
+            assert len(s.p[0].received) == len(s.d[0].received) == 4
+            # the engine client itself: connections kept and reused over TLS; without the CA,
+            # the engine's certificate is refused before a byte of a request is sent
+            slots = trio.Semaphore(4)
+            trusting = EngineClient(
+                s.d[0].url,
+                connect_timeout=5,
+                slots=slots,
+                tls=ssl.create_default_context(cafile=pki.ca_file),
+            )
+            for _ in range(2):
+                answer = await trusting.request("GET", "/health", b"", [])
+                assert answer.status == 200
+                await answer.read()
+            assert len(trusting._idle) == 1  # one connection served both
+            first = trusting._idle[0]
+            answer = await trusting.request("GET", "/health", b"", [])
+            await answer.read()
+            assert trusting._idle == [first]
+            trusting.close()
+            untrusting = EngineClient(s.d[0].url, connect_timeout=5, slots=slots)
+            with pytest.raises(ConnectFailed, match="CERTIFICATE_VERIFY_FAILED"):
+                await untrusting.request("POST", "/v1/completions", b"{}", [])
+            assert len(s.d[0].received) == 4
+        async with open_setup(engine_tls=tls, healthy=False) as blind:
+            with trio.fail_after(10):
+                while True:
+                    code, report = await blind.health()
+                    if "CERTIFICATE_VERIFY_FAILED" in str(report):
+                        break
+                    await trio.sleep(0.05)
+            assert code == 503
+            resp = await blind.client.post("/v1/completions", json=completion_body())
+            assert resp.status_code in (502, 503), resp.text
+            assert not blind.p[0].received and not blind.d[0].received

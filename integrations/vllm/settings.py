@@ -10,10 +10,11 @@ import logging
 from typing import Any
 
 import msgspec
+from msgspec.structs import replace
 
 from pdactors.config import Protocol, read_token_file
 from pdactors.transport import ZmqTransport
-from pdactors.transport.curve import curve_from_secret
+from pdactors.transport.curve import curve_from_files, curve_from_secret
 
 __all__ = ["ConnectorSettings", "settings_from_extra_config"]
 
@@ -35,6 +36,12 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       D's CURVE keys are derived: P's side channel then lets in only D workers of the
       deployment, and D talks only to P workers of it (docs/security.md). Every P and D of
       the deployment must name the same secret.
+    * ``side_channel_key_file`` / ``side_channel_peer_keys``: CURVE keys of one's own instead
+      (``zmq.auth.create_certificates`` files): this engine's ``.key_secret`` file, and a public
+      ``.key`` file or a directory of them: on P the D keys it lets in, on D the P keys it
+      trusts (each P worker registers its public key with its bootstrap entry; D demands that
+      key of it, and refuses a P whose key it was not given). Both or neither; not with
+      ``side_channel_secret_file``.
     * ``bootstrap_certfile`` / ``bootstrap_keyfile``: the embedded bootstrap serves HTTPS with
       them (P then advertises an ``https://`` bootstrap address); ``bootstrap_ca_file``: the CA
       bundle that signs the bootstrap's certificate (a private CA), for P and D.
@@ -89,6 +96,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     bootstrap_keyfile: str | None = None
     bootstrap_ca_file: str | None = None
     side_channel_secret_file: str | None = None
+    side_channel_key_file: str | None = None
+    side_channel_peer_keys: str | None = None
     sender_workers: int = 2
     ready_timeout: float = 480.0
     unclaimed_ttl: float = 120.0
@@ -108,10 +117,26 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
             return None
         return read_token_file(self.bootstrap_token_file)
 
-    def side_channel(self) -> ZmqTransport:
-        """The side channel's transport: CURVE with the keys derived from
-        ``side_channel_secret_file``, or plain ZMQ. Raises :class:`OSError` or
-        :class:`ValueError`."""
+    def __post_init__(self) -> None:
+        own, peers = self.side_channel_key_file, self.side_channel_peer_keys
+        if (own is None) != (peers is None):
+            raise ValueError("side_channel_key_file and side_channel_peer_keys go together")
+        if own is not None and self.side_channel_secret_file is not None:
+            raise ValueError("side_channel_secret_file or side_channel_key_file, not both")
+
+    def side_channel(self, *, producer: bool, consumer: bool) -> ZmqTransport:
+        """The side channel's transport of a P (``producer``) and/or D (``consumer``) worker:
+        CURVE with the keys derived from ``side_channel_secret_file`` or read from
+        ``side_channel_key_file`` and ``side_channel_peer_keys`` (``kv_both``: the peer keys
+        are both the D keys let in and the P keys trusted), or plain ZMQ. Raises
+        :class:`OSError` or :class:`ValueError`."""
+        if self.side_channel_key_file is not None and self.side_channel_peer_keys is not None:
+            curve = curve_from_files(self.side_channel_key_file, self.side_channel_peer_keys,
+                                     server=True)  # fmt: skip
+            return ZmqTransport(
+                server=curve if producer else None,
+                client=replace(curve, servers=curve.clients, clients=()) if consumer else None,
+            )
         if self.side_channel_secret_file is None:
             return ZmqTransport()
         return ZmqTransport(*curve_from_secret(read_token_file(self.side_channel_secret_file)))

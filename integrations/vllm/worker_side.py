@@ -218,7 +218,7 @@ class WorkerSide:
         async with open_mooncake(plane_config) as plane, trio.open_nursery() as nursery:
             plane.register(memory)
             token = s.bootstrap_token()
-            transport = s.side_channel()
+            transport = s.side_channel(producer=place.is_producer, consumer=place.is_consumer)
             if place.runs_bootstrap:
                 config = BootstrapConfig(
                     host=s.bootstrap_host,

@@ -8,16 +8,22 @@ fronts (measured in ``bench/proxy_overhead.py``, see docs/benchmarks.md). Here a
 the newest idle connection (a stack, O(1)) or dials a new one, and a response read to its end
 puts its connection back; one that was not (cancelled, failed, a client that went away) is
 closed, which is how vLLM learns the request was abandoned.
+
+``https://`` engines (vLLM's ``--ssl-certfile``) are spoken to over ``trio.SSLStream``, the
+server's certificate verified against the proxy's CA bundle (or the system's CAs).
 """
 
 from __future__ import annotations
 
+import ssl
 import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Final
 
 import h11
 import trio
+
+from pdactors.errors import describe
 
 __all__ = ["ConnectFailed", "EngineClient", "EngineError", "EngineResponse"]
 
@@ -33,16 +39,19 @@ class ConnectFailed(EngineError):
 
 
 class _Connection:
-    __slots__ = ("h11", "stream")
+    __slots__ = ("h11", "socket", "stream")
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]) -> None:
         self.stream = stream
+        tcp = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+        self.socket = tcp.socket
         self.h11 = h11.Connection(our_role=h11.CLIENT)
 
     def stale(self) -> bool:
         """An idle connection with something to read is closed or broken (the server gave up
-        on it, e.g. its keep-alive timeout): never reuse it."""
-        return self.stream.socket.is_readable()
+        on it, e.g. its keep-alive timeout): never reuse it. (Over TLS the server's session
+        tickets come before its first answer, which was read to its end: nothing is left.)"""
+        return self.socket.is_readable()
 
     async def next_event(self) -> object:
         """The next h11 event (an ``h11.Event``, or ``h11.PAUSED``)."""
@@ -51,7 +60,8 @@ class _Connection:
             if event is not h11.NEED_DATA:
                 return event
             data = await self.stream.receive_some(_READ_SIZE)
-            self.h11.receive_data(data)  # b"": the server closed (h11 reports it as an event)
+            # b"": the server closed (h11 reports it as an event)
+            self.h11.receive_data(data if isinstance(data, bytes) else bytes(data))
 
 
 class EngineResponse:
@@ -71,8 +81,8 @@ class EngineResponse:
         while not self._done:
             try:
                 event = await self._conn.next_event()
-            except (h11.ProtocolError, trio.BrokenResourceError, OSError) as exc:
-                raise EngineError(f"reading the answer failed: {_describe(exc)}") from exc
+            except (h11.ProtocolError, trio.BrokenResourceError, OSError, ssl.SSLError) as exc:
+                raise EngineError(f"reading the answer failed: {describe(exc)}") from exc
             if isinstance(event, h11.Data):
                 yield bytes(event.data)
             elif isinstance(event, h11.EndOfMessage):
@@ -96,7 +106,8 @@ class EngineResponse:
 
 
 class EngineClient:
-    """HTTP/1.1 to one engine at ``base_url`` (``http://host:port``)."""
+    """HTTP/1.1 to one engine at ``base_url`` (``http://host:port`` or ``https://``; TLS
+    verifies the engine's certificate with ``tls``, default the system's CAs)."""
 
     def __init__(
         self,
@@ -105,11 +116,14 @@ class EngineClient:
         connect_timeout: float,
         slots: trio.Semaphore,
         max_idle: int = 64,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         url = urllib.parse.urlsplit(base_url)
-        if url.scheme != "http" or url.hostname is None:
-            raise ValueError(f"engine URL must be http://host[:port], not {base_url!r}")
-        self.host, self.port = url.hostname, url.port or 80
+        if url.scheme not in ("http", "https") or url.hostname is None:
+            raise ValueError(f"engine URL must be http(s)://host[:port], not {base_url!r}")
+        self.host = url.hostname
+        self.port = url.port or (443 if url.scheme == "https" else 80)
+        self.tls = (tls or ssl.create_default_context()) if url.scheme == "https" else None
         self._host_header = url.netloc.encode()
         self.connect_timeout = connect_timeout
         self.slots = slots  # open answers, shared by the proxy's clients (max_connections)
@@ -164,8 +178,8 @@ class EngineClient:
             event = await conn.next_event()
             while isinstance(event, h11.InformationalResponse):
                 event = await conn.next_event()
-        except (h11.ProtocolError, trio.BrokenResourceError, OSError) as exc:
-            raise EngineError(f"{req.method.decode()} failed: {_describe(exc)}") from exc
+        except (h11.ProtocolError, trio.BrokenResourceError, OSError, ssl.SSLError) as exc:
+            raise EngineError(f"{req.method.decode()} failed: {describe(exc)}") from exc
         if isinstance(event, h11.ConnectionClosed):
             raise EngineError("the engine closed the connection without answering")
         if not isinstance(event, h11.Response):  # pragma: no cover - h11 allows no other
@@ -181,16 +195,27 @@ class EngineClient:
         return None
 
     async def _connect(self) -> _Connection:
-        with trio.move_on_after(self.connect_timeout) as scope:
+        """A new connection (TLS handshake included, within the connect timeout)."""
+        with trio.move_on_after(self.connect_timeout):
+            tcp = None
             try:
-                stream = await trio.open_tcp_stream(self.host, self.port)
-            except OSError as exc:
-                raise ConnectFailed(f"connect to {self.host}:{self.port}: {exc}") from exc
-        if scope.cancelled_caught:
-            raise ConnectFailed(
-                f"connect to {self.host}:{self.port}: no answer in {self.connect_timeout:g} s"
-            )
-        return _Connection(stream)
+                tcp = await trio.open_tcp_stream(self.host, self.port)
+                if self.tls is None:
+                    return _Connection(tcp)
+                secure = trio.SSLStream(tcp, self.tls, server_hostname=self.host)
+                await secure.do_handshake()
+                return _Connection(secure)
+            except (OSError, ssl.SSLError, trio.BrokenResourceError) as exc:
+                if tcp is not None:
+                    tcp.socket.close()
+                raise ConnectFailed(f"connect to {self.host}:{self.port}: {describe(exc)}") from exc
+            except BaseException:
+                if tcp is not None:
+                    tcp.socket.close()
+                raise
+        raise ConnectFailed(
+            f"connect to {self.host}:{self.port}: no answer in {self.connect_timeout:g} s"
+        )
 
     def _finish(self, conn: _Connection, *, reusable: bool) -> None:
         self.slots.release()
@@ -216,9 +241,5 @@ class _Answered(EngineError):
 
 
 def _close(conn: _Connection) -> None:
-    # A plain socket close: no checkpoint, so it also runs in cancelled code.
-    conn.stream.socket.close()
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    # A plain socket close (no TLS goodbye): no checkpoint, so it also runs in cancelled code.
+    conn.socket.close()

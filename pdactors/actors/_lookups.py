@@ -12,12 +12,9 @@ import trio
 
 from pdactors.bootstrap_client import BootstrapClient
 from pdactors.errors import BootstrapError
-from pdactors.messages import BootstrapAnswer
+from pdactors.messages import BootstrapAnswer, BootstrapEntry
 
-__all__ = ["Lookups", "Workers"]
-
-#: One engine's side-channel addresses: ``{tp_rank: {pp_rank: address}}``.
-Workers = dict[int, dict[int, str]]
+__all__ = ["Lookups"]
 
 
 class Lookups:
@@ -30,23 +27,23 @@ class Lookups:
         self._failures: dict[str, tuple[float, BootstrapError]] = {}  # url -> the last one
         self._locks: defaultdict[str, trio.Lock] = defaultdict(trio.Lock)
 
-    async def resolve(self, url: str, engine_id: str) -> Workers:
-        """The side-channel addresses of ``engine_id``'s workers, ``{tp_rank: {pp_rank:
-        address}}`` (P's TP size is how many TP ranks there are, as upstream reads it).
-        Checkpoint.
+    async def resolve(self, url: str, engine_id: str) -> BootstrapEntry:
+        """``engine_id``'s registration: its workers' side-channel addresses, ``worker_addr``
+        ``{tp_rank: {pp_rank: address}}`` (P's TP size is how many TP ranks there are, as
+        upstream reads it), and their CURVE keys. Checkpoint.
 
         Raises :class:`BootstrapError` when the bootstrap cannot be reached (at once when it
         refuses the connection), does not answer within the timeout, or does not know the
         engine.
         """
-        workers = self._find(url, engine_id)
-        if workers is not None:
-            return workers
+        entry = self._find(url, engine_id)
+        if entry is not None:
+            return entry
         asked = trio.current_time()
         async with self._locks[url]:  # one query in flight per bootstrap
-            workers = self._find(url, engine_id)  # another task may have just refreshed it
-            if workers is not None:
-                return workers
+            entry = self._find(url, engine_id)  # another task may have just refreshed it
+            if entry is not None:
+                return entry
             failed = self._failures.get(url)
             if failed is not None and failed[0] >= asked:
                 raise failed[1]  # the query we queued behind just failed: no second one
@@ -61,10 +58,10 @@ class Lookups:
                 raise
             self._failures.pop(url, None)
             self._answers[url] = answer
-        workers = self._find(url, engine_id)
-        if workers is None:
+        entry = self._find(url, engine_id)
+        if entry is None:
             raise BootstrapError(f"engine {engine_id!r} is not registered at {url}")
-        return workers
+        return entry
 
     def forget(self, url: str) -> None:
         """Ask ``url`` again next time."""
@@ -77,11 +74,11 @@ class Lookups:
             if any(address in by_pp.values() for tps in by_tp for by_pp in tps):
                 del self._answers[url]
 
-    def _find(self, url: str, engine_id: str) -> Workers | None:
+    def _find(self, url: str, engine_id: str) -> BootstrapEntry | None:
         answer = self._answers.get(url)
         if answer is None:
             return None
         for entry in answer.values():
             if entry.engine_id == engine_id and entry.worker_addr:
-                return entry.worker_addr
+                return entry
         return None

@@ -59,6 +59,7 @@ class _DpRank:
     engine_id: str
     addrs: dict[tuple[int, int], str] = field(default_factory=dict)  # (tp, pp) -> addr
     expires: dict[tuple[int, int], float] = field(default_factory=dict)  # (tp, pp) -> when
+    keys: dict[tuple[int, int], str] = field(default_factory=dict)  # (tp, pp) -> CURVE key
 
 
 class BootstrapRegistry:
@@ -70,7 +71,7 @@ class BootstrapRegistry:
       already known replaces that rank's whole entry (the engine restarted with a new id;
       the old engine's workers are gone).
     * Registering a (dp, tp, pp) rank that is already known under the same engine id replaces
-      its address (the worker restarted on a new port).
+      its address and CURVE key (the worker restarted on a new port, or with a new key).
     * A registration with a ``lease`` lapses ``lease`` seconds after it was last renewed; one
       without never lapses. A DP rank whose every worker lapsed is gone.
 
@@ -85,7 +86,8 @@ class BootstrapRegistry:
     ) -> Registration:
         """Record ``worker``'s address (until ``now + lease``, or for good) and say what changed.
 
-        Returns ``"added"`` for a new rank, ``"moved"`` for a known rank at a new address,
+        Returns ``"added"`` for a new rank, ``"moved"`` for a known rank at a new address (or
+        with a new key),
         ``"unchanged"`` for a repeat (a renewal), ``"engine_replaced"`` when a new engine id
         took over the DP rank. ``worker`` is already validated by its own type; nothing is
         raised.
@@ -95,15 +97,15 @@ class BootstrapRegistry:
         expires = float("inf") if lease is None else now + lease
         rank = self._ranks.get(worker.dp_rank)
         if rank is None or rank.engine_id != worker.engine_id:
-            new = _DpRank(worker.engine_id, {key: worker.addr}, {key: expires})
+            new = _DpRank(worker.engine_id)
             self._ranks[worker.dp_rank] = new
+            _record(new, key, worker, expires)
             return "added" if rank is None else "engine_replaced"
-        old = rank.addrs.get(key)
-        rank.addrs[key] = worker.addr
-        rank.expires[key] = expires
-        if old is None:
+        old = (rank.addrs.get(key), rank.keys.get(key, ""))
+        _record(rank, key, worker, expires)
+        if old[0] is None:
             return "added"
-        return "unchanged" if old == worker.addr else "moved"
+        return "unchanged" if old == (worker.addr, worker.curve_key) else "moved"
 
     def expire(self, now: float) -> list[str]:
         """Forget the workers whose lease lapsed by ``now``; returns them, described."""
@@ -112,6 +114,7 @@ class BootstrapRegistry:
             for tp, pp in [k for k, t in rank.expires.items() if now >= t]:
                 addr = rank.addrs.pop((tp, pp))
                 del rank.expires[tp, pp]
+                rank.keys.pop((tp, pp), None)
                 gone.append(f"{rank.engine_id} dp={dp} tp={tp} pp={pp} at {addr}")
             if not rank.addrs:
                 del self._ranks[dp]
@@ -125,10 +128,22 @@ class BootstrapRegistry:
         for dp in sorted(self._ranks):
             rank = self._ranks[dp]
             worker_addr: dict[int, dict[int, str]] = {}
+            curve_keys: dict[int, dict[int, str]] = {}
             for tp, pp in sorted(rank.addrs):
                 worker_addr.setdefault(tp, {})[pp] = rank.addrs[tp, pp]
-            answer[dp] = BootstrapEntry(engine_id=rank.engine_id, worker_addr=worker_addr)
+                if key := rank.keys.get((tp, pp)):
+                    curve_keys.setdefault(tp, {})[pp] = key
+            answer[dp] = BootstrapEntry(rank.engine_id, worker_addr, curve_keys)
         return answer
+
+
+def _record(rank: _DpRank, key: tuple[int, int], worker: RegisterWorker, expires: float) -> None:
+    rank.addrs[key] = worker.addr
+    rank.expires[key] = expires
+    if worker.curve_key:
+        rank.keys[key] = worker.curve_key
+    else:
+        rank.keys.pop(key, None)
 
 
 # --------------------------------------------------------------------------- HTTP face

@@ -35,6 +35,7 @@ are served on raw ASGI, every other route by Quart.
 from __future__ import annotations
 
 import logging
+import ssl
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -60,7 +61,7 @@ from pdactors.actors._http import bind_listener, serve_http
 from pdactors.actors._proxy_state import Backend, Metrics, Pool
 from pdactors.bootstrap_client import BootstrapClient, tls_verify
 from pdactors.config import ProxyConfig
-from pdactors.errors import BootstrapError, BootstrapTimeout
+from pdactors.errors import BootstrapError, BootstrapTimeout, describe
 
 __all__ = ["serve_proxy"]
 
@@ -258,10 +259,6 @@ def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
     return None
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
 class _Proxy:
     """The proxy's state and request handling; :func:`serve_proxy` runs it."""
 
@@ -275,8 +272,11 @@ class _Proxy:
         self.prefill = Pool("prefill", prefill, config.routing)
         self.decode = Pool("decode", decode, config.routing)
         slots = trio.Semaphore(config.max_connections)
+        verify = tls_verify(config.ca_file)
+        tls = verify if isinstance(verify, ssl.SSLContext) else None  # None: the system's CAs
+        timeout = config.connect_timeout
         self.engines = {
-            b.url: EngineClient(b.url, connect_timeout=config.connect_timeout, slots=slots)
+            b.url: EngineClient(b.url, connect_timeout=timeout, slots=slots, tls=tls)
             for b in (*prefill, *decode)
         }
         self.metrics = Metrics()
@@ -305,7 +305,7 @@ class _Proxy:
             try:
                 resp = await self.probe_http.get(f"{b.url}/health")
             except httpx.HTTPError as exc:
-                return f"GET /health failed: {_describe(exc)}", None
+                return f"GET /health failed: {describe(exc)}", None
         if scope.cancelled_caught:
             return f"GET /health gave no answer within {timeout:g} s", None
         if resp.status_code != 200:
@@ -615,8 +615,8 @@ class _Proxy:
     def _transport_failure(self, b: Backend, exc: EngineError | httpx.HTTPError) -> _Failure:
         self.metrics.backend_errors.labels(b.role, b.url).inc()
         if isinstance(exc, ConnectFailed | httpx.ConnectError):  # gone: out of rotation now
-            self._set_health(b, f"connection failed: {_describe(exc)}", None)
-        message = f"{b.role} engine {b.url} failed: {_describe(exc)}"
+            self._set_health(b, f"connection failed: {describe(exc)}", None)
+        message = f"{b.role} engine {b.url} failed: {describe(exc)}"
         return _Failure.of(502, message, "upstream_error", f"{b.role}_error")
 
     def _status_failure(self, b: Backend, status: int, body: bytes) -> _Failure:

@@ -65,6 +65,7 @@ class PullResults:
 class _Peer:
     address: str
     dealer: Dealer
+    curve_key: str  # the CURVE key the P worker registered ("": none)
     knows_layout: bool = False
     sent_garbage: bool = False
     lost: bool = False
@@ -212,8 +213,8 @@ class Receiver:
             self._apply(self._table.fail(tid, reason))
             return
         try:
-            p_tp, p_pp, addresses = await self._p_workers(pull.bootstrap_url, pull.engine_id)
-            peers = [await self._peer(address) for address in addresses]
+            p_tp, p_pp, workers = await self._p_workers(pull.bootstrap_url, pull.engine_id)
+            peers = [await self._peer(address, key) for address, key in workers]
         except (PdError, OSError) as exc:
             where = f"P {pull.engine_id} via {pull.bootstrap_url}"
             self._apply(self._table.fail(tid, f"cannot reach {where}: {exc}"))
@@ -238,7 +239,7 @@ class Receiver:
             p_pp_size=p_pp,
         )
         # Recorded before the send: P's answer may arrive before this task runs again.
-        self._apply(self._table.sent(tid, addresses, request))
+        self._apply(self._table.sent(tid, [p.address for p in peers], request))
         timeline.mark(tid, "pull_sent")
         for peer in peers:
             if self._table.get(tid) is not pull or peer.address not in pull.waiting:
@@ -254,16 +255,17 @@ class Receiver:
                 lost_now = f"P worker {peer.address} was lost"
                 self._apply(self._table.fail(tid, lost_now, peer=peer.address))
 
-    async def _p_workers(self, url: str, engine_id: str) -> tuple[int, int, list[str]]:
-        """P's TP and PP sizes (as registered) and the side-channel addresses of the P workers
-        this rank pulls from.
+    async def _p_workers(self, url: str, engine_id: str) -> tuple[int, int, list[tuple[str, str]]]:
+        """P's TP and PP sizes (as registered) and the side-channel addresses and CURVE keys
+        of the P workers this rank pulls from.
         Checkpoint. Raises :class:`PdError` when P's registration does not have them (asked
         twice: a cached answer may predate a P worker's registration)."""
         ranks = self.config.ranks
         for fresh in (False, True):
             if fresh:
                 self._lookups.forget(url)
-            workers = await self._lookups.resolve(url, engine_id)
+            entry = await self._lookups.resolve(url, engine_id)
+            workers = entry.worker_addr
             p_tp = len(workers)
             sources = tp_pulls(ranks.tp_rank, ranks.tp_size, p_tp, self.config.kv_heads)
             wanted = [(tp, pp) for tp in sources for pp in self._stages(workers.get(tp, {}))]
@@ -273,7 +275,9 @@ class Receiver:
                 if len(set(found)) != len(found):
                     raise BootstrapError(f"engine {engine_id!r} at {url}: two workers share "
                                          f"one address ({found})")  # fmt: skip
-                return p_tp, max(len(by_pp) for by_pp in workers.values()), found
+                keys = [entry.curve_keys.get(tp, {}).get(pp, "") for tp, pp in wanted]
+                p_pp = max(len(by_pp) for by_pp in workers.values())
+                return p_tp, p_pp, list(zip(found, keys, strict=True))
         tp, pp = next(w for w, a in zip(wanted, addresses, strict=True) if a is None)
         raise BootstrapError(
             f"engine {engine_id!r} at {url} has no worker registered for tp rank {tp} "
@@ -293,25 +297,34 @@ class Receiver:
     def _with_layout(self, request: PullRequest) -> PullRequest:
         return msgspec.structs.replace(request, layout=self.layout)
 
-    async def _peer(self, address: str) -> _Peer:
+    async def _peer(self, address: str, curve_key: str) -> _Peer:
+        """The connection to the P worker at ``address`` (made if there is none), which
+        registered ``curve_key``. A live connection is reused even if the key it demanded is
+        not ``curve_key`` (it is one D trusts; if P restarted there with another key, that
+        connection's handshake fails, it is lost, and P is looked up afresh)."""
         peer = self._peers.get(address)
         if peer is not None:
             return peer
         async with self._peer_locks[address]:
             peer = self._peers.get(address)
             if peer is None:
-                peer = await self._nursery.start(self._serve_peer, address)
+                peer = await self._nursery.start(self._serve_peer, address, curve_key)
             return peer
 
     async def _serve_peer(
-        self, address: str, *, task_status: trio.TaskStatus[_Peer] = trio.TASK_STATUS_IGNORED
+        self,
+        address: str,
+        curve_key: str,
+        *,
+        task_status: trio.TaskStatus[_Peer] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """One P worker's connection: read its answers until it is lost, then end its pulls."""
         liveness = self.config.liveness
-        # A malformed address raises TransportError here, before started: nursery.start
-        # re-raises it to the pull that asked, which ends as unreachable.
-        async with self._transport.open_dealer(address, liveness=liveness) as dealer:
-            peer = self._peers[address] = _Peer(address, dealer)
+        # A malformed address or an untrusted key raises TransportError here, before started:
+        # nursery.start re-raises it to the pull that asked, which ends as unreachable.
+        dealing = self._transport.open_dealer(address, liveness=liveness, server_key=curve_key)
+        async with dealing as dealer:
+            peer = self._peers[address] = _Peer(address, dealer, curve_key)
             task_status.started(peer)
             try:
                 async with trio.open_nursery() as nursery:
@@ -321,12 +334,13 @@ class Receiver:
                 # Before the socket closes: a send still in flight on it then fails for a pull
                 # that has already ended here (and gets its parting cancel).
                 peer.lost = True
-                self._lost(address, reason)
+                self._lost(peer, reason)
             finally:
                 peer.lost = True
                 del self._peers[address]
 
-    def _lost(self, address: str, reason: str) -> None:
+    def _lost(self, peer: _Peer, reason: str) -> None:
+        address = peer.address
         self._lookups.forget_address(address)
         pulls = self._table.on_peer(address)
         level = logging.INFO if address in self._down or not pulls else logging.WARNING
@@ -334,9 +348,9 @@ class Receiver:
         self._down.add(address)
         self._apply(self._table.peer_lost(address, f"P gone: {reason}"))
         if pulls:
-            self._nursery.start_soon(self._parting_cancels, address, pulls)
+            self._nursery.start_soon(self._parting_cancels, address, peer.curve_key, pulls)
 
-    async def _parting_cancels(self, address: str, transfer_ids: list[str]) -> None:
+    async def _parting_cancels(self, address: str, key: str, transfer_ids: list[str]) -> None:
         """Best effort after a lost connection: if P is in fact alive (only the link broke),
         tell it on a fresh connection that D gave up on these transfers, so it frees their KV
         now rather than at its expiry. A dead P never answers; the attempt ends with the
@@ -347,7 +361,9 @@ class Receiver:
         with trio.move_on_after(2 * liveness.connect_timeout):
             try:
                 async with (
-                    self._transport.open_dealer(address, liveness=liveness) as dealer,
+                    self._transport.open_dealer(
+                        address, liveness=liveness, server_key=key
+                    ) as dealer,
                     trio.open_nursery() as nursery,
                 ):
 

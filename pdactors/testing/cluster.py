@@ -239,16 +239,16 @@ async def open_cluster(
     sender: SenderConfig | None = None,
     receiver: ReceiverConfig | None = None,
     wrap_prefill: DataPlaneWrapper | None = None,
-    transport: Transport = ZMQ,
+    transport: Transport | Callable[[str, int], Transport] = ZMQ,
     p_tp: int = 1,
     d_tp: int = 1,
     kv_heads: int = 0,
     p_pp: int = 1,
     bootstrap_token: str | None = None,
 ) -> AsyncIterator[Cluster]:
-    """Start a bootstrap, ``prefill`` P engines of ``p_tp`` workers and ``decode`` D engines of
-    ``d_tp`` workers, each worker with its own Mooncake engine and KV buffer; stop them all on
-    exit.
+    """Start a bootstrap, ``prefill`` P engines of ``p_tp`` workers (P engine ``e`` is DP rank
+    ``e`` there) and ``decode`` D engines of ``d_tp`` workers, each worker with its own
+    Mooncake engine and KV buffer; stop them all on exit.
 
     ``block_bytes`` is one layer's block of the whole model: ``kv_heads`` KV heads (0: TP sizes
     are equal and heads do not matter) split over each engine's workers as vLLM splits them.
@@ -258,7 +258,8 @@ async def open_cluster(
     ``sender`` / ``receiver`` give the other settings (their engine ids, ranks, head count and
     bootstrap URL are filled in here). ``wrap_prefill`` wraps P's real data planes (fault
     injection); ``transport`` is every actor's side channel (a memory transport, a faulty
-    wrapper, ...).
+    wrapper, ...), or a function of the role (``"prefill"`` / ``"decode"``) and engine index
+    that gives each engine its own (per-engine CURVE keys).
     """
     dp_config = dataplane or DataPlaneConfig()
     s_config = sender or SenderConfig(engine_id="prefill")
@@ -283,6 +284,7 @@ async def open_cluster(
             worker_planes = iter(planes)
             for role, e, tp, pp in shapes:
                 engine_id = f"{role}-{e}"
+                side = transport(role, e) if callable(transport) else transport
                 pool, owned, releases = (
                     BlockPool(num_blocks),
                     dict[str, list[int]](),
@@ -301,7 +303,14 @@ async def open_cluster(
                         first_layer=stage * layers // pp,
                     )
                     plane.register(kv.regions)
-                    ranks = RankInfo(tp_rank=rank, tp_size=tp, pp_rank=stage, pp_size=pp)
+                    # P engine e registers as DP rank e of the one bootstrap (one entry each)
+                    ranks = RankInfo(
+                        dp_rank=e if role == "prefill" else 0,
+                        tp_rank=rank,
+                        tp_size=tp,
+                        pp_rank=stage,
+                        pp_size=pp,
+                    )
                     if role == "prefill":
                         config = replace(
                             s_config,
@@ -312,7 +321,7 @@ async def open_cluster(
                         )
                         wrapped = wrap_prefill(plane) if wrap_prefill else plane
                         snd = await nursery.start(
-                            partial(serve_sender, transport=transport), config, wrapped, kv.layout
+                            partial(serve_sender, transport=side), config, wrapped, kv.layout
                         )
                         node = PrefillNode(
                             engine_id, snd, kv, pool, plane, owned, rank, tp, releases, stage, pp
@@ -321,7 +330,7 @@ async def open_cluster(
                         p_nodes.append(node)
                     else:
                         rcv = await nursery.start(
-                            partial(serve_receiver, transport=transport),
+                            partial(serve_receiver, transport=side),
                             replace(
                                 r_config,
                                 engine_id=engine_id,

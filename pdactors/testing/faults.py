@@ -92,13 +92,16 @@ class FaultyTransport:
             yield _FaultyRouter(router, self)
 
     def open_dealer(
-        self, address: str, *, liveness: Liveness | None = None
+        self, address: str, *, liveness: Liveness | None = None, server_key: str = ""
     ) -> AbstractAsyncContextManager[Dealer]:
-        return self._wrap_dealer(address, liveness)
+        return self._wrap_dealer(address, liveness, server_key)
 
     @asynccontextmanager
-    async def _wrap_dealer(self, address: str, liveness: Liveness | None) -> AsyncIterator[Dealer]:
-        async with self.inner.open_dealer(address, liveness=liveness) as dealer:
+    async def _wrap_dealer(
+        self, address: str, liveness: Liveness | None, server_key: str
+    ) -> AsyncIterator[Dealer]:
+        inner = self.inner.open_dealer(address, liveness=liveness, server_key=server_key)
+        async with inner as dealer:
             wrapped = _FaultyDealer(dealer, self)
             self._dealers.add(wrapped)
             try:
@@ -134,6 +137,7 @@ class _FaultyRouter:
     def __init__(self, inner: Router, owner: FaultyTransport) -> None:
         self._inner, self._owner = inner, owner
         self.lost_peers = inner.lost_peers
+        self.curve_key = inner.curve_key
 
     @property
     def address(self) -> str:

@@ -26,6 +26,9 @@ class Router(Protocol):
     @property
     def address(self) -> str: ...
 
+    #: The router's CURVE public key, registered with P's bootstrap entry ("" without CURVE).
+    curve_key: str
+
     #: Identities whose connection ended (closed, died, silent past the heartbeat timeout).
     lost_peers: trio.MemoryReceiveChannel[bytes]
 
@@ -59,10 +62,11 @@ class Transport(Protocol):
         ...
 
     def open_dealer(
-        self, address: str, *, liveness: Liveness | None = None
+        self, address: str, *, liveness: Liveness | None = None, server_key: str = ""
     ) -> AbstractAsyncContextManager[Dealer]:
-        """Connect a dealer for the block. Raises
-        :class:`~pdactors.transport.TransportError` for a malformed address."""
+        """Connect a dealer for the block; ``server_key`` is the CURVE key the P worker there
+        registered (""; none). Raises :class:`~pdactors.transport.TransportError` for a
+        malformed address or a key this transport does not trust."""
         ...
 
 
@@ -92,13 +96,13 @@ class ZmqTransport:
         return open_router(host, port, liveness=liveness, curve=self.server)
 
     def open_dealer(
-        self, address: str, *, liveness: Liveness | None = None
+        self, address: str, *, liveness: Liveness | None = None, server_key: str = ""
     ) -> AbstractAsyncContextManager[Dealer]:
         from pdactors.transport.zmq import open_dealer
 
         if self.server is not None and self.client is None:
             raise ValueError("this transport has CURVE keys for P only; D needs client keys")
-        return open_dealer(address, liveness=liveness, curve=self.client)
+        return open_dealer(address, liveness=liveness, curve=self.client, server_key=server_key)
 
 
 #: The default transport of the actors.

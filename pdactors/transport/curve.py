@@ -2,15 +2,18 @@
 
 Nothing here is home-made cryptography: libzmq's CURVE (Curve25519, via libsodium) encrypts and
 authenticates every connection; pyzmq's :class:`zmq.auth.thread.ThreadAuthenticator` answers
-libzmq's ZAP requests, and checks each D's public key against the keys P was given. D knows the
-one key its P must have (``server_key``): a P with another key fails the handshake and D judges
-it gone at once. A DEALER whose key P was not given never completes the handshake: it gets no
-answer, and no actor sees it.
+libzmq's ZAP requests, and checks each D's public key against the keys P was given. D is given
+the P keys it trusts (``servers``); each P worker registers its public key with its bootstrap
+entry, and D connects to a worker only if that key is one it trusts, and only to a socket that
+proves it holds the key (a P with another key fails the handshake and D judges it gone at
+once). A DEALER whose key P was not given never completes the handshake: it gets no answer,
+and no actor sees it.
 
-Keys come from ``zmq.auth.create_certificates`` files (:func:`curve_from_files`) or from one
-deployment secret (:func:`curve_from_secret`: every P worker shares one keypair and every D
-worker another, both derived from the secret with BLAKE2b under distinct personalisations, so
-a process that knows the secret knows both public keys and no key needs to travel).
+Keys come from ``zmq.auth.create_certificates`` files (:func:`curve_from_files`: per-engine
+keys, D trusting a directory of P keys and P a directory of D keys) or from one deployment
+secret (:func:`curve_from_secret`: every P worker shares one keypair and every D worker
+another, both derived from the secret with BLAKE2b under distinct personalisations, so a
+process that knows the secret knows both public keys).
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from zmq.utils import z85
 
 from pdactors._once import FirstTimes
 from pdactors.config import Secret
+from pdactors.messages import is_curve_key
 
-__all__ = ["Curve", "curve_from_files", "curve_from_secret"]
+__all__ = ["Curve", "UntrustedServer", "curve_from_files", "curve_from_secret"]
 
 log = logging.getLogger("pdactors.transport.curve")
 
@@ -40,19 +44,48 @@ class Curve(msgspec.Struct, frozen=True, kw_only=True):
     """One end's CURVE keys (Z85 text, 40 characters each).
 
     * ``public`` / ``secret``: this end's keypair.
-    * ``server_key``: (D) the public key P's side channel must have.
+    * ``servers``: (D) the public keys of the P workers it may talk to.
     * ``clients``: (P) the public keys of the D workers allowed to connect.
     """
 
     public: str
     secret: str
-    server_key: str = ""
+    servers: tuple[str, ...] = ()
     clients: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for key in (self.public, self.secret, self.server_key, *self.clients):
-            if key and len(key) != 40:
+        for key in (self.public, self.secret, *self.servers, *self.clients):
+            if not is_curve_key(key):
                 raise ValueError("CURVE keys are 40 characters of Z85 text")
+
+    def server_key(self, registered: str, address: str) -> str:
+        """(D) The key to demand of the P worker at ``address``, which registered the public
+        key ``registered`` ("": none). Raises :class:`UntrustedServer` for a key D was not
+        given, or for no key when D trusts several (it cannot tell which one to demand)."""
+        if registered:
+            if registered not in self.servers:
+                raise UntrustedServer(
+                    f"P worker {address} registered the CURVE key {registered}, "
+                    "which this D was not given"
+                )
+            return registered
+        if len(self.servers) == 1:
+            return self.servers[0]
+        raise UntrustedServer(
+            f"P worker {address} registered no CURVE key and this D trusts "
+            f"{len(self.servers)} keys: it cannot tell which one to demand"
+        )
+
+
+class UntrustedServer(ValueError):
+    """D was not given the CURVE key a P worker registered (or cannot tell which to demand)."""
+
+
+def check_key(key: str) -> str:
+    """``key`` if it is a CURVE key in Z85 text; raises :class:`ValueError`."""
+    if not is_curve_key(key):
+        raise ValueError("a CURVE key is 40 characters of Z85 text")
+    return key
 
 
 def _derived(secret: str, role: bytes) -> tuple[str, str]:
@@ -63,21 +96,21 @@ def _derived(secret: str, role: bytes) -> tuple[str, str]:
 
 def curve_from_secret(secret: str) -> tuple[Curve, Curve]:
     """P's and D's CURVE keys, both derived from one deployment ``secret``: ``(prefill,
-    decode)``; P allows exactly D's key and D expects exactly P's."""
+    decode)``; P allows exactly D's key and D trusts exactly P's."""
     if len(secret) < 16:
         raise ValueError("a deployment secret needs at least 16 characters")
     p_public, p_secret = _derived(secret, b"prefill")
     d_public, d_secret = _derived(secret, b"decode")
     return (
         Curve(public=p_public, secret=p_secret, clients=(d_public,)),
-        Curve(public=d_public, secret=d_secret, server_key=p_public),
+        Curve(public=d_public, secret=d_secret, servers=(p_public,)),
     )
 
 
 def curve_from_files(own: str | Path, peers: str | Path, *, server: bool) -> Curve:
     """Keys from ``zmq.auth.create_certificates`` files: ``own`` is this end's ``.key_secret``
-    file; ``peers`` a public ``.key`` file or a directory of them (P: the D keys it allows; D:
-    P's key, exactly one). Raises :class:`OSError` or :class:`ValueError`."""
+    file; ``peers`` a public ``.key`` file or a directory of them (P: the D keys it lets in;
+    D: the P keys it trusts). Raises :class:`OSError` or :class:`ValueError`."""
     public, secret = zmq.auth.load_certificate(own)
     if secret is None:
         raise ValueError(f"{own} holds no secret key (pass the .key_secret file)")
@@ -88,11 +121,10 @@ def curve_from_files(own: str | Path, peers: str | Path, *, server: bool) -> Cur
         keys = [zmq.auth.load_certificate(peer_path)[0].decode()]
     if not keys:
         raise ValueError(f"no public keys in {peers}")
+    mine, peer_keys = Curve(public=public.decode(), secret=Secret(secret.decode())), tuple(keys)
     if server:
-        return Curve(public=public.decode(), secret=Secret(secret.decode()), clients=tuple(keys))
-    if len(keys) != 1:
-        raise ValueError(f"D expects exactly one P key, {peers} holds {len(keys)}")
-    return Curve(public=public.decode(), secret=Secret(secret.decode()), server_key=keys[0])
+        return msgspec.structs.replace(mine, clients=peer_keys)
+    return msgspec.structs.replace(mine, servers=peer_keys)
 
 
 # --------------------------------------------------------------------------- ZAP on P
@@ -152,10 +184,8 @@ def stop_curve(context: zmq.Context[Any], domain: str) -> None:
             auth.credentials_providers.pop(domain, None)
 
 
-def connect_curve(socket: zmq.Socket[Any], curve: Curve) -> None:
-    """Make ``socket`` (a DEALER, not connected yet) a CURVE client of ``curve.server_key``."""
-    if not curve.server_key:
-        raise ValueError("a CURVE client needs P's public key (server_key)")
+def connect_curve(socket: zmq.Socket[Any], curve: Curve, server_key: str) -> None:
+    """Make ``socket`` (a DEALER, not connected yet) a CURVE client of ``server_key``."""
     socket.curve_secretkey = curve.secret.encode()
     socket.curve_publickey = curve.public.encode()
-    socket.curve_serverkey = curve.server_key.encode()
+    socket.curve_serverkey = check_key(server_key).encode()

@@ -60,6 +60,7 @@ class _MemoryRouter:
         self.inbox_send, self._inbox = trio.open_memory_channel[tuple[bytes, list[bytes]]](math.inf)
         self._lost_send, self.lost_peers = trio.open_memory_channel[bytes](math.inf)
         self.dealers: dict[bytes, _MemoryDealer] = {}
+        self.curve_key = ""  # no CURVE in memory
 
     @property
     def address(self) -> str:
@@ -109,7 +110,7 @@ class MemoryTransport:
 
     @asynccontextmanager
     async def open_dealer(
-        self, address: str, *, liveness: Liveness | None = None
+        self, address: str, *, liveness: Liveness | None = None, server_key: str = ""
     ) -> AsyncIterator[_MemoryDealer]:
         if not address.startswith("tcp://") or ":" not in address[6:]:
             raise TransportError(f"cannot connect to {address!r}: not a tcp://host:port address")

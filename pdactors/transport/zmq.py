@@ -60,7 +60,13 @@ from pdactors.transport._socket import (
     _monitor,
     _TrioSocket,
 )
-from pdactors.transport.curve import Curve, connect_curve, serve_curve, stop_curve
+from pdactors.transport.curve import (
+    Curve,
+    UntrustedServer,
+    connect_curve,
+    serve_curve,
+    stop_curve,
+)
 
 __all__ = [
     "DEFAULT_HWM",
@@ -93,12 +99,14 @@ class RouterSocket(_TrioSocket):
     """A bound ROUTER socket (ROUTER_MANDATORY set). Make one with :func:`open_router`.
 
     With liveness on, :attr:`lost_peers` yields each identity whose connection ended (the peer
-    closed it, died, or stopped answering heartbeats), once per connection.
+    closed it, died, or stopped answering heartbeats), once per connection. :attr:`curve_key`
+    is its CURVE public key ("" without CURVE), which P registers for D to check.
     """
 
-    def __init__(self, socket: zmq.Socket[bytes], address: str) -> None:
+    def __init__(self, socket: zmq.Socket[bytes], address: str, curve_key: str = "") -> None:
         super().__init__(socket)
         self._address = address
+        self.curve_key = curve_key
         self._monitor: _Monitor | None = None
         self._fd_of: dict[bytes, int] = {}  # identity -> the connection it last spoke on
         self._on_fd: dict[int, set[bytes]] = {}
@@ -342,7 +350,8 @@ async def open_router(
             stop_curve(socket.context, domain)
         raise
     try:
-        async with _watched(RouterSocket(socket, address), monitor) as router:
+        router_socket = RouterSocket(socket, address, curve.public if curve else "")
+        async with _watched(router_socket, monitor) as router:
             yield router
     finally:
         if domain is not None:
@@ -357,21 +366,30 @@ async def open_dealer(
     hwm: int = DEFAULT_HWM,
     liveness: Liveness | None = None,
     curve: Curve | None = None,
+    server_key: str = "",
 ) -> AsyncIterator[DealerSocket]:
     """Connect a DEALER socket to ``address`` (``"tcp://host:port"``) for the block.
 
     The connection is made (and remade) in the background; sends queue until it is up.
     ``context``, ``hwm`` and ``liveness`` are as for :func:`open_router` (with liveness,
     :meth:`DealerSocket.wait_lost` tells when the peer is gone); ``curve`` makes it a CURVE
-    client of the one P key it names (a P with another key fails the handshake: lost at
-    once). Leaving the block closes the socket (linger 0). Raises :class:`TransportError` if
-    the address is malformed or cannot be resolved.
+    client that demands of P the key ``server_key`` (the key P registered; "": the one key
+    ``curve`` trusts) — a P without that key fails the handshake: lost at once. Leaving the
+    block closes the socket (linger 0). Raises :class:`TransportError` if the address is
+    malformed or cannot be resolved, or if P registered a key ``curve`` does not trust.
     """
+    if curve is None and server_key:
+        raise TransportError(f"P worker {address} speaks CURVE (it registered a key) "
+                             "and this D has no side-channel keys")  # fmt: skip
+    try:
+        demanded = curve.server_key(server_key, address) if curve is not None else ""
+    except UntrustedServer as exc:
+        raise TransportError(str(exc)) from None
     socket = _new_socket(context, zmq.DEALER, hwm, liveness)
     monitor = None
     try:
         if curve is not None:
-            connect_curve(socket, curve)
+            connect_curve(socket, curve, demanded)
         monitor = _monitor(socket) if liveness is not None else None
         socket.connect(address)
     except zmq.ZMQError as exc:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 pytest.importorskip("vllm")
@@ -34,11 +35,19 @@ def kv_caches() -> dict[str, torch.Tensor]:
 
 
 class Pair:
-    def __init__(self, **settings: Any) -> None:
+    def __init__(
+        self,
+        p_only: dict[str, Any] | None = None,
+        d_only: dict[str, Any] | None = None,
+        **settings: Any,
+    ) -> None:
+        """A P and a D worker side with ``settings``, plus ``p_only`` / ``d_only`` each."""
         self.settings = ConnectorSettings(bootstrap_port=free_port(), ready_timeout=30, **settings)
+        p_settings = msgspec.structs.replace(self.settings, **(p_only or {}))
+        d_settings = msgspec.structs.replace(self.settings, **(d_only or {}))
         self.p_kv, self.d_kv = kv_caches(), kv_caches()
-        self.p = WorkerSide(self.settings, WorkerPlace("prefill-w", True, False, RankInfo(), True))
-        self.d = WorkerSide(self.settings, WorkerPlace("decode-w", False, True, RankInfo(), False))
+        self.p = WorkerSide(p_settings, WorkerPlace("prefill-w", True, False, RankInfo(), True))
+        self.d = WorkerSide(d_settings, WorkerPlace("decode-w", False, True, RankInfo(), False))
         self.p.register_kv_caches(self.p_kv, BLOCKS)
         self.d.register_kv_caches(self.d_kv, BLOCKS)
 
@@ -253,6 +262,54 @@ def test_a_dead_trio_thread_fails_its_pulls_then_the_actors_come_back(pair: Pair
     run_step(pair.p, PdActorsMetadata(ready={"preq10": SendSpec("t10", (18,))}))
     assert "dreq10" not in wait_for(pair.d, "recved", "dreq10")["failed"]
     run_step(pair.p, PdActorsMetadata(dropped=["t8"]))  # P's side of the dead pull
+
+
+def test_keys_of_their_own_secure_the_worker_sides(tmp_path: Path) -> None:
+    """side_channel_key_file / side_channel_peer_keys (certificate files): P registers its
+    public key with its bootstrap entry, D demands it, and KV moves."""
+    import zmq.auth
+
+    (tmp_path / "p_keys").mkdir()
+    (tmp_path / "d_keys").mkdir()
+    keys = {}
+    for name in ("p", "d"):
+        public, secret = zmq.auth.create_certificates(tmp_path, name)
+        Path(public).rename(tmp_path / f"{name}_keys" / f"{name}.key")
+        keys[name] = str(secret)
+    pair = Pair(
+        p_only={
+            "side_channel_key_file": keys["p"],
+            "side_channel_peer_keys": str(tmp_path / "d_keys"),
+        },
+        d_only={
+            "side_channel_key_file": keys["d"],
+            "side_channel_peer_keys": str(tmp_path / "p_keys"),
+        },
+    )
+    try:
+        for layer in pair.p_kv.values():
+            layer[1:3].copy_(torch.randn(2, 2, 16, 64))
+        run_step(pair.p, PdActorsMetadata(pending=["k1"]))
+        pair.pull("dreq-k", "k1", (5, 6))
+        run_step(pair.p, PdActorsMetadata(ready={"preq-k": SendSpec("k1", (1, 2))}))
+        assert "dreq-k" not in wait_for(pair.d, "recved", "dreq-k")["failed"]
+        for name in pair.p_kv:
+            assert torch.equal(pair.d_kv[name][5:7], pair.p_kv[name][1:3])
+        wait_for(pair.p, "sent", "preq-k")
+        answer = httpx.get(f"{pair.settings.bootstrap_url}/query", timeout=5, trust_env=False)
+        p_public = zmq.auth.load_certificate(keys["p"])[0].decode()
+        assert answer.json()["0"]["curve_keys"] == {"0": {"0": p_public}}
+    finally:
+        pair.p.shutdown()
+        pair.d.shutdown()
+    with pytest.raises(ValueError, match="go together"):
+        ConnectorSettings(side_channel_key_file=keys["p"])
+    with pytest.raises(ValueError, match="not both"):
+        ConnectorSettings(
+            side_channel_key_file=keys["p"],
+            side_channel_peer_keys=str(tmp_path / "d_keys"),
+            side_channel_secret_file=keys["p"],
+        )
 
 
 def test_a_shared_secret_and_bootstrap_token_secure_the_worker_sides(tmp_path: Path) -> None:
