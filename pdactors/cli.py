@@ -245,7 +245,7 @@ def proxy(
     keyfile: Annotated[Path | None, typer.Option(help="PEM private key of --certfile.")] = None,
     ca_file: Annotated[
         Path | None,
-        typer.Option(help="CA bundle that signs the bootstraps' certificates (HTTPS bootstraps)."),
+        typer.Option(help="CA bundle that signs the certificates of HTTPS bootstraps and engines."),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = True,
 ) -> None:

@@ -232,8 +232,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
       convention) on every route but ``/health`` and ``/metrics``; 401 with OpenAI's error
       body otherwise.
     * ``certfile`` / ``keyfile``: serve HTTPS with this PEM certificate and key.
-    * ``ca_file``: the CA bundle that signs the bootstraps' certificates (a private CA); the
-      system's CAs otherwise.
+    * ``ca_file``: the CA bundle that signs the certificates of HTTPS bootstraps and of
+      ``https://`` engines (a private CA); the system's CAs otherwise.
     * ``engine_api_key``: the key the engines were started with (vLLM's ``--api-key``), sent
       to them instead of the client's. With neither key set, the client's ``Authorization``
       header is passed to the engines as it came.
