@@ -12,8 +12,10 @@ import trio
 import zmq
 import zmq.auth
 
+from pdactors import PullFailedError
 from pdactors.config import Liveness, SenderConfig
 from pdactors.testing import open_cluster, run_transfer
+from pdactors.testing.cluster import DecodeNode
 from pdactors.transport import ZmqTransport, open_dealer, open_router
 from pdactors.transport.curve import Curve, UntrustedServer, curve_from_files, curve_from_secret
 
@@ -26,6 +28,16 @@ def stranger(server_key: str = "") -> Curve:
     public, secret = zmq.curve_keypair()
     servers = (server_key,) if server_key else ()
     return Curve(public=public.decode(), secret=secret.decode(), servers=servers)
+
+
+async def refused_pull(d: DecodeNode, url: str, engine_id: str, why: str) -> None:
+    """D pulls a block from ``engine_id`` at ``url`` and is refused with ``why``; frees it."""
+    dst = d.pool.allocate(1)
+    try:
+        with pytest.raises(PullFailedError, match=why):
+            await d.receiver.pull("refused", bootstrap_url=url, engine_id=engine_id, block_ids=dst)
+    finally:
+        d.pool.free(dst)
 
 
 async def test_only_the_right_keys_get_through_and_strangers_disturb_no_one(
@@ -112,18 +124,10 @@ async def test_actors_move_kv_with_curve_on_and_a_d_without_the_keys_fails_fast(
             ) as other:
                 # a D of another deployment, pointed at this P: it does not trust the key P
                 # registered, so it does not even connect; the pull fails at once
-                from pdactors import PullFailedError
-
-                d = other.decode[0]
-                dst = d.pool.allocate(1)
-                with pytest.raises(PullFailedError, match="which this D was not given"):
-                    await d.receiver.pull(
-                        "foreign",
-                        bootstrap_url=cluster.bootstrap_url,
-                        engine_id=cluster.prefill[0].engine_id,
-                        block_ids=dst,
-                    )
-                d.pool.free(dst)
+                await refused_pull(
+                    other.decode[0], cluster.bootstrap_url, cluster.prefill[0].engine_id,
+                    "which this D was not given",
+                )  # fmt: skip
             again = await run_transfer(cluster, "after-the-stranger", 2)
             assert again.ok and again.verified
             await cluster.wait_settled()
@@ -199,7 +203,6 @@ async def test_per_engine_keys_travel_with_the_bootstrap_entry(tmp_path: Path) -
     and moves verified KV from both; a D that trusts only one P refuses the other before
     connecting; a registration under P's engine id with a key D does not trust, or with P's
     real public key at a socket that lacks P's secret, gets no byte of D's request."""
-    from pdactors import PullFailedError
     from pdactors.bootstrap_client import open_bootstrap_client
     from pdactors.messages import RegisterWorker
 
@@ -234,16 +237,10 @@ async def test_per_engine_keys_travel_with_the_bootstrap_entry(tmp_path: Path) -
                 public=d_curve.public, secret=d_curve.secret, servers=(p_curves[0].public,)
             )
             async with open_cluster(prefill=0, transport=ZmqTransport(client=only_p0)) as other:
-                narrow = other.decode[0]
-                dst = narrow.pool.allocate(1)
-                with pytest.raises(PullFailedError, match="which this D was not given"):
-                    await narrow.receiver.pull(
-                        "not-yours",
-                        bootstrap_url=cluster.bootstrap_url,
-                        engine_id=p1.engine_id,
-                        block_ids=dst,
-                    )
-                narrow.pool.free(dst)
+                await refused_pull(
+                    other.decode[0], cluster.bootstrap_url, p1.engine_id,
+                    "which this D was not given",
+                )  # fmt: skip
 
             # Impostors take over P1's DP rank in the (open) bootstrap: their own key, then
             # P1's public key at a socket that lacks P1's secret. A fresh D (nothing cached)
@@ -263,16 +260,9 @@ async def test_per_engine_keys_travel_with_the_bootstrap_entry(tmp_path: Path) -
                     forged = RegisterWorker("prefill-1", 1, 0, 0, fake.address, registered)
                     async with open_bootstrap_client() as client:
                         await client.register(cluster.bootstrap_url, forged, timeout=5)
-                    d = fresh.decode[0]
-                    dst = d.pool.allocate(1)
-                    with pytest.raises(PullFailedError, match=expected):
-                        await d.receiver.pull(
-                            f"forged-{registered}",
-                            bootstrap_url=cluster.bootstrap_url,
-                            engine_id="prefill-1",
-                            block_ids=dst,
-                        )
-                    d.pool.free(dst)
+                    await refused_pull(
+                        fresh.decode[0], cluster.bootstrap_url, "prefill-1", expected
+                    )
                     with trio.move_on_after(0.5):
                         raise AssertionError(f"the impostor heard D: {await fake.receive()}")
             again = await run_transfer(cluster, "p0-untouched", 2, p=0)

@@ -51,6 +51,19 @@ class Pair:
         self.p.register_kv_caches(self.p_kv, BLOCKS)
         self.d.register_kv_caches(self.d_kv, BLOCKS)
 
+    def move_and_check(self, tid: str, src: tuple[int, ...], dst: tuple[int, ...]) -> None:
+        """P fills ``src`` with random KV and sends transfer ``tid``; D pulls it into ``dst``;
+        D's blocks then equal P's."""
+        for layer in self.p_kv.values():
+            layer[list(src)] = torch.randn(len(src), *layer.shape[1:])
+        run_step(self.p, PdActorsMetadata(pending=[tid]))
+        self.pull(f"dreq-{tid}", tid, dst)
+        run_step(self.p, PdActorsMetadata(ready={f"preq-{tid}": SendSpec(tid, src)}))
+        assert f"dreq-{tid}" not in wait_for(self.d, "recved", f"dreq-{tid}")["failed"]
+        for name in self.p_kv:
+            assert torch.equal(self.d_kv[name][list(dst)], self.p_kv[name][list(src)])
+        wait_for(self.p, "sent", f"preq-{tid}")
+
     def pull(self, req: str, tid: str, blocks: tuple[int, ...], engine: str = "prefill-w") -> None:
         spec = PullSpec(tid, engine, self.settings.bootstrap_url, blocks)
         run_step(self.d, PdActorsMetadata(pulls={req: spec}))
@@ -287,15 +300,7 @@ def test_keys_of_their_own_secure_the_worker_sides(tmp_path: Path) -> None:
         },
     )
     try:
-        for layer in pair.p_kv.values():
-            layer[1:3].copy_(torch.randn(2, 2, 16, 64))
-        run_step(pair.p, PdActorsMetadata(pending=["k1"]))
-        pair.pull("dreq-k", "k1", (5, 6))
-        run_step(pair.p, PdActorsMetadata(ready={"preq-k": SendSpec("k1", (1, 2))}))
-        assert "dreq-k" not in wait_for(pair.d, "recved", "dreq-k")["failed"]
-        for name in pair.p_kv:
-            assert torch.equal(pair.d_kv[name][5:7], pair.p_kv[name][1:3])
-        wait_for(pair.p, "sent", "preq-k")
+        pair.move_and_check("k1", (1, 2), (5, 6))
         answer = httpx.get(f"{pair.settings.bootstrap_url}/query", timeout=5, trust_env=False)
         p_public = zmq.auth.load_certificate(keys["p"])[0].decode()
         assert answer.json()["0"]["curve_keys"] == {"0": {"0": p_public}}
@@ -320,15 +325,7 @@ def test_a_shared_secret_and_bootstrap_token_secure_the_worker_sides(tmp_path: P
     token.write_text("bootstrap-token\n")
     pair = Pair(side_channel_secret_file=str(secret), bootstrap_token_file=str(token))
     try:
-        for layer in pair.p_kv.values():
-            layer[1:3].copy_(torch.randn(2, 2, 16, 64))
-        run_step(pair.p, PdActorsMetadata(pending=["s1"]))
-        pair.pull("dreq-s", "s1", (7, 8))
-        run_step(pair.p, PdActorsMetadata(ready={"preq-s": SendSpec("s1", (1, 2))}))
-        assert "dreq-s" not in wait_for(pair.d, "recved", "dreq-s")["failed"]
-        for name in pair.p_kv:
-            assert torch.equal(pair.d_kv[name][7:9], pair.p_kv[name][1:3])
-        wait_for(pair.p, "sent", "preq-s")
+        pair.move_and_check("s1", (1, 2), (7, 8))
         url = pair.settings.bootstrap_url
         assert httpx.get(f"{url}/query", timeout=5, trust_env=False).status_code == 401
         assert httpx.get(f"{url}/health", timeout=5, trust_env=False).status_code == 200
