@@ -44,6 +44,11 @@ async def settled(cluster: Cluster) -> None:
         (4, 1, 2),  # P replicates each head twice: D reads one replica, tells the other
         (1, 4, 2),  # D replicates: four D workers, two per head, all from one P worker
         (2, 4, 8),  # 1 -> 2 per P worker
+        # MLA: one latent cache per layer, whole on every TP rank (kv_heads 1): each D rank
+        # reads it from one P rank, the other P ranks only answer
+        (2, 1, 1),
+        (1, 2, 1),
+        (2, 4, 1),
     ],
 )
 async def test_every_head_lands_on_the_right_d_worker(p_tp: int, d_tp: int, heads: int) -> None:

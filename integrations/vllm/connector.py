@@ -167,10 +167,16 @@ class PdActorsConnector(KVConnectorBase_V1):
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """Heads outermost in each block (``LBHNC``, vLLM's ``HND``; what vLLM CPU always
         uses), so a TP rank's head range is one contiguous span per block and P and D of
-        different TP sizes can exchange head slices, as upstream's MooncakeConnector asks."""
-        if vllm_config.model_config is None or vllm_config.model_config.use_mla:
+        different TP sizes can exchange head slices, as upstream's MooncakeConnector asks.
+
+        Also the first hook vLLM calls with the whole config (the engine core resolves the
+        layout before it sizes the KV cache), so a model this connector cannot serve is
+        refused here, by name (:func:`refuse_unserved`), before vLLM's own, vaguer error."""
+        model_config = vllm_config.model_config
+        if model_config is None:
             return None
-        return "LBHNC"
+        refuse_unserved(model_config)
+        return None if model_config.use_mla else "LBHNC"
 
     def shutdown(self) -> None:
         if self.worker_side is not None:
@@ -196,8 +202,30 @@ def _place(vllm_config: VllmConfig, engine_id: str) -> WorkerPlace:
         pp_rank=pp.rank_in_group,
         pp_size=pp.world_size,
     )
-    heads = vllm_config.model_config.get_total_num_kv_heads()
-    return dataclasses.replace(place, kv_heads=int(heads))
+    return dataclasses.replace(place, kv_heads=kv_heads_of(vllm_config.model_config))
+
+
+def refuse_unserved(model_config: Any) -> None:
+    """Raise :class:`ValueError` naming the model's family and what is missing when
+    PdActorsConnector cannot serve it: models with recurrent state (Mamba, gated delta-net and
+    other linear attention, alone or in hybrids), whose state pages it does not transfer yet
+    (vLLM would otherwise fail later with "Failed to promote local KV cache specs")."""
+    architecture = ", ".join(getattr(model_config.hf_config, "architectures", None) or ["?"])
+    if model_config.is_attention_free or model_config.has_inner_state or model_config.is_hybrid:
+        kind = "attention-free" if model_config.is_attention_free else "hybrid"
+        raise ValueError(
+            f"PdActorsConnector cannot serve {architecture}: a {kind} model with recurrent "
+            "state (Mamba / linear attention). Transferring its state pages and vLLM's hybrid "
+            "KV cache groups (SupportsHMA) is not built yet; serve it without disaggregation, "
+            "or with vLLM's MooncakeConnector"
+        )
+
+
+def kv_heads_of(model_config: Any) -> int:
+    """The KV "heads" the actors pair TP ranks by: the model's KV heads, or 1 for MLA, whose
+    one latent cache per layer every TP rank holds whole (replicated): D rank ``j`` then pulls
+    it from one P rank (``j`` modulo P's TP size) and the other P ranks only answer."""
+    return 1 if model_config.use_mla else int(model_config.get_total_num_kv_heads())
 
 
 def worker_place(

@@ -24,10 +24,14 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV2Config,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    PretrainedConfig,
     PreTrainedTokenizerFast,
+    Qwen3NextConfig,
 )
 
 MODEL_NAME = "tiny-llama-v1"
@@ -114,11 +118,59 @@ SHAPES: dict[str, dict[str, int]] = {
 }  # fmt: skip
 
 
-def ensure_tiny_model(cache_dir: Path | None = None, *, shape: str = "tiny") -> Path:
+#: Model families beside the default Llama (``family=``), each tiny and random like it, with the
+#: same tokenizer; what makes each one its family:
+#:
+#: * ``sliding``: Llama with a sliding window of 32 tokens on its first layer and full
+#:   attention on the second (``layer_types``, which vLLM's Llama reads per layer);
+#: * ``mla``: DeepSeek-V2-style multi-head latent attention (one latent cache per layer,
+#:   ``kv_lora_rank`` 512 + 64 rope dims: the head size vLLM's CPU MLA kernel takes), dense MLP;
+#: * ``gdn``: Qwen3-Next-style hybrid, gated delta-net linear attention on three layers of four
+#:   and full attention on the fourth, a small mixture of experts; vLLM's CPU kernel for it
+#:   needs ``--dtype bfloat16``.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "sliding": {
+        "sliding_window": 32,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "mla": {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "first_k_dense_replace": 2,  # every layer dense: no experts
+    },
+    "gdn": {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 128,  # the CPU gated delta-rule kernel's head size
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        # vLLM's Qwen3-Next needs a mixture-of-experts MLP: four small experts, two per token
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+    },
+}
+
+
+def ensure_tiny_model(
+    cache_dir: Path | None = None, *, shape: str = "tiny", family: str = "llama"
+) -> Path:
     """Build the tiny model under ``cache_dir`` (default `default_cache_dir`) once; return its path.
 
     ``shape`` picks one of :data:`SHAPES` (same tokenizer, weights drawn the same way); a shape
-    other than ``tiny`` lives in ``MODEL_NAME-<shape>``. Raises `ValueError` for an unknown one.
+    other than ``tiny`` lives in ``MODEL_NAME-<shape>``. ``family`` picks one of
+    :data:`FAMILIES` (``tiny`` shape only); another than ``llama`` lives in
+    ``MODEL_NAME-<family>``. Raises `ValueError` for an unknown shape or family.
     The model directory is ``cache_dir / MODEL_NAME``. It holds ``config.json``,
     ``model.safetensors``, ``generation_config.json`` and a ``PreTrainedTokenizerFast``
     (``tokenizer.json``, ``tokenizer_config.json``, special tokens, chat template). An existing
@@ -128,24 +180,27 @@ def ensure_tiny_model(cache_dir: Path | None = None, *, shape: str = "tiny") -> 
     """
     if shape not in SHAPES:
         raise ValueError(f"unknown model shape {shape!r}; known: {sorted(SHAPES)}")
+    if family not in FAMILIES or (family != "llama" and shape != "tiny"):
+        raise ValueError(f"unknown model family {family!r} (shape tiny); known: {sorted(FAMILIES)}")
     root = (cache_dir if cache_dir is not None else default_cache_dir()).expanduser()
     name = MODEL_NAME if shape == "tiny" else f"{MODEL_NAME}-{shape}"
+    name = name if family == "llama" else f"{MODEL_NAME}-{family}"
     target = root / name
-    if _is_complete(target):
+    if _is_complete(target, family):
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
     try:
         tmp.chmod(0o755)  # mkdtemp's 0700 would make a shared cache unreadable to others
-        _build(tmp, SHAPES[shape])
+        _build(tmp, {**SHAPES[shape], **FAMILIES[family]}, family)
         for _ in range(3):
-            if _is_complete(target):
+            if _is_complete(target, family):
                 return target
             try:
                 tmp.rename(target)
                 return target
             except OSError:
-                if _is_complete(target):
+                if _is_complete(target, family):
                     return target
                 # A stale or foreign directory holds the name: move it aside, then retry.
                 _discard(target, root)
@@ -243,9 +298,14 @@ def _batch_first_tokens(
     return [int(t) for t in logits[torch.arange(len(rows)), last].argmax(-1)]
 
 
-def _is_complete(path: Path) -> bool:
+def _marker(family: str) -> str:
+    """What a complete model's marker file says: the version (and the family)."""
+    return _VERSION if family == "llama" else f"{_VERSION}-{family}-3"
+
+
+def _is_complete(path: Path, family: str = "llama") -> bool:
     try:
-        return (path / _MARKER).read_text().strip() == _VERSION
+        return (path / _MARKER).read_text().strip() == _marker(family)
     except OSError:
         return False
 
@@ -259,12 +319,12 @@ def _discard(path: Path, root: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _build(out: Path, shape: dict[str, int]) -> None:
+def _build(out: Path, shape: dict[str, Any], family: str = "llama") -> None:
     tokenizer = _train_tokenizer()
     tokenizer.save_pretrained(str(out))
     config = _model_config(tokenizer, shape)
     with torch.device("cpu"):
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(_deterministic_weights(model, tokenizer))
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
@@ -273,7 +333,7 @@ def _build(out: Path, shape: dict[str, int]) -> None:
         do_sample=False,
     )
     model.save_pretrained(str(out), safe_serialization=True)
-    (out / _MARKER).write_text(_VERSION + "\n")
+    (out / _MARKER).write_text(_marker(family) + "\n")
 
 
 def _train_tokenizer() -> PreTrainedTokenizerFast:
@@ -304,7 +364,7 @@ def _train_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def _model_config(tokenizer: PreTrainedTokenizerFast, shape: dict[str, int]) -> LlamaConfig:
+def _model_config(tokenizer: PreTrainedTokenizerFast, shape: dict[str, Any]) -> PretrainedConfig:
     kwargs: dict[str, Any] = {
         "vocab_size": len(tokenizer),
         **shape,
@@ -317,7 +377,12 @@ def _model_config(tokenizer: PreTrainedTokenizerFast, shape: dict[str, int]) -> 
         "pad_token_id": tokenizer.pad_token_id,
         "dtype": "float32",
     }
-    return LlamaConfig(**kwargs)
+    config_classes: dict[str, type[PretrainedConfig]] = {
+        "DeepseekV2ForCausalLM": DeepseekV2Config,
+        "Qwen3NextForCausalLM": Qwen3NextConfig,
+    }
+    config_class = config_classes.get(kwargs.get("architectures", [""])[0], LlamaConfig)
+    return config_class(**kwargs)
 
 
 def _deterministic_weights(

@@ -5,7 +5,7 @@ through the same calls vLLM makes (register_kv_caches, start_load_kv, get_transf
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,18 +34,28 @@ def kv_caches() -> dict[str, torch.Tensor]:
     return {f"model.layers.{i}.self_attn.attn": alloc[i] for i in range(LAYERS)}
 
 
+def mla_caches() -> dict[str, torch.Tensor]:
+    """MLA's KV as vLLM CPU binds it: per layer one latent of 512 + 64 rope dims per token,
+    [blocks, 1, 16, 576], here block-outer across layers (one backing tensor, every layer's
+    block strided by both layers' pages)."""
+    alloc = torch.zeros(BLOCKS, LAYERS, 1, 16, 576)
+    return {f"model.layers.{i}.self_attn.attn": alloc[:, i] for i in range(LAYERS)}
+
+
 class Pair:
     def __init__(
         self,
         p_only: dict[str, Any] | None = None,
         d_only: dict[str, Any] | None = None,
+        caches: Callable[[], dict[str, torch.Tensor]] = kv_caches,
         **settings: Any,
     ) -> None:
-        """A P and a D worker side with ``settings``, plus ``p_only`` / ``d_only`` each."""
+        """A P and a D worker side with ``settings``, plus ``p_only`` / ``d_only`` each, over
+        KV tensors made by ``caches``."""
         self.settings = ConnectorSettings(bootstrap_port=free_port(), ready_timeout=30, **settings)
         p_settings = msgspec.structs.replace(self.settings, **(p_only or {}))
         d_settings = msgspec.structs.replace(self.settings, **(d_only or {}))
-        self.p_kv, self.d_kv = kv_caches(), kv_caches()
+        self.p_kv, self.d_kv = caches(), caches()
         self.p = WorkerSide(p_settings, WorkerPlace("prefill-w", True, False, RankInfo(), True))
         self.d = WorkerSide(d_settings, WorkerPlace("decode-w", False, True, RankInfo(), False))
         self.p.register_kv_caches(self.p_kv, BLOCKS)
@@ -275,6 +285,23 @@ def test_a_dead_trio_thread_fails_its_pulls_then_the_actors_come_back(pair: Pair
     run_step(pair.p, PdActorsMetadata(ready={"preq10": SendSpec("t10", (18,))}))
     assert "dreq10" not in wait_for(pair.d, "recved", "dreq10")["failed"]
     run_step(pair.p, PdActorsMetadata(dropped=["t8"]))  # P's side of the dead pull
+
+
+def test_mla_latent_caches_move_byte_for_byte() -> None:
+    """MLA-shaped caches (strided, one latent per layer): the blocks D pulls equal P's, and
+    the blocks around them are untouched."""
+    pair = Pair(caches=mla_caches)
+    try:
+        layout = layout_from_kv_caches(pair.p_kv, BLOCKS).layout
+        assert [r.block_bytes for r in layout.regions] == [16 * 576 * 4] * LAYERS
+        assert {r.stride for r in layout.regions} == {LAYERS * 16 * 576 * 4}
+        pair.move_and_check("m1", (3, 4, 9), (10, 11, 2))
+        untouched = [b for b in range(BLOCKS) if b not in (10, 11, 2)]
+        for name in pair.d_kv:
+            assert not pair.d_kv[name][untouched].any()
+    finally:
+        pair.p.shutdown()
+        pair.d.shutdown()
 
 
 def test_keys_of_their_own_secure_the_worker_sides(tmp_path: Path) -> None:
