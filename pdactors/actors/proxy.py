@@ -37,16 +37,15 @@ from __future__ import annotations
 import logging
 import ssl
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final
 
 import httpx
 import msgspec
 import trio
-from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope, Scope
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     generate_latest,
@@ -58,10 +57,24 @@ from werkzeug.exceptions import HTTPException
 from pdactors.actors._auth import BearerCheck
 from pdactors.actors._engine_http import ConnectFailed, EngineClient, EngineError, EngineResponse
 from pdactors.actors._http import bind_listener, serve_http
+from pdactors.actors._proxy_health import HealthWatch
 from pdactors.actors._proxy_state import Backend, Metrics, Pool
+from pdactors.actors._proxy_wire import (
+    CHAT,
+    COMPLETIONS,
+    Endpoint,
+    Exchange,
+    Failure,
+    ProxyApp,
+    Reply,
+    cancel_on_disconnect,
+    header,
+    read_body,
+    validate,
+)
 from pdactors.bootstrap_client import BootstrapClient, tls_verify
 from pdactors.config import ProxyConfig
-from pdactors.errors import BootstrapError, BootstrapTimeout, describe
+from pdactors.errors import describe
 
 __all__ = ["serve_proxy"]
 
@@ -75,188 +88,6 @@ _CLOSE_TIMEOUT: Final = 2.0
 _LAST_EVENT_TIMEOUT: Final = 1.0
 #: An SSE event in which an engine reports a failure of a stream it already answered 200 to.
 _ERROR_EVENT: Final = b'data: {"error"'
-
-
-# --------------------------------------------------------------------------- requests
-
-
-@dataclass(frozen=True)
-class _Endpoint:
-    name: str  # metric label
-    path: str
-    input_field: str
-    chat: bool
-
-
-_COMPLETIONS: Final = _Endpoint("completions", "/v1/completions", "prompt", chat=False)
-_CHAT: Final = _Endpoint("chat_completions", "/v1/chat/completions", "messages", chat=True)
-
-
-@dataclass(frozen=True)
-class _Failure:
-    """Why a request cannot be answered: an HTTP status, an OpenAI-shaped body, a metric label."""
-
-    status: int
-    body: bytes
-    outcome: str
-
-    @classmethod
-    def of(
-        cls, status: int, message: str, kind: str, outcome: str, code: int | str | None = None
-    ) -> _Failure:
-        error = {"message": message, "type": kind, "code": status if code is None else code}
-        return cls(status, msgspec.json.encode({"error": error}), outcome)
-
-    @classmethod
-    def unauthorized(cls, message: str) -> _Failure:
-        """OpenAI's answer to a missing or wrong API key."""
-        return cls.of(401, message, "invalid_request_error", "unauthorized", "invalid_api_key")
-
-    def response(self) -> Response:
-        return Response(self.body, status=self.status, content_type="application/json")
-
-    def sse_event(self) -> bytes:
-        return b"data: " + self.body + b"\n\n"
-
-
-def _validate(raw: bytes, endpoint: _Endpoint) -> dict[str, Any] | str:
-    """The decoded body, or what is wrong with it."""
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        return f"the body is not valid JSON: {exc}"
-    if not isinstance(body, dict):
-        return "the body must be a JSON object"
-    if not isinstance(body.get("model"), str):
-        return "`model` is required (a string)"
-    if body.get(endpoint.input_field) is None:
-        return f"`{endpoint.input_field}` is required"
-    if not isinstance(body.get("stream", False), bool | None):
-        return "`stream` must be true or false"
-    for key in ("max_tokens", "max_completion_tokens"):
-        value = body.get(key)
-        if value is not None and (type(value) is not int or value < 1):
-            return f"`{key}` must be a positive integer"
-    return body
-
-
-@dataclass(eq=False)
-class _Exchange:
-    """One client request: where it goes, its transfer id, its deadline, what it holds.
-
-    ``p_scope`` bounds P's leg, :meth:`decode_scope` each part of D's (its head, then its
-    body): the first failure of either cancels both.
-    """
-
-    endpoint: _Endpoint
-    stream: bool
-    p: Backend
-    d: Backend
-    transfer_id: str
-    arrived: float
-    deadline: float
-    headers: list[tuple[bytes, bytes]]
-    p_headers: list[tuple[bytes, bytes]]  # with ``x-data-parallel-rank`` when P has DP ranks
-    p_engine_id: str | None  # the engine id of the DP rank P's request goes to
-    p_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    d_scopes: list[trio.CancelScope] = field(default_factory=list)
-    failure: _Failure | None = None
-    prefill_released: bool = False
-    ended: bool = False
-    #: When P answered and when D's headers came (trio clock), for the debug timeline.
-    p_answered: float | None = None
-    d_answered: float | None = None
-
-    def fail(self, failure: _Failure) -> None:
-        if self.failure is None:  # the first failure is the cause; later ones are its echo
-            self.failure = failure
-        self.p_scope.cancel()
-        for scope in self.d_scopes:
-            scope.cancel()
-
-    def decode_scope(self) -> trio.CancelScope:
-        """A scope for the next part of D's leg: cancelled by a failure, even an earlier one."""
-        scope = trio.CancelScope()
-        if self.failure is not None:
-            scope.cancel()
-        self.d_scopes.append(scope)
-        return scope
-
-
-class _Reply:
-    """The client's side of one completion request, over raw ASGI (hypercorn's ``send``)."""
-
-    def __init__(self, send: ASGISendCallable) -> None:
-        self._send = send
-        self.started = False
-
-    async def start(self, status: int, content_type: bytes, tid: str, *extra: bytes) -> None:
-        self.started = True
-        headers = [(b"content-type", content_type), (b"x-request-id", tid.encode())]
-        headers += [(b"cache-control", value) for value in extra]
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
-
-    async def chunk(self, data: bytes, *, more: bool = True) -> None:
-        await self._send({"type": "http.response.body", "body": data, "more_body": more})
-
-    async def whole(self, status: int, body: bytes, tid: str = "") -> None:
-        await self.start(status, b"application/json", tid)
-        await self.chunk(body, more=False)
-
-    async def failure(self, failure: _Failure) -> None:
-        await self.whole(failure.status, failure.body)
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its request's body was in."""
-
-
-async def _read_body(receive: ASGIReceiveCallable, limit: int) -> bytes | None:
-    """The request's body, or None when it is longer than ``limit`` bytes."""
-    parts, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            raise _ClientGone
-
-        part = message.get("body", b"")
-        size += len(part)
-        if size > limit:
-            return None
-        parts.append(part)
-        if not message.get("more_body", False):
-            return b"".join(parts)
-
-
-async def _cancel_on_disconnect(receive: ASGIReceiveCallable, scope: trio.CancelScope) -> None:
-    """The client went away: cancel its request (P and D see their connections close)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
-
-
-class _ProxyApp(QuartTrio):  # type: ignore[misc]
-    """Quart for every route but the completions, which are served on raw ASGI: Quart's
-    request and response machinery cost ~1 ms of CPU per request (bench/proxy_overhead.py)."""
-
-    fast: dict[str, Callable[..., Awaitable[None]]]
-
-    async def __call__(
-        self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
-    ) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            handler = self.fast.get(scope["path"])
-            if handler is not None:
-                await handler(scope, receive, send)
-                return
-        await super().__call__(scope, receive, send)
-
-
-def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
-    for key, value in headers:
-        if key == name:
-            return value.decode("latin-1")
-    return None
 
 
 class _Proxy:
@@ -282,126 +113,47 @@ class _Proxy:
         self.metrics = Metrics()
         for b in (*prefill, *decode):
             self.metrics.backend_up.labels(b.role, b.url).set(0)
-
-    # ------------------------------------------------------------------ health
-
-    async def watch_health(self) -> None:
-        """Probe every engine each ``health_interval``, forever. Never raises."""
-        backends = self.prefill.backends + self.decode.backends
-        while True:
-            async with trio.open_nursery() as nursery:
-                for backend in backends:
-                    nursery.start_soon(self._probe, backend)
-            await trio.sleep(self.config.health_interval)
-
-    async def _probe(self, b: Backend) -> None:
-        problem, engines = await self._check(b)
-        self._set_health(b, problem, engines)
-
-    async def _check(self, b: Backend) -> tuple[str | None, dict[int, str] | None]:
-        """``(problem, P's engine id per DP rank)``; takes at most two ``health_timeout``s."""
-        timeout = self.config.health_timeout
-        with trio.move_on_after(timeout) as scope:
-            try:
-                resp = await self.probe_http.get(f"{b.url}/health")
-            except httpx.HTTPError as exc:
-                return f"GET /health failed: {describe(exc)}", None
-        if scope.cancelled_caught:
-            return f"GET /health gave no answer within {timeout:g} s", None
-        if resp.status_code != 200:
-            return f"GET /health answered HTTP {resp.status_code}", None
-        if b.bootstrap_url is None:
-            return None, None
-        try:
-            answer = await self.bootstrap.query(b.bootstrap_url, timeout=timeout)
-        except BootstrapTimeout as exc:
-            if b.engine_id is None:
-                return f"bootstrap: {exc}", None
-            # Busy is not dead: P's bootstrap runs in P's worker, which a long forward can
-            # starve; P's /health answered, and D's look-ups are cached. Keep the known ids.
-            if not b.bootstrap_slow:
-                b.bootstrap_slow = True
-                log.info("proxy: %s's bootstrap is slow (%s); keeping engine id %s",
-                         b.url, exc, b.engine_id)  # fmt: skip
-            return None, dict(b.dp_engines)
-        except BootstrapError as exc:
-            return f"bootstrap: {exc}", None
-        b.bootstrap_slow = False
-        engines = {
-            dp: entry.engine_id for dp, entry in answer.items() if any(entry.worker_addr.values())
-        }
-        if not engines:
-            return f"bootstrap {b.bootstrap_url} has no worker registered", None
-        return None, engines
-
-    def _set_health(self, b: Backend, problem: str | None, engines: dict[int, str] | None) -> None:
-        was_up = b.up
-        b.up = problem is None
-        if problem is not None:
-            b.problem = problem
-        elif engines:
-            old = b.engine_id
-            if len(engines) > 1 and engines != b.dp_engines:
-                log.info("proxy: %s has %d DP ranks: %s", b.url, len(engines), engines)
-            b.dp_engines = engines
-            if old is not None and b.engine_id != old:
-                log.warning("proxy: %s engine id changed %s -> %s", b.url, old, b.engine_id)
-        self.metrics.backend_up.labels(b.role, b.url).set(1 if b.up else 0)
-        if was_up and not b.up:
-            log.warning("proxy: %s %s out of rotation: %s", b.role, b.url, b.problem)
-        elif b.up and not was_up:
-            suffix = f" (engine id {b.engine_id})" if b.role == "prefill" else ""
-            log.info("proxy: %s %s in rotation%s", b.role, b.url, suffix)
-
-    def health(self) -> tuple[int, dict[str, Any]]:
-        reasons = [pool.why_none() for pool in (self.prefill, self.decode) if not pool.any_up]
-        report: dict[str, Any] = {
-            "status": "unavailable" if reasons else "ok",
-            "prefill": [b.describe() for b in self.prefill.backends],
-            "decode": [b.describe() for b in self.decode.backends],
-        }
-        if reasons:
-            report["reason"] = "; ".join(reasons)
-        return (503 if reasons else 200), report
+        pools = (self.prefill, self.decode)
+        self.watch = HealthWatch(config, probe_http, self.bootstrap, pools, self.metrics)
 
     # ------------------------------------------------------------------ completions
 
     async def serve_completion(
         self,
-        endpoint: _Endpoint,
+        endpoint: Endpoint,
         scope: HTTPScope,
         receive: ASGIReceiveCallable,
         send: ASGISendCallable,
     ) -> None:
         """One completion request (raw ASGI). A client that goes away cancels it; a bug is
         logged with its traceback and answered 500 when nothing was sent yet."""
-        reply = _Reply(send)
+        reply = Reply(send)
         arrived = trio.current_time()
         peer = scope.get("client")
         client = peer[0] if peer else "unknown client"
-        refused = self.auth.refusal(_header(scope["headers"], b"authorization"), client)
+        refused = self.auth.refusal(header(scope["headers"], b"authorization"), client)
         if refused is not None:  # before reading a byte of the body
             self.metrics.requests.labels(endpoint.name, "unauthorized").inc()
-            await reply.failure(_Failure.unauthorized(refused))
+            await reply.failure(Failure.unauthorized(refused))
             return
         try:
             async with trio.open_nursery() as nursery:
-                raw = await _read_body(receive, self.config.max_body_bytes)
-                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                raw = await read_body(receive, self.config.max_body_bytes)
+                nursery.start_soon(cancel_on_disconnect, receive, nursery.cancel_scope)
                 await self.complete(endpoint, scope, raw, reply, nursery, arrived)
                 nursery.cancel_scope.cancel()  # P's leg, if still open, and the watcher
         except Exception as exc:
             log.error("proxy: internal error on POST %s", endpoint.path, exc_info=exc)
             if not reply.started:
                 message = f"internal error: {type(exc).__name__}"
-                await reply.failure(_Failure.of(500, message, "internal_error", ""))
+                await reply.failure(Failure.of(500, message, "internal_error", ""))
 
     async def complete(
         self,
-        endpoint: _Endpoint,
+        endpoint: Endpoint,
         scope: HTTPScope,
         raw: bytes | None,
-        reply: _Reply,
+        reply: Reply,
         nursery: trio.Nursery,
         arrived: float,
     ) -> None:
@@ -409,18 +161,18 @@ class _Proxy:
             limit = self.config.max_body_bytes
             message = f"the body is larger than {limit} bytes"
             self.metrics.requests.labels(endpoint.name, "invalid").inc()
-            await reply.failure(_Failure.of(413, message, "invalid_request_error", "invalid"))
+            await reply.failure(Failure.of(413, message, "invalid_request_error", "invalid"))
             return
-        body = _validate(raw, endpoint)
+        body = validate(raw, endpoint)
         if isinstance(body, str):
             self.metrics.requests.labels(endpoint.name, "invalid").inc()
-            await reply.failure(_Failure.of(400, body, "invalid_request_error", "invalid"))
+            await reply.failure(Failure.of(400, body, "invalid_request_error", "invalid"))
             return
         p, d = self.prefill.pick(), self.decode.pick()
         if p is None or d is None:
             why = (self.prefill if p is None else self.decode).why_none()
             self.metrics.requests.labels(endpoint.name, "unavailable").inc()
-            await reply.failure(_Failure.of(503, why, "service_unavailable", "unavailable"))
+            await reply.failure(Failure.of(503, why, "service_unavailable", "unavailable"))
             return
         tid = uuid.uuid4().hex
         headers = [(b"content-type", b"application/json"), (b"x-request-id", tid.encode())]
@@ -429,7 +181,7 @@ class _Proxy:
         p_headers = headers
         if dp_rank is not None:  # vLLM's API server sends the request to that DP engine
             p_headers = [*headers, (b"x-data-parallel-rank", str(dp_rank).encode())]
-        ex = _Exchange(
+        ex = Exchange(
             endpoint, body.get("stream") is True, p, d, tid,
             arrived, arrived + self.config.request_timeout, headers, p_headers, p_engine_id,
         )  # fmt: skip
@@ -456,7 +208,7 @@ class _Proxy:
         else:
             await self._relay(ex, d_resp, reply)
 
-    def _bodies(self, ex: _Exchange, body: dict[str, Any]) -> tuple[bytes, bytes]:
+    def _bodies(self, ex: Exchange, body: dict[str, Any]) -> tuple[bytes, bytes]:
         p_body = {**body, "max_tokens": 1, "stream": False}
         if ex.endpoint.chat:
             p_body["max_completion_tokens"] = 1
@@ -472,9 +224,9 @@ class _Proxy:
         d_body = {**body, "kv_transfer_params": d_params}
         return msgspec.json.encode(p_body), msgspec.json.encode(d_body)
 
-    async def _prefill_leg(self, ex: _Exchange, body: bytes) -> None:
+    async def _prefill_leg(self, ex: Exchange, body: bytes) -> None:
         """P's whole answer; a failure (or no answer by the deadline) fails the request."""
-        failure: _Failure | None = None
+        failure: Failure | None = None
         with ex.p_scope, trio.move_on_at(ex.deadline) as timer:
             try:
                 resp = await self.engines[ex.p.url].request(
@@ -494,7 +246,7 @@ class _Proxy:
         if failure is not None and not ex.ended:
             ex.fail(failure)
 
-    async def _open_decode(self, ex: _Exchange, body: bytes) -> EngineResponse | None:
+    async def _open_decode(self, ex: Exchange, body: bytes) -> EngineResponse | None:
         """D's open answer (status 200), or None with ``ex.failure`` set: D failed, P failed
         first, or nothing came by the deadline. The caller owns the answer."""
         resp: EngineResponse | None = None
@@ -522,7 +274,7 @@ class _Proxy:
                 await resp.aclose()
             raise
 
-    async def _whole_answer(self, ex: _Exchange, resp: EngineResponse, reply: _Reply) -> None:
+    async def _whole_answer(self, ex: Exchange, resp: EngineResponse, reply: Reply) -> None:
         """Not streamed: D's whole body, unless P fails first."""
         body = b""
         try:
@@ -546,7 +298,7 @@ class _Proxy:
         self._end(ex, "ok")
         await reply.whole(200, body, ex.transfer_id)
 
-    async def _relay(self, ex: _Exchange, resp: EngineResponse, reply: _Reply) -> None:
+    async def _relay(self, ex: Exchange, resp: EngineResponse, reply: Reply) -> None:
         """Hand D's streamed answer to the client as it comes; owns ``resp``."""
         outcome = "cancelled"
         try:
@@ -558,7 +310,7 @@ class _Proxy:
             await resp.aclose()
             self._end(ex, outcome)
 
-    async def _forward(self, ex: _Exchange, resp: EngineResponse, reply: _Reply) -> str:
+    async def _forward(self, ex: Exchange, resp: EngineResponse, reply: Reply) -> str:
         first, outcome = True, "ok"
         with ex.decode_scope(), trio.move_on_at(ex.deadline):
             try:
@@ -578,7 +330,7 @@ class _Proxy:
             await reply.chunk(failure.sse_event())
         return failure.outcome
 
-    def _first_chunk(self, ex: _Exchange) -> None:
+    def _first_chunk(self, ex: Exchange) -> None:
         now = trio.current_time()
         self.metrics.ttft.labels(ex.p.url, ex.d.url).observe(now - ex.arrived)
         if log.isEnabledFor(logging.DEBUG):
@@ -591,16 +343,16 @@ class _Proxy:
                 ex.transfer_id, ms(ex.d_answered), ms(now), ms(ex.p_answered),
             )  # fmt: skip
 
-    def _timeout_failure(self, what: str) -> _Failure:
+    def _timeout_failure(self, what: str) -> Failure:
         message = f"{what} within the request timeout ({self.config.request_timeout:g} s)"
-        return _Failure.of(504, message, "timeout", "timeout")
+        return Failure.of(504, message, "timeout", "timeout")
 
-    def _release_prefill(self, ex: _Exchange) -> None:
+    def _release_prefill(self, ex: Exchange) -> None:
         if not ex.prefill_released:
             ex.prefill_released = True
             ex.p.outstanding -= 1
 
-    def _end(self, ex: _Exchange, outcome: str) -> None:
+    def _end(self, ex: Exchange, outcome: str) -> None:
         if ex.ended:
             return
         ex.ended = True
@@ -612,14 +364,14 @@ class _Proxy:
             elapsed = trio.current_time() - ex.arrived
             self.metrics.latency.labels(ex.p.url, ex.d.url).observe(elapsed)
 
-    def _transport_failure(self, b: Backend, exc: EngineError | httpx.HTTPError) -> _Failure:
+    def _transport_failure(self, b: Backend, exc: EngineError | httpx.HTTPError) -> Failure:
         self.metrics.backend_errors.labels(b.role, b.url).inc()
         if isinstance(exc, ConnectFailed | httpx.ConnectError):  # gone: out of rotation now
-            self._set_health(b, f"connection failed: {describe(exc)}", None)
+            self.watch.set(b, f"connection failed: {describe(exc)}", None)
         message = f"{b.role} engine {b.url} failed: {describe(exc)}"
-        return _Failure.of(502, message, "upstream_error", f"{b.role}_error")
+        return Failure.of(502, message, "upstream_error", f"{b.role}_error")
 
-    def _status_failure(self, b: Backend, status: int, body: bytes) -> _Failure:
+    def _status_failure(self, b: Backend, status: int, body: bytes) -> Failure:
         """A 4xx passes through (vLLM's own error body); anything else becomes a 502."""
         outcome = f"{b.role}_error"
         text = body[:500].decode(errors="replace")
@@ -629,12 +381,12 @@ class _Proxy:
             except msgspec.DecodeError:
                 passed = None
             if isinstance(passed, dict) and "error" in passed:
-                return _Failure(status, body, outcome)
+                return Failure(status, body, outcome)
             message = f"{b.role} engine {b.url}: {text}"
-            return _Failure.of(status, message, "invalid_request_error", outcome)
+            return Failure.of(status, message, "invalid_request_error", outcome)
         self.metrics.backend_errors.labels(b.role, b.url).inc()
         message = f"{b.role} engine {b.url} answered HTTP {status}: {text}"
-        return _Failure.of(502, message, "upstream_error", outcome)
+        return Failure.of(502, message, "upstream_error", outcome)
 
     # ------------------------------------------------------------------ models
 
@@ -650,7 +402,7 @@ class _Proxy:
     async def models(self, incoming: bytes | None = None) -> Response:
         d = next((b for b in self.decode.backends if b.up), None)
         if d is None:
-            return _Failure.of(503, self.decode.why_none(), "service_unavailable", "").response()
+            return Failure.of(503, self.decode.why_none(), "service_unavailable", "").response()
         with trio.move_on_after(self.config.health_timeout):
             try:
                 auth = dict(self._engine_auth([(b"authorization", incoming)] if incoming else []))
@@ -662,7 +414,7 @@ class _Proxy:
         message = (
             f"decode engine {d.url} sent no model list within {self.config.health_timeout:g} s"
         )
-        return _Failure.of(504, message, "timeout", "").response()
+        return Failure.of(504, message, "timeout", "").response()
 
 
 # --------------------------------------------------------------------------- HTTP face
@@ -673,20 +425,20 @@ def _json(body: object, status: int = 200) -> Response:
 
 
 def _make_app(proxy: _Proxy) -> QuartTrio:
-    app = _ProxyApp(__name__, static_folder=None)
+    app = ProxyApp(__name__, static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = proxy.config.max_body_bytes
     # Quart would silently cut a streamed answer after RESPONSE_TIMEOUT (60 s); the proxy
     # bounds each request itself, with an error the client can see.
     app.config["RESPONSE_TIMEOUT"] = None
 
     app.fast = {
-        e.path: partial(proxy.serve_completion, e) for e in (_COMPLETIONS, _CHAT)
+        e.path: partial(proxy.serve_completion, e) for e in (COMPLETIONS, CHAT)
     }  # POST only; other methods on these paths reach Quart's routing (405)
 
     @app.route("/v1/completions", methods=["PUT"])
     @app.route("/v1/chat/completions", methods=["PUT"])
     async def completions_put() -> Response:  # never POST: served on raw ASGI (app.fast)
-        return _Failure.of(405, "use POST", "invalid_request_error", "").response()
+        return Failure.of(405, "use POST", "invalid_request_error", "").response()
 
     @app.before_request
     async def authenticate() -> Response | None:
@@ -694,7 +446,7 @@ def _make_app(proxy: _Proxy) -> QuartTrio:
             return None  # open: load balancers and Prometheus
         client = request.remote_addr or "unknown client"
         refused = proxy.auth.refusal(request.headers.get("authorization"), client)
-        return None if refused is None else _Failure.unauthorized(refused).response()
+        return None if refused is None else Failure.unauthorized(refused).response()
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -703,7 +455,7 @@ def _make_app(proxy: _Proxy) -> QuartTrio:
 
     @app.get("/health")
     async def health() -> Response:
-        status, report = proxy.health()
+        status, report = proxy.watch.report()
         return _json(report, status)
 
     @app.get("/metrics")
@@ -714,9 +466,7 @@ def _make_app(proxy: _Proxy) -> QuartTrio:
     async def http_error(exc: HTTPException) -> Response:
         # 404, 405, 413, ...: OpenAI's error shape.
         code = exc.code or 500
-        return _Failure.of(
-            code, exc.description or exc.name, "invalid_request_error", ""
-        ).response()
+        return Failure.of(code, exc.description or exc.name, "invalid_request_error", "").response()
 
     @app.errorhandler(Exception)
     async def internal_error(exc: Exception) -> Response:
@@ -724,7 +474,7 @@ def _make_app(proxy: _Proxy) -> QuartTrio:
         # listener thread); the bug is logged with its traceback and the server keeps going.
         log.error("proxy: internal error on %s %s", request.method, request.path, exc_info=exc)
         message = f"internal error: {type(exc).__name__}"
-        return _Failure.of(500, message, "internal_error", "").response()
+        return Failure.of(500, message, "internal_error", "").response()
 
     return app
 
@@ -780,7 +530,7 @@ async def _serve(
 ) -> None:
     config = proxy.config
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(proxy.watch_health)
+        nursery.start_soon(proxy.watch.run)
         app = _make_app(proxy)
         serve = partial(
             serve_http,

@@ -1,0 +1,119 @@
+"""The proxy's health loop: every engine's ``GET /health`` and every P's bootstrap
+``GET /query`` each ``health_interval``; engines in and out of rotation, P's engine ids."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+import trio
+
+from pdactors.actors._proxy_state import Backend, Metrics, Pool
+from pdactors.bootstrap_client import BootstrapClient
+from pdactors.config import ProxyConfig
+from pdactors.errors import BootstrapError, BootstrapTimeout, describe
+
+__all__ = ["HealthWatch"]
+
+log = logging.getLogger("pdactors.proxy")
+
+
+class HealthWatch:
+    """The health of the proxy's engines, kept in their :class:`Backend` records."""
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        probe_http: httpx.AsyncClient,
+        bootstrap: BootstrapClient,
+        pools: tuple[Pool, Pool],
+        metrics: Metrics,
+    ) -> None:
+        self.config = config
+        self.probe_http = probe_http  # httpx, its own pool: request traffic never delays probes
+        self.bootstrap = bootstrap
+        self.prefill, self.decode = pools
+        self.metrics = metrics
+
+    async def run(self) -> None:
+        """Probe every engine each ``health_interval``, forever. Never raises."""
+        backends = self.prefill.backends + self.decode.backends
+        while True:
+            async with trio.open_nursery() as nursery:
+                for backend in backends:
+                    nursery.start_soon(self._probe, backend)
+            await trio.sleep(self.config.health_interval)
+
+    async def _probe(self, b: Backend) -> None:
+        problem, engines = await self._check(b)
+        self.set(b, problem, engines)
+
+    async def _check(self, b: Backend) -> tuple[str | None, dict[int, str] | None]:
+        """``(problem, P's engine id per DP rank)``; takes at most two ``health_timeout``s."""
+        timeout = self.config.health_timeout
+        with trio.move_on_after(timeout) as scope:
+            try:
+                resp = await self.probe_http.get(f"{b.url}/health")
+            except httpx.HTTPError as exc:
+                return f"GET /health failed: {describe(exc)}", None
+        if scope.cancelled_caught:
+            return f"GET /health gave no answer within {timeout:g} s", None
+        if resp.status_code != 200:
+            return f"GET /health answered HTTP {resp.status_code}", None
+        if b.bootstrap_url is None:
+            return None, None
+        try:
+            answer = await self.bootstrap.query(b.bootstrap_url, timeout=timeout)
+        except BootstrapTimeout as exc:
+            if b.engine_id is None:
+                return f"bootstrap: {exc}", None
+            # Busy is not dead: P's bootstrap runs in P's worker, which a long forward can
+            # starve; P's /health answered, and D's look-ups are cached. Keep the known ids.
+            if not b.bootstrap_slow:
+                b.bootstrap_slow = True
+                log.info("proxy: %s's bootstrap is slow (%s); keeping engine id %s",
+                         b.url, exc, b.engine_id)  # fmt: skip
+            return None, dict(b.dp_engines)
+        except BootstrapError as exc:
+            return f"bootstrap: {exc}", None
+        b.bootstrap_slow = False
+        engines = {
+            dp: entry.engine_id for dp, entry in answer.items() if any(entry.worker_addr.values())
+        }
+        if not engines:
+            return f"bootstrap {b.bootstrap_url} has no worker registered", None
+        return None, engines
+
+    def set(self, b: Backend, problem: str | None, engines: dict[int, str] | None) -> None:
+        """Record ``b``'s health (``problem`` None: up), logging when it enters or leaves the
+        rotation or P's engine id changes."""
+        was_up = b.up
+        b.up = problem is None
+        if problem is not None:
+            b.problem = problem
+        elif engines:
+            old = b.engine_id
+            if len(engines) > 1 and engines != b.dp_engines:
+                log.info("proxy: %s has %d DP ranks: %s", b.url, len(engines), engines)
+            b.dp_engines = engines
+            if old is not None and b.engine_id != old:
+                log.warning("proxy: %s engine id changed %s -> %s", b.url, old, b.engine_id)
+        self.metrics.backend_up.labels(b.role, b.url).set(1 if b.up else 0)
+        if was_up and not b.up:
+            log.warning("proxy: %s %s out of rotation: %s", b.role, b.url, b.problem)
+        elif b.up and not was_up:
+            suffix = f" (engine id {b.engine_id})" if b.role == "prefill" else ""
+            log.info("proxy: %s %s in rotation%s", b.role, b.url, suffix)
+
+    def report(self) -> tuple[int, dict[str, Any]]:
+        """``GET /health``'s status and body."""
+        reasons = [pool.why_none() for pool in (self.prefill, self.decode) if not pool.any_up]
+        report: dict[str, Any] = {
+            "status": "unavailable" if reasons else "ok",
+            "prefill": [b.describe() for b in self.prefill.backends],
+            "decode": [b.describe() for b in self.decode.backends],
+        }
+        if reasons:
+            report["reason"] = "; ".join(reasons)
+        return (503 if reasons else 200), report

@@ -1,0 +1,213 @@
+"""The proxy's client side of the wire: OpenAI request bodies and error bodies, one request's
+exchange state, and replies over raw ASGI (the completion routes skip Quart's machinery)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgspec
+import trio
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
+from quart import Response
+from quart_trio import QuartTrio
+
+from pdactors.actors._proxy_state import Backend
+
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "ClientGone",
+    "Endpoint",
+    "Exchange",
+    "Failure",
+    "ProxyApp",
+    "Reply",
+    "cancel_on_disconnect",
+    "header",
+    "read_body",
+    "validate",
+]
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    name: str  # metric label
+    path: str
+    input_field: str
+    chat: bool
+
+
+COMPLETIONS: Final = Endpoint("completions", "/v1/completions", "prompt", chat=False)
+CHAT: Final = Endpoint("chat_completions", "/v1/chat/completions", "messages", chat=True)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a request cannot be answered: an HTTP status, an OpenAI-shaped body, a metric label."""
+
+    status: int
+    body: bytes
+    outcome: str
+
+    @classmethod
+    def of(
+        cls, status: int, message: str, kind: str, outcome: str, code: int | str | None = None
+    ) -> Failure:
+        error = {"message": message, "type": kind, "code": status if code is None else code}
+        return cls(status, msgspec.json.encode({"error": error}), outcome)
+
+    @classmethod
+    def unauthorized(cls, message: str) -> Failure:
+        """OpenAI's answer to a missing or wrong API key."""
+        return cls.of(401, message, "invalid_request_error", "unauthorized", "invalid_api_key")
+
+    def response(self) -> Response:
+        return Response(self.body, status=self.status, content_type="application/json")
+
+    def sse_event(self) -> bytes:
+        return b"data: " + self.body + b"\n\n"
+
+
+def validate(raw: bytes, endpoint: Endpoint) -> dict[str, Any] | str:
+    """The decoded body, or what is wrong with it."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        return f"the body is not valid JSON: {exc}"
+    if not isinstance(body, dict):
+        return "the body must be a JSON object"
+    if not isinstance(body.get("model"), str):
+        return "`model` is required (a string)"
+    if body.get(endpoint.input_field) is None:
+        return f"`{endpoint.input_field}` is required"
+    if not isinstance(body.get("stream", False), bool | None):
+        return "`stream` must be true or false"
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            return f"`{key}` must be a positive integer"
+    return body
+
+
+@dataclass(eq=False)
+class Exchange:
+    """One client request: where it goes, its transfer id, its deadline, what it holds.
+
+    ``p_scope`` bounds P's leg, :meth:`decode_scope` each part of D's (its head, then its
+    body): the first failure of either cancels both.
+    """
+
+    endpoint: Endpoint
+    stream: bool
+    p: Backend
+    d: Backend
+    transfer_id: str
+    arrived: float
+    deadline: float
+    headers: list[tuple[bytes, bytes]]
+    p_headers: list[tuple[bytes, bytes]]  # with ``x-data-parallel-rank`` when P has DP ranks
+    p_engine_id: str | None  # the engine id of the DP rank P's request goes to
+    p_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    d_scopes: list[trio.CancelScope] = field(default_factory=list)
+    failure: Failure | None = None
+    prefill_released: bool = False
+    ended: bool = False
+    #: When P answered and when D's headers came (trio clock), for the debug timeline.
+    p_answered: float | None = None
+    d_answered: float | None = None
+
+    def fail(self, failure: Failure) -> None:
+        if self.failure is None:  # the first failure is the cause; later ones are its echo
+            self.failure = failure
+        self.p_scope.cancel()
+        for scope in self.d_scopes:
+            scope.cancel()
+
+    def decode_scope(self) -> trio.CancelScope:
+        """A scope for the next part of D's leg: cancelled by a failure, even an earlier one."""
+        scope = trio.CancelScope()
+        if self.failure is not None:
+            scope.cancel()
+        self.d_scopes.append(scope)
+        return scope
+
+
+class Reply:
+    """The client's side of one completion request, over raw ASGI (hypercorn's ``send``)."""
+
+    def __init__(self, send: ASGISendCallable) -> None:
+        self._send = send
+        self.started = False
+
+    async def start(self, status: int, content_type: bytes, tid: str, *extra: bytes) -> None:
+        self.started = True
+        headers = [(b"content-type", content_type), (b"x-request-id", tid.encode())]
+        headers += [(b"cache-control", value) for value in extra]
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def chunk(self, data: bytes, *, more: bool = True) -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def whole(self, status: int, body: bytes, tid: str = "") -> None:
+        await self.start(status, b"application/json", tid)
+        await self.chunk(body, more=False)
+
+    async def failure(self, failure: Failure) -> None:
+        await self.whole(failure.status, failure.body)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request's body was in."""
+
+
+async def read_body(receive: ASGIReceiveCallable, limit: int) -> bytes | None:
+    """The request's body, or None when it is longer than ``limit`` bytes."""
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientGone
+
+        part = message.get("body", b"")
+        size += len(part)
+        if size > limit:
+            return None
+        parts.append(part)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+async def cancel_on_disconnect(receive: ASGIReceiveCallable, scope: trio.CancelScope) -> None:
+    """The client went away: cancel its request (P and D see their connections close)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+class ProxyApp(QuartTrio):  # type: ignore[misc]
+    """Quart for every route but the completions, which are served on raw ASGI: Quart's
+    request and response machinery cost ~1 ms of CPU per request (bench/proxy_overhead.py)."""
+
+    fast: dict[str, Callable[..., Awaitable[None]]]
+
+    async def __call__(
+        self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self.fast.get(scope["path"])
+            if handler is not None:
+                await handler(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
+def header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
