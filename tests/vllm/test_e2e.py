@@ -61,13 +61,20 @@ class Cluster:
         """One request through P and D: D's answer equals the single server's and D computed
         none of the prompt. Returns (P's answer, D's answer, the single server's)."""
         expected = completion(self.single, prompt, max_tokens=max_tokens)
-        local_before, external_before = self.d_prompt_tokens()
-        p_answer, d_answer = self.disaggregated(prompt, max_tokens)
+        with self.d_receives(len(prompt)):
+            p_answer, d_answer = self.disaggregated(prompt, max_tokens)
         assert text_and_reason(d_answer) == text_and_reason(expected)
+        return p_answer, d_answer, expected
+
+    @contextmanager
+    def d_receives(self, tokens: int) -> Iterator[None]:
+        """Around requests through P and D: D computed none of their prompts and received
+        ``tokens`` prompt tokens by KV transfer."""
+        local_before, external_before = self.d_prompt_tokens()
+        yield
         local_after, external_after = self.d_prompt_tokens()
         assert local_after == local_before, "D computed prompt tokens itself"
-        assert external_after - external_before == len(prompt)
-        return p_answer, d_answer, expected
+        assert external_after - external_before == tokens
 
     def assert_concurrent_equal_single(self, prompts: list[list[int]], max_tokens: int) -> None:
         """``prompts`` at once through the single server, then through P and D: equal."""
@@ -151,8 +158,8 @@ def test_output_equals_single_server_and_d_computes_no_prompt(
 ) -> None:
     prompt = prompt_ids(length, seed=length)
     expected = completion(cluster.single, prompt, max_tokens=max_tokens)
-    local_before, external_before = cluster.d_prompt_tokens()
-    p_answer, d_answer = cluster.disaggregated(prompt, max_tokens)
+    with cluster.d_receives(length):
+        p_answer, d_answer = cluster.disaggregated(prompt, max_tokens)
     assert text_and_reason(d_answer) == text_and_reason(expected)
     assert d_answer["usage"]["completion_tokens"] == expected["usage"]["completion_tokens"]
     # P returns the params a P-first router would forward to D
@@ -161,9 +168,6 @@ def test_output_equals_single_server_and_d_computes_no_prompt(
     assert params["do_remote_prefill"] is True
     assert params["remote_engine_id"] == "prefill-e2e"
     assert params["remote_bootstrap_addr"] == cluster.bootstrap_url
-    local_after, external_after = cluster.d_prompt_tokens()
-    assert local_after == local_before, "D computed prompt tokens itself"
-    assert external_after - external_before == length
 
 
 def test_32_concurrent_requests_equal_single_server(cluster: Cluster) -> None:
