@@ -10,6 +10,14 @@ from typing import Annotated
 
 import typer
 
+from pdactors.config import (
+    DEFAULT_BOOTSTRAP_PORT,
+    PROTOCOLS,
+    ROUTINGS,
+    ProxyConfig,
+    default_of,
+)
+
 app = typer.Typer(
     help="pdactors: prefill/decode disaggregation for vLLM as Trio actors.",
     no_args_is_help=True,
@@ -34,7 +42,7 @@ def harness(
     block_bytes: Annotated[int, typer.Option(help="Bytes per layer per block.")] = 64 * 1024,
     concurrency: Annotated[int, typer.Option(help="Transfers in flight at once.")] = 1,
     protocol: Annotated[
-        str, typer.Option(help="Mooncake protocol: tcp, rdma, nvlink_intra.")
+        str, typer.Option(help=f"Mooncake protocol: {', '.join(PROTOCOLS)}.")
     ] = "tcp",
     device: Annotated[str, typer.Option(help="Mooncake device name (RDMA NIC).")] = "",
     p_tp: Annotated[int, typer.Option(help="P's tensor-parallel workers.")] = 1,
@@ -61,7 +69,7 @@ def harness(
     from pdactors.config import DataPlaneConfig
     from pdactors.testing.harness import run_harness
 
-    if protocol not in ("tcp", "rdma", "nvlink_intra"):
+    if protocol not in PROTOCOLS:
         raise typer.BadParameter(f"unknown protocol {protocol!r}", param_hint="--protocol")
     dataplane = DataPlaneConfig(protocol=protocol, device_name=device)  # type: ignore[arg-type]
     run = partial(
@@ -125,7 +133,9 @@ def chaos(
 @app.command()
 def bootstrap(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to bind (0: any free port).")] = 8998,
+    port: Annotated[
+        int, typer.Option(help="Port to bind (0: any free port).")
+    ] = DEFAULT_BOOTSTRAP_PORT,
     token_file: Annotated[
         Path | None,
         typer.Option(
@@ -181,7 +191,6 @@ def _token(path: Path | None, option: str) -> str | None:
 
 #: Where a prefill engine's bootstrap listens when ``--prefill`` names only the engine
 #: (upstream's ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` default, and the connector's).
-DEFAULT_BOOTSTRAP_PORT = 8998
 
 
 def _prefill_backend(value: str) -> tuple[str, str]:
@@ -213,13 +222,15 @@ def proxy(
     ],
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind (0: any free port).")] = 8000,
-    routing: Annotated[
-        str, typer.Option(help="round_robin or least_outstanding (per role).")
-    ] = "round_robin",
-    health_interval: Annotated[float, typer.Option(help="Seconds between health checks.")] = 2.0,
+    routing: Annotated[str, typer.Option(help=f"{' or '.join(ROUTINGS)} (per role).")] = default_of(
+        ProxyConfig, "routing"
+    ),
+    health_interval: Annotated[
+        float, typer.Option(help="Seconds between health checks.")
+    ] = default_of(ProxyConfig, "health_interval"),
     request_timeout: Annotated[
         float, typer.Option(help="The longest one request may take, in seconds.")
-    ] = 600.0,
+    ] = default_of(ProxyConfig, "request_timeout"),
     bootstrap_token_file: Annotated[
         Path | None,
         typer.Option(help="File holding the bearer token P's bootstraps ask for."),

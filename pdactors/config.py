@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
 import msgspec
 
 __all__ = [
+    "DEFAULT_BOOTSTRAP_PORT",
+    "PROTOCOLS",
+    "ROUTINGS",
     "BootstrapConfig",
     "DataPlaneConfig",
     "Liveness",
@@ -22,10 +25,27 @@ __all__ = [
     "Routing",
     "Secret",
     "SenderConfig",
+    "default_of",
     "read_token_file",
 ]
 
 Protocol = Literal["tcp", "rdma", "nvlink_intra"]
+#: The Mooncake protocols, as named on command lines and in configs.
+PROTOCOLS: tuple[str, ...] = get_args(Protocol)
+#: Upstream's bootstrap port (``VLLM_MOONCAKE_BOOTSTRAP_PORT``'s default).
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+
+def default_of(config: type[msgspec.Struct], name: str) -> Any:
+    """The default of field ``name`` of the config struct ``config``: defaults are stated
+    once, where the field is, and read from there by the CLI and the vLLM settings."""
+    fields = {f.name: f for f in msgspec.structs.fields(config)}
+    field = fields[name]
+    if field.default is not msgspec.NODEFAULT:
+        return field.default
+    if field.default_factory is not msgspec.NODEFAULT:
+        return field.default_factory()
+    raise KeyError(f"{config.__name__}.{name} has no default")
 
 
 class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -204,6 +224,8 @@ def origin(url: str) -> str:
 
 
 Routing = Literal["round_robin", "least_outstanding"]
+#: The proxy's routing policies.
+ROUTINGS: tuple[str, ...] = get_args(Routing)
 
 
 class PrefillBackend(msgspec.Struct, frozen=True):

@@ -18,6 +18,7 @@ import trio
 import typer
 from rich.console import Console
 
+from pdactors.config import PROTOCOLS
 from pdactors.launcher import (
     ChildDied,
     LaunchConfig,
@@ -80,7 +81,7 @@ def launch_command(
     prefill: Annotated[int | None, typer.Option(help="Number of P servers.")] = None,
     decode: Annotated[int | None, typer.Option(help="Number of D servers.")] = None,
     proxy_port: Annotated[int | None, typer.Option(help="Proxy port (0: any).")] = None,
-    protocol: Annotated[str | None, typer.Option(help="tcp, rdma or nvlink_intra.")] = None,
+    protocol: Annotated[str | None, typer.Option(help=" or ".join(PROTOCOLS) + ".")] = None,
     device: Annotated[str | None, typer.Option(help="RDMA device name.")] = None,
     prefill_gpus: Annotated[
         list[str] | None, typer.Option(help="CUDA_VISIBLE_DEVICES per P server (repeat).")

@@ -23,12 +23,13 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 import msgspec
 import trio
 
+from pdactors.config import DataPlaneConfig, Protocol, ProxyConfig, Routing, default_of
 from pdactors.errors import PdError
 
 __all__ = [
@@ -59,7 +60,7 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     host: str = "127.0.0.1"
     proxy_port: int = 8000
     bootstrap_port: int = 0
-    protocol: Literal["tcp", "rdma", "nvlink_intra"] = "tcp"
+    protocol: Protocol = default_of(DataPlaneConfig, "protocol")
     device_name: str = ""
     prefill_gpus: tuple[str, ...] = ()
     decode_gpus: tuple[str, ...] = ()
@@ -67,7 +68,7 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     vllm_args: tuple[str, ...] = ()
     startup_timeout: float = 300.0
     shutdown_timeout: float = 20.0
-    routing: Literal["round_robin", "least_outstanding"] = "round_robin"
+    routing: Routing = default_of(ProxyConfig, "routing")
     secure: bool = False
 
     def __post_init__(self) -> None:

@@ -12,7 +12,16 @@ from typing import Any
 import msgspec
 from msgspec.structs import replace
 
-from pdactors.config import Protocol, read_token_file
+from pdactors.config import (
+    DEFAULT_BOOTSTRAP_PORT,
+    DataPlaneConfig,
+    Liveness,
+    Protocol,
+    ReceiverConfig,
+    SenderConfig,
+    default_of,
+    read_token_file,
+)
 from pdactors.transport import ZmqTransport
 from pdactors.transport.curve import curve_from_files, curve_from_secret
 
@@ -84,11 +93,11 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       default false.
     """
 
-    protocol: Protocol = "tcp"
+    protocol: Protocol = default_of(DataPlaneConfig, "protocol")
     device_name: str = ""
     host: str = "127.0.0.1"
     bootstrap_host: str = "127.0.0.1"
-    bootstrap_port: int = 8998
+    bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
     bootstrap_server_address: str | None = None
     bootstrap_token_file: str | None = None
     trusted_bootstraps: tuple[str, ...] = ()
@@ -98,13 +107,13 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     side_channel_secret_file: str | None = None
     side_channel_key_file: str | None = None
     side_channel_peer_keys: str | None = None
-    sender_workers: int = 2
-    ready_timeout: float = 480.0
-    unclaimed_ttl: float = 120.0
-    pull_timeout: float = 540.0
-    lookup_timeout: float = 10.0
-    register_timeout: float = 30.0
-    heartbeat_timeout: float = 3.0
+    sender_workers: int = default_of(DataPlaneConfig, "workers")
+    ready_timeout: float = default_of(SenderConfig, "ready_timeout")
+    unclaimed_ttl: float = default_of(SenderConfig, "unclaimed_ttl")
+    pull_timeout: float = default_of(ReceiverConfig, "pull_timeout")
+    lookup_timeout: float = default_of(ReceiverConfig, "lookup_timeout")
+    register_timeout: float = default_of(SenderConfig, "register_timeout")
+    heartbeat_timeout: float = default_of(Liveness, "heartbeat_timeout")
     idle_wait_ms: float = 20.0
     eager_send: bool = True
     layerwise: bool = False
