@@ -14,6 +14,7 @@ from pdactors.config import (
     DEFAULT_BOOTSTRAP_PORT,
     PROTOCOLS,
     ROUTINGS,
+    DataPlaneConfig,
     ProxyConfig,
     default_of,
 )
@@ -43,7 +44,7 @@ def harness(
     concurrency: Annotated[int, typer.Option(help="Transfers in flight at once.")] = 1,
     protocol: Annotated[
         str, typer.Option(help=f"Mooncake protocol: {', '.join(PROTOCOLS)}.")
-    ] = "tcp",
+    ] = default_of(DataPlaneConfig, "protocol"),
     device: Annotated[str, typer.Option(help="Mooncake device name (RDMA NIC).")] = "",
     p_tp: Annotated[int, typer.Option(help="P's tensor-parallel workers.")] = 1,
     d_tp: Annotated[int, typer.Option(help="D's tensor-parallel workers.")] = 1,
@@ -187,10 +188,6 @@ def _token(path: Path | None, option: str) -> str | None:
         return read_token_file(path)
     except (OSError, ValueError) as exc:
         raise typer.BadParameter(str(exc), param_hint=option) from None
-
-
-#: Where a prefill engine's bootstrap listens when ``--prefill`` names only the engine
-#: (upstream's ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` default, and the connector's).
 
 
 def _prefill_backend(value: str) -> tuple[str, str]:

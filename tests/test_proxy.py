@@ -377,6 +377,28 @@ BAD_BODIES: list[tuple[str, bytes]] = [
 ]
 
 
+async def test_a_client_gone_before_its_body_is_no_error(caplog: pytest.LogCaptureFixture) -> None:
+    """Headers and half a body, then the client closes: nothing is logged as an internal
+    error, nothing reaches an engine, and the proxy serves the next request."""
+    caplog.set_level(logging.ERROR, "pdactors.proxy")
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            host, port = s.url.removeprefix("http://").split(":")
+            stream = await trio.open_tcp_stream(host, int(port))
+            head = (
+                "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                "content-length: 1000\r\n\r\n"
+            )
+            await stream.send_all(head.encode() + b'{"model": "tiny", "pro')
+            await trio.sleep(0.2)
+            await stream.aclose()
+            await trio.sleep(0.3)
+            resp = await s.client.post("/v1/completions", json=completion_body())
+            assert resp.status_code == 200, resp.text
+            assert len(s.p[0].received) == len(s.d[0].received) == 1
+    assert not [r for r in caplog.records if "internal error" in r.getMessage()]
+
+
 async def test_bad_bodies_get_400_and_reach_no_engine() -> None:
     with trio.fail_after(TIMEOUT):
         async with open_setup() as s:

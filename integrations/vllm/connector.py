@@ -51,6 +51,9 @@ class PdActorsConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        if vllm_config.model_config is not None:
+            # Also here: vLLM skips the layout hook when VLLM_KV_CACHE_LAYOUT is set.
+            refuse_unserved(vllm_config.model_config)
         transfer = self._kv_transfer_config
         self.settings = settings_from_extra_config(dict(transfer.kv_connector_extra_config))
         assert transfer.engine_id is not None  # vLLM fills in a uuid when none is given

@@ -202,7 +202,9 @@ class EngineClient:
                 tcp = await trio.open_tcp_stream(self.host, self.port)
                 if self.tls is None:
                     return _Connection(tcp)
-                secure = trio.SSLStream(tcp, self.tls, server_hostname=self.host)
+                secure = trio.SSLStream(
+                    tcp, self.tls, server_hostname=self.host, https_compatible=True
+                )
                 await secure.do_handshake()
                 return _Connection(secure)
             except (OSError, ssl.SSLError, trio.BrokenResourceError) as exc:

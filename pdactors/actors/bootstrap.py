@@ -193,12 +193,13 @@ def _make_app(registry: BootstrapRegistry, token: str | None = None) -> QuartTri
         if change == "unchanged":
             return _json({"ok": True})  # a renewal: not worth a log line each second
         log.info(
-            "bootstrap: engine %s dp=%d tp=%d pp=%d at %s (%s)",
+            "bootstrap: engine %s dp=%d tp=%d pp=%d at %s%s (%s)",
             worker.engine_id,
             worker.dp_rank,
             worker.tp_rank,
             worker.pp_rank,
             worker.addr,
+            f" with CURVE key {worker.curve_key}" if worker.curve_key else "",  # public
             change,
         )
         return _json({"ok": True})

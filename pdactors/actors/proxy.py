@@ -62,6 +62,7 @@ from pdactors.actors._proxy_state import Backend, Metrics, Pool
 from pdactors.actors._proxy_wire import (
     CHAT,
     COMPLETIONS,
+    ClientGone,
     Endpoint,
     Exchange,
     Failure,
@@ -137,8 +138,11 @@ class _Proxy:
             await reply.failure(Failure.unauthorized(refused))
             return
         try:
+            raw = await read_body(receive, self.config.max_body_bytes)
+        except ClientGone:
+            return  # it went away before its body was in: nothing started, nobody to answer
+        try:
             async with trio.open_nursery() as nursery:
-                raw = await read_body(receive, self.config.max_body_bytes)
                 nursery.start_soon(cancel_on_disconnect, receive, nursery.cancel_scope)
                 await self.complete(endpoint, scope, raw, reply, nursery, arrived)
                 nursery.cancel_scope.cancel()  # P's leg, if still open, and the watcher

@@ -484,7 +484,7 @@ async def serve_sender(
                 tp_rank=ranks.tp_rank,
                 pp_rank=ranks.pp_rank,
                 addr=router.address,
-                curve_key=router.curve_key,
+                curve_key=getattr(router, "curve_key", ""),  # transports before it had none
             )
             lease = config.lease_ttl if config.lease_interval > 0 else None
             url, timeout = config.bootstrap_url, config.register_timeout
