@@ -18,13 +18,16 @@ fields go at the end with a default.
 from __future__ import annotations
 
 import hashlib
-from typing import Final, Literal
+from collections.abc import Sequence
+from typing import Final, Literal, TypeAlias
 
 import msgspec
 
 __all__ = [
     "HEADER",
     "PROTOCOL_VERSION",
+    "BlockIds",
+    "BlockIdsLike",
     "BlockLayout",
     "BootstrapEntry",
     "CancelPull",
@@ -38,13 +41,16 @@ __all__ = [
     "PullFailed",
     "PullRequest",
     "RegisterWorker",
+    "block_groups",
     "decode_frames",
     "encode_frames",
     "is_curve_key",
     "layout_id",
+    "region_groups",
 ]
 
-PROTOCOL_VERSION: Final = 1
+#: 2: block ids per KV-cache group (``PullRequest.block_ids``), regions know their group.
+PROTOCOL_VERSION: Final = 2
 #: First frame of every side-channel message: a magic and the protocol version.
 HEADER: Final = b"PDA" + bytes([PROTOCOL_VERSION])
 
@@ -76,15 +82,49 @@ class Layout(msgspec.Struct, frozen=True, array_like=True):
     none. With names on both sides, P writes each of its regions into D's region of the same
     name: how a pipeline stage of P, which holds some layers, fills a D that holds them all.
     Without, regions pair by position.
+
+    ``groups``: each region's KV-cache group (vLLM's hybrid KV cache: the layers of one kind
+    of attention share block ids, e.g. the sliding-window layers and the full ones), or none:
+    every region in group 0. A transfer names its blocks per group (:data:`BlockIds`).
     """
 
     regions: tuple[BlockLayout, ...]
     names: tuple[str, ...] = ()
+    groups: tuple[int, ...] = ()
 
     @property
     def bytes_per_block(self) -> int:
         """Bytes moved per block id, summed over all regions."""
         return sum(r.block_bytes for r in self.regions)
+
+
+def region_groups(layout: Layout) -> tuple[int, ...]:
+    """The KV-cache group of each of ``layout``'s regions (all 0 when it names none)."""
+    return layout.groups or (0,) * len(layout.regions)
+
+
+#: The blocks of one transfer: one tuple of block ids per KV-cache group, in the groups' order
+#: (a model with one kind of attention has one group). A group left out, or empty, moves
+#: nothing.
+BlockIds: TypeAlias = tuple[tuple[int, ...], ...]
+#: What the actors' block-taking calls accept: a flat sequence of ids (one group), or one
+#: sequence per group.
+BlockIdsLike: TypeAlias = Sequence[int] | Sequence[Sequence[int]]
+
+
+def block_groups(ids: BlockIdsLike) -> BlockIds:
+    """``ids`` as :data:`BlockIds`: a flat sequence of ids is the one group's; a sequence of
+    sequences is one per group. Raises :class:`TypeError` for anything else."""
+    if not ids:
+        return ()
+    first = ids[0]
+    if isinstance(first, int):
+        if not all(isinstance(i, int) for i in ids):
+            raise TypeError("block ids mix integers and lists")
+        return (tuple(ids),)  # type: ignore[arg-type]
+    if isinstance(first, str | bytes) or not isinstance(first, Sequence):
+        raise TypeError(f"block ids must be integers or lists of them, not {type(first)!r}")
+    return tuple(tuple(group) for group in ids)  # type: ignore[arg-type]
 
 
 def layout_id(session: str, layout: Layout) -> str:
@@ -105,9 +145,10 @@ class PullRequest(_Msg, frozen=True, tag="pull"):
 
     ``layout`` is sent the first time D talks to this P worker; afterwards only ``layout_id``
     (P answers :class:`LayoutUnknown` when it has forgotten it, and D resends with the layout).
-    ``tp_rank``/``tp_size`` are D's; ``kv_heads`` is the model's KV head count (0: D did not
-    say; needed when P's and D's TP sizes differ); ``p_tp_size`` / ``p_pp_size`` the TP and PP
-    sizes D took P to have from the bootstrap (0: not said). P refuses a pull planned for
+    ``block_ids``: D's blocks per KV-cache group. ``tp_rank``/``tp_size`` are D's;
+    ``kv_heads`` is the model's KV head count (0: D did not say; needed when P's and D's TP
+    sizes differ); ``p_tp_size`` / ``p_pp_size`` the TP and PP sizes D took P to have from the
+    bootstrap (0: not said). P refuses a pull planned for
     another shape, with ``lookup_again`` set.
     """
 
@@ -117,7 +158,7 @@ class PullRequest(_Msg, frozen=True, tag="pull"):
     tp_size: int
     pp_rank: int
     pp_size: int
-    block_ids: tuple[int, ...]
+    block_ids: BlockIds
     layout_id: str
     layout: Layout | None = None
     kv_heads: int = 0

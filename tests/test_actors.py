@@ -331,7 +331,7 @@ async def test_pull_without_known_layout_gets_layout_unknown() -> None:
     with trio.fail_after(30):
         async with open_cluster(**SMALL) as cluster:
             p = cluster.prefill[0]
-            request = PullRequest("t13", "127.0.0.1:1", 0, 1, 0, 1, (0,), "never-sent")
+            request = PullRequest("t13", "127.0.0.1:1", 0, 1, 0, 1, ((0,),), "never-sent")
             async with open_dealer(p.sender.address) as dealer:
                 await dealer.send(encode_frames(request))
                 answer = decode_frames(await dealer.receive())

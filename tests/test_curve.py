@@ -158,7 +158,7 @@ async def test_a_stranger_cannot_get_bytes_written_and_the_harness_runs_secure()
             p.sender.transfer_ready("target", src)
             dst = d.pool.allocate(2)
             request = PullRequest(
-                "target", d.dataplane.session, 0, 1, 0, 1, tuple(dst), "x", d.kv.layout
+                "target", d.dataplane.session, 0, 1, 0, 1, (tuple(dst),), "x", d.kv.layout
             )
             async with open_dealer(
                 p.sender.address, curve=stranger(p_keys.public), liveness=LIVE

@@ -112,7 +112,7 @@ async def test_a_lost_d_frees_what_it_was_waiting_for() -> None:
             p = cluster.prefill[0]
             p.sender.transfer_pending("gone")
             layout = p.kv.layout
-            request = PullRequest("gone", "127.0.0.1:1", 0, 1, 0, 1, (0, 1), "l", layout)
+            request = PullRequest("gone", "127.0.0.1:1", 0, 1, 0, 1, ((0, 1),), "l", layout)
             async with open_dealer(p.sender.address, liveness=Liveness()) as dealer:
                 await dealer.send(encode_frames(request))
                 while not p.sender._table._entries["gone"].claims:

@@ -407,6 +407,98 @@ def test_region_by_region_plans_together_copy_what_the_whole_plan_does(
     assert nbytes == len(dst_ids) * src.bytes_per_block
 
 
+# --------------------------------------------------------------------------- KV-cache groups
+
+GroupCase = tuple[Layout, list[list[int]], Layout, list[list[int]], int, int]
+
+
+@st.composite
+def grouped_transfer(draw: st.DrawFn) -> GroupCase:
+    """A transfer whose regions belong to up to three KV-cache groups, each with its own ids
+    (D's possibly fewer: a prefix hit, a sliding window's tail; or none)."""
+    block_bytes = draw(st.lists(st.integers(1, 9), min_size=1, max_size=5))
+    groups = tuple(draw(st.lists(st.integers(0, 2), min_size=len(block_bytes),
+                                 max_size=len(block_bytes))))  # fmt: skip
+    src, src_size = draw(side(block_bytes))
+    dst, dst_size = draw(side(block_bytes))
+    src = Layout(src.regions, (), groups)
+    dst = Layout(dst.regions, (), groups)
+    src_limit = min(r.num_blocks for r in src.regions)
+    dst_limit = min(r.num_blocks for r in dst.regions)
+    n_groups = max(groups) + 1
+    src_ids = [draw(st.lists(st.integers(0, src_limit - 1), max_size=6)) for _ in range(n_groups)]
+    dst_ids = []
+    for g in range(draw(st.integers(0, n_groups))):
+        n = draw(st.integers(0, min(len(src_ids[g]), dst_limit)))
+        dst_ids.append(draw(st.lists(st.integers(0, dst_limit - 1), min_size=n, max_size=n,
+                                     unique=True)))  # fmt: skip
+    return src, src_ids, dst, dst_ids, src_size, dst_size
+
+
+def naive_group_copy(case: GroupCase, source: np.ndarray, regions: list[int]) -> np.ndarray:
+    src, src_ids, dst, dst_ids, _, dst_size = case
+    out = np.zeros(dst_size, dtype=np.uint8)
+    for r in regions:
+        s_reg, d_reg, g = src.regions[r], dst.regions[r], src.groups[r]
+        wanted = dst_ids[g] if g < len(dst_ids) else []
+        sent = src_ids[g][len(src_ids[g]) - len(wanted) :]
+        for s, d in zip(sent, wanted, strict=True):
+            a = s_reg.base + s * s_reg.stride
+            b = d_reg.base + d * d_reg.stride
+            out[b : b + d_reg.block_bytes] = source[a : a + s_reg.block_bytes]
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(grouped_transfer(), st.randoms(use_true_random=False))
+def test_each_region_moves_its_groups_blocks_tail_aligned(case: GroupCase, rnd: Any) -> None:
+    """Whole, and region by region in any partition: every region copies its group's last
+    blocks into D's blocks of that group, exactly as a naive copy does, and nothing else."""
+    src, src_ids, dst, dst_ids, src_size, dst_size = case
+    source = np.random.default_rng(3).integers(1, 256, src_size, dtype=np.uint8)
+    everything = list(range(len(src.regions)))
+    order = everything[:]
+    rnd.shuffle(order)
+    cut = rnd.randint(0, len(order))
+    for parts in ([None], [order[:cut], order[cut:]]):
+        got = np.zeros(dst_size, dtype=np.uint8)
+        expected = np.zeros(dst_size, dtype=np.uint8)
+        for part in parts:
+            plan = plan_transfer(src, src_ids, dst, dst_ids, regions=part)
+            for a, b, n in triples(plan):
+                got[b : b + n] = source[a : a + n]
+            expected |= naive_group_copy(case, source, everything if part is None else part)
+            covered = naive_group_copy(case, np.full(src_size, 1, np.uint8), part or everything)
+            for b, n in zip(plan.dst.tolist(), plan.lengths.tolist(), strict=True):
+                assert covered[b : b + n].all()  # only its regions' wanted blocks
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_groups_must_match_and_name_the_group() -> None:
+    two = Layout(stacked(0, 2, 8, 4).regions, (), (0, 1))
+    one = stacked(1000, 2, 8, 4)
+    with pytest.raises(LayoutMismatch, match="region 1 is in KV-cache group 1 on P but 0 on D"):
+        plan_transfer(two, [[1], [2]], one, [[3], [4]])
+    with pytest.raises(PlanError, match="4 blocks of KV-cache group 1 but P holds only 1"):
+        plan_transfer(two, [[1, 2], [3]], two, [[1], [4, 5, 6, 7]])
+    with pytest.raises(PlanError, match="blocks of 3 KV-cache groups but P names only 2"):
+        plan_transfer(two, [[1], [3]], two, [[1], [4], [5]])
+    with pytest.raises(PlanError, match="group 1, but the layout has 1 group"):
+        plan_transfer(one, [[1], [3]], one, [[1], [4]])
+    with pytest.raises(PlanError, match="mix integers and lists"):
+        plan_transfer(one, [1, [3]], one, [[1]])  # type: ignore[list-item]
+
+
+def test_flat_ids_are_the_one_group_and_a_missing_group_moves_nothing() -> None:
+    layout = stacked(0, 2, 8, 4)
+    assert triples(plan_transfer(layout, [1, 2], layout, [3, 4])) == triples(
+        plan_transfer(layout, ((1, 2),), layout, ((3, 4),))
+    )
+    two = Layout(layout.regions, (), (0, 1))
+    plan = plan_transfer(two, [[1], [2, 3]], two, [[5]])
+    assert plan.nbytes == 4  # region 0's one block; group 1 (region 1) not asked for
+
+
 def test_regions_out_of_range_are_refused() -> None:
     src = stacked(0, 2, 10, 64)
     with pytest.raises(PlanError, match="regions"):

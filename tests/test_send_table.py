@@ -15,7 +15,7 @@ D2 = b"d-worker-rank-1"
 
 
 def pull(tid: str = "t1", blocks: tuple[int, ...] = (5, 6), d_rank: int = 0) -> PullRequest:
-    return PullRequest(tid, "127.0.0.1:1", d_rank, 1 + d_rank, 0, 1, blocks, "layout")
+    return PullRequest(tid, "127.0.0.1:1", d_rank, 1 + d_rank, 0, 1, (blocks,), "layout")
 
 
 def table() -> SendTable:

@@ -141,7 +141,7 @@ async def test_a_pull_planned_for_another_shape_is_refused_and_p_serves_on() -> 
                         shape["tp_size"],
                         0,
                         1,
-                        (0,),
+                        ((0,),),
                         "x",
                         layout,
                         kv_heads=shape["kv_heads"],

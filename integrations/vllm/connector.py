@@ -15,12 +15,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from integrations.vllm.metrics import PdActorsPromMetrics, PdActorsStats
-from integrations.vllm.scheduler_side import PdActorsMetadata, SchedulerSide
+from integrations.vllm.scheduler_side import KVGroup, PdActorsMetadata, SchedulerSide
 from integrations.vllm.settings import settings_from_extra_config
 from integrations.vllm.worker_side import WorkerPlace, WorkerSide
 from pdactors import RankInfo
@@ -39,8 +40,12 @@ if TYPE_CHECKING:
 __all__ = ["PdActorsConnector"]
 
 
-class PdActorsConnector(KVConnectorBase_V1):
-    """Prefill/decode disaggregation over pdactors' Trio actors and Mooncake."""
+class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
+    """Prefill/decode disaggregation over pdactors' Trio actors and Mooncake.
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on, so a model with
+    sliding-window and full-attention layers has a KV-cache group of each, and the
+    connector moves each group's blocks (a window's only: :class:`KVGroup`)."""
 
     _cache_hit_source = CacheHitSource.P2P
 
@@ -60,9 +65,12 @@ class PdActorsConnector(KVConnectorBase_V1):
         self.engine_id = transfer.engine_id
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
+        groups = kv_groups(kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             block_size = vllm_config.cache_config.block_size
-            self.scheduler_side = SchedulerSide(self.settings, self.engine_id, block_size)
+            self.scheduler_side = SchedulerSide(
+                self.settings, self.engine_id, block_size, groups or None
+            )
         else:
             self.worker_side = WorkerSide(self.settings, _place(vllm_config, self.engine_id))
 
@@ -92,7 +100,17 @@ class PdActorsConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """A pull restores the request's own blocks in every transferred group (not only
+        the prefix-cacheable ones a hash-addressed store would)."""
+        return self._kv_cache_config.transfer_group_ids
 
     # ------------------------------------------------------------------ worker side
 
@@ -102,7 +120,11 @@ class PdActorsConnector(KVConnectorBase_V1):
         return self.worker_side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker().register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
+        config = self._kv_cache_config
+        group_of = {
+            name: g for g, group in enumerate(config.kv_cache_groups) for name in group.layer_names
+        }
+        self._worker().register_kv_caches(kv_caches, config.num_blocks, group_of)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -222,6 +244,47 @@ def refuse_unserved(model_config: Any) -> None:
             "KV cache groups (SupportsHMA) is not built yet; serve it without disaggregation, "
             "or with vLLM's MooncakeConnector"
         )
+
+
+def kv_groups(kv_cache_config: KVCacheConfig | None) -> tuple[KVGroup, ...]:
+    """vLLM's KV-cache groups as the connector moves them (none without a config). Full
+    attention (MLA's latent cache included) moves every block of the prompt, a sliding window
+    the blocks it keeps. Raises :class:`ValueError` naming a group of another kind (chunked
+    local attention, R-SWA, recurrent state …), which the connector does not move."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    if kv_cache_config is None:
+        return ()
+    transferred = set(kv_cache_config.transfer_group_ids)
+    groups = []
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        specs = (
+            list(spec.kv_cache_specs.values())
+            if isinstance(spec, UniformTypeKVCacheSpecs)
+            else [spec]
+        )
+        kinds = {type(s) for s in specs}
+        if kinds <= {FullAttentionSpec, MLAAttentionSpec}:
+            window, retained = 0, 0
+        elif all(isinstance(s, SlidingWindowSpec) for s in specs) and (
+            len({(s.sliding_window, s.extra_retained_tokens) for s in specs}) == 1  # type: ignore[attr-defined]
+        ):
+            window, retained = specs[0].sliding_window, specs[0].extra_retained_tokens  # type: ignore[attr-defined]
+        else:
+            names = ", ".join(sorted(k.__name__ for k in kinds))
+            raise ValueError(
+                f"PdActorsConnector cannot serve this model: its KV-cache group {g} "
+                f"({len(group.layer_names)} layers, e.g. {group.layer_names[0]}) is {names}; "
+                "it moves full-attention, MLA and sliding-window KV only"
+            )
+        groups.append(KVGroup(spec.block_size, window, retained, g in transferred))
+    return tuple(groups)
 
 
 def kv_heads_of(model_config: Any) -> int:

@@ -19,12 +19,18 @@ every worker. Observable behaviour follows upstream's MooncakeConnector (the sam
   asynchronously; D's block ids go to the worker once; a full local prefix hit or an abort
   before scheduling still tells P to free its blocks (an empty pull); an abort while the KV is
   in flight aborts the pull (vLLM keeps D's blocks until the worker reports it ended).
+
+Block ids travel per KV-cache group (vLLM's hybrid KV cache manager: ``SupportsHMA``). A
+full-attention group moves the prompt's blocks; a sliding-window group only those its window
+keeps (:meth:`KVGroup.kept`: what vLLM's ``remove_skipped_blocks`` leaves, on both sides);
+vLLM's null block (out of the window, or padding) is never moved.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +40,7 @@ from vllm.v1.request import RequestStatus
 from integrations.vllm import idle
 from integrations.vllm.settings import ConnectorSettings
 from pdactors import timeline
+from pdactors.messages import BlockIds
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -41,12 +48,46 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["PdActorsMetadata", "PullSpec", "SchedulerSide", "SendSpec"]
+__all__ = ["KVGroup", "PdActorsMetadata", "PullSpec", "SchedulerSide", "SendSpec"]
 
 log = logging.getLogger("pdactors.vllm")
 
 # P ends that still deliver the KV: the prompt was computed in full.
 _DELIVER = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+#: vLLM's null block: a placeholder in block tables (out of a window, padding), never moved.
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One of vLLM's KV-cache groups as the connector moves it: its ``block_size``, its
+    sliding ``window`` in tokens (0: full attention), the ``retained`` tokens vLLM keeps past
+    the window (speculative decoding's), and whether it is transferred at all."""
+
+    block_size: int
+    window: int = 0
+    retained: int = 0
+    transfer: bool = True
+
+    def kept(self, num_tokens: int) -> range:
+        """The blocks (by position in the request's block table) holding KV of a
+        ``num_tokens`` prompt that vLLM still keeps once the prompt is computed: all of them
+        for full attention; for a sliding window, those from the first block the window
+        reaches (vLLM's ``get_num_skipped_tokens``: blocks before it are freed, null)."""
+        end = math.ceil(num_tokens / self.block_size)
+        if not self.window:
+            return range(end)
+        skipped = max(0, num_tokens - self.window + 1 - self.retained)
+        return range(min(skipped // self.block_size, end), end)
+
+    def moved(self, table: Sequence[int], num_tokens: int, first: int = 0) -> tuple[int, ...]:
+        """The block ids of ``table`` (a group's block table) that hold the KV of a
+        ``num_tokens`` prompt, from position ``first`` on, without null blocks."""
+        if not self.transfer:
+            return ()
+        kept = self.kept(num_tokens)
+        start, stop = max(kept.start, first), min(kept.stop, len(table))
+        return tuple(b for b in table[start:stop] if b != NULL_BLOCK)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +95,7 @@ class SendSpec:
     """P: the KV of ``transfer_id`` sits in ``block_ids`` until the worker reports it sent."""
 
     transfer_id: str
-    block_ids: tuple[int, ...]
+    block_ids: BlockIds  # per KV-cache group
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +109,7 @@ class PullSpec:
     transfer_id: str
     engine_id: str
     bootstrap_url: str
-    block_ids: tuple[int, ...]
+    block_ids: BlockIds  # per KV-cache group
     notify_only: bool = False
 
 
@@ -91,14 +132,24 @@ class PdActorsMetadata(KVConnectorMetadata):
 class SchedulerSide:
     """Bookkeeping for one engine's scheduler (P, D, or both for ``kv_both``)."""
 
-    def __init__(self, settings: ConnectorSettings, engine_id: str, block_size: int) -> None:
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        engine_id: str,
+        block_size: int,
+        groups: Sequence[KVGroup] | None = None,
+    ) -> None:
+        """``groups``: vLLM's KV-cache groups, in order (default: one full-attention group of
+        ``block_size``)."""
         self.settings = settings
         self.engine_id = engine_id
         self.block_size = block_size
+        self.groups = tuple(groups) if groups else (KVGroup(block_size),)
         self._meta = PdActorsMetadata()
         self._pulling: dict[str, str] = {}  # D req id -> transfer id, while the KV is in flight
-        #: P req id -> its requests' block ids so far (eager send), from allocation to finish
-        self._prefilling: dict[str, tuple[Request, list[int]]] = {}
+        #: P req id -> its request and block table per group so far (eager send), from
+        #: allocation to finish
+        self._prefilling: dict[str, tuple[Request, list[list[int]]]] = {}
         self._eager: set[str] = set()  # P req ids whose KV went out eagerly, until finished
         if settings.timeline:
             timeline.enable()
@@ -137,10 +188,16 @@ class SchedulerSide:
                 )
                 return
             if num_external_tokens > 0:
-                # The uncached tail of the prompt: the blocks vLLM just allocated for it.
-                (unhashed,) = blocks.get_unhashed_block_ids_all_groups()
-                wanted = math.ceil(num_external_tokens / self.block_size)
-                self._pull(request.request_id, params, tuple(unhashed[:wanted]))
+                # The uncached tail of the prompt: the blocks vLLM just allocated for it
+                # (local prefix hits end at a block boundary of every group).
+                n = request.num_prompt_tokens
+                hit = n - num_external_tokens
+                tables = blocks.get_block_ids()
+                wanted = tuple(
+                    group.moved(table, n, first=hit // group.block_size)
+                    for group, table in zip(self.groups, tables, strict=True)
+                )
+                self._pull(request.request_id, params, wanted)
                 self._pulling[request.request_id] = params["transfer_id"]
             else:
                 # Everything was in D's prefix cache: P only needs to free its KV.
@@ -154,13 +211,13 @@ class SchedulerSide:
             self._meta.pending.append(params["transfer_id"])
             timeline.mark(params["transfer_id"], "p_scheduled")
             if self.settings.eager_send:
-                self._prefilling[request.request_id] = (request, [])
+                self._prefilling[request.request_id] = (request, [[] for _ in self.groups])
 
     def _pull(
         self,
         req_id: str,
         params: dict[str, Any],
-        block_ids: tuple[int, ...],
+        block_ids: BlockIds,
         *,
         notify_only: bool = False,
     ) -> None:
@@ -194,7 +251,7 @@ class SchedulerSide:
         done: list[tuple[str, int]] = []  # (req id, tokens computed after this step)
         for new in out.scheduled_new_reqs:
             if (entry := self._prefilling.get(new.req_id)) is not None:
-                entry[1][:] = new.block_ids[0]
+                entry[1][:] = [list(table) for table in new.block_ids]
                 done.append((new.req_id, new.num_computed_tokens))
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -202,9 +259,11 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                entry[1][:] = new_ids[0] if new_ids is not None else []
+                tables = new_ids if new_ids is not None else [[] for _ in self.groups]
+                entry[1][:] = [list(table) for table in tables]
             elif new_ids is not None:
-                entry[1].extend(new_ids[0])
+                for table, more in zip(entry[1], new_ids, strict=True):
+                    table.extend(more)
             done.append((req_id, cached.num_computed_tokens[i]))
         for req_id, computed in done:
             request, blocks = self._prefilling[req_id]
@@ -215,8 +274,9 @@ class SchedulerSide:
             if request.num_output_tokens + 1 < request.max_tokens:
                 continue  # it decodes on (and may be preempted): sent when it finishes
             params = request.kv_transfer_params or {}
-            prompt_blocks = math.ceil(request.num_prompt_tokens / self.block_size)
-            meta.eager[req_id] = SendSpec(params["transfer_id"], tuple(blocks[:prompt_blocks]))
+            # Only blocks vLLM keeps once the request ends: a sliding window's older blocks
+            # are freed then, while the write may still be reading.
+            meta.eager[req_id] = SendSpec(params["transfer_id"], self._sent(request, blocks))
             self._eager.add(req_id)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -226,9 +286,18 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ the end of a request
 
+    def _sent(self, request: Request, tables: Sequence[Sequence[int]]) -> BlockIds:
+        """P's blocks holding the prompt's KV, per group (what D's pull may ask for)."""
+        n = request.num_prompt_tokens
+        return tuple(
+            group.moved(table, n) for group, table in zip(self.groups, tables, strict=True)
+        )
+
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: Sequence[Sequence[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: the request's block table per KV-cache group (vLLM's
+        ``request_finished_all_groups``)."""
         params = request.kv_transfer_params
         if not params:
             return False, None
@@ -256,13 +325,12 @@ class SchedulerSide:
             if request.status not in _DELIVER:
                 self._meta.dropped.append(transfer_id)
                 return True, None
-        elif request.status not in _DELIVER or not block_ids:
+        elif request.status not in _DELIVER or not any(block_ids):
             self._meta.dropped.append(transfer_id)
             return False, None
         else:
             # The prompt's KV fills ceil(prompt / block) blocks; later blocks hold no prompt KV.
-            prompt_blocks = math.ceil(request.num_prompt_tokens / self.block_size)
-            self._meta.ready[req_id] = SendSpec(transfer_id, tuple(block_ids[:prompt_blocks]))
+            self._meta.ready[req_id] = SendSpec(transfer_id, self._sent(request, block_ids))
             timeline.mark(transfer_id, "p_finished")
         return True, {
             "do_remote_prefill": True,

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple
@@ -58,9 +58,16 @@ class KVRegistration(NamedTuple):
     layer_regions: dict[str, tuple[int, ...]]  # vLLM layer name -> its regions in the layout
 
 
-def layout_from_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVRegistration:
+def layout_from_kv_caches(
+    kv_caches: dict[str, torch.Tensor],
+    num_blocks: int,
+    group_of: Mapping[str, int] | None = None,
+) -> KVRegistration:
     """vLLM's per-layer KV tensors → our :class:`Layout`, the memory to register, and which
     regions hold each layer (for layer-wise streaming).
+
+    ``group_of``: each layer's KV-cache group (vLLM's ``kv_cache_groups``; none: one group).
+    Every layer must have one; its regions move that group's blocks.
 
     A tensor whose first dimension is the block count is one region (vLLM CPU:
     ``[blocks, kv_heads, block_size, 2*head]``); one whose second dimension is, with K and V
@@ -72,6 +79,7 @@ def layout_from_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -
     names: list[str] = []
     storages: dict[int, int] = {}
     layer_regions: dict[str, tuple[int, ...]] = {}
+    groups: list[int] = []
     for name in sorted(kv_caches):
         cache = kv_caches[name]
         storage = cache.untyped_storage()
@@ -82,7 +90,10 @@ def layout_from_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -
             parts = list(cache.unbind(0))
         else:
             raise PdError(f"KV cache {name} of shape {tuple(cache.shape)} has no block dimension")
+        if group_of is not None and name not in group_of:
+            raise PdError(f"KV cache {name} is in no KV-cache group vLLM named")
         layer_regions[name] = tuple(range(len(regions), len(regions) + len(parts)))
+        groups += [group_of[name] if group_of is not None else 0] * len(parts)
         names += [name] if len(parts) == 1 else [f"{name}[{k}]" for k in range(len(parts))]
         for part in parts:
             if not part[0].is_contiguous():
@@ -95,7 +106,7 @@ def layout_from_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -
                     stride=part.stride(0) * part.element_size(),
                 )
             )
-    layout = Layout(tuple(regions), tuple(names))
+    layout = Layout(tuple(regions), tuple(names), tuple(groups) if any(groups) else ())
     return KVRegistration(layout, sorted(storages.items()), layer_regions)
 
 
@@ -173,9 +184,16 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ start and stop
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        """Start the data plane with vLLM's KV memory, then the actors this role needs."""
-        layout, memory, self._layer_regions = layout_from_kv_caches(kv_caches, num_blocks)
+    def register_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        num_blocks: int,
+        group_of: Mapping[str, int] | None = None,
+    ) -> None:
+        """Start the data plane with vLLM's KV memory (``group_of``: each layer's KV-cache
+        group), then the actors this role needs."""
+        registered = layout_from_kv_caches(kv_caches, num_blocks, group_of)
+        layout, memory, self._layer_regions = registered
         if self.settings.protocol == "nvlink_intra":
             # Mooncake installs its intra-node NVLink transport only when this is set.
             os.environ.setdefault("MC_INTRANODE_NVLINK", "1")
@@ -440,7 +458,7 @@ class WorkerSide:
                 _logged(sender.transfer_pending, tid)
             for req_id, send in meta.streams.items():
                 self._send_req[send.transfer_id] = req_id  # a death releases it from now on
-                _logged(sender.transfer_streaming, send.transfer_id, list(send.block_ids))
+                _logged(sender.transfer_streaming, send.transfer_id, send.block_ids)
             if meta.ready:
                 # Known here from now on, so that a death of this thread releases them too.
                 self._send_req |= {send.transfer_id: r for r, send in meta.ready.items()}
@@ -459,7 +477,7 @@ class WorkerSide:
         for req_id, send in sends.items():
             self._send_req[send.transfer_id] = req_id
             ready = _logged(
-                sender.transfer_ready, send.transfer_id, list(send.block_ids), complete=complete
+                sender.transfer_ready, send.transfer_id, send.block_ids, complete=complete
             )
             if not ready:
                 del self._send_req[send.transfer_id]  # never sent: P may free the blocks
@@ -480,7 +498,7 @@ class WorkerSide:
             pull.transfer_id,
             bootstrap_url=pull.bootstrap_url,
             engine_id=pull.engine_id,
-            block_ids=list(pull.block_ids),
+            block_ids=pull.block_ids,
         )
         if pull.notify_only:
             return

@@ -33,6 +33,8 @@ from pdactors.core.pull_table import Completed, PullEffect, PullTable, SendCance
 from pdactors.dataplane.base import DataPlane
 from pdactors.errors import BootstrapError, PdError, PullFailedError
 from pdactors.messages import (
+    BlockIds,
+    BlockIdsLike,
     CancelPull,
     ErrorReply,
     FrameError,
@@ -42,6 +44,7 @@ from pdactors.messages import (
     PullDone,
     PullFailed,
     PullRequest,
+    block_groups,
     decode_frames,
     encode_frames,
     layout_id,
@@ -120,18 +123,20 @@ class Receiver:
         *,
         bootstrap_url: str,
         engine_id: str,
-        block_ids: list[int] | tuple[int, ...],
+        block_ids: BlockIdsLike,
     ) -> None:
         """Ask P (``engine_id``, found at ``bootstrap_url``) to write ``transfer_id`` into
-        ``block_ids``. Never blocks; the end is reported by :meth:`take_results`.
+        ``block_ids`` (a list of ids, or one per KV-cache group:
+        :func:`~pdactors.messages.block_groups`). Never blocks; the end is reported by
+        :meth:`take_results`.
 
         Raises :class:`~pdactors.errors.DuplicateTransfer` when that transfer id is already in
         flight (the pull in flight is not disturbed).
         """
-        self._start(transfer_id, bootstrap_url, engine_id, tuple(block_ids), None)
+        self._start(transfer_id, bootstrap_url, engine_id, block_groups(block_ids), None)
 
     def _start(
-        self, tid: str, url: str, engine_id: str, block_ids: tuple[int, ...], waiter: object
+        self, tid: str, url: str, engine_id: str, block_ids: BlockIds, waiter: object
     ) -> None:
         self._table.start(
             tid,
@@ -182,16 +187,17 @@ class Receiver:
         *,
         bootstrap_url: str,
         engine_id: str,
-        block_ids: list[int] | tuple[int, ...],
+        block_ids: BlockIdsLike,
     ) -> None:
-        """Pull ``transfer_id`` and wait for its end. Checkpoint.
+        """Pull ``transfer_id`` into ``block_ids`` (as for :meth:`start_pull`) and wait for
+        its end. Checkpoint.
 
         Raises :class:`~pdactors.errors.PullFailedError` when it does not land, and
         :class:`~pdactors.errors.DuplicateTransfer` at once when that transfer id is already in
         flight. If this task is cancelled, the pull is aborted (and P told).
         """
         waiter = _Waiter()
-        self._start(transfer_id, bootstrap_url, engine_id, tuple(block_ids), waiter)
+        self._start(transfer_id, bootstrap_url, engine_id, block_groups(block_ids), waiter)
         try:
             await waiter.done.wait()
         finally:

@@ -52,6 +52,7 @@ from pdactors.core.send_table import (
 from pdactors.dataplane.base import DataPlane
 from pdactors.errors import BootstrapError, DataPlaneError, PlanError
 from pdactors.messages import (
+    BlockIdsLike,
     CancelPull,
     ErrorReply,
     FrameError,
@@ -61,6 +62,7 @@ from pdactors.messages import (
     PullFailed,
     PullRequest,
     RegisterWorker,
+    block_groups,
     decode_frames,
     encode_frames,
 )
@@ -158,11 +160,12 @@ class Sender:
     def transfer_ready(
         self,
         transfer_id: str,
-        block_ids: list[int] | tuple[int, ...],
+        block_ids: BlockIdsLike,
         *,
         complete: Complete | None = None,
     ) -> None:
-        """P's prefill finished; its KV sits in ``block_ids`` until the id is released.
+        """P's prefill finished; its KV sits in ``block_ids`` (a list of ids, or one per
+        KV-cache group: :func:`~pdactors.messages.block_groups`) until the id is released.
 
         ``complete``: the KV may still be being computed (a GPU's forward was enqueued, not
         finished) and this blocking callable returns once it is in memory, e.g.
@@ -173,18 +176,20 @@ class Sender:
         if (stream := self._streams.get(transfer_id)) is not None:
             self._end_stream(transfer_id, stream, complete)  # the rest of the KV goes out now
             return
-        effects = self._table.prefill_ready(transfer_id, tuple(block_ids), trio.current_time())
+        blocks = block_groups(block_ids)
+        effects = self._table.prefill_ready(transfer_id, blocks, trio.current_time())
         if complete is not None:  # once the table took it; a Release below forgets it again
             self._complete[transfer_id] = complete
         self._apply(effects)
 
-    def transfer_streaming(self, transfer_id: str, block_ids: list[int] | tuple[int, ...]) -> None:
+    def transfer_streaming(self, transfer_id: str, block_ids: BlockIdsLike) -> None:
         """P begins computing the KV of ``transfer_id`` into ``block_ids``, layer by layer
         (:meth:`layer_ready`), and will call :meth:`transfer_ready` (or
         :meth:`transfer_dropped`) when it is done. If D's pull is here, each layer is written
         as soon as it is complete and D is answered once after the last; otherwise nothing
         happens before :meth:`transfer_ready`, which sends the whole KV as usual."""
-        effects = self._table.prefill_streaming(transfer_id, tuple(block_ids), trio.current_time())
+        blocks = block_groups(block_ids)
+        effects = self._table.prefill_streaming(transfer_id, blocks, trio.current_time())
         if effects:
             send, recv = trio.open_memory_channel[_Layer](math.inf)
             self._streams[transfer_id] = _Stream(send, recv)

@@ -6,8 +6,10 @@ Pure and sans-IO (numpy only). The rules:
   on both sides must move the same ``block_bytes`` per block.
 * Block ``i`` of region ``r`` lives at ``base + i * stride``; ``block_bytes <= stride`` bytes of
   it are moved.
-* Prefix caching: D may ask for fewer blocks than P holds (D already has a prefix of the prompt
-  locally); P then sends its *last* ``len(dst_blocks)`` blocks.
+* Block ids come per KV-cache group (:data:`~pdactors.messages.BlockIds`; a region moves its
+  group's ids). Within a group, D may ask for fewer blocks than P holds (D already has a prefix
+  of the prompt locally, or keeps only a sliding window's tail); P then sends its *last*
+  ``len(dst_blocks)`` blocks of that group.
 * Descriptors are emitted in (region, block) order and adjacent ones merge whenever both the
   source and the destination are contiguous, so a run of consecutive block ids becomes one
   descriptor per region, and regions that sit back to back on both sides merge further.
@@ -34,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdactors.errors import LayoutMismatch, PlanError
-from pdactors.messages import BlockLayout, Layout
+from pdactors.messages import BlockIds, BlockLayout, Layout, block_groups, region_groups
 
 __all__ = [
     "WHOLE_BLOCK",
@@ -104,6 +106,9 @@ def check_layout(layout: Layout) -> None:
     ):
         raise PlanError(f"{len(layout.names)} region names for {len(layout.regions)} regions, "
                         "or a name given twice")  # fmt: skip
+    if layout.groups and (len(layout.groups) != len(layout.regions) or min(layout.groups) < 0):
+        raise PlanError(f"{len(layout.groups)} region groups for {len(layout.regions)} "
+                        "regions, or a negative group")  # fmt: skip
     for r, reg in enumerate(layout.regions):
         if reg.base < 0 or reg.num_blocks <= 0 or reg.block_bytes <= 0 or reg.stride <= 0:
             raise PlanError(f"region {r}: base must be >= 0 and sizes > 0, got {reg}")
@@ -119,6 +124,7 @@ class _Prepared(NamedTuple):
     base: Addrs
     stride: Addrs
     block_bytes: Addrs
+    group: npt.NDArray[np.intp]
     num_blocks: tuple[int, ...]
     min_blocks: int
 
@@ -135,6 +141,7 @@ def _prepare(layout: Layout) -> _Prepared:
         base=np.array([r.base for r in regions], dtype=np.uint64),
         stride=np.array([r.stride for r in regions], dtype=np.uint64),
         block_bytes=np.array([r.block_bytes for r in regions], dtype=np.uint64),
+        group=np.array(region_groups(layout), dtype=np.intp),
         num_blocks=num_blocks,
         min_blocks=min(num_blocks),
     )
@@ -154,6 +161,11 @@ def _prepare_pair(
             f"P has {len(sp.num_blocks)} KV regions, D has {len(dp.num_blocks)}: "
             "the engines are not configured alike"
         )
+    if not np.array_equal(sp.group, dp.group):
+        r = int(np.flatnonzero(sp.group != dp.group)[0])
+        groups = f"{int(sp.group[r])} on P but {int(dp.group[r])} on D"
+        raise LayoutMismatch(f"region {r} is in KV-cache group {groups}: "
+                             "the engines are not configured alike")  # fmt: skip
     h = WHOLE_BLOCK if heads is None else heads
     if h.num_heads < 1 or h.src_first < 0 or h.dst_first < 0 or min(h.src_heads, h.dst_heads) < 1:
         raise PlanError(f"bad head slice {h}")
@@ -196,7 +208,8 @@ def matching_regions(src: Layout, dst: Layout) -> Layout:
             f"{len(src.names)} missing): the engines do not serve the same model"
         )
     rows = [index[n] for n in src.names]
-    return Layout(tuple(dst.regions[i] for i in rows), src.names)
+    groups = tuple(dst.groups[i] for i in rows) if dst.groups else ()
+    return Layout(tuple(dst.regions[i] for i in rows), src.names, groups)
 
 
 def _as_ids(ids: Sequence[int], side: str) -> _Ids:
@@ -232,7 +245,10 @@ def _only(prep: _Prepared, regions: Sequence[int]) -> _Prepared:
     if rows.ndim != 1 or (len(rows) and not 0 <= rows.min() <= rows.max() < n):
         raise PlanError(f"regions {list(regions)} are not among the {n} of the layout")
     return prep._replace(
-        base=prep.base[rows], stride=prep.stride[rows], block_bytes=prep.block_bytes[rows]
+        base=prep.base[rows],
+        stride=prep.stride[rows],
+        block_bytes=prep.block_bytes[rows],
+        group=prep.group[rows],
     )
 
 
@@ -303,44 +319,67 @@ def tp_sources(d_rank: int, d_tp: int, p_tp: int, total_heads: int) -> list[tupl
 
 def plan_transfer(
     src: Layout,
-    src_blocks: Sequence[int],
+    src_blocks: BlockIds | Sequence[int],
     dst: Layout,
-    dst_blocks: Sequence[int],
+    dst_blocks: BlockIds | Sequence[int],
     regions: Sequence[int] | None = None,
     heads: HeadSlice | None = None,
 ) -> TransferPlan:
     """Plan copying P's blocks ``src_blocks`` (in layout ``src``) into D's ``dst_blocks``.
 
-    If D asks for fewer blocks than P has, P's *last* ``len(dst_blocks)`` blocks are sent
-    (D holds the prefix already). Empty ``dst_blocks`` gives an empty plan. ``regions``: only
-    these regions (by index, e.g. one layer's K and V while it is streamed), default all.
-    ``heads``: only these KV heads of each block (heterogeneous TP: P's and D's blocks hold
-    different heads), default the whole block.
+    Blocks are named per KV-cache group (:data:`~pdactors.messages.BlockIds`; a flat sequence
+    is the one group's) and each region moves its group's. In a group where D asks for fewer
+    blocks than P has, P's *last* ones are sent (D holds the prefix already, or keeps only a
+    sliding window's tail). A group D leaves out or empty moves nothing; no blocks at all give
+    an empty plan. ``regions``: only these regions (by index, e.g. one layer's K and V while
+    it is streamed), default all. ``heads``: only these KV heads of each block (heterogeneous
+    TP: P's and D's blocks hold different heads), default the whole block.
 
-    Raises :class:`LayoutMismatch` when the region counts or per-region ``block_bytes`` (per
-    head, with ``heads``) differ, and :class:`PlanError` for a malformed layout or head slice,
-    more ``dst_blocks`` than ``src_blocks``, a block id outside its region, or a destination
-    block named twice.
+    Raises :class:`LayoutMismatch` when the region counts, groups or per-region
+    ``block_bytes`` (per head, with ``heads``) differ, and :class:`PlanError` for a malformed
+    layout or head slice, more blocks of a group on D than on P, blocks of a group no region
+    is in, a block id outside its region, or a destination block named twice in a group.
     """
     sp, dp = _prepare_pair(src, dst, None if heads == WHOLE_BLOCK else heads)
-    n, m = len(dst_blocks), len(src_blocks)
-    if n > m:
-        raise PlanError(f"D asks for {n} blocks but P holds only {m}")
-    s_ids = _as_ids(src_blocks, "P")
-    d_ids = _as_ids(dst_blocks, "D")
+    s_groups, d_groups = _groups(src_blocks, "P"), _groups(dst_blocks, "D")
+    n_groups = int(sp.group.max()) + 1
+    if len(d_groups) > len(s_groups) and any(d_groups[len(s_groups) :]):
+        raise PlanError(f"D asks for blocks of {len(d_groups)} KV-cache groups but P names "
+                        f"only {len(s_groups)}")  # fmt: skip
+    if len(d_groups) > n_groups and any(d_groups[n_groups:]):
+        raise PlanError(f"D asks for blocks of KV-cache group {len(d_groups) - 1}, but the "
+                        f"layout has {n_groups} group(s)")  # fmt: skip
     # Every P id is checked, sent or not: a bad one means P's bookkeeping is wrong.
-    _check_bounds(s_ids, sp, "P")
-    _check_bounds(d_ids, dp, "D")
-    s_ids = s_ids[m - n :]
-    if n > 1 and len(set(d_ids.tolist())) != n:
-        # Chunks of a write may land in any order: two copies into one block race.
-        raise PlanError("D block ids contain duplicates")
-
+    s_ids = [_as_ids(g, "P") for g in s_groups]
+    for ids in s_ids:
+        _check_bounds(ids, sp, "P")
     if regions is not None:
         sp, dp = _only(sp, regions), _only(dp, regions)
-    s_addr = _descriptors(sp, s_ids)
-    d_addr = _descriptors(dp, d_ids)
-    lengths = np.repeat(sp.block_bytes, n)  # per head slice: the slice's bytes
+    s_parts: list[Addrs] = []
+    d_parts: list[Addrs] = []
+    l_parts: list[Addrs] = []
+    for g, wanted in enumerate(d_groups):
+        n, m = len(wanted), len(s_ids[g])
+        if n > m:
+            where = f" of KV-cache group {g}" if n_groups > 1 else ""
+            raise PlanError(f"D asks for {n} blocks{where} but P holds only {m}")
+        if not n:
+            continue
+        d_ids = _as_ids(wanted, "D")
+        _check_bounds(d_ids, dp, "D")
+        if n > 1 and len(set(d_ids.tolist())) != n:
+            # Chunks of a write may land in any order: two copies into one block race.
+            raise PlanError("D block ids contain duplicates")
+        sg, dg = (sp, dp) if n_groups == 1 else _group_rows(sp, dp, g)
+        s_parts.append(_descriptors(sg, s_ids[g][m - n :]))
+        d_parts.append(_descriptors(dg, d_ids))
+        l_parts.append(np.repeat(sg.block_bytes, n))  # per head slice: the slice's bytes
+    if len(s_parts) == 1:
+        s_addr, d_addr, lengths = s_parts[0], d_parts[0], l_parts[0]
+    else:
+        s_addr, d_addr, lengths = (
+            np.concatenate(parts) if parts else _NONE for parts in (s_parts, d_parts, l_parts)
+        )
     total = len(lengths)
     if total > 1:
         # A descriptor starts a new run unless it continues the previous one on both sides.
@@ -356,6 +395,24 @@ def plan_transfer(
     for arr in (s_addr, d_addr, lengths):
         arr.setflags(write=False)
     return TransferPlan(src=s_addr, dst=d_addr, lengths=lengths)
+
+
+_NONE: Addrs = np.zeros(0, dtype=np.uint64)
+
+
+def _groups(ids: BlockIds | Sequence[int], side: str) -> BlockIds:
+    if isinstance(ids, tuple) and (not ids or isinstance(ids[0], tuple)):
+        return ids  # type: ignore[return-value]  # already per group (the wire's form)
+    try:
+        return block_groups(ids)
+    except TypeError as exc:
+        raise PlanError(f"{side} block ids: {exc}") from None
+
+
+def _group_rows(sp: _Prepared, dp: _Prepared, group: int) -> tuple[_Prepared, _Prepared]:
+    """Both sides restricted to the regions of KV-cache ``group`` (their groups are equal)."""
+    rows = np.flatnonzero(sp.group == group)
+    return _only(sp, rows.tolist()), _only(dp, rows.tolist())
 
 
 @functools.lru_cache(maxsize=256)

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdactors.errors import DuplicateTransfer, IllegalTransition
-from pdactors.messages import PullRequest
+from pdactors.messages import BlockIds, PullRequest
 
 __all__ = ["Completed", "Pull", "PullEnd", "PullState", "PullTable", "SendCancel"]
 
@@ -88,7 +88,7 @@ class Pull:
     transfer_id: str
     bootstrap_url: str
     engine_id: str
-    block_ids: tuple[int, ...]
+    block_ids: BlockIds
     started: float
     deadline: float
     state: PullState = PullState.LOOKING_UP
@@ -165,7 +165,7 @@ class PullTable:
         *,
         bootstrap_url: str = "",
         engine_id: str = "",
-        block_ids: tuple[int, ...] = (),
+        block_ids: BlockIds = (),
         waiter: object = None,
     ) -> Pull:
         """A new pull; it must end within ``timeout`` seconds from ``now``.

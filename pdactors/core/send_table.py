@@ -59,7 +59,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pdactors.errors import IllegalTransition
-from pdactors.messages import Msg, PullDone, PullFailed, PullRequest
+from pdactors.messages import BlockIds, Msg, PullDone, PullFailed, PullRequest
 
 __all__ = [
     "Effect",
@@ -119,7 +119,7 @@ class StartSend:
 
     transfer_id: str
     pull: PullRequest
-    src_blocks: tuple[int, ...]
+    src_blocks: BlockIds
     streamed: bool = False
     identity: bytes = b""
 
@@ -148,7 +148,7 @@ class _Claim:
 class _Entry:
     state: SendState
     since: float
-    blocks: tuple[int, ...] | None = None
+    blocks: BlockIds | None = None
     #: Pulls not answered yet: all waiting while PENDING, all being written while SENDING.
     claims: list[_Claim] = field(default_factory=list)
     expected: int = 0  # pulls this transfer gets in all (0: none arrived yet)
@@ -216,7 +216,7 @@ class SendTable:
             raise IllegalTransition(f"{transfer_id}: started again while {entry.state.value}")
         return []
 
-    def prefill_ready(self, transfer_id: str, blocks: tuple[int, ...], now: float) -> list[Effect]:
+    def prefill_ready(self, transfer_id: str, blocks: BlockIds, now: float) -> list[Effect]:
         """P finished the prefill; its KV is in ``blocks`` until a :class:`Release`."""
         entry = self._entries.get(transfer_id)
         if entry is None:
@@ -233,9 +233,7 @@ class SendTable:
         self._move(transfer_id, entry, SendState.READY, now)
         return []
 
-    def prefill_streaming(
-        self, transfer_id: str, blocks: tuple[int, ...], now: float
-    ) -> list[Effect]:
+    def prefill_streaming(self, transfer_id: str, blocks: BlockIds, now: float) -> list[Effect]:
         """P begins computing the KV of ``transfer_id`` into ``blocks`` now, layer by layer.
 
         If D's pull is waiting (and it is the only one the transfer gets), the write starts at

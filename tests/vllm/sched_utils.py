@@ -65,7 +65,12 @@ with warnings.catch_warnings():
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine import EngineCoreOutput
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
@@ -127,6 +132,7 @@ def make_scheduler(
     kv_load_failure_policy: str = "fail",
     engine_id: str | None = None,
     log_stats: bool = True,
+    sliding_window: int = 0,
 ) -> Scheduler:
     """Build vLLM's `Scheduler` for the tiny model with KV connector ``connector`` in ``kv_role``.
 
@@ -134,7 +140,10 @@ def make_scheduler(
     see `connector_of`). ``"PdActorsConnector"`` without a ``module_path`` is registered first
     through ``integrations.vllm.plugin.register()``. ``max_num_batched_tokens`` defaults to
     ``max_model_len`` (any prompt is prefilled in one step); set it lower to get chunked
-    prefills. ``engine_id`` None lets vLLM pick a random one. No model weights are loaded.
+    prefills. ``engine_id`` None lets vLLM pick a random one. ``sliding_window`` > 0 makes the
+    first layer a sliding-window layer of that many tokens (vLLM's hybrid KV cache manager:
+    a sliding-window group and a full-attention group, one layer each). No model weights are
+    loaded.
     Raises whatever vLLM raises for an unknown connector or an invalid configuration.
     """
     if connector == PDACTORS_CONNECTOR and module_path is None:
@@ -169,7 +178,7 @@ def make_scheduler(
         ),
         device_config=DeviceConfig("cpu"),
     )
-    kv_cache_config = _kv_cache_config(vllm_config, num_blocks)
+    kv_cache_config = _kv_cache_config(vllm_config, num_blocks, sliding_window)
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
         kv_cache_config, vllm_config
     )
@@ -316,6 +325,11 @@ def block_ids(scheduler: Scheduler, request_id: str) -> list[int]:
     return list(ids)
 
 
+def block_tables(scheduler: Scheduler, request_id: str) -> tuple[list[int], ...]:
+    """The request's block table per KV-cache group (0: vLLM's null block)."""
+    return tuple(list(t) for t in scheduler.kv_cache_manager.get_block_ids(request_id))
+
+
 def request_status(scheduler: Scheduler, request_id: str) -> RequestStatus | None:
     """The request's status, or None once the scheduler has forgotten it (blocks freed)."""
     request = scheduler.requests.get(request_id)
@@ -338,8 +352,10 @@ def _register_pdactors_connector() -> None:
     plugin.register()
 
 
-def _kv_cache_config(vllm_config: VllmConfig, num_blocks: int) -> KVCacheConfig:
-    """One full-attention group over every layer, sized to exactly ``num_blocks`` blocks."""
+def _kv_cache_config(vllm_config: VllmConfig, num_blocks: int, window: int) -> KVCacheConfig:
+    """One full-attention group over every layer (or, with a ``window``, a sliding-window
+    group of the first layer and a full-attention group of the others), sized to exactly
+    ``num_blocks`` blocks."""
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     # The engine core resolves the layout before the connector exists; a connector's
@@ -352,10 +368,19 @@ def _kv_cache_config(vllm_config: VllmConfig, num_blocks: int) -> KVCacheConfig:
         dtype=torch.float32,
     )
     names = layer_names()
+    groups = [KVCacheGroupSpec(names, spec)]
+    if window:
+        sliding = SlidingWindowSpec(
+            block_size=spec.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            dtype=spec.dtype,
+            sliding_window=window,
+        )
+        groups = [KVCacheGroupSpec(names[:1], sliding), KVCacheGroupSpec(names[1:], spec)]
+    per_block = spec.page_size_bytes * max(len(g.layer_names) for g in groups)
     kv_cache_config = get_kv_cache_config_from_groups(
-        vllm_config,
-        [KVCacheGroupSpec(names, spec)],
-        available_memory=num_blocks * spec.page_size_bytes * len(names),
+        vllm_config, groups, available_memory=num_blocks * per_block
     )
     assert kv_cache_config.num_blocks == num_blocks, kv_cache_config
     kv_cache_config.kv_cache_layout = cache_config.kv_cache_layout
@@ -374,6 +399,7 @@ __all__ = [
     "PDACTORS_CONNECTOR",
     "StepResult",
     "block_ids",
+    "block_tables",
     "connector_of",
     "eos_token_id",
     "free_blocks",

@@ -9,11 +9,13 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
 from sched_utils import (
     block_ids,
+    block_tables,
     connector_of,
     free_blocks,
     make_request,
@@ -79,7 +81,7 @@ def test_p_sends_eagerly_in_the_step_that_completes_the_prompt(eos: bool) -> Non
     held = block_ids(sched, "p1")
     assert len(held) == math.ceil(40 / BS)
     # The KV goes to the worker with the very step that computes it (after its forward) ...
-    assert meta.eager == {"p1": SendSpec("t1", tuple(held))} and meta.ready == {}
+    assert meta.eager == {"p1": SendSpec("t1", (tuple(held),))} and meta.ready == {}
     # ... the request finished in that step with the params for D, and keeps its blocks
     assert params_for_d(output) == {**PARAMS_FOR_D, "transfer_id": "t1"}
     meta = meta_of(step(sched))
@@ -115,7 +117,7 @@ def test_p_without_eager_send_hands_blocks_over_at_finish(eos: bool) -> None:
     held = block_ids(sched, "p1")
     assert params_for_d(result.outputs["p1"]) == {**PARAMS_FOR_D, "transfer_id": "t1"}
     meta = meta_of(step(sched))
-    assert meta.ready == {"p1": SendSpec("t1", tuple(held))}
+    assert meta.ready == {"p1": SendSpec("t1", (tuple(held),))}
     assert free_blocks(sched) < total_blocks(sched)
     step(sched, finished_sending={"p1"})
     assert free_blocks(sched) == total_blocks(sched)
@@ -131,7 +133,7 @@ def test_p_with_more_than_one_output_token_sends_at_finish() -> None:
     assert all(m.eager == {} for m in metas)
     assert request_status(sched, "p5") is RequestStatus.FINISHED_LENGTH_CAPPED
     ready = meta_of(step(sched)).ready
-    assert ready["p5"].block_ids == tuple(block_ids(sched, "p5")[: math.ceil(40 / BS)])
+    assert ready["p5"].block_ids == (tuple(block_ids(sched, "p5")[: math.ceil(40 / BS)]),)
     step(sched, finished_sending={"p5"})
     assert free_blocks(sched) == total_blocks(sched)
 
@@ -178,8 +180,8 @@ def test_p_chunked_prefill_sends_every_prompt_block_eagerly_in_the_last_chunk() 
         pendings += meta.pending
     assert pendings == ["t3"]
     assert eagers[:-1] == [{}] * (len(eagers) - 1)  # only the chunk that completes the prompt
-    assert eagers[-1]["p3"].block_ids == tuple(block_ids(sched, "p3")[: math.ceil(70 / BS)])
-    assert len(eagers[-1]["p3"].block_ids) == math.ceil(70 / BS)
+    assert eagers[-1]["p3"].block_ids == (tuple(block_ids(sched, "p3")[: math.ceil(70 / BS)]),)
+    assert len(eagers[-1]["p3"].block_ids[0]) == math.ceil(70 / BS)
     assert request_status(sched, "p3") is RequestStatus.FINISHED_LENGTH_CAPPED
     step(sched, finished_sending={"p3"})
     assert free_blocks(sched) == total_blocks(sched)
@@ -208,7 +210,7 @@ def test_p_preempted_mid_prompt_sends_the_blocks_it_resumed_with() -> None:
             expected = tuple(block_ids(sched, "p7")[: math.ceil(112 / BS)])
             break
     assert preempted == {"p7"}, "the test must preempt the prefill to mean anything"
-    assert eager["p7"] == SendSpec("t7", expected) and len(expected) == math.ceil(112 / BS)
+    assert eager["p7"] == SendSpec("t7", (expected,)) and len(expected) == math.ceil(112 / BS)
     for _ in range(20):
         step(sched, finished_sending={"p7"} if request_status(sched, "p7") else ())
     assert free_blocks(sched) == total_blocks(sched)
@@ -258,9 +260,9 @@ def test_d_pulls_once_then_recomputes_only_the_last_token(prompt_len: int) -> No
     assert request_status(sched, "d1") is RequestStatus.WAITING_FOR_REMOTE_KVS
     (pull,) = meta_of(first).pulls.values()
     assert pull == PullSpec(
-        "t1", "prefill-0", "http://127.0.0.1:8998", tuple(block_ids(sched, "d1"))
+        "t1", "prefill-0", "http://127.0.0.1:8998", (tuple(block_ids(sched, "d1")),)
     )
-    assert len(pull.block_ids) == math.ceil(prompt_len / BS)
+    assert len(pull.block_ids[0]) == math.ceil(prompt_len / BS)
     assert meta_of(step(sched)).pulls == {}  # handed to the worker once
     step(sched, finished_recving={"d1"})
     result = step(sched)
@@ -283,8 +285,8 @@ def test_d_with_a_local_prefix_hit_pulls_only_the_missing_blocks() -> None:
         )
     )
     (pull,) = meta_of(step(sched)).pulls.values()
-    assert len(pull.block_ids) == 2
-    assert pull.block_ids == tuple(block_ids(sched, "d2")[3:])
+    assert len(pull.block_ids[0]) == 2
+    assert pull.block_ids == (tuple(block_ids(sched, "d2")[3:]),)
     step(sched, finished_recving={"d2"})
     while request_status(sched, "d2") is not None:
         step(sched)
@@ -307,7 +309,7 @@ def test_d_prefix_hit_of_all_full_blocks_pulls_the_partial_tail() -> None:
     sched.add_request(d3)
     (pull,) = meta_of(step(sched)).pulls.values()
     assert not pull.notify_only
-    assert pull.block_ids == tuple(block_ids(sched, "d3")[2:])  # just the partial block
+    assert pull.block_ids == (tuple(block_ids(sched, "d3")[2:]),)  # just the partial block
     step(sched, finished_recving={"d3"})
     while request_status(sched, "d3") is not None:
         step(sched)
@@ -379,3 +381,72 @@ def test_connector_loads_by_module_path_too() -> None:
 def test_bad_settings_are_refused_with_a_clear_error() -> None:
     with pytest.raises(ValueError, match="kv_connector_extra_config"):
         make_scheduler(kv_role="kv_producer", extra_config={"protocol": "carrier-pigeon"})
+
+
+# ------------------------------------------------------------------ sliding-window KV groups
+
+WINDOW = 32
+
+
+def window_blocks(n: int) -> int:
+    """Blocks of an ``n``-token prompt that a 32-token window still reaches once the prompt
+    is computed (the last token's window, plus the block boundary)."""
+    return math.ceil(n / BS) - max(0, n - WINDOW + 1) // BS
+
+
+def held(table: list[int], n: int) -> tuple[int, ...]:
+    """The blocks of a group's table vLLM still holds for the prompt (0: its null block)."""
+    return tuple(b for b in table[: math.ceil(n / BS)] if b != 0)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "at-finish"])
+@pytest.mark.parametrize("n", [20, 40, 47, 48, 49, 100, 143])
+def test_p_sends_a_sliding_groups_window_and_every_full_block(eager: bool, n: int) -> None:
+    """With vLLM's hybrid KV cache manager on (the connector is SupportsHMA): the window's
+    blocks of the sliding-window group, all of the full group's; and never a block vLLM
+    frees when the request ends (an eager write may still be reading it)."""
+    extra = {} if eager else NOT_EAGER
+    sched = make_scheduler(
+        kv_role="kv_producer", block_size=BS, sliding_window=WINDOW, extra_config=extra
+    )
+    params = {"do_remote_decode": True, "transfer_id": "tw"}
+    sched.add_request(make_request("pw", n, max_tokens=1, kv_transfer_params=params))
+    first = step(sched)
+    spec = (meta_of(first).eager if eager else meta_of(step(sched)).ready)["pw"]
+    sliding, full = block_tables(sched, "pw")  # after the finish: out-of-window blocks freed
+    assert spec.block_ids == (held(sliding, n), held(full, n))
+    assert len(spec.block_ids[0]) == window_blocks(n) and len(full) == math.ceil(n / BS)
+    assert free_blocks(sched) < total_blocks(sched)
+    step(sched, finished_sending={"pw"})
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+@pytest.mark.parametrize("n", [20, 40, 47, 48, 49, 100, 143])
+def test_d_pulls_the_same_window_p_sends(n: int) -> None:
+    sched = make_scheduler(kv_role="kv_consumer", block_size=BS, sliding_window=WINDOW)
+    sched.add_request(make_request("dw", n, max_tokens=2, kv_transfer_params=d_params("tw")))
+    (pull,) = meta_of(step(sched)).pulls.values()
+    sliding, full = block_tables(sched, "dw")
+    assert pull.block_ids == (held(sliding, n), held(full, n))
+    assert [len(g) for g in pull.block_ids] == [window_blocks(n), math.ceil(n / BS)]
+    step(sched, finished_recving={"dw"})
+    while request_status(sched, "dw") is not None:
+        step(sched)
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+def test_a_model_with_a_kv_group_the_connector_cannot_move_is_refused() -> None:
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+
+    from integrations.vllm.connector import kv_groups
+
+    spec = ChunkedLocalAttentionSpec(
+        block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32, attention_chunk_size=64
+    )
+    config = KVCacheConfig(1, [], [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
+    with pytest.raises(ValueError, match=r"group 0 .*is ChunkedLocalAttentionSpec"):
+        kv_groups(config)
