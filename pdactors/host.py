@@ -8,6 +8,7 @@ reaches them through :meth:`TrioHost.run` (await something in the Trio thread) a
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -21,6 +22,19 @@ __all__ = ["TrioHost"]
 T = TypeVar("T")
 
 log = logging.getLogger("pdactors.host")
+
+
+def _unpin_this_thread() -> None:
+    """Let the calling thread, and every thread it starts from now on (Trio's worker threads,
+    Mooncake's transport threads), run on any CPU. vLLM-CPU binds a worker's main thread to
+    one core (``OMP_PROC_BIND``) and threads inherit their creator's affinity: without this
+    Mooncake's one TCP I/O thread shares that core with the OpenMP thread and, on a host
+    where a peer's busy-polling ``batch_transfer_sync_write`` thread is pinned there too,
+    can get no CPU at all until Mooncake's 30 s progress timeout."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError):  # not Linux, or a cpuset that refuses: stay as we are
+        pass
 
 
 class TrioHost:
@@ -54,6 +68,7 @@ class TrioHost:
         return self._thread.is_alive() and self._error is None and self._token is not None
 
     def _main(self) -> None:
+        _unpin_this_thread()
         try:
             trio.run(self._serve)
         except BaseException as exc:  # the thread must not die silently

@@ -58,14 +58,14 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         if vllm_config.model_config is not None:
             # Also here: vLLM skips the layout hook when VLLM_KV_CACHE_LAYOUT is set.
-            refuse_unserved(vllm_config.model_config)
+            refuse_unserved(vllm_config)
         transfer = self._kv_transfer_config
         self.settings = settings_from_extra_config(dict(transfer.kv_connector_extra_config))
         assert transfer.engine_id is not None  # vLLM fills in a uuid when none is given
         self.engine_id = transfer.engine_id
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
-        groups = kv_groups(kv_cache_config)
+        groups = kv_groups(kv_cache_config, architecture_of(vllm_config.model_config))
         if role == KVConnectorRole.SCHEDULER:
             block_size = vllm_config.cache_config.block_size
             self.scheduler_side = SchedulerSide(
@@ -106,6 +106,10 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request, block_ids)
+
+    def on_new_request(self, request: Request) -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.on_new_request(request)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         """A pull restores the request's own blocks in every transferred group (not only
@@ -200,7 +204,7 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
         model_config = vllm_config.model_config
         if model_config is None:
             return None
-        refuse_unserved(model_config)
+        refuse_unserved(vllm_config)
         return None if model_config.use_mla else "LBHNC"
 
     def shutdown(self) -> None:
@@ -230,29 +234,39 @@ def _place(vllm_config: VllmConfig, engine_id: str) -> WorkerPlace:
     return dataclasses.replace(place, kv_heads=kv_heads_of(vllm_config.model_config))
 
 
-def refuse_unserved(model_config: Any) -> None:
+def refuse_unserved(vllm_config: Any) -> None:
     """Raise :class:`ValueError` naming the model's family and what is missing when
-    PdActorsConnector cannot serve it: models with recurrent state (Mamba, gated delta-net and
-    other linear attention, alone or in hybrids), whose state pages it does not transfer yet
-    (vLLM would otherwise fail later with "Failed to promote local KV cache specs")."""
-    architecture = ", ".join(getattr(model_config.hf_config, "architectures", None) or ["?"])
-    if model_config.is_attention_free or model_config.has_inner_state or model_config.is_hybrid:
-        kind = "attention-free" if model_config.is_attention_free else "hybrid"
+    PdActorsConnector cannot serve it in this configuration: a model with recurrent state
+    (Mamba, gated delta-net) whose state vLLM keeps per prefix-cache block
+    (``mamba_cache_mode`` "align", the default with prefix caching): those pages (some null,
+    some copied on write) are not moved; one state page per request ("none") is."""
+    model_config = vllm_config.model_config
+    mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none")
+    if (model_config.has_inner_state or model_config.is_hybrid) and mode != "none":
         raise ValueError(
-            f"PdActorsConnector cannot serve {architecture}: a {kind} model with recurrent "
-            "state (Mamba / linear attention). Transferring its state pages and vLLM's hybrid "
-            "KV cache groups (SupportsHMA) is not built yet; serve it without disaggregation, "
-            "or with vLLM's MooncakeConnector"
+            f"PdActorsConnector cannot serve {architecture_of(model_config)} with "
+            f"mamba_cache_mode {mode!r}: its recurrent state is kept per prefix-cache block, "
+            "which the connector does not move. Serve it with --no-enable-prefix-caching "
+            "(or --mamba-cache-mode none): one state page per request travels"
         )
 
 
-def kv_groups(kv_cache_config: KVCacheConfig | None) -> tuple[KVGroup, ...]:
+def architecture_of(model_config: Any) -> str:
+    return ", ".join(getattr(model_config.hf_config, "architectures", None) or ["?"])
+
+
+def kv_groups(
+    kv_cache_config: KVCacheConfig | None, model: str = "this model"
+) -> tuple[KVGroup, ...]:
     """vLLM's KV-cache groups as the connector moves them (none without a config). Full
     attention (MLA's latent cache included) moves every block of the prompt, a sliding window
-    the blocks it keeps. Raises :class:`ValueError` naming a group of another kind (chunked
-    local attention, R-SWA, recurrent state …), which the connector does not move."""
+    the blocks it keeps, recurrent state (Mamba, GDN) its one page per request. Raises
+    :class:`ValueError` naming ``model`` and a group of another kind (chunked local
+    attention, R-SWA, state kept per prefix block or with speculative slots …), which the
+    connector does not move."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
         UniformTypeKVCacheSpecs,
@@ -270,7 +284,13 @@ def kv_groups(kv_cache_config: KVCacheConfig | None) -> tuple[KVGroup, ...]:
             else [spec]
         )
         kinds = {type(s) for s in specs}
-        if kinds <= {FullAttentionSpec, MLAAttentionSpec}:
+        state = all(isinstance(s, MambaSpec) for s in specs)
+        if state and all(
+            s.mamba_cache_mode == "none" and not s.num_speculative_blocks  # type: ignore[attr-defined]
+            for s in specs
+        ):
+            window, retained = 0, 0
+        elif kinds <= {FullAttentionSpec, MLAAttentionSpec}:
             window, retained = 0, 0
         elif all(isinstance(s, SlidingWindowSpec) for s in specs) and (
             len({(s.sliding_window, s.extra_retained_tokens) for s in specs}) == 1  # type: ignore[attr-defined]
@@ -279,18 +299,23 @@ def kv_groups(kv_cache_config: KVCacheConfig | None) -> tuple[KVGroup, ...]:
         else:
             names = ", ".join(sorted(k.__name__ for k in kinds))
             raise ValueError(
-                f"PdActorsConnector cannot serve this model: its KV-cache group {g} "
+                f"PdActorsConnector cannot serve {model}: its KV-cache group {g} "
                 f"({len(group.layer_names)} layers, e.g. {group.layer_names[0]}) is {names}; "
-                "it moves full-attention, MLA and sliding-window KV only"
+                "it moves full-attention, MLA and sliding-window KV, and recurrent state of "
+                "mamba_cache_mode 'none' without speculative slots"
             )
-        groups.append(KVGroup(spec.block_size, window, retained, g in transferred))
+        groups.append(KVGroup(spec.block_size, window, retained, g in transferred, state))
     return tuple(groups)
 
 
 def kv_heads_of(model_config: Any) -> int:
     """The KV "heads" the actors pair TP ranks by: the model's KV heads, or 1 for MLA, whose
     one latent cache per layer every TP rank holds whole (replicated): D rank ``j`` then pulls
-    it from one P rank (``j`` modulo P's TP size) and the other P ranks only answer."""
+    it from one P rank (``j`` modulo P's TP size) and the other P ranks only answer. 0 (not
+    said) for a model with recurrent state: its state pages do not split by KV head, so P and
+    D must have equal TP sizes (rank to rank), and other shapes are refused by the actors."""
+    if model_config.has_inner_state or model_config.is_hybrid:
+        return 0
     return 1 if model_config.use_mla else int(model_config.get_total_num_kv_heads())
 
 

@@ -24,6 +24,11 @@ Block ids travel per KV-cache group (vLLM's hybrid KV cache manager: ``SupportsH
 full-attention group moves the prompt's blocks; a sliding-window group only those its window
 keeps (:meth:`KVGroup.kept`: what vLLM's ``remove_skipped_blocks`` leaves, on both sides);
 vLLM's null block (out of the window, or padding) is never moved.
+
+Models with recurrent state (Mamba, gated delta-net: a ``state`` group, one state page per
+request) follow upstream's contract: a state cannot be rewound by a token, so P computes
+the prompt but its last token (it drops it when the request arrives, :meth:`on_new_request`)
+and D pulls N - 1 tokens, then computes the last one from P's state.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class KVGroup:
     window: int = 0
     retained: int = 0
     transfer: bool = True
+    state: bool = False  # recurrent state pages (Mamba / GDN), not per-token KV
 
     def kept(self, num_tokens: int) -> range:
         """The blocks (by position in the request's block table) holding KV of a
@@ -85,6 +91,8 @@ class KVGroup:
         ``num_tokens`` prompt, from position ``first`` on, without null blocks."""
         if not self.transfer:
             return ()
+        if self.state:  # the request's state pages: none is positional KV of the prompt
+            return tuple(b for b in table if b != NULL_BLOCK)
         kept = self.kept(num_tokens)
         start, stop = max(kept.start, first), min(kept.stop, len(table))
         return tuple(b for b in table[start:stop] if b != NULL_BLOCK)
@@ -145,6 +153,8 @@ class SchedulerSide:
         self.engine_id = engine_id
         self.block_size = block_size
         self.groups = tuple(groups) if groups else (KVGroup(block_size),)
+        #: P computes, and D pulls, the prompt but its last token (recurrent state)
+        self.holds_back_last = any(g.state and g.transfer for g in self.groups)
         self._meta = PdActorsMetadata()
         self._pulling: dict[str, str] = {}  # D req id -> transfer id, while the KV is in flight
         #: P req id -> its request and block table per group so far (eager send), from
@@ -166,8 +176,34 @@ class SchedulerSide:
             return 0, False
         if not _complete_remote_params(params):
             return 0, False  # warned in update_state_after_alloc
-        remote = request.num_prompt_tokens - num_computed_tokens
+        remote = self._pulled(request) - num_computed_tokens
         return (remote, True) if remote > 0 else (0, False)
+
+    def _pulled(self, request: Request) -> int:
+        """D: the prompt tokens whose KV (and state) P computed for it."""
+        n = request.num_prompt_tokens
+        return n - 1 if self.holds_back_last and n > 1 else n
+
+    def on_new_request(self, request: Request) -> None:
+        """P, a model with recurrent state: drop the prompt's last token (D computes it from
+        the state after the others) and produce one token, once per request (upstream's
+        ``_truncate_mamba_request_for_prefill``)."""
+        params = request.kv_transfer_params
+        if (
+            not self.holds_back_last
+            or not params
+            or not params.get("do_remote_decode")
+            or params.get("_pdactors_held_back")
+            or request.num_prompt_tokens < 2
+            or request.prompt_token_ids is None
+            or request.get_skip_reading_prefix_cache()  # D computes such a prompt itself
+        ):
+            return
+        request.prompt_token_ids.pop()
+        request._all_token_ids.pop()
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_pdactors_held_back"] = True
 
     # ------------------------------------------------------------------ blocks were allocated
 
@@ -190,7 +226,7 @@ class SchedulerSide:
             if num_external_tokens > 0:
                 # The uncached tail of the prompt: the blocks vLLM just allocated for it
                 # (local prefix hits end at a block boundary of every group).
-                n = request.num_prompt_tokens
+                n = self._pulled(request)
                 hit = n - num_external_tokens
                 tables = blocks.get_block_ids()
                 wanted = tuple(

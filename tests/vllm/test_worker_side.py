@@ -48,18 +48,19 @@ class Pair:
         p_only: dict[str, Any] | None = None,
         d_only: dict[str, Any] | None = None,
         caches: Callable[[], dict[str, torch.Tensor]] = kv_caches,
+        group_of: dict[str, int] | None = None,
         **settings: Any,
     ) -> None:
         """A P and a D worker side with ``settings``, plus ``p_only`` / ``d_only`` each, over
-        KV tensors made by ``caches``."""
+        KV tensors made by ``caches`` (``group_of``: each layer's KV-cache group)."""
         self.settings = ConnectorSettings(bootstrap_port=free_port(), ready_timeout=30, **settings)
         p_settings = msgspec.structs.replace(self.settings, **(p_only or {}))
         d_settings = msgspec.structs.replace(self.settings, **(d_only or {}))
         self.p_kv, self.d_kv = caches(), caches()
         self.p = WorkerSide(p_settings, WorkerPlace("prefill-w", True, False, RankInfo(), True))
         self.d = WorkerSide(d_settings, WorkerPlace("decode-w", False, True, RankInfo(), False))
-        self.p.register_kv_caches(self.p_kv, BLOCKS)
-        self.d.register_kv_caches(self.d_kv, BLOCKS)
+        self.p.register_kv_caches(self.p_kv, BLOCKS, group_of)
+        self.d.register_kv_caches(self.d_kv, BLOCKS, group_of)
 
     def move_and_check(self, tid: str, src: tuple[int, ...], dst: tuple[int, ...]) -> None:
         """P fills ``src`` with random KV and sends transfer ``tid``; D pulls it into ``dst``;
@@ -74,7 +75,7 @@ class Pair:
             assert torch.equal(self.d_kv[name][list(dst)], self.p_kv[name][list(src)])
         wait_for(self.p, "sent", f"preq-{tid}")
 
-    def pull(self, req: str, tid: str, blocks: tuple[int, ...], engine: str = "prefill-w") -> None:
+    def pull(self, req: str, tid: str, blocks: Any, engine: str = "prefill-w") -> None:
         spec = PullSpec(tid, engine, self.settings.bootstrap_url, blocks)
         run_step(self.d, PdActorsMetadata(pulls={req: spec}))
 
@@ -285,6 +286,41 @@ def test_a_dead_trio_thread_fails_its_pulls_then_the_actors_come_back(pair: Pair
     run_step(pair.p, PdActorsMetadata(ready={"preq10": SendSpec("t10", (18,))}))
     assert "dreq10" not in wait_for(pair.d, "recved", "dreq10")["failed"]
     run_step(pair.p, PdActorsMetadata(dropped=["t8"]))  # P's side of the dead pull
+
+
+def hybrid_caches() -> dict[str, torch.Tensor]:
+    """vLLM's hybrid KV cache manager with one sliding-window and one full-attention layer
+    (a group each): both layers are views of one tensor (a block id belongs to one group at a
+    time, so the groups share the memory)."""
+    alloc = torch.zeros(BLOCKS, 2, 16, 64)
+    return {f"model.layers.{i}.self_attn.attn": alloc for i in range(LAYERS)}
+
+
+def test_each_kv_cache_group_moves_its_own_blocks() -> None:
+    """Per-group block ids through both worker sides: the sliding-window layer's blocks (D
+    keeps fewer: its window's tail) and the full layer's land in D's blocks of each group,
+    and no other block of D changes."""
+    names = sorted(hybrid_caches())
+    pair = Pair(caches=hybrid_caches, group_of={names[0]: 0, names[1]: 1})
+    try:
+        layout = layout_from_kv_caches(pair.p_kv, BLOCKS, {names[0]: 0, names[1]: 1}).layout
+        assert layout.groups == (0, 1)
+        src, dst = ((4, 5, 6), (7, 8, 9)), ((13,), (20, 21, 22))
+        p_kv = pair.p_kv[names[0]]  # one tensor: both layers
+        p_kv[1:12] = torch.randn(11, *p_kv.shape[1:])
+        run_step(pair.p, PdActorsMetadata(pending=["g1"]))
+        pair.pull("dreq-g1", "g1", dst)
+        run_step(pair.p, PdActorsMetadata(ready={"preq-g1": SendSpec("g1", src)}))
+        assert "dreq-g1" not in wait_for(pair.d, "recved", "dreq-g1")["failed"]
+        wait_for(pair.p, "sent", "preq-g1")
+        d_kv = pair.d_kv[names[0]]
+        assert torch.equal(d_kv[13], p_kv[6])  # the window's last block only
+        assert torch.equal(d_kv[[20, 21, 22]], p_kv[[7, 8, 9]])
+        untouched = [b for b in range(BLOCKS) if b not in (13, 20, 21, 22)]
+        assert not d_kv[untouched].any()
+    finally:
+        pair.p.shutdown()
+        pair.d.shutdown()
 
 
 def test_mla_latent_caches_move_byte_for_byte() -> None:
