@@ -180,9 +180,10 @@ class SchedulerSide:
         return (remote, True) if remote > 0 else (0, False)
 
     def _pulled(self, request: Request) -> int:
-        """D: the prompt tokens whose KV (and state) P computed for it."""
+        """D: the prompt tokens whose KV (and state) P computed for it. With recurrent state,
+        all but the last (a one-token prompt: none; D computes it, P is told to free)."""
         n = request.num_prompt_tokens
-        return n - 1 if self.holds_back_last and n > 1 else n
+        return n - 1 if self.holds_back_last else n
 
     def on_new_request(self, request: Request) -> None:
         """P, a model with recurrent state: drop the prompt's last token (D computes it from

@@ -435,7 +435,8 @@ def tp_pulls(
     if total_heads < 1:
         raise PlanError(
             f"heterogeneous TP (P tp_size {p_tp}, D tp_size {d_tp}) needs the model's KV head "
-            "count on both sides (kv_heads)"
+            "count on both sides (kv_heads; a model with recurrent state, which does not split "
+            "by head, has none: its P and D need equal TP sizes)"
         )
     rank_heads(0, p_tp, total_heads)  # P's shape must be one vLLM runs
     pulls: dict[int, list[HeadSlice]] = {}

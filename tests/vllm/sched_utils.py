@@ -69,6 +69,7 @@ with warnings.catch_warnings():
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -133,6 +134,7 @@ def make_scheduler(
     engine_id: str | None = None,
     log_stats: bool = True,
     sliding_window: int = 0,
+    recurrent_state: bool = False,
 ) -> Scheduler:
     """Build vLLM's `Scheduler` for the tiny model with KV connector ``connector`` in ``kv_role``.
 
@@ -142,7 +144,9 @@ def make_scheduler(
     ``max_model_len`` (any prompt is prefilled in one step); set it lower to get chunked
     prefills. ``engine_id`` None lets vLLM pick a random one. ``sliding_window`` > 0 makes the
     first layer a sliding-window layer of that many tokens (vLLM's hybrid KV cache manager:
-    a sliding-window group and a full-attention group, one layer each). No model weights are
+    a sliding-window group and a full-attention group, one layer each); ``recurrent_state``
+    makes it a Mamba-style state layer instead (one state page per request, vLLM's
+    ``mamba_cache_mode`` "none"; needs ``enable_prefix_caching=False``). No model weights are
     loaded.
     Raises whatever vLLM raises for an unknown connector or an invalid configuration.
     """
@@ -178,7 +182,7 @@ def make_scheduler(
         ),
         device_config=DeviceConfig("cpu"),
     )
-    kv_cache_config = _kv_cache_config(vllm_config, num_blocks, sliding_window)
+    kv_cache_config = _kv_cache_config(vllm_config, num_blocks, sliding_window, recurrent_state)
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
         kv_cache_config, vllm_config
     )
@@ -352,10 +356,12 @@ def _register_pdactors_connector() -> None:
     plugin.register()
 
 
-def _kv_cache_config(vllm_config: VllmConfig, num_blocks: int, window: int) -> KVCacheConfig:
+def _kv_cache_config(
+    vllm_config: VllmConfig, num_blocks: int, window: int, state: bool
+) -> KVCacheConfig:
     """One full-attention group over every layer (or, with a ``window``, a sliding-window
-    group of the first layer and a full-attention group of the others), sized to exactly
-    ``num_blocks`` blocks."""
+    group of the first layer and a full-attention group of the others; with ``state``, a
+    recurrent-state group of the first), sized to exactly ``num_blocks`` blocks."""
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     # The engine core resolves the layout before the connector exists; a connector's
@@ -378,6 +384,15 @@ def _kv_cache_config(vllm_config: VllmConfig, num_blocks: int, window: int) -> K
             sliding_window=window,
         )
         groups = [KVCacheGroupSpec(names[:1], sliding), KVCacheGroupSpec(names[1:], spec)]
+    if state:
+        pages = MambaSpec(
+            block_size=model_config.max_model_len,
+            shapes=((3, 64), (2, 8, 8)),  # a conv state and a recurrent one
+            dtypes=(torch.float32, torch.float32),
+            page_size_padded=spec.page_size_bytes,  # vLLM pads state pages to KV pages
+            mamba_cache_mode="none",
+        )
+        groups = [KVCacheGroupSpec(names[:1], pages), KVCacheGroupSpec(names[1:], spec)]
     per_block = spec.page_size_bytes * max(len(g.layer_names) for g in groups)
     kv_cache_config = get_kv_cache_config_from_groups(
         vllm_config, groups, available_memory=num_blocks * per_block

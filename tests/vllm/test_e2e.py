@@ -28,9 +28,14 @@ READY_TIMEOUT = 3.0
 
 
 class Cluster:
-    def __init__(self, single: Server, p: Server, d: Server, bootstrap_url: str) -> None:
+    def __init__(
+        self, single: Server, p: Server, d: Server, bootstrap_url: str, held_back: int = 0
+    ) -> None:
+        """``held_back``: prompt tokens per request D computes itself (1 for models with
+        recurrent state: P holds the last one back)."""
         self.single, self.p, self.d = single, p, d
         self.bootstrap_url = bootstrap_url
+        self.held_back = held_back
 
     def disaggregated(
         self, prompt: str | list[int], max_tokens: int, *, send_to_p: bool = True
@@ -67,14 +72,16 @@ class Cluster:
         return p_answer, d_answer, expected
 
     @contextmanager
-    def d_receives(self, tokens: int) -> Iterator[None]:
-        """Around requests through P and D: D computed none of their prompts and received
-        ``tokens`` prompt tokens by KV transfer."""
+    def d_receives(self, tokens: int, requests: int = 1) -> Iterator[None]:
+        """Around ``requests`` requests through P and D, of ``tokens`` prompt tokens in all: D
+        received them by KV transfer and computed none of them (but the ``held_back`` of each
+        request)."""
         local_before, external_before = self.d_prompt_tokens()
         yield
         local_after, external_after = self.d_prompt_tokens()
-        assert local_after == local_before, "D computed prompt tokens itself"
-        assert external_after - external_before == tokens
+        own = self.held_back * requests
+        assert local_after - local_before == own, "D computed prompt tokens itself"
+        assert external_after - external_before == tokens - own
 
     def assert_concurrent_equal_single(self, prompts: list[list[int]], max_tokens: int) -> None:
         """``prompts`` at once through the single server, then through P and D: equal."""

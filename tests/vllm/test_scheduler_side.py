@@ -450,3 +450,66 @@ def test_a_model_with_a_kv_group_the_connector_cannot_move_is_refused() -> None:
     config = KVCacheConfig(1, [], [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
     with pytest.raises(ValueError, match=r"group 0 .*is ChunkedLocalAttentionSpec"):
         kv_groups(config)
+
+
+# ------------------------------------------------------------------ recurrent state (Mamba / GDN)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "at-finish"])
+def test_p_holds_back_the_last_prompt_token_of_a_model_with_state(eager: bool) -> None:
+    """Upstream's contract for state that cannot be rewound: P computes the prompt but its
+    last token and produces one token; it sends the state page and the KV of n - 1 tokens."""
+    extra = {} if eager else NOT_EAGER
+    sched = make_scheduler(
+        kv_role="kv_producer",
+        block_size=BS,
+        recurrent_state=True,
+        enable_prefix_caching=False,
+        extra_config=extra,
+    )
+    params = {"do_remote_decode": True, "transfer_id": "ts"}
+    request = make_request("ps", 40, max_tokens=8, kv_transfer_params=params)
+    sched.add_request(request)
+    first = step(sched)
+    assert first.scheduled.num_scheduled_tokens == {"ps": 39}
+    assert request.num_prompt_tokens == 39 and request.max_tokens == 1
+    spec = (meta_of(first).eager if eager else meta_of(step(sched)).ready)["ps"]
+    state, full = block_tables(sched, "ps")
+    assert spec.block_ids == (tuple(state), tuple(full[: math.ceil(39 / BS)]))
+    assert len(state) == 1  # one state page per request
+    step(sched, finished_sending={"ps"})
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+def test_d_computes_a_one_token_prompt_of_a_model_with_state_itself() -> None:
+    """Nothing to hold back: D computes the token (a state cannot be rewound to recompute
+    it over P's) and only tells P to free."""
+    sched = make_scheduler(
+        kv_role="kv_consumer", block_size=BS, recurrent_state=True, enable_prefix_caching=False
+    )
+    sched.add_request(make_request("d1s", 1, max_tokens=2, kv_transfer_params=d_params("t1s")))
+    result = step(sched)
+    assert meta_of(result).pulls == {
+        "d1s": PullSpec("t1s", "prefill-0", "http://127.0.0.1:8998", (), True)
+    }
+    assert result.scheduled.num_scheduled_tokens == {"d1s": 1}
+    while request_status(sched, "d1s") is not None:
+        step(sched)
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+@pytest.mark.parametrize("n", [2, 16, 17, 40])
+def test_d_pulls_n_minus_1_tokens_and_the_state_then_computes_the_last(n: int) -> None:
+    sched = make_scheduler(
+        kv_role="kv_consumer", block_size=BS, recurrent_state=True, enable_prefix_caching=False
+    )
+    sched.add_request(make_request("ds", n, max_tokens=2, kv_transfer_params=d_params("ts")))
+    (pull,) = meta_of(step(sched)).pulls.values()
+    state, full = block_tables(sched, "ds")
+    assert pull.block_ids == (tuple(state), tuple(full[: math.ceil((n - 1) / BS)]))
+    step(sched, finished_recving={"ds"})
+    result = step(sched)
+    assert result.scheduled.num_scheduled_tokens == {"ds": 1}  # the last prompt token
+    while request_status(sched, "ds") is not None:
+        step(sched)
+    assert free_blocks(sched) == total_blocks(sched)
