@@ -6,7 +6,7 @@ per length: whether the first tokens are equal and how far apart their logprobs 
 the whole answers are equal, and where they first differ (with both sides' top two there).
 
     python bench/pd_vs_single.py [--family gdn|sliding|mla|llama] [--lengths 2 5 20 ...]
-                                 [--engine-args="--dtype bfloat16 ..."]
+                                 [--engine-args="--dtype bfloat16 ..."] [--shared-prefix]
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def main(args: argparse.Namespace) -> None:
         print("|---|---|---|---|---|")
         firsts = alls = 0
         for n in args.lengths:
-            prompt = prompt_ids(n, seed=n + 11)
+            prompt = prompt_ids(n, seed=11 if args.shared_prefix else n + 11)
             want = greedy(s["single"], prompt, args.tokens)
             got = disaggregated(s["prefill"], s["decode"], url, prompt, args.tokens)
             ids = [best(t)[0] for t in want], [best(t)[0] for t in got]
@@ -116,4 +116,9 @@ if __name__ == "__main__":
     ap.add_argument("--lengths", type=int, nargs="+", default=[2, 5, 20, 64, 100, 300, 641])
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--engine-args", help="the servers' arguments instead of the family's")
+    ap.add_argument(
+        "--shared-prefix",
+        action="store_true",
+        help="each prompt extends the one before (prefix-cache hits on P and D)",
+    )
     main(ap.parse_args())

@@ -234,20 +234,22 @@ def _place(vllm_config: VllmConfig, engine_id: str) -> WorkerPlace:
     return dataclasses.replace(place, kv_heads=kv_heads_of(vllm_config.model_config))
 
 
+_STATE_MODES = ("none", "align")
+
+
 def refuse_unserved(vllm_config: Any) -> None:
     """Raise :class:`ValueError` naming the model's family and what is missing when
     PdActorsConnector cannot serve it in this configuration: a model with recurrent state
-    (Mamba, gated delta-net) whose state vLLM keeps per prefix-cache block
-    (``mamba_cache_mode`` "align", the default with prefix caching): those pages (some null,
-    some copied on write) are not moved; one state page per request ("none") is."""
+    (Mamba, gated delta-net) whose state vLLM keeps in a way the connector does not know (it
+    moves the live state pages of ``mamba_cache_mode`` "none", one per request, and
+    "align", one per prefix-cache block; vLLM 0.32 has no other)."""
     model_config = vllm_config.model_config
     mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none")
-    if (model_config.has_inner_state or model_config.is_hybrid) and mode != "none":
+    if (model_config.has_inner_state or model_config.is_hybrid) and mode not in _STATE_MODES:
         raise ValueError(
             f"PdActorsConnector cannot serve {architecture_of(model_config)} with "
-            f"mamba_cache_mode {mode!r}: its recurrent state is kept per prefix-cache block, "
-            "which the connector does not move. Serve it with --no-enable-prefix-caching "
-            "(or --mamba-cache-mode none): one state page per request travels"
+            f"mamba_cache_mode {mode!r}: it moves recurrent state kept as "
+            f"{' or '.join(map(repr, _STATE_MODES))} only"
         )
 
 
@@ -260,9 +262,9 @@ def kv_groups(
 ) -> tuple[KVGroup, ...]:
     """vLLM's KV-cache groups as the connector moves them (none without a config). Full
     attention (MLA's latent cache included) moves every block of the prompt, a sliding window
-    the blocks it keeps, recurrent state (Mamba, GDN) its one page per request. Raises
+    the blocks it keeps, recurrent state (Mamba, GDN) its live state pages. Raises
     :class:`ValueError` naming ``model`` and a group of another kind (chunked local
-    attention, R-SWA, state kept per prefix block or with speculative slots …), which the
+    attention, R-SWA, recurrent state with speculative slots …), which the
     connector does not move."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -286,7 +288,7 @@ def kv_groups(
         kinds = {type(s) for s in specs}
         state = all(isinstance(s, MambaSpec) for s in specs)
         if state and all(
-            s.mamba_cache_mode == "none" and not s.num_speculative_blocks  # type: ignore[attr-defined]
+            s.mamba_cache_mode in _STATE_MODES and not s.num_speculative_blocks  # type: ignore[attr-defined]
             for s in specs
         ):
             window, retained = 0, 0
@@ -302,7 +304,7 @@ def kv_groups(
                 f"PdActorsConnector cannot serve {model}: its KV-cache group {g} "
                 f"({len(group.layer_names)} layers, e.g. {group.layer_names[0]}) is {names}; "
                 "it moves full-attention, MLA and sliding-window KV, and recurrent state of "
-                "mamba_cache_mode 'none' without speculative slots"
+                "mamba_cache_mode 'none' or 'align' without speculative slots"
             )
         groups.append(KVGroup(spec.block_size, window, retained, g in transferred, state))
     return tuple(groups)

@@ -25,10 +25,11 @@ full-attention group moves the prompt's blocks; a sliding-window group only thos
 keeps (:meth:`KVGroup.kept`: what vLLM's ``remove_skipped_blocks`` leaves, on both sides);
 vLLM's null block (out of the window, or padding) is never moved.
 
-Models with recurrent state (Mamba, gated delta-net: a ``state`` group, one state page per
-request) follow upstream's contract: a state cannot be rewound by a token, so P computes
-the prompt but its last token (it drops it when the request arrives, :meth:`on_new_request`)
-and D pulls N - 1 tokens, then computes the last one from P's state.
+Models with recurrent state (Mamba, gated delta-net: a ``state`` group, whose live pages
+move: one per request, or per prefix-cache block, nulls dropped) follow upstream's contract:
+a state cannot be rewound by a token, so P computes the prompt but its last token (it drops
+it when the request arrives, :meth:`on_new_request`) and D pulls N - 1 tokens, then
+computes the last one from P's state.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ class KVGroup:
         ``num_tokens`` prompt, from position ``first`` on, without null blocks."""
         if not self.transfer:
             return ()
-        if self.state:  # the request's state pages: none is positional KV of the prompt
-            return tuple(b for b in table if b != NULL_BLOCK)
+        if self.state:  # state pages (one, or per prefix block: the live ones are not null)
+            return tuple(b for b in table[first:] if b != NULL_BLOCK)
         kept = self.kept(num_tokens)
         start, stop = max(kept.start, first), min(kept.stop, len(table))
         return tuple(b for b in table[start:stop] if b != NULL_BLOCK)

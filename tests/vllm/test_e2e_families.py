@@ -16,21 +16,21 @@ same model, token for token, with D computing none of the prompt:
   themselves are checked in MLA-shaped caches by tests/vllm/test_worker_side.py.
 
 * ``gdn``: a Qwen3-Next-style hybrid (three gated delta-net layers, one full-attention),
-  bfloat16, prefix caching off (one state page per request). P computes the prompt but its
-  last token, whose KV and recurrent states travel; D computes that last token from them. D's
+  bfloat16, with prefix caching (vLLM keeps a state page per 640-token block) and without
+  (one state page per request). P computes the prompt but its last token, whose KV and the
+  live state pages travel; D computes that last token from them. D's
   first token is compared with a single server's: later ones may differ, for the state D
   continues from was computed over n - 1 tokens in one chunk and a single server's over n
   (bfloat16 rounding; measured: first tokens equal at 7 lengths of 7, their logprobs within
   0.26, whole 16-token answers equal at 5 of 7, the others diverging at near-ties).
 
-The same hybrid with prefix caching on (its state kept per prefix block) is refused at
-start-up by name.
+KV-cache groups of kinds the connector does not move are refused at start-up by name
+(tests/vllm/test_scheduler_side.py).
 """
 
 from __future__ import annotations
 
 import math
-import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,14 +41,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from integrations.vllm.tiny_model import ensure_tiny_model
-from tests.vllm.servers import (
-    STARTUP_TIMEOUT,
-    consumer_config,
-    free_port,
-    producer_config,
-    vllm_server,
-)
-from tests.vllm.test_e2e import Cluster, prompt_ids, start_cluster
+from tests.vllm.servers import completion, consumer_config
+from tests.vllm.test_e2e import Cluster, prompt_ids, start_cluster, text_and_reason
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -58,9 +52,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 FAMILIES: dict[str, dict[str, Any]] = {
     "sliding": {"compare": "all", "engine_args": (), "held_back": 0},
     "mla": {"compare": "none", "engine_args": (), "held_back": 0},
-    # vLLM's CPU gated delta-net kernel needs bfloat16; without prefix caching vLLM keeps one
-    # state page per request (mamba_cache_mode "none"); P holds the last prompt token back
-    "gdn": {
+    # vLLM's CPU gated delta-net kernel needs bfloat16. With prefix caching (the default)
+    # vLLM keeps a state page per 640-token block (mamba_cache_mode "align"), without it one
+    # per request ("none"). P holds the last prompt token back.
+    "gdn": {"compare": "first", "engine_args": ("--dtype", "bfloat16"), "held_back": 1},
+    "gdn-no-prefix-cache": {
+        "model": "gdn",
         "compare": "first",
         "engine_args": ("--dtype", "bfloat16", "--no-enable-prefix-caching"),
         "held_back": 1,
@@ -68,8 +65,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
+def model_of(name: str) -> str:
+    return str(FAMILIES[name].get("model", name))
+
+
 def kv_bytes(name: str, n: int) -> int:
     """The KV bytes P sends for an ``n``-token prompt (float32)."""
+    name = model_of(name)
     if name == "sliding":
         # Per layer and token: (K + V) x 2 KV heads x 32 dims x 4 bytes; vLLM CPU's default
         # 128-token blocks. The full layer: every block of the prompt; the sliding layer (a
@@ -107,7 +109,7 @@ def family(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, Cluster]]:
     name: str = request.param
-    model: Path = ensure_tiny_model(family=name)
+    model: Path = ensure_tiny_model(family=model_of(name))
     logs = tmp_path_factory.mktemp(f"vllm-{name}-logs")
     d_config = consumer_config("decode-e2e", pull_timeout=60)
     shape = FAMILIES[name]
@@ -161,22 +163,27 @@ def test_concurrent_requests(family: tuple[str, Cluster], concurrent: int) -> No
     assert all(1 <= a["usage"]["completion_tokens"] <= 12 for a in answers)
 
 
-def test_a_shape_the_connector_cannot_serve_is_refused_at_start_by_name(
-    tmp_path: Path,
-) -> None:
-    """The Qwen3-Next-style hybrid with prefix caching on (vLLM then keeps its recurrent state
-    per prefix block, ``mamba_cache_mode`` "align", which the connector does not move): the
-    engine stops at start-up with a message naming the model, what is missing and what to do,
-    before it serves anything (never a wrong answer)."""
-    model = ensure_tiny_model(family="gdn")
-    config = producer_config("prefill-gdn", free_port())
-    with vllm_server(
-        "gdn", model, tmp_path, kv_transfer_config=config, extra_args=("--dtype", "bfloat16")
-    ) as server:
-        try:
-            server.process.wait(timeout=STARTUP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the server did not stop:\n{server.tail()}")
-    log = server.log.read_text(errors="replace")
-    want = "PdActorsConnector cannot serve Qwen3NextForCausalLM with mamba_cache_mode 'align'"
-    assert want in log and "--no-enable-prefix-caching" in log, server.tail()
+def test_a_prompt_extending_an_earlier_one(family: tuple[str, Cluster]) -> None:
+    """Prefix caching on both sides: a 1000-token prompt that extends a 700-token one. P
+    computes only what it does not hold; D pulls what its own cache does not hit (for the
+    hybrid: a hit needs a state page at a 640-token boundary, which D never computed), and
+    its answer equals the single server's (as far as the family is compared)."""
+    name, cluster = family
+    if name == "mla" or name.endswith("no-prefix-cache"):
+        pytest.skip("no prefix caching (vLLM forces it off for MLA on CPU)")
+    base = prompt_ids(1000, seed=4321)
+    check_request(name, cluster, base[:700], 4)
+    m = "vllm:prompt_tokens_by_source_total"
+    hits = cluster.d.metric(m, source="local_cache_hit")
+    local, external = cluster.d_prompt_tokens()
+    compare = FAMILIES[name]["compare"]
+    tokens = 16 if compare == "all" else 1
+    want = completion(cluster.single, base, max_tokens=tokens)
+    _, got = cluster.disaggregated(base, tokens)
+    if compare != "none":
+        assert text_and_reason(got) == text_and_reason(want)
+    hit = cluster.d.metric(m, source="local_cache_hit") - hits
+    local_after, external_after = cluster.d_prompt_tokens()
+    assert local_after - local == cluster.held_back
+    assert external_after - external == 1000 - hit - cluster.held_back
+    assert cluster.p.metric(m, source="local_cache_hit") > 0, "P computed the prefix again"

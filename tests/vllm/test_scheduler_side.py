@@ -513,3 +513,24 @@ def test_d_pulls_n_minus_1_tokens_and_the_state_then_computes_the_last(n: int) -
     while request_status(sched, "ds") is not None:
         step(sched)
     assert free_blocks(sched) == total_blocks(sched)
+
+
+def test_state_pages_move_in_both_cache_modes_but_not_with_speculative_slots() -> None:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    from integrations.vllm.connector import kv_groups
+
+    def state(**kw: object) -> KVCacheConfig:
+        spec = MambaSpec(
+            block_size=BS,
+            shapes=((3, 64),),
+            dtypes=(torch.float32,),
+            **kw,  # type: ignore[arg-type]
+        )
+        return KVCacheConfig(1, [], [KVCacheGroupSpec(["model.layers.0.linear_attn"], spec)])
+
+    for mode in ("none", "align"):
+        (group,) = kv_groups(state(mamba_cache_mode=mode))
+        assert group.state and group.transfer
+    with pytest.raises(ValueError, match="MambaSpec; it moves"):
+        kv_groups(state(mamba_cache_mode="align", num_speculative_blocks=2), "Qwen3Next")
