@@ -32,7 +32,7 @@ from tests.vllm.servers import (
 from tests.vllm.test_e2e import prompt_ids
 
 #: The engine arguments each family is served with (tests/vllm/test_e2e_families.py).
-ENGINE_ARGS = {"gdn": ("--dtype", "bfloat16", "--no-enable-prefix-caching")}
+ENGINE_ARGS = {"gdn": ("--dtype", "bfloat16")}
 
 
 def greedy(server: Server, prompt: list[int], n: int, **params: Any) -> list[dict[str, float]]:
