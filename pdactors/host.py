@@ -30,7 +30,9 @@ def _unpin_this_thread() -> None:
     one core (``OMP_PROC_BIND``) and threads inherit their creator's affinity: without this
     Mooncake's one TCP I/O thread shares that core with the OpenMP thread and, on a host
     where a peer's busy-polling ``batch_transfer_sync_write`` thread is pinned there too,
-    can get no CPU at all until Mooncake's 30 s progress timeout."""
+    can get no CPU at all until Mooncake's 30 s progress timeout. The kernel keeps the
+    threads within the process's cpuset (cgroup); an affinity set on the process itself (say
+    with ``taskset``) is widened for them, for it cannot be told apart from vLLM's pin."""
     try:
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
     except (AttributeError, OSError):  # not Linux, or a cpuset that refuses: stay as we are

@@ -497,6 +497,8 @@ def test_flat_ids_are_the_one_group_and_a_missing_group_moves_nothing() -> None:
     two = Layout(layout.regions, (), (0, 1))
     plan = plan_transfer(two, [[1], [2, 3]], two, [[5]])
     assert plan.nbytes == 4  # region 0's one block; group 1 (region 1) not asked for
+    # D naming more groups than P, all empty beyond P's: nothing more to move
+    assert plan_transfer(layout, [[1]], layout, [[2], []]).nbytes == 8
 
 
 def test_regions_out_of_range_are_refused() -> None:

@@ -197,11 +197,14 @@ class SchedulerSide:
             or not params.get("do_remote_decode")
             or params.get("_pdactors_held_back")
             or request.num_prompt_tokens < 2
-            or request.prompt_token_ids is None
-            or request.get_skip_reading_prefix_cache()  # D computes such a prompt itself
         ):
             return
-        request.prompt_token_ids.pop()
+        # Always, whatever P's request asks (prompt logprobs too): D pulls n - 1 tokens and
+        # applies the last itself, so a state over all n would apply it twice, silently.
+        if request.prompt_token_ids is not None:
+            request.prompt_token_ids.pop()
+        elif request.prompt_embeds is not None:
+            request.prompt_embeds = request.prompt_embeds[:-1]
         request._all_token_ids.pop()
         request.num_prompt_tokens -= 1
         request.max_tokens = 1
@@ -331,6 +334,15 @@ class SchedulerSide:
             group.moved(table, n) for group, table in zip(self.groups, tables, strict=True)
         )
 
+    def _window_passed(self, request: Request) -> bool:
+        """P computed past the prompt far enough that vLLM freed blocks of a sliding window
+        that the prompt's last token still reaches (what D asks for)."""
+        n, computed = request.num_prompt_tokens, request.num_computed_tokens
+        return computed > n and any(
+            g.window and g.transfer and g.kept(computed).start > g.kept(n).start
+            for g in self.groups
+        )
+
     def request_finished(
         self, request: Request, block_ids: Sequence[Sequence[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -364,6 +376,15 @@ class SchedulerSide:
                 self._meta.dropped.append(transfer_id)
                 return True, None
         elif request.status not in _DELIVER or not any(block_ids):
+            self._meta.dropped.append(transfer_id)
+            return False, None
+        elif self._window_passed(request):
+            log.warning(
+                "transfer %s: P decoded %d tokens past the prompt, and vLLM has freed the "
+                "start of a sliding window D needs; dropped (send P max_tokens 1)",
+                transfer_id,
+                request.num_computed_tokens - request.num_prompt_tokens,
+            )
             self._meta.dropped.append(transfer_id)
             return False, None
         else:

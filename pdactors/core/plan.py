@@ -359,12 +359,13 @@ def plan_transfer(
     d_parts: list[Addrs] = []
     l_parts: list[Addrs] = []
     for g, wanted in enumerate(d_groups):
-        n, m = len(wanted), len(s_ids[g])
+        n = len(wanted)
+        if not n:
+            continue  # (also a group P does not name: checked above to be empty)
+        m = len(s_ids[g])
         if n > m:
             where = f" of KV-cache group {g}" if n_groups > 1 else ""
             raise PlanError(f"D asks for {n} blocks{where} but P holds only {m}")
-        if not n:
-            continue
         d_ids = _as_ids(wanted, "D")
         _check_bounds(d_ids, dp, "D")
         if n > 1 and len(set(d_ids.tolist())) != n:

@@ -421,6 +421,25 @@ def test_p_sends_a_sliding_groups_window_and_every_full_block(eager: bool, n: in
     assert free_blocks(sched) == total_blocks(sched)
 
 
+@pytest.mark.parametrize("max_tokens", [2, 8])
+def test_p_decoding_past_the_window_drops_the_transfer(max_tokens: int) -> None:
+    """A P asked for more than one token: each decoded token moves the window on, and once
+    vLLM has freed a block the prompt's window still reached, the KV D needs is gone. P then
+    drops the transfer (D hears at once) instead of offering a window D cannot use."""
+    sched = make_scheduler(kv_role="kv_producer", block_size=BS, sliding_window=WINDOW)
+    params = {"do_remote_decode": True, "transfer_id": "tx"}
+    sched.add_request(make_request("px", 40, max_tokens=max_tokens, kv_transfer_params=params))
+    metas = [meta_of(step(sched)) for _ in range(max_tokens + 1)]
+    if max_tokens == 2:  # 41 tokens computed: the window of the prompt is still whole
+        (spec,) = [m.ready["px"] for m in metas if "px" in m.ready]
+        assert len(spec.block_ids[0]) == window_blocks(40)
+        step(sched, finished_sending={"px"})
+    else:  # 47 computed: the first block is freed
+        assert any(m.dropped == ["tx"] for m in metas)
+        assert all(not m.ready for m in metas)
+    assert free_blocks(sched) == total_blocks(sched)
+
+
 @pytest.mark.parametrize("n", [20, 40, 47, 48, 49, 100, 143])
 def test_d_pulls_the_same_window_p_sends(n: int) -> None:
     sched = make_scheduler(kv_role="kv_consumer", block_size=BS, sliding_window=WINDOW)
