@@ -102,6 +102,9 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request, (block_ids,))
 
+    def has_pending_block_frees(self) -> bool:
+        return self.scheduler_side is not None and self.scheduler_side.has_pending_block_frees()
+
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:

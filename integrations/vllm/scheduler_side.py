@@ -320,6 +320,14 @@ class SchedulerSide:
             meta.eager[req_id] = SendSpec(params["transfer_id"], self._sent(request, blocks))
             self._eager.add(req_id)
 
+    def has_pending_block_frees(self) -> bool:
+        """While a prompt whose KV went out eagerly has not been seen finished, vLLM must not
+        preempt to make room (it waits a step instead: this request's blocks come free when
+        its write ends). Under async scheduling vLLM plans step N + 1 before it processes
+        step N's output, when the request that ended in step N still looks running: a
+        preemption then would free blocks the write is reading."""
+        return bool(self._eager)
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         idle.end()
         for req_id in output.finished_recving or ():

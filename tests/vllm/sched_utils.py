@@ -62,6 +62,7 @@ with warnings.catch_warnings():
         resolve_cache_hit_alignment_tokens,
         resolve_kv_cache_block_sizes,
     )
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine import EngineCoreOutput
@@ -132,6 +133,7 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     kv_load_failure_policy: str = "fail",
     engine_id: str | None = None,
+    async_scheduling: bool = False,
     log_stats: bool = True,
     sliding_window: int = 0,
     recurrent_state: bool = False,
@@ -191,7 +193,8 @@ def make_scheduler(
         kv_cache_config, vllm_config, scheduler_block_size, hash_block_size
     )
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-    return Scheduler(
+    scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
+    return scheduler_cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -269,14 +272,35 @@ def step(
         raise ValueError("give either eos=True or sampled_token, not both")
     if eos:
         sampled_token = eos_token_id()
-    elif sampled_token is None:
+    return finish_step(
+        scheduler,
+        scheduler.schedule(),
+        finished_sending=finished_sending,
+        finished_recving=finished_recving,
+        failed_recving=failed_recving,
+        invalid_block_ids=invalid_block_ids,
+        sampled_token=sampled_token,
+    )
+
+
+def finish_step(
+    scheduler: Scheduler,
+    scheduled: SchedulerOutput,
+    *,
+    finished_sending: Iterable[str] = (),
+    finished_recving: Iterable[str] = (),
+    failed_recving: Iterable[str] = (),
+    invalid_block_ids: Iterable[int] = (),
+    sampled_token: int | Callable[[Request], int] | None = None,
+) -> StepResult:
+    """The rest of `step` for a ``scheduled`` step: the fake model run and
+    ``update_from_output``. With async scheduling the next ``schedule()`` may come first."""
+    if sampled_token is None:
         sampled_token = DEFAULT_TOKEN_ID
     sending = set(finished_sending)
     failed = set(failed_recving)
     recving = set(finished_recving) | failed
     invalid = set(invalid_block_ids)
-
-    scheduled = scheduler.schedule()
     req_ids = list(scheduled.num_scheduled_tokens)
     sampled: list[list[int]] = []
     for req_id in req_ids:
@@ -417,6 +441,7 @@ __all__ = [
     "block_tables",
     "connector_of",
     "eos_token_id",
+    "finish_step",
     "free_blocks",
     "layer_names",
     "make_request",

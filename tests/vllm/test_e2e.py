@@ -177,6 +177,21 @@ def test_output_equals_single_server_and_d_computes_no_prompt(
     assert params["remote_bootstrap_addr"] == cluster.bootstrap_url
 
 
+def test_p_first_then_d_as_vllm_router_does(cluster: Cluster) -> None:
+    """vllm-router's Mooncake order: P answers first, then D gets the request with the same
+    transfer id (here: the params P returned, as routers that forward them do). P kept the KV
+    for D's pull; D computes none of the prompt and equals the single server."""
+    prompt = prompt_ids(200, seed=77)
+    expected = completion(cluster.single, prompt, max_tokens=12)
+    p_params = {"do_remote_decode": True, "transfer_id": f"xfer-{uuid.uuid4().hex}"}
+    p_answer = completion(cluster.p, prompt, max_tokens=1, kv_transfer_params=p_params)
+    d_params = p_answer["kv_transfer_params"]
+    assert d_params["transfer_id"] == p_params["transfer_id"]
+    with cluster.d_receives(len(prompt)):
+        d_answer = completion(cluster.d, prompt, max_tokens=12, kv_transfer_params=d_params)
+    assert text_and_reason(d_answer) == text_and_reason(expected)
+
+
 def test_32_concurrent_requests_equal_single_server(cluster: Cluster) -> None:
     prompts = [prompt_ids(10 + 37 * i % 400, seed=100 + i) for i in range(32)]
     with ThreadPoolExecutor(32) as pool:

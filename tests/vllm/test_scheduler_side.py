@@ -17,6 +17,7 @@ from sched_utils import (
     block_ids,
     block_tables,
     connector_of,
+    finish_step,
     free_blocks,
     make_request,
     make_scheduler,
@@ -38,6 +39,12 @@ D_PARAMS = {
     "remote_engine_id": "prefill-0",
     "remote_bootstrap_addr": "http://127.0.0.1:8998",
 }
+
+
+def meta_of_output(scheduled: object) -> PdActorsMetadata:
+    meta = scheduled.kv_connector_metadata  # type: ignore[attr-defined]
+    assert isinstance(meta, PdActorsMetadata)
+    return meta
 
 
 def meta_of(result: object) -> PdActorsMetadata:
@@ -553,3 +560,32 @@ def test_state_pages_move_in_both_cache_modes_but_not_with_speculative_slots() -
         assert group.state and group.transfer
     with pytest.raises(ValueError, match="MambaSpec; it moves"):
         kv_groups(state(mamba_cache_mode="align", num_speculative_blocks=2), "Qwen3Next")
+
+
+# ------------------------------------------------------------------ async scheduling
+
+
+def test_an_eager_send_is_not_preempted_away_under_async_scheduling() -> None:
+    """vLLM's async scheduling plans step N + 1 before it processes step N's output. A P
+    request whose KV went out eagerly at the end of forward N still looks running then; a
+    preemption to make room would free blocks the write is reading. The connector reports
+    pending block frees while such a request has not been seen finished: vLLM makes the
+    other request wait a step instead, and frees the blocks when the write ends."""
+    sched = make_scheduler(
+        kv_role="kv_producer", block_size=BS, num_blocks=8, async_scheduling=True
+    )  # 7 blocks to hand out
+    sched.add_request(make_request("x", 48, max_tokens=20))  # 3 blocks, then a 4th
+    params = {"do_remote_decode": True, "transfer_id": "te"}
+    sched.add_request(make_request("pe", 64, max_tokens=1, kv_transfer_params=params))
+    first = sched.schedule()  # both prefills: every block is taken
+    assert meta_of_output(first).eager["pe"].transfer_id == "te"
+    assert free_blocks(sched) == 0
+    second = sched.schedule()  # before step 1's output: "x" needs a 4th block
+    assert "pe" not in (second.preempted_req_ids or set())
+    assert "x" not in second.num_scheduled_tokens  # it waits instead
+    finish_step(sched, first)  # "pe" ends; its blocks stay until the write is done
+    finish_step(sched, second, finished_sending={"pe"})
+    assert request_status(sched, "pe") is None
+    while request_status(sched, "x") is not None:
+        step(sched)
+    assert free_blocks(sched) == total_blocks(sched)
