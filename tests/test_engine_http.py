@@ -156,6 +156,30 @@ async def test_closing_an_unread_answer_closes_the_connection() -> None:
             assert engine._idle == []
 
 
+async def test_a_read_cut_short_by_its_caller_closes_the_connection() -> None:
+    """The proxy cancels P's leg once D is done: the answer being read is closed with it (its
+    slot freed, the engine sees the hang-up), not left for the garbage collector."""
+    closed = trio.Event()
+
+    async def stalls(stream: trio.SocketStream, conn: h11.Connection, req: h11.Request) -> bool:
+        head = h11.Response(status_code=200, headers=[(b"transfer-encoding", b"chunked")])
+        await stream.send_all((conn.send(head) or b"") + (conn.send(h11.Data(data=b"a")) or b""))
+        if await stream.receive_some(10) == b"":
+            closed.set()
+        return False
+
+    with trio.fail_after(10):
+        async with serve(stalls) as (url, _):
+            engine = client(url, slots=2)
+            resp = await engine.request("POST", "/", b"", [])
+            with trio.move_on_after(0.2) as scope:
+                await resp.read()
+            assert scope.cancelled_caught
+            assert engine.slots.value == 2 and engine._idle == []
+            assert resp._conn.socket.fileno() == -1  # closed, not left to the collector
+            await closed.wait()
+
+
 async def test_refused_connection_is_connect_failed_and_frees_its_slot() -> None:
     with trio.fail_after(10):
         async with serve(answer(b"")) as (url, _):

@@ -91,9 +91,13 @@ class EngineResponse:
                 raise EngineError("the engine closed the connection before the answer's end")
 
     async def read(self) -> bytes:
-        """The whole body (what is left of it); puts the connection back."""
-        parts = [chunk async for chunk in self.chunks()]
-        await self.aclose()
+        """The whole body (what is left of it); puts the connection back. However it ends —
+        the body read, the engine failing, or the caller cancelled (the proxy cancels P's
+        leg once D is done) — the answer is closed (a connection cut short is dropped)."""
+        try:
+            parts = [chunk async for chunk in self.chunks()]
+        finally:
+            await self.aclose()  # no checkpoint: it also runs in cancelled code
         return b"".join(parts)
 
     async def aclose(self) -> None:
