@@ -68,9 +68,7 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
         groups = kv_groups(kv_cache_config, architecture_of(vllm_config.model_config))
         if role == KVConnectorRole.SCHEDULER:
             block_size = vllm_config.cache_config.block_size
-            self.scheduler_side = SchedulerSide(
-                self.settings, self.engine_id, block_size, groups or None
-            )
+            self.scheduler_side = SchedulerSide(self.settings, self.engine_id, block_size, groups)
         else:
             self.worker_side = WorkerSide(self.settings, _place(vllm_config, self.engine_id))
 
@@ -248,12 +246,17 @@ def refuse_unserved(vllm_config: Any) -> None:
     "align", one per prefix-cache block; vLLM 0.32 has no other)."""
     model_config = vllm_config.model_config
     mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none")
-    if (model_config.has_inner_state or model_config.is_hybrid) and mode not in _STATE_MODES:
+    if _has_state(model_config) and mode not in _STATE_MODES:
         raise ValueError(
             f"PdActorsConnector cannot serve {architecture_of(model_config)} with "
             f"mamba_cache_mode {mode!r}: it moves recurrent state kept as "
             f"{' or '.join(map(repr, _STATE_MODES))} only"
         )
+
+
+def _has_state(model_config: Any) -> bool:
+    """The model keeps recurrent state (Mamba, gated delta-net), alone or in a hybrid."""
+    return bool(model_config.has_inner_state or model_config.is_hybrid)
 
 
 def architecture_of(model_config: Any) -> str:
@@ -319,7 +322,7 @@ def kv_heads_of(model_config: Any) -> int:
     it from one P rank (``j`` modulo P's TP size) and the other P ranks only answer. 0 (not
     said) for a model with recurrent state: its state pages do not split by KV head, so P and
     D must have equal TP sizes (rank to rank), and other shapes are refused by the actors."""
-    if model_config.has_inner_state or model_config.is_hybrid:
+    if _has_state(model_config):
         return 0
     return 1 if model_config.use_mla else int(model_config.get_total_num_kv_heads())
 

@@ -93,9 +93,10 @@ class KVGroup:
         if not self.transfer:
             return ()
         if self.state:  # state pages (one, or per prefix block: the live ones are not null)
-            return tuple(b for b in table[first:] if b != NULL_BLOCK)
-        kept = self.kept(num_tokens)
-        start, stop = max(kept.start, first), min(kept.stop, len(table))
+            start, stop = first, len(table)
+        else:
+            kept = self.kept(num_tokens)
+            start, stop = max(kept.start, first), min(kept.stop, len(table))
         return tuple(b for b in table[start:stop] if b != NULL_BLOCK)
 
 
@@ -152,7 +153,6 @@ class SchedulerSide:
         ``block_size``)."""
         self.settings = settings
         self.engine_id = engine_id
-        self.block_size = block_size
         self.groups = tuple(groups) if groups else (KVGroup(block_size),)
         #: P computes, and D pulls, the prompt but its last token (recurrent state)
         self.holds_back_last = any(g.state and g.transfer for g in self.groups)
