@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from integrations.vllm.tiny_model import FAMILIES, ensure_tiny_model
+from pdactors_vllm.tiny_model import FAMILIES, ensure_tiny_model
 from tests.vllm.servers import Server, completion, servers
 from tests.vllm.test_e2e import prompt_ids
 

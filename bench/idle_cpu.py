@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.vllm_pd import direct, run_level
-from integrations.vllm.tiny_model import ensure_tiny_model
+from pdactors_vllm.tiny_model import ensure_tiny_model
 from tests.vllm.servers import Server, free_port, producer_config, servers
 
 ENGINE = "prefill-bench"

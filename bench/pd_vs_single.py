@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from integrations.vllm.tiny_model import FAMILIES, ensure_tiny_model
+from pdactors_vllm.tiny_model import FAMILIES, ensure_tiny_model
 from tests.vllm.servers import (
     Server,
     completion,

@@ -44,8 +44,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from common import worktree  # noqa: E402  (bench/ is the script's directory)
 
-from integrations.vllm.tiny_model import SHAPES, ensure_tiny_model  # noqa: E402
 from pdactors import timeline  # noqa: E402
+from pdactors_vllm.tiny_model import SHAPES, ensure_tiny_model  # noqa: E402
 from tests.vllm.servers import Server, free_port, producer_config, servers, wait_healthy  # noqa: E402
 
 #: One client for every request (thread-safe; a new client per request would cost each one

@@ -41,7 +41,7 @@ SMOKE_PROMPTS = [
 
 def _tiny_model() -> str:
     """Build (once) and locate the project's tiny model; torch stays out of this process."""
-    code = "from integrations.vllm.tiny_model import ensure_tiny_model; print(ensure_tiny_model())"
+    code = "from pdactors_vllm.tiny_model import ensure_tiny_model; print(ensure_tiny_model())"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise typer.BadParameter(f"cannot build the tiny model:\n{done.stderr[-2000:]}")

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from integrations.vllm.connector import PdActorsConnector
-from integrations.vllm.scheduler_side import PdActorsMetadata
+from pdactors_vllm.connector import PdActorsConnector
+from pdactors_vllm.scheduler_side import PdActorsMetadata
 
 __all__ = ["CrashingConnector"]
 

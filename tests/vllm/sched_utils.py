@@ -77,7 +77,7 @@ with warnings.catch_warnings():
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
 
-from integrations.vllm.tiny_model import ensure_tiny_model
+from pdactors_vllm.tiny_model import ensure_tiny_model
 
 DEFAULT_TOKEN_ID = 100
 """The token `step` samples unless told otherwise: an ordinary (non-special) tiny-model token."""
@@ -142,7 +142,7 @@ def make_scheduler(
 
     The connector's scheduler side is created by the scheduler itself (``scheduler.connector``,
     see `connector_of`). ``"PdActorsConnector"`` without a ``module_path`` is registered first
-    through ``integrations.vllm.plugin.register()``. ``max_num_batched_tokens`` defaults to
+    through ``pdactors_vllm.plugin.register()``. ``max_num_batched_tokens`` defaults to
     ``max_model_len`` (any prompt is prefilled in one step); set it lower to get chunked
     prefills. ``engine_id`` None lets vLLM pick a random one. ``sliding_window`` > 0 makes the
     first layer a sliding-window layer of that many tokens (vLLM's hybrid KV cache manager:
@@ -375,7 +375,7 @@ def connector_of(scheduler: Scheduler) -> KVConnectorBase_V1:
 def _register_pdactors_connector() -> None:
     # Imported here so that upstream connectors work without our plugin; register() is
     # idempotent.
-    from integrations.vllm import plugin
+    from pdactors_vllm import plugin
 
     plugin.register()
 

@@ -9,7 +9,7 @@ pytest.importorskip("vllm")
 
 from vllm.config import KVTransferConfig, ParallelConfig
 
-from integrations.vllm.connector import worker_place
+from pdactors_vllm.connector import worker_place
 
 pytestmark = pytest.mark.vllm
 

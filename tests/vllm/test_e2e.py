@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from integrations.vllm.tiny_model import ensure_tiny_model, find_eos_first_prompts
+from pdactors_vllm.tiny_model import ensure_tiny_model, find_eos_first_prompts
 from tests.vllm.servers import Server, completion, free_port, producer_config, servers
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]

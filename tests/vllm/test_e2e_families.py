@@ -40,7 +40,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from integrations.vllm.tiny_model import ensure_tiny_model
+from pdactors_vllm.tiny_model import ensure_tiny_model
 from tests.vllm.servers import completion, consumer_config
 from tests.vllm.test_e2e import Cluster, prompt_ids, start_cluster, text_and_reason
 

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from integrations.vllm.tiny_model import ensure_tiny_model, find_eos_first_prompts
+from pdactors_vllm.tiny_model import ensure_tiny_model, find_eos_first_prompts
 from tests.vllm.servers import completion
 from tests.vllm.test_e2e import Cluster, prompt_ids, start_cluster, text_and_reason
 

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from integrations.vllm.tiny_model import ensure_tiny_model
+from pdactors_vllm.tiny_model import ensure_tiny_model
 from tests.vllm.servers import (
     Server,
     completion,

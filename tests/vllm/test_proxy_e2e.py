@@ -25,7 +25,7 @@ pytest.importorskip("openai")
 
 import openai
 
-from integrations.vllm.tiny_model import ensure_tiny_model
+from pdactors_vllm.tiny_model import ensure_tiny_model
 from tests.vllm.servers import Server, free_port, producer_config, servers
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]

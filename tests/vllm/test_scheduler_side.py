@@ -29,7 +29,7 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
-from integrations.vllm.scheduler_side import PdActorsMetadata, PullSpec, SendSpec
+from pdactors_vllm.scheduler_side import PdActorsMetadata, PullSpec, SendSpec
 
 pytestmark = pytest.mark.vllm
 
@@ -380,9 +380,9 @@ def test_connector_is_ours() -> None:
 
 def test_connector_loads_by_module_path_too() -> None:
     sched = make_scheduler(
-        kv_role="kv_consumer", block_size=BS, module_path="integrations.vllm.connector"
+        kv_role="kv_consumer", block_size=BS, module_path="pdactors_vllm.connector"
     )
-    assert type(connector_of(sched)).__module__ == "integrations.vllm.connector"
+    assert type(connector_of(sched)).__module__ == "pdactors_vllm.connector"
 
 
 def test_bad_settings_are_refused_with_a_clear_error() -> None:
@@ -468,7 +468,7 @@ def test_a_model_with_a_kv_group_the_connector_cannot_move_is_refused() -> None:
         KVCacheGroupSpec,
     )
 
-    from integrations.vllm.connector import kv_groups
+    from pdactors_vllm.connector import kv_groups
 
     spec = ChunkedLocalAttentionSpec(
         block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32, attention_chunk_size=64
@@ -544,7 +544,7 @@ def test_d_pulls_n_minus_1_tokens_and_the_state_then_computes_the_last(n: int) -
 def test_state_pages_move_in_both_cache_modes_but_not_with_speculative_slots() -> None:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
-    from integrations.vllm.connector import kv_groups
+    from pdactors_vllm.connector import kv_groups
 
     def state(**kw: object) -> KVCacheConfig:
         spec = MambaSpec(

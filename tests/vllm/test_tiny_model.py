@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from integrations.vllm.tiny_model import (
+from pdactors_vllm.tiny_model import (
     MODEL_NAME,
     ensure_tiny_model,
     find_eos_first_prompts,

@@ -17,10 +17,10 @@ pytest.importorskip("vllm")
 
 import torch
 
-from integrations.vllm.scheduler_side import PdActorsMetadata, PullSpec, SendSpec
-from integrations.vllm.settings import ConnectorSettings
-from integrations.vllm.worker_side import WorkerPlace, WorkerSide, layout_from_kv_caches
 from pdactors import RankInfo, timeline
+from pdactors_vllm.scheduler_side import PdActorsMetadata, PullSpec, SendSpec
+from pdactors_vllm.settings import ConnectorSettings
+from pdactors_vllm.worker_side import WorkerPlace, WorkerSide, layout_from_kv_caches
 from tests.vllm.servers import free_port
 
 pytestmark = pytest.mark.vllm

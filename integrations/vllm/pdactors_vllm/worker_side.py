@@ -21,8 +21,6 @@ from typing import Any, NamedTuple
 import torch
 import trio
 
-from integrations.vllm.scheduler_side import PdActorsMetadata, PullSpec, SendSpec
-from integrations.vllm.settings import ConnectorSettings
 from pdactors import (
     BlockLayout,
     BootstrapConfig,
@@ -42,6 +40,8 @@ from pdactors import (
 )
 from pdactors.errors import PdError
 from pdactors.host import TrioHost
+from pdactors_vllm.scheduler_side import PdActorsMetadata, PullSpec, SendSpec
+from pdactors_vllm.settings import ConnectorSettings
 
 __all__ = ["KVRegistration", "TransferCounters", "WorkerSide", "layout_from_kv_caches"]
 

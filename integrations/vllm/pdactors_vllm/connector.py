@@ -1,8 +1,8 @@
 """PdActorsConnector: vLLM's KV-connector interface, dispatched to the scheduler or worker side.
 
 Load it by name (``"kv_connector": "PdActorsConnector"``, registered by the vLLM plugin in
-:mod:`integrations.vllm.plugin`) or by path (``"kv_connector_module_path":
-"integrations.vllm.connector"``). Settings: :class:`~integrations.vllm.settings.ConnectorSettings`.
+:mod:`pdactors_vllm.plugin`) or by path (``"kv_connector_module_path":
+"pdactors_vllm.connector"``). Settings: :class:`~pdactors_vllm.settings.ConnectorSettings`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from integrations.vllm.metrics import PdActorsPromMetrics, PdActorsStats
-from integrations.vllm.scheduler_side import KVGroup, PdActorsMetadata, SchedulerSide
-from integrations.vllm.settings import settings_from_extra_config
-from integrations.vllm.worker_side import WorkerPlace, WorkerSide
 from pdactors import RankInfo
+from pdactors_vllm.metrics import PdActorsPromMetrics, PdActorsStats
+from pdactors_vllm.scheduler_side import KVGroup, PdActorsMetadata, SchedulerSide
+from pdactors_vllm.settings import settings_from_extra_config
+from pdactors_vllm.worker_side import WorkerPlace, WorkerSide
 
 if TYPE_CHECKING:
     import torch

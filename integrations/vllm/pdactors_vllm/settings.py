@@ -77,7 +77,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       a process can get no CPU for seconds.
     * ``idle_wait_ms``: on a step with nothing to compute (every request waits for KV), the
       worker waits up to this long for the next transfer result instead of returning at once,
-      and the engine core naps instead of spinning (see :mod:`integrations.vllm.idle`);
+      and the engine core naps instead of spinning (see :mod:`pdactors_vllm.idle`);
       default 20, 0 turns it off.
     * ``eager_send``: P hands the KV to the sender at the end of the step that completes the
       prompt (``wait_for_save``) when that step also ends the request (``max_tokens`` 1, as

@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.request import RequestStatus
 
-from integrations.vllm import idle
-from integrations.vllm.settings import ConnectorSettings
 from pdactors import timeline
 from pdactors.messages import BlockIds
+from pdactors_vllm import idle
+from pdactors_vllm.settings import ConnectorSettings
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

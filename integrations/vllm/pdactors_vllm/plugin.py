@@ -15,5 +15,5 @@ def register() -> None:
 
     if "PdActorsConnector" not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(
-            "PdActorsConnector", "integrations.vllm.connector", "PdActorsConnector"
+            "PdActorsConnector", "pdactors_vllm.connector", "PdActorsConnector"
         )

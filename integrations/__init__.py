@@ -1,1 +1,0 @@
-"""Integrations of pdactors with inference engines; each subpackage owns one engine's imports."""
