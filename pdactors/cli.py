@@ -6,7 +6,7 @@ import logging
 import os
 from functools import partial
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -19,8 +19,12 @@ from pdactors.config import (
     default_of,
 )
 
+if TYPE_CHECKING:
+    from pdactors.testing.harness import HarnessReport
+
 app = typer.Typer(
     help="pdactors: prefill/decode disaggregation for vLLM as Trio actors.",
+    rich_markup_mode=None,  # click's plain help: flags without types, defaults in brackets
     no_args_is_help=True,
     add_completion=False,
 )
@@ -35,27 +39,69 @@ def _setup(verbose: bool) -> None:
     )
 
 
+def _native_log_aside(verbose: bool) -> Path | None:
+    """Send what native code writes to stderr (Mooncake's glog lines: even at ERROR it prints
+    a harmless "Local segment descriptor not found" per engine) to a file, while Python's own
+    output (logging, tracebacks, this command's) keeps the terminal. Returns the file."""
+    if verbose:
+        return None
+    import sys
+    import tempfile
+
+    path = Path(tempfile.gettempdir()) / "pdactors" / f"native-{os.getpid()}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    with path.open("ab") as log:
+        os.dup2(log.fileno(), 2)
+    sys.stderr = os.fdopen(terminal, "w", buffering=1)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(
+            handler, logging.FileHandler
+        ):
+            handler.setStream(sys.stderr)
+    return path
+
+
+def _native_log_done(path: Path | None, passed: bool) -> None:
+    """Keep the native log of a failed run (and say where), drop a passed run's."""
+    if path is None:
+        return
+    if passed:
+        path.unlink(missing_ok=True)
+    else:
+        typer.echo(f"Mooncake's own log: {path}")
+
+
 @app.command()
 def harness(
-    requests: Annotated[int, typer.Option(help="Requests to transfer.")] = 8,
-    blocks: Annotated[int, typer.Option(help="KV blocks per request.")] = 63,
-    layers: Annotated[int, typer.Option(help="Layers (one KV region each).")] = 36,
-    block_bytes: Annotated[int, typer.Option(help="Bytes per layer per block.")] = 64 * 1024,
-    concurrency: Annotated[int, typer.Option(help="Transfers in flight at once.")] = 1,
+    requests: Annotated[int, typer.Option(metavar="N", help="Requests to transfer.")] = 8,
+    blocks: Annotated[int, typer.Option(metavar="N", help="KV blocks per request.")] = 63,
+    layers: Annotated[int, typer.Option(metavar="N", help="Layers (one KV region each).")] = 36,
+    block_bytes: Annotated[
+        int, typer.Option(metavar="BYTES", help="Bytes per layer per block.")
+    ] = 64 * 1024,
+    concurrency: Annotated[int, typer.Option(metavar="N", help="Transfers in flight at once.")] = 1,
     protocol: Annotated[
-        str, typer.Option(help=f"Mooncake protocol: {', '.join(PROTOCOLS)}.")
+        str, typer.Option(metavar="NAME", help=f"Mooncake protocol: {', '.join(PROTOCOLS)}.")
     ] = default_of(DataPlaneConfig, "protocol"),
-    device: Annotated[str, typer.Option(help="Mooncake device name (RDMA NIC).")] = "",
-    p_tp: Annotated[int, typer.Option(help="P's tensor-parallel workers.")] = 1,
-    d_tp: Annotated[int, typer.Option(help="D's tensor-parallel workers.")] = 1,
+    device: Annotated[
+        str, typer.Option(metavar="NIC", help="Mooncake device name (RDMA NIC).")
+    ] = "",
+    p_tp: Annotated[int, typer.Option(metavar="N", help="P's tensor-parallel workers.")] = 1,
+    d_tp: Annotated[int, typer.Option(metavar="N", help="D's tensor-parallel workers.")] = 1,
     kv_heads: Annotated[
         int,
-        typer.Option(help="The model's KV heads (split --block-bytes); 8 when TP sizes differ."),
+        typer.Option(
+            metavar="N", help="The model's KV heads (split --block-bytes); 8 when TP sizes differ."
+        ),
     ] = 0,
     secure: Annotated[
         bool, typer.Option("--secure", help="ZMQ CURVE on the side channel (fresh keys).")
     ] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Log at INFO, and Mooncake's own log too.")
+    ] = False,
 ) -> None:
     """Run P and D actors with real Mooncake engines, move real KV bytes and verify them.
 
@@ -65,6 +111,7 @@ def harness(
     Exits 1 when any byte is wrong, any transfer fails, or any block is left allocated.
     """
     _setup(verbose)
+    native_log = _native_log_aside(verbose)
     import trio
 
     from pdactors.config import DataPlaneConfig
@@ -86,18 +133,27 @@ def harness(
         d_tp=d_tp,
         kv_heads=kv_heads or (8 if p_tp != d_tp else 0),
         secure=secure,
+        on_report=_print_report,  # before the engines' teardown (~1 s each)
     )
     report = trio.run(run)
+    _native_log_done(native_log, report.passed)
+    raise typer.Exit(0 if report.passed else 1)
+
+
+def _print_report(report: HarnessReport) -> None:
     typer.echo(report.summary())
     typer.echo("PASS: every byte verified, no block leaked" if report.passed else "FAIL")
-    raise typer.Exit(0 if report.passed else 1)
 
 
 @app.command()
 def chaos(
-    seconds: Annotated[float, typer.Option(help="How long to inject faults.")] = 30.0,
-    seed: Annotated[int, typer.Option(help="Seed of the fault schedule and the transfers.")] = 0,
-    concurrency: Annotated[int, typer.Option(help="Transfers in flight at once.")] = 8,
+    seconds: Annotated[
+        float, typer.Option(metavar="SECONDS", help="How long to inject faults.")
+    ] = 30.0,
+    seed: Annotated[
+        int, typer.Option(metavar="N", help="Seed of the fault schedule and the transfers.")
+    ] = 0,
+    concurrency: Annotated[int, typer.Option(metavar="N", help="Transfers in flight at once.")] = 8,
     netns: Annotated[
         bool,
         typer.Option(
@@ -106,7 +162,9 @@ def chaos(
             "cut links and, where the kernel has netem, packet loss.",
         ),
     ] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Log at INFO, and Mooncake's own log too.")
+    ] = False,
 ) -> None:
     """Move transfers through a P process and a D receiver while killing, stopping and
     restarting P, aborting on D, dropping and delaying messages, failing writes and restarting
@@ -115,6 +173,7 @@ def chaos(
     hung, any block leaked or any delivered byte was wrong.
     """
     _setup(verbose)
+    native_log = _native_log_aside(verbose)
     import trio
 
     from pdactors.testing.chaos import run_chaos
@@ -128,27 +187,33 @@ def chaos(
     reasons = ", ".join(f"{k}: {v}" for k, v in sorted(report.reasons.items()))
     typer.echo(f"failures by reason: {reasons or 'none'}")
     typer.echo(report.last_line())
+    _native_log_done(native_log, report.passed)
     raise typer.Exit(0 if report.passed else 1)
 
 
 @app.command()
 def bootstrap(
-    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(metavar="ADDR", help="Address to bind.")] = "127.0.0.1",
     port: Annotated[
-        int, typer.Option(help="Port to bind (0: any free port).")
+        int, typer.Option(metavar="PORT", help="Port to bind (0: any free port).")
     ] = DEFAULT_BOOTSTRAP_PORT,
     token_file: Annotated[
         Path | None,
         typer.Option(
+            metavar="FILE",
             help="File holding a bearer token that POST /register and GET /query must carry "
-            "(GET /health stays open). Without it anyone who can reach the port may register."
+            "(GET /health stays open). Without it anyone who can reach the port may register.",
         ),
     ] = None,
     certfile: Annotated[
-        Path | None, typer.Option(help="PEM certificate (chain): serve HTTPS.")
+        Path | None, typer.Option(metavar="FILE", help="PEM certificate (chain): serve HTTPS.")
     ] = None,
-    keyfile: Annotated[Path | None, typer.Option(help="PEM private key of --certfile.")] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = True,
+    keyfile: Annotated[
+        Path | None, typer.Option(metavar="FILE", help="PEM private key of --certfile.")
+    ] = None,
+    verbose: Annotated[
+        bool, typer.Option("--verbose/--quiet", "-v", help="Log at INFO (--quiet: warnings only).")
+    ] = True,
 ) -> None:
     """Serve the bootstrap registry (POST /register, GET /query, GET /health) until Ctrl-C."""
     _setup(verbose)
@@ -209,32 +274,39 @@ def proxy(
     prefill: Annotated[
         list[str],
         typer.Option(
+            metavar="URL@BOOTSTRAP",
             help="A prefill engine as ENGINE_URL@BOOTSTRAP_URL, e.g. "
             "http://10.0.0.5:8100@http://10.0.0.5:8998; a bare ENGINE_URL means its bootstrap "
             f"is on port {DEFAULT_BOOTSTRAP_PORT} of the same host. Repeat for several.",
         ),
     ],
     decode: Annotated[
-        list[str], typer.Option(help="A decode engine's URL, e.g. http://10.0.0.6:8200. Repeat.")
+        list[str],
+        typer.Option(
+            metavar="URL", help="A decode engine's URL, e.g. http://10.0.0.6:8200. Repeat."
+        ),
     ],
-    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to bind (0: any free port).")] = 8000,
-    routing: Annotated[str, typer.Option(help=f"{' or '.join(ROUTINGS)} (per role).")] = default_of(
-        ProxyConfig, "routing"
-    ),
+    host: Annotated[str, typer.Option(metavar="ADDR", help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option(metavar="PORT", help="Port to bind (0: any free port).")
+    ] = 8000,
+    routing: Annotated[
+        str, typer.Option(metavar="NAME", help=f"{' or '.join(ROUTINGS)} (per role).")
+    ] = default_of(ProxyConfig, "routing"),
     health_interval: Annotated[
-        float, typer.Option(help="Seconds between health checks.")
+        float, typer.Option(metavar="SECONDS", help="Seconds between health checks.")
     ] = default_of(ProxyConfig, "health_interval"),
     request_timeout: Annotated[
-        float, typer.Option(help="The longest one request may take, in seconds.")
+        float, typer.Option(metavar="SECONDS", help="The longest one request may take, in seconds.")
     ] = default_of(ProxyConfig, "request_timeout"),
     bootstrap_token_file: Annotated[
         Path | None,
-        typer.Option(help="File holding the bearer token P's bootstraps ask for."),
+        typer.Option(metavar="FILE", help="File holding the bearer token P's bootstraps ask for."),
     ] = None,
     api_key: Annotated[
         str | None,
         typer.Option(
+            metavar="KEY",
             envvar="PDACTORS_PROXY_API_KEY",
             help="Clients must send Authorization: Bearer KEY (OpenAI's convention; /health "
             "and /metrics stay open).",
@@ -243,19 +315,27 @@ def proxy(
     engine_api_key: Annotated[
         str | None,
         typer.Option(
+            metavar="KEY",
             envvar="PDACTORS_ENGINE_API_KEY",
             help="The --api-key the vLLM servers were started with; sent to them.",
         ),
     ] = None,
     certfile: Annotated[
-        Path | None, typer.Option(help="PEM certificate (chain): serve HTTPS.")
+        Path | None, typer.Option(metavar="FILE", help="PEM certificate (chain): serve HTTPS.")
     ] = None,
-    keyfile: Annotated[Path | None, typer.Option(help="PEM private key of --certfile.")] = None,
+    keyfile: Annotated[
+        Path | None, typer.Option(metavar="FILE", help="PEM private key of --certfile.")
+    ] = None,
     ca_file: Annotated[
         Path | None,
-        typer.Option(help="CA bundle that signs the certificates of HTTPS bootstraps and engines."),
+        typer.Option(
+            metavar="FILE",
+            help="CA bundle that signs the certificates of HTTPS bootstraps and engines.",
+        ),
     ] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = True,
+    verbose: Annotated[
+        bool, typer.Option("--verbose/--quiet", "-v", help="Log at INFO (--quiet: warnings only).")
+    ] = True,
 ) -> None:
     """Serve the OpenAI-compatible PD proxy (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics) in front of prefill and decode engines until Ctrl-C."""

@@ -1,14 +1,23 @@
-"""The ``pdactors launch`` command: argument handling, progress display and the smoke check.
+"""The ``pdactors launch`` command: options, the live status, the smoke check and its summary.
 
-The supervision itself is :mod:`pdactors.launcher`.
+The supervision itself is :mod:`pdactors.launcher`; what the terminal shows is
+:mod:`pdactors.launch_view`. Every child's output goes to a log file in the run directory; the
+terminal gets a screen: the components' states, the proxy's URL, figures, and on a failure the
+tail of the failed component's log.
 """
 
 from __future__ import annotations
 
-import subprocess
+import contextlib
+import json
+import os
+import statistics
 import sys
 import tempfile
+import time
 import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,14 +26,19 @@ import msgspec
 import trio
 import typer
 from rich.console import Console
+from rich.live import Live
+from rich.panel import Panel
 
 from pdactors.config import PROTOCOLS
+from pdactors.launch_view import LaunchView, Stats
 from pdactors.launcher import (
     ChildDied,
     LaunchConfig,
     Plan,
+    RunSecrets,
     is_loopback,
     launch,
+    log_tail,
     make_secrets,
     plan_deployment,
 )
@@ -37,15 +51,20 @@ SMOKE_PROMPTS = [
     "She looked at the map once more,",
     "A short story about a lighthouse:",
 ]
+_DEFAULTS = LaunchConfig()
+_METRICS_EVERY = 2.0  # seconds between reads of the components' /metrics once serving
 
 
-def _tiny_model() -> str:
-    """Build (once) and locate the project's tiny model; torch stays out of this process."""
-    code = "from pdactors_vllm.tiny_model import ensure_tiny_model; print(ensure_tiny_model())"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise typer.BadParameter(f"cannot build the tiny model:\n{done.stderr[-2000:]}")
-    return done.stdout.strip().splitlines()[-1]
+def _default(key: str) -> str:
+    return f"[default: {getattr(_DEFAULTS, key)}]"
+
+
+def _run_dir(path: Path | None) -> Path:
+    if path is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = Path(tempfile.gettempdir()) / "pdactors" / f"run-{stamp}-{os.getpid()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _load(config_file: Path | None, overrides: dict[str, Any]) -> LaunchConfig:
@@ -59,38 +78,218 @@ def _load(config_file: Path | None, overrides: dict[str, Any]) -> LaunchConfig:
         raise typer.BadParameter(str(exc)) from None
 
 
-async def _completions(
-    url: str, model: str, prompts: list[str], api_key: str | None = None
-) -> list[str]:
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(trust_env=False, timeout=120, headers=headers) as http:
-        texts = []
-        for prompt in prompts:
-            body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
-            answer = await http.post(f"{url}/v1/completions", json=body)
-            answer.raise_for_status()
-            texts.append(answer.json()["choices"][0]["text"])
-        return texts
+class ModelBuildFailed(Exception):
+    """The tiny model could not be built (its log says why)."""
+
+
+async def _tiny_model(view: LaunchView, run_dir: Path) -> str:
+    """Build (once) and locate the project's tiny model, in a child process (torch stays out
+    of this one); its output goes to ``tiny-model.log``."""
+    log, answer = run_dir / "tiny-model.log", run_dir / "tiny-model.path"
+    code = (
+        "import sys; from pdactors_vllm.tiny_model import ensure_tiny_model; "
+        "open(sys.argv[1], 'w').write(str(ensure_tiny_model()))"
+    )
+    view.set("tiny model", "building")
+    start = time.monotonic()
+    with log.open("ab") as out:
+        done = await trio.run_process(
+            [sys.executable, "-c", code, str(answer)], stdout=out, stderr=out, check=False
+        )
+    if done.returncode != 0:
+        view.set("tiny model", "failed")
+        raise ModelBuildFailed(f"cannot build the tiny model (is pdactors-vllm installed?); {log}")
+    view.set("tiny model", "ready", took=time.monotonic() - start)
+    return answer.read_text().strip()
+
+
+@dataclass
+class Smoke:
+    same: int
+    total: int
+    ttft_single: float
+    ttft_pd: float
+    stats: Stats
+
+    @property
+    def passed(self) -> bool:
+        return (
+            self.same == self.total
+            and self.stats.kv_bytes > 0
+            and self.stats.d_local_prompt_tokens == 0
+        )
+
+    def lines(self) -> list[str]:
+        s = self.stats
+        verdict = "PASS" if self.passed else "FAIL"
+        ratio = f" (×{self.ttft_pd / self.ttft_single:.1f})" if self.ttft_single else ""
+        return [
+            f"smoke: {self.same}/{self.total} answers through the proxy equal the single "
+            f"server's — {verdict}",
+            f"  time to first token (median): single {1000 * self.ttft_single:.0f} ms, "
+            f"PD {1000 * self.ttft_pd:.0f} ms{ratio}",
+            f"  KV moved P → D: {s.transfers:.0f} transfers, {s.kv_bytes / 2**20:.2f} MiB",
+            f"  prompt tokens D computed itself: {s.d_local_prompt_tokens:.0f}",
+        ]
+
+
+async def _stream(http: httpx.AsyncClient, url: str, model: str, prompt: str) -> tuple[str, float]:
+    """One greedy streamed completion: its text and the seconds to its first chunk."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": True}
+    start, first, text = time.monotonic(), None, []
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as answer:
+        answer.raise_for_status()
+        async for line in answer.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            first = first or time.monotonic() - start
+            text += [c.get("text", "") for c in json.loads(line[6:]).get("choices", ())]
+    return "".join(text), first or 0.0
+
+
+def _headers(key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
+async def _read_stats(http: httpx.AsyncClient, plan: Plan) -> Stats:
+    def url(name: str) -> str:
+        child = next(c for c in plan.children if c.name == name)
+        return child.health_url.removesuffix("/health") + "/metrics"
+
+    async def text(name: str) -> str:
+        return (await http.get(url(name))).text
+
+    stats = Stats()
+    names = [c.name for c in plan.children]
+    stats.add_proxy(await text("proxy"))
+    stats.add_prefill([await text(n) for n in names if n.startswith("prefill-")])
+    stats.add_decode([await text(n) for n in names if n.startswith("decode-")])
+    return stats
+
+
+async def _watch(view: LaunchView, plan: Plan) -> None:
+    async with httpx.AsyncClient(trust_env=False, timeout=5) as http:
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                view.stats = await _read_stats(http, plan)
+            await trio.sleep(_METRICS_EVERY)
+
+
+async def _smoke(plan: Plan, api_key: str | None) -> Smoke:
+    single = next(c for c in plan.children if c.name == "single")
+    single_url = single.health_url.removesuffix("/health")
+    engine_key = plan.extra.get("engine_key")
+    got, want = [], []
+    async with (
+        httpx.AsyncClient(trust_env=False, timeout=120, headers=_headers(api_key)) as proxy,
+        httpx.AsyncClient(trust_env=False, timeout=120, headers=_headers(engine_key)) as direct,
+    ):
+        for prompt in SMOKE_PROMPTS:
+            got.append(await _stream(proxy, plan.proxy_url, plan.model_name, prompt))
+            want.append(await _stream(direct, single_url, plan.model_name, prompt))
+        stats = await _read_stats(direct, plan)
+    same = sum(g[0] == w[0] for g, w in zip(got, want, strict=True))
+    return Smoke(
+        same,
+        len(SMOKE_PROMPTS),
+        statistics.median(w[1] for w in want),
+        statistics.median(g[1] for g in got),
+        stats,
+    )
+
+
+@contextlib.contextmanager
+def _live(view: LaunchView) -> Iterator[None]:
+    """The live table on a terminal; elsewhere (a pipe, CI) only the lines :meth:`say` prints."""
+    if not view.console.is_terminal:
+        yield
+        return
+    with Live(view, console=view.console, refresh_per_second=4, transient=True):
+        yield
+
+
+def _secrets(console: Console, config: LaunchConfig) -> RunSecrets | None:
+    run_secrets = None
+    if config.secure:
+        run_secrets = make_secrets(Path(tempfile.mkdtemp(prefix="pdactors-secrets-")))
+        console.print(f"credentials for this run (0600): {run_secrets.directory}")
+    elif not is_loopback(config.host):
+        console.print(
+            f"[yellow]warning: serving on {config.host} without --secure: anyone who can reach "
+            "it can register with the bootstrap, pull or write KV and use the proxy[/]"
+        )
+    if config.secure and not is_loopback(config.host):
+        console.print(
+            f"[yellow]note: the HTTP edges on {config.host} are not TLS here: tokens and keys "
+            "cross the network in the clear (see docs/security.md for certfile/keyfile)[/]"
+        )
+    return run_secrets
+
+
+def _leaves(group: BaseExceptionGroup[Exception]) -> Iterator[Exception]:
+    for e in group.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            yield from _leaves(e)
+        else:
+            yield e
+
+
+def _report_failure(console: Console, group: BaseExceptionGroup[Exception]) -> None:
+    errors = list(_leaves(group))
+    died = [e for e in errors if isinstance(e, ChildDied)]
+    for child in died[:1]:  # the first to die; the others are stopped because of it
+        console.print(f"[red]✗ {child}[/]")
+        if child.log is not None:
+            tail = "\n".join(log_tail(child.log)) or "(empty)"
+            console.print(Panel(tail, title=f"last lines of {child.log}", title_align="left"))
+    for error in errors:
+        if not isinstance(error, ChildDied):
+            console.print(f"[red]✗ {type(error).__name__}: {error}[/]")
 
 
 def launch_command(
     config_file: Annotated[
-        Path | None, typer.Option("--config", help="TOML file with LaunchConfig keys.")
+        Path | None,
+        typer.Option("--config", metavar="FILE", help="TOML file with the keys of these options."),
     ] = None,
-    model: Annotated[str | None, typer.Option(help="Model path (default: the tiny model).")] = None,
-    prefill: Annotated[int | None, typer.Option(help="Number of P servers.")] = None,
-    decode: Annotated[int | None, typer.Option(help="Number of D servers.")] = None,
-    proxy_port: Annotated[int | None, typer.Option(help="Proxy port (0: any).")] = None,
-    protocol: Annotated[str | None, typer.Option(help=" or ".join(PROTOCOLS) + ".")] = None,
-    device: Annotated[str | None, typer.Option(help="RDMA device name.")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(metavar="PATH", help="Model to serve. [default: the tiny model, built once]"),
+    ] = None,
+    prefill: Annotated[
+        int | None, typer.Option(metavar="N", help=f"P servers. {_default('prefill')}")
+    ] = None,
+    decode: Annotated[
+        int | None, typer.Option(metavar="N", help=f"D servers. {_default('decode')}")
+    ] = None,
+    proxy_port: Annotated[
+        int | None,
+        typer.Option(metavar="PORT", help=f"Proxy port, 0: any. {_default('proxy_port')}"),
+    ] = None,
+    protocol: Annotated[
+        str | None,
+        typer.Option(
+            metavar="NAME", help=f"KV data plane: {', '.join(PROTOCOLS)}. {_default('protocol')}"
+        ),
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option(metavar="NIC", help="RDMA device name, e.g. mlx5_0.")
+    ] = None,
     prefill_gpus: Annotated[
-        list[str] | None, typer.Option(help="CUDA_VISIBLE_DEVICES per P server (repeat).")
+        list[str] | None,
+        typer.Option(metavar="GPUS", help="CUDA_VISIBLE_DEVICES of one P server (repeat)."),
     ] = None,
     decode_gpus: Annotated[
-        list[str] | None, typer.Option(help="CUDA_VISIBLE_DEVICES per D server (repeat).")
+        list[str] | None,
+        typer.Option(metavar="GPUS", help="CUDA_VISIBLE_DEVICES of one D server (repeat)."),
     ] = None,
     smoke: Annotated[
-        bool, typer.Option("--smoke", help="Check answers against a single server, then exit.")
+        bool,
+        typer.Option(
+            "--smoke",
+            help="Also start a plain server, compare answers through the proxy with its, print "
+            "a summary and exit 0 (pass) or 1.",
+        ),
     ] = False,
     secure: Annotated[
         bool | None,
@@ -100,6 +299,17 @@ def launch_command(
             "key for the run (in a private directory) and wire every component with them.",
         ),
     ] = None,
+    run_dir: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="DIR",
+            help="Where the components' logs go. [default: a new run-* directory under "
+            f"{Path(tempfile.gettempdir()) / 'pdactors'}]",
+        ),
+    ] = None,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Also stream every component's log here.")
+    ] = False,
 ) -> None:
     """Start a disaggregated deployment: P and D vLLM servers with PdActorsConnector, and the
     proxy. With no options: the tiny model on CPU, 1P1D. Ctrl-C stops everything."""
@@ -118,88 +328,64 @@ def launch_command(
             "secure": secure,
         },
     )
-    path = config.model or _tiny_model()
-    run_secrets = None
-    if config.secure:
-        run_secrets = make_secrets(Path(tempfile.mkdtemp(prefix="pdactors-secrets-")))
-        console.print(f"credentials for this run (0600): {run_secrets.directory}")
-    elif not is_loopback(config.host):
-        console.print(
-            f"[yellow]warning: serving on {config.host} without --secure: anyone who can reach "
-            "it can register with the bootstrap, pull or write KV and use the proxy[/]"
-        )
-    if config.secure and not is_loopback(config.host):
-        console.print(
-            f"[yellow]note: the HTTP edges on {config.host} are not TLS here: tokens and keys "
-            "cross the network in the clear (see docs/security.md for certfile/keyfile)[/]"
-        )
-    plan = plan_deployment(
-        config,
-        path,
-        served_name=None if config.model else "tiny",
-        single=smoke,
-        run_secrets=run_secrets,
-    )
+    logs = _run_dir(run_dir)
+    console.print(f"logs: {logs}")
+    run_secrets = _secrets(console, config)
     api_key = run_secrets.api_key if run_secrets else None
-    status = console.status("starting")
-    healthy: set[str] = set()
-
-    def progress(name: str, elapsed: float, ok: bool) -> None:
-        if ok and name not in healthy:
-            healthy.add(name)
-            console.print(f"[green]✓[/] {name} healthy after {elapsed:.0f} s")
-        waiting = [c.name for c in plan.children if c.name not in healthy]
-        status.update(f"starting {', '.join(waiting)} ({elapsed:.0f} s)")
-
-    result: dict[str, Any] = {}
+    view = LaunchView(console)
+    if config.model is None:
+        view.add("tiny model", "built once, then cached")
+    result: list[Smoke] = []
 
     async def ready(plan: Plan) -> None:
-        status.stop()
-        console.print(f"[bold]proxy: {plan.proxy_url}[/]")
+        view.say(f"[bold]proxy: {plan.proxy_url}[/]")
         auth = f"-H 'Authorization: Bearer {api_key}' " if api_key else ""
-        console.print(
+        view.say(
             f"curl {plan.proxy_url}/v1/completions -H 'Content-Type: application/json' {auth}"
             f'-d \'{{"model": "{plan.model_name}", "prompt": "Hello", "max_tokens": 16}}\''
         )
-        if not smoke:
-            await trio.sleep_forever()
-        single = next(c for c in plan.children if c.name == "single")
-        single_url = single.health_url.removesuffix("/health")
-        got = await _completions(plan.proxy_url, plan.model_name, SMOKE_PROMPTS, api_key)
-        engine_key = plan.extra.get("engine_key")
-        want = await _completions(single_url, plan.model_name, SMOKE_PROMPTS, engine_key)
-        result["same"] = sum(g == w for g, w in zip(got, want, strict=True))
-        for prompt, g, w in zip(SMOKE_PROMPTS, got, want, strict=True):
-            mark = "[green]same[/]" if g == w else "[red]DIFFERENT[/]"
-            console.print(f"{mark} {prompt!r} -> {g!r}" + ("" if g == w else f" (single: {w!r})"))
+        if smoke:
+            view.say("smoke: comparing answers through the proxy with the single server's")
+            result.append(await _smoke(plan, api_key))
+            return
+        await _watch(view, plan)
 
-    failure: list[str] = []
-    status.start()
-    try:
-        trio.run(
-            lambda: launch(
+    async def main() -> None:
+        with _live(view):
+            path = config.model or await _tiny_model(view, logs)
+            plan = plan_deployment(
+                config,
+                path,
+                served_name=None if config.model else "tiny",
+                single=smoke,
+                run_secrets=run_secrets,
+            )
+            for child in plan.children:
+                view.add(child.name, child.health_url.removesuffix("/health"))
+            await launch(
                 plan,
                 startup_timeout=config.startup_timeout,
                 shutdown_timeout=config.shutdown_timeout,
-                out=lambda line: print(line, flush=True),
-                progress=progress,
+                log_dir=logs,
+                progress=view.progress,
                 when_ready=ready,
+                out=(lambda line: print(line, flush=True)) if verbose else None,
             )
-        )
+
+    try:
+        trio.run(main)
     except* KeyboardInterrupt:
-        failure.append("stopped by Ctrl-C")
-    except* (ChildDied, trio.TooSlowError, httpx.HTTPError) as group:
-        failure += [f"{type(e).__name__}: {e}" for e in group.exceptions]
-    finally:
-        status.stop()
-    if failure:
-        console.print("[red]deployment ended: " + "; ".join(failure) + "[/]")
-        raise typer.Exit(0 if failure == ["stopped by Ctrl-C"] and not smoke else 1)
+        console.print("stopped by Ctrl-C; every component is stopped")
+        raise typer.Exit(1 if smoke else 0) from None
+    except* (ChildDied, trio.TooSlowError, httpx.HTTPError, ModelBuildFailed) as group:
+        _report_failure(console, group)
+        pending = [c.name for c in view.components.values() if c.state == "starting"]
+        if pending:
+            console.print(f"not healthy in time: {', '.join(pending)} (logs in {logs})")
+        console.print(f"[red]deployment ended; logs in {logs}[/]")
+        raise typer.Exit(1) from None
     if smoke:
-        n = len(SMOKE_PROMPTS)
-        ok = result.get("same") == n
-        console.print(
-            f"smoke: {result.get('same', 0)}/{n} answers through the proxy"
-            " equal the single server's" + (" — PASS" if ok else " — FAIL")
-        )
-        raise typer.Exit(0 if ok else 1)
+        (outcome,) = result
+        for line in outcome.lines():
+            console.print(line, highlight=False)
+        raise typer.Exit(0 if outcome.passed else 1)

@@ -2,10 +2,10 @@
 
 P and D are vLLM OpenAI servers (``python -m vllm.entrypoints.openai.api_server``) with
 PdActorsConnector; the proxy is ``python -m pdactors.cli proxy``. Each child runs in its own
-process group; its output is forwarded line by line with a ``[name]`` prefix. The launcher
-waits for every child to be healthy (showing what is starting and for how long), then serves
-until Ctrl-C or until any child dies; either way every child is stopped (SIGTERM, then SIGKILL
-after ``shutdown_timeout``), so no process is left behind.
+process group; its output goes to ``<log_dir>/<name>.log`` (and, when asked, line by line with a
+``[name]`` prefix to ``out``). The launcher waits for every child to be healthy (reporting
+progress), then serves until Ctrl-C or until any child dies; either way every child is stopped
+(SIGTERM, then SIGKILL after ``shutdown_timeout``), so no process is left behind.
 
 This module starts vLLM only as a subprocess: it imports neither vllm nor torch.
 """
@@ -22,8 +22,9 @@ import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 import msgspec
@@ -31,6 +32,7 @@ import trio
 
 from pdactors.config import DataPlaneConfig, Protocol, ProxyConfig, Routing, default_of
 from pdactors.errors import PdError
+from pdactors.k8s import K8sConfig
 
 __all__ = [
     "ChildDied",
@@ -39,6 +41,7 @@ __all__ = [
     "RunSecrets",
     "is_loopback",
     "launch",
+    "log_tail",
     "make_secrets",
     "plan_deployment",
 ]
@@ -70,6 +73,7 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     shutdown_timeout: float = 20.0
     routing: Routing = default_of(ProxyConfig, "routing")
     secure: bool = False
+    k8s: K8sConfig = msgspec.field(default_factory=K8sConfig)  # [k8s]: --render k8s only
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -103,11 +107,26 @@ class Plan:
 
 
 class ChildDied(PdError):
-    """A child process of the deployment exited while it should have been serving."""
+    """A child process of the deployment exited while it should have been serving.
 
-    def __init__(self, name: str, code: int | None) -> None:
-        self.name, self.code = name, code
+    ``log``: the file its output went to (None when it was not kept).
+    """
+
+    def __init__(self, name: str, code: int | None, log: Path | None = None) -> None:
+        self.name, self.code, self.log = name, code, log
         super().__init__(f"{name} exited with code {code}")
+
+
+def log_tail(path: Path, lines: int = 20) -> list[str]:
+    """The last ``lines`` lines of the log file ``path`` (read from its end; [] if missing)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 256 * lines))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return text.splitlines()[-lines:]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -319,14 +338,21 @@ def is_loopback(host: str) -> bool:
 # ----------------------------------------------------------------------------- running
 
 
-async def _forward(name: str, stream: trio.abc.ReceiveStream, out: Callable[[str], None]) -> None:
+async def _forward(
+    name: str, stream: trio.abc.ReceiveStream, log: BinaryIO, out: Callable[[str], None] | None
+) -> None:
+    """Copy the child's output into its log file as it comes, and lines to ``out`` if given."""
     buffer = b""
     async for chunk in stream:
+        log.write(chunk)
+        log.flush()
+        if out is None:
+            continue
         buffer += chunk
         *lines, buffer = buffer.split(b"\n")
         for line in lines:
             out(f"[{name}] {line.decode(errors='replace')}")
-    if buffer:
+    if buffer and out is not None:
         out(f"[{name}] {buffer.decode(errors='replace')}")
 
 
@@ -351,25 +377,28 @@ async def _stop(process: trio.Process, grace: float) -> None:
 async def _supervise(
     child: Child,
     grace: float,
-    out: Callable[[str], None],
+    log_dir: Path,
+    out: Callable[[str], None] | None,
     *,
     task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    process = await trio.lowlevel.open_process(
-        child.argv, env=child.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        async with trio.open_nursery() as nursery:
-            assert process.stdout is not None
-            nursery.start_soon(_forward, child.name, process.stdout, out)
-            task_status.started(process)
-            await process.wait()
-            # Its own children may hold the pipe open; what they print after this is lost.
-            nursery.cancel_scope.cancel()
-        raise ChildDied(child.name, process.returncode)
-    finally:
-        await _stop(process, grace)
+    path = log_dir / f"{child.name}.log"
+    with path.open("ab") as log:
+        process = await trio.lowlevel.open_process(
+            child.argv, env=child.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            async with trio.open_nursery() as nursery:
+                assert process.stdout is not None
+                nursery.start_soon(_forward, child.name, process.stdout, log, out)
+                task_status.started(process)
+                await process.wait()
+                # Its own children may hold the pipe open; what they print after this is lost.
+                nursery.cancel_scope.cancel()
+            raise ChildDied(child.name, process.returncode, path)
+        finally:
+            await _stop(process, grace)
 
 
 async def _wait_healthy(
@@ -377,6 +406,7 @@ async def _wait_healthy(
     processes: dict[str, trio.Process],
     limit: float,
     progress: Callable[[str, float, bool], None],
+    log_dir: Path,
 ) -> None:
     start = trio.current_time()
     pending = {c.name: c for c in children}
@@ -385,7 +415,8 @@ async def _wait_healthy(
             while pending:
                 for name, child in list(pending.items()):
                     if processes[name].returncode is not None:
-                        raise ChildDied(name, processes[name].returncode)
+                        code = processes[name].returncode
+                        raise ChildDied(name, code, log_dir / f"{name}.log")
                     try:
                         ok = (await http.get(child.health_url)).is_success
                     except httpx.HTTPError:
@@ -401,25 +432,29 @@ async def launch(
     *,
     startup_timeout: float,
     shutdown_timeout: float,
-    out: Callable[[str], None],
+    log_dir: Path,
     progress: Callable[[str, float, bool], None],
     when_ready: Callable[[Plan], Awaitable[None]],
+    out: Callable[[str], None] | None = None,
 ) -> None:
     """Start ``plan``'s children, wait until all are healthy, then run ``when_ready``.
 
-    Returns when ``when_ready`` returns; raises :class:`ChildDied` if a child exits first, and
-    ``trio.TooSlowError`` if they are not healthy within ``startup_timeout``. Every child is
-    stopped on the way out, whatever happened.
+    Each child's output goes to ``log_dir/<name>.log`` (``log_dir`` must exist), and with
+    ``out`` also line by line, prefixed ``[name]``. Returns when ``when_ready`` returns;
+    raises :class:`ChildDied` if a child exits first, and ``trio.TooSlowError`` if they are
+    not healthy within ``startup_timeout``. Every child is stopped on the way out, whatever
+    happened.
     """
     processes: dict[str, trio.Process] = {}
+    start = partial(_supervise, grace=shutdown_timeout, log_dir=log_dir, out=out)
     async with trio.open_nursery() as nursery:
         servers = [c for c in plan.children if c.name != "proxy"]
         proxy = [c for c in plan.children if c.name == "proxy"]
         for child in servers:
-            processes[child.name] = await nursery.start(_supervise, child, shutdown_timeout, out)
-        await _wait_healthy(servers, processes, startup_timeout, progress)
+            processes[child.name] = await nursery.start(start, child)
+        await _wait_healthy(servers, processes, startup_timeout, progress, log_dir)
         for child in proxy:  # the proxy's /health needs its backends up
-            processes[child.name] = await nursery.start(_supervise, child, shutdown_timeout, out)
-        await _wait_healthy(proxy, processes, startup_timeout, progress)
+            processes[child.name] = await nursery.start(start, child)
+        await _wait_healthy(proxy, processes, startup_timeout, progress, log_dir)
         await when_ready(plan)
         nursery.cancel_scope.cancel()

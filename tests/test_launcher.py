@@ -80,7 +80,7 @@ class Recorder:
         return [int(line.split()[2]) for line in self.lines if "starting" in line]
 
 
-async def test_all_healthy_then_ready_then_everything_stopped() -> None:
+async def test_all_healthy_then_ready_then_everything_stopped(tmp_path: Path) -> None:
     rec = Recorder()
     plan = Plan([child("a", free_port(), 0.3), child("proxy", free_port())], "http://x", "m")
     seen: list[str] = []
@@ -91,7 +91,7 @@ async def test_all_healthy_then_ready_then_everything_stopped() -> None:
     with trio.fail_after(30):
         await launch(
             plan, startup_timeout=20, shutdown_timeout=5, out=rec.out, progress=rec.progress,
-            when_ready=ready,
+            log_dir=tmp_path, when_ready=ready,
         )  # fmt: skip
     assert seen == ["http://x"]
     assert rec.healthy == ["a", "proxy"]  # the proxy starts after its backends are healthy
@@ -99,7 +99,7 @@ async def test_all_healthy_then_ready_then_everything_stopped() -> None:
     assert rec.pids() and not any(alive(pid) for pid in rec.pids())
 
 
-async def test_child_crash_at_startup_stops_the_rest() -> None:
+async def test_child_crash_at_startup_stops_the_rest(tmp_path: Path) -> None:
     rec = Recorder()
     plan = Plan([child("ok", free_port()), child("bad", free_port(), mode="crash")], "u", "m")
 
@@ -109,7 +109,7 @@ async def test_child_crash_at_startup_stops_the_rest() -> None:
     with trio.fail_after(30), pytest.raises(ExceptionGroup) as info:
         await launch(
             plan, startup_timeout=20, shutdown_timeout=5, out=rec.out, progress=rec.progress,
-            when_ready=never,
+            log_dir=tmp_path, when_ready=never,
         )  # fmt: skip
     matched, _ = info.value.split(ChildDied)
     assert matched is not None
@@ -118,7 +118,7 @@ async def test_child_crash_at_startup_stops_the_rest() -> None:
     assert not any(alive(pid) for pid in rec.pids())
 
 
-async def test_cancel_kills_a_child_that_ignores_sigterm() -> None:
+async def test_cancel_kills_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
     rec = Recorder()
     plan = Plan(
         [child("stubborn", free_port(), mode="stubborn"), child("proxy", free_port())], "u", "m"
@@ -131,13 +131,13 @@ async def test_cancel_kills_a_child_that_ignores_sigterm() -> None:
         with trio.move_on_after(3):  # stands in for Ctrl-C
             await launch(
                 plan, startup_timeout=20, shutdown_timeout=1, out=rec.out, progress=rec.progress,
-                when_ready=ready,
+                log_dir=tmp_path, when_ready=ready,
             )  # fmt: skip
     assert len(rec.pids()) == 2
     assert not any(alive(pid) for pid in rec.pids())
 
 
-async def test_startup_timeout_is_bounded_and_stops_children() -> None:
+async def test_startup_timeout_is_bounded_and_stops_children(tmp_path: Path) -> None:
     rec = Recorder()
     plan = Plan([child("slow", free_port(), delay=60)], "u", "m")
 
@@ -147,7 +147,7 @@ async def test_startup_timeout_is_bounded_and_stops_children() -> None:
     with trio.fail_after(30), pytest.raises(ExceptionGroup) as info:
         await launch(
             plan, startup_timeout=1, shutdown_timeout=2, out=rec.out, progress=rec.progress,
-            when_ready=never,
+            log_dir=tmp_path, when_ready=never,
         )  # fmt: skip
     assert info.group_contains(trio.TooSlowError)
     assert not any(alive(pid) for pid in rec.pids())
@@ -226,3 +226,23 @@ def test_a_secure_plan_wires_every_component_with_fresh_private_credentials(
         plan_deployment(config, "/models/tiny")
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5")
+
+
+async def test_each_childs_output_goes_to_its_own_log_and_a_crash_names_it(tmp_path: Path) -> None:
+    plan = Plan([child("ok", free_port()), child("bad", free_port(), mode="crash")], "u", "m")
+
+    async def never(p: Plan) -> None:
+        raise AssertionError("not ready")
+
+    with trio.fail_after(30), pytest.raises(ExceptionGroup) as info:
+        await launch(
+            plan, startup_timeout=20, shutdown_timeout=5, progress=lambda *a: None,
+            log_dir=tmp_path, when_ready=never,
+        )  # fmt: skip
+    matched, _ = info.value.split(ChildDied)
+    assert matched is not None
+    died = [e for e in matched.exceptions if isinstance(e, ChildDied)]
+    assert died and died[0].log == tmp_path / "bad.log"
+    for name in ("ok", "bad"):  # nothing forwarded without `out`, everything in the file
+        (line,) = (tmp_path / f"{name}.log").read_text().splitlines()
+        assert line.startswith("child ") and line.endswith(" starting")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,13 +89,16 @@ async def run_harness(
     d_tp: int = 1,
     kv_heads: int = 0,
     secure: bool = False,
+    on_report: Callable[[HarnessReport], None] | None = None,
 ) -> HarnessReport:
     """Run ``requests`` transfers of ``blocks`` × ``layers`` × ``block_bytes`` bytes, at most
     ``concurrency`` at once, through a bootstrap, one P engine of ``p_tp`` senders and one D
     engine of ``d_tp`` receivers with real Mooncake engines, and verify every byte of every
     head on D. ``kv_heads``: the model's KV heads (needed when the TP sizes differ), which
     split ``block_bytes`` as vLLM splits heads over TP ranks. ``secure``: the side channel runs
-    ZMQ CURVE with keys derived from a fresh secret. Checkpoint.
+    ZMQ CURVE with keys derived from a fresh secret. ``on_report`` is called with the report
+    as soon as it is known, before the engines are torn down (Mooncake takes ~1 s to destroy
+    each). Checkpoint.
     """
     latencies: list[float] = []
     outcomes: list[TransferOutcome] = []
@@ -134,15 +137,18 @@ async def run_harness(
             await cluster.wait_settled()
         leaked = cluster.blocks_in_use()
         descriptors = sum(n.sender.descriptors_sent for n in cluster.prefill)
-    return HarnessReport(
-        requests=requests,
-        ok=sum(o.ok for o in outcomes),
-        verified=sum(o.verified for o in outcomes),
-        failed={o.transfer_id: o.reason for o in outcomes if not o.ok},
-        # What lands on D: the model's KV once, more where D's workers replicate heads.
-        bytes_per_request=warmup.nbytes or layers * blocks * block_bytes,
-        seconds=seconds,
-        latencies=tuple(latencies),
-        blocks_leaked=leaked,
-        descriptors_per_request=descriptors / (requests + 1),  # with the warm-up
-    )
+        report = HarnessReport(
+            requests=requests,
+            ok=sum(o.ok for o in outcomes),
+            verified=sum(o.verified for o in outcomes),
+            failed={o.transfer_id: o.reason for o in outcomes if not o.ok},
+            # What lands on D: the model's KV once, more where D's workers replicate heads.
+            bytes_per_request=warmup.nbytes or layers * blocks * block_bytes,
+            seconds=seconds,
+            latencies=tuple(latencies),
+            blocks_leaked=leaked,
+            descriptors_per_request=descriptors / (requests + 1),  # with the warm-up
+        )
+        if on_report is not None:
+            on_report(report)
+    return report

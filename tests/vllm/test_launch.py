@@ -35,15 +35,27 @@ def deployment_processes() -> list[str]:
     return found
 
 
-def test_smoke_checks_answers_and_exits_clean() -> None:
+def test_smoke_checks_answers_and_exits_clean(tmp_path: Path) -> None:
     assert deployment_processes() == []
+    run = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, "-m", "pdactors.cli", "launch", "--smoke"],
+        [sys.executable, "-m", "pdactors.cli", "launch", "--smoke", "--run-dir", str(run)],
         capture_output=True, text=True, timeout=500, env=ENV,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "4/4 answers through the proxy equal the single server's — PASS" in done.stderr
-    assert "[prefill-0]" in done.stdout and "[decode-0]" in done.stdout  # forwarded logs
+    lines = done.stderr.splitlines()
+    assert lines[0] == f"logs: {run}"
+    assert "smoke: 4/4 answers through the proxy equal the single server's — PASS" in lines
+    summary = done.stderr[done.stderr.index("smoke: 4/4") :]
+    assert "time to first token (median): single " in summary
+    assert "prompt tokens D computed itself: 0" in summary
+    moved = next(line for line in lines if "KV moved P → D:" in line)
+    assert " 4 transfers, " in moved and " 0.00 MiB" not in moved
+    # A screen, not the servers' logs: those are in the run directory, one file each.
+    assert done.stdout == "" and len(lines) <= 30, done.stderr
+    for name in ("prefill-0", "decode-0", "single", "proxy", "tiny-model"):
+        assert (run / f"{name}.log").is_file(), name
+    assert "PdActorsConnector" in (run / "prefill-0.log").read_text()
     assert deployment_processes() == []
 
 
