@@ -247,6 +247,22 @@ def _report_failure(console: Console, group: BaseExceptionGroup[Exception]) -> N
             console.print(f"[red]✗ {type(error).__name__}: {error}[/]")
 
 
+def _render(config: LaunchConfig, kind: str, out: Path) -> None:
+    if kind != "k8s":
+        raise typer.BadParameter(
+            f"unknown render target {kind!r}; known: k8s", param_hint="--render"
+        )
+    from pdactors.k8s import write_manifests
+
+    try:
+        paths = write_manifests(config, out)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--config") from None
+    for path in paths:
+        typer.echo(str(path))
+    typer.echo(f"kubectl apply -f {out}/")
+
+
 def launch_command(
     config_file: Annotated[
         Path | None,
@@ -310,10 +326,21 @@ def launch_command(
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Also stream every component's log here.")
     ] = False,
+    render: Annotated[
+        str | None,
+        typer.Option(
+            metavar="k8s",
+            help="Start nothing: write the deployment as Kubernetes manifests into --out "
+            "(the [k8s] table of --config; docs/deploy.md).",
+        ),
+    ] = None,
+    out: Annotated[
+        Path, typer.Option(metavar="DIR", help="Where --render writes the manifests.")
+    ] = Path("manifests"),
 ) -> None:
     """Start a disaggregated deployment: P and D vLLM servers with PdActorsConnector, and the
     proxy. With no options: the tiny model on CPU, 1P1D. Ctrl-C stops everything."""
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # paths and URLs stay whole
     config = _load(
         config_file,
         {
@@ -328,6 +355,9 @@ def launch_command(
             "secure": secure,
         },
     )
+    if render is not None:
+        _render(config, render, out)
+        return
     logs = _run_dir(run_dir)
     console.print(f"logs: {logs}")
     run_secrets = _secrets(console, config)
@@ -379,9 +409,9 @@ def launch_command(
         raise typer.Exit(1 if smoke else 0) from None
     except* (ChildDied, trio.TooSlowError, httpx.HTTPError, ModelBuildFailed) as group:
         _report_failure(console, group)
-        pending = [c.name for c in view.components.values() if c.state == "starting"]
-        if pending:
-            console.print(f"not healthy in time: {', '.join(pending)} (logs in {logs})")
+        if group.subgroup(trio.TooSlowError) is not None:
+            pending = [c.name for c in view.components.values() if c.state == "starting"]
+            console.print(f"not healthy in time: {', '.join(pending)}")
         console.print(f"[red]deployment ended; logs in {logs}[/]")
         raise typer.Exit(1) from None
     if smoke:
