@@ -30,9 +30,9 @@ import httpx
 import msgspec
 import trio
 
+from pdactors._k8s_config import K8sConfig
 from pdactors.config import DataPlaneConfig, Protocol, ProxyConfig, Routing, default_of
 from pdactors.errors import PdError
-from pdactors.k8s import K8sConfig
 
 __all__ = [
     "ChildDied",
