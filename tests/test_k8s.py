@@ -374,3 +374,27 @@ def test_the_example_is_the_two_node_walk_through() -> None:
     assert all(m["metadata"]["namespace"] == "llm" for m in manifests)
     startup = containers(component(manifests, "prefill", "StatefulSet"))[0]["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800
+
+
+def test_the_launch_command_renders_the_example(tmp_path: Path) -> None:
+    """`pdactors launch --config examples/deploy.toml --render k8s --out DIR`, as documented."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "manifests"
+    done = subprocess.run(
+        [sys.executable, "-m", "pdactors.cli", "launch", "--config", str(EXAMPLE),
+         "--render", "k8s", "--out", str(out)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    written = sorted(out.glob("*.yaml"))
+    assert [str(p) for p in written] == done.stdout.splitlines()[:-1]
+    assert done.stdout.splitlines()[-1] == f"kubectl apply -f {out}/"
+    for path in written:
+        kubernetes_validate.validate(yaml.safe_load(path.read_text()), K8S_VERSION, strict=True)
+    refused = subprocess.run(
+        [sys.executable, "-m", "pdactors.cli", "launch", "--render", "k8s", "--out", str(out)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "needs a model" in refused.stderr
