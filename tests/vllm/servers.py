@@ -74,6 +74,16 @@ def _kill(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=15)
 
 
+def stop(proc: subprocess.Popen[Any], grace: float = 15) -> None:
+    """SIGTERM ``proc``, SIGKILL it if it is still there after ``grace`` seconds; reap it."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=15)
+
+
 def producer_config(engine_id: str, bootstrap_port: int, **extra: Any) -> dict[str, Any]:
     """P's ``--kv-transfer-config``: PdActorsConnector as ``kv_producer`` with engine id
     ``engine_id``, its bootstrap on ``bootstrap_port``, and ``extra`` settings."""
@@ -230,11 +240,6 @@ def proxy(
             time.sleep(0.2)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
+        stop(proc)
         if proc.stdout is not None:
             proc.stdout.close()

@@ -30,7 +30,7 @@ pytest.importorskip("openai")
 import openai
 
 from pdactors_vllm.tiny_model import ensure_tiny_model
-from tests.vllm.servers import Server, free_port, producer_config, servers
+from tests.vllm.servers import Server, free_port, producer_config, servers, stop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -332,12 +332,7 @@ def upstream(setup: Setup, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     try:
         yield setup.client(_wait_upstream_ready(proc, log))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
+        stop(proc)
         if os.environ.get("PDACTORS_SHOW_PROXY_LOG"):
             print(log.read_text(errors="replace"))
 
