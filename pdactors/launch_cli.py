@@ -184,6 +184,9 @@ async def _smoke(plan: Plan, api_key: str | None) -> Smoke:
         httpx.AsyncClient(trust_env=False, timeout=120, headers=_headers(api_key)) as proxy,
         httpx.AsyncClient(trust_env=False, timeout=120, headers=_headers(engine_key)) as direct,
     ):
+        # One request each first, not counted: an engine's first request is slow (warm-up).
+        await _stream(proxy, plan.proxy_url, plan.model_name, "Hello")
+        await _stream(direct, single_url, plan.model_name, "Hello")
         for prompt in SMOKE_PROMPTS:
             got.append(await _stream(proxy, plan.proxy_url, plan.model_name, prompt))
             want.append(await _stream(direct, single_url, plan.model_name, prompt))

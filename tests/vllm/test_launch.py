@@ -50,7 +50,7 @@ def test_smoke_checks_answers_and_exits_clean(tmp_path: Path) -> None:
     assert "time to first token (median): single " in summary
     assert "prompt tokens D computed itself: 0" in summary
     moved = next(line for line in lines if "KV moved P → D:" in line)
-    assert " 4 transfers, " in moved and " 0.00 MiB" not in moved
+    assert " 5 transfers, " in moved and " 0.00 MiB" not in moved  # a warm-up and 4 prompts
     # A screen, not the servers' logs: those are in the run directory, one file each.
     assert done.stdout == "" and len(lines) <= 30, done.stderr
     for name in ("prefill-0", "decode-0", "single", "proxy", "tiny-model"):
