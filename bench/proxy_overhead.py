@@ -1,24 +1,28 @@
-"""Proxy overhead: completions straight to an engine vs through ``pdactors proxy``, and the
-proxy's own CPU per request.
+"""Proxy overhead: completions straight to the engines vs through ``pdactors proxy``, every
+piece in a process of its own, and the proxy's own CPU per request.
 
-The engines are the tests' stand-ins (quart-trio apps that answer at once) in this process,
-with the client; the proxy runs in its own process (``python -m pdactors.cli proxy``), so its
-CPU time (``/proc/<pid>/stat``) over a run, divided by the requests, is what one request costs
-it. On a machine whose cores the engines use, that CPU is what the proxy takes from them and
-what queues requests behind each other under load.
+The engines are the tests' stand-ins (quart-trio apps that answer at once), each in its own
+process (``bench/stand_in.py``); the proxy runs in its own (``python -m pdactors.cli proxy``);
+the client (httpx) is this process. The proxy's CPU time (``/proc/<pid>/stat``) over a run,
+divided by the requests, is what one request costs it; on a machine whose cores the engines
+use, that CPU is what the proxy takes from them.
 
-    python bench/proxy_overhead.py [--requests 2000] [--concurrency 1 32] [--stream]
-        [--old-proxy REV] [--pin] [--compare-tls]
+    python bench/proxy_overhead.py [--requests 2000] [--rounds 4] [--concurrency 1 32]
+        [--stream] [--old-proxy REV] [--pin] [--compare-tls]
 
-Paths: *direct to D* (the client sends D's request only), *direct P+D* (the client sends P's
-request in the background and reads D's answer: the direct flow of upstream's example proxy;
-its latency is D's answer's), and each proxy. ``--old-proxy REV`` also measures the proxy of
-git revision REV (a temporary worktree), in the same run, in front of the same stand-ins.
-``--pin`` puts the proxies on CPU 1 and this process (client and stand-ins) on CPU 0, so that
-the added latency is the proxy's own and not its CPU queueing behind the stand-ins' (the
-deployment shape where the proxy has a core of its own). ``--compare-tls`` also measures the
-proxy in front of a second pair of stand-ins that serve HTTPS (a private CA, trustme), in the
-same run: what TLS between the proxy and the engines costs.
+Paths, measured side by side in one run: *direct to D* (the client sends D's request only),
+*direct P+D* (the client sends P's request in the background and reads D's answer: the
+direct flow of upstream's example proxy; its latency is D's answer's), and each proxy. The
+requests of a path are split in ``--rounds`` rounds, the paths taking turns, so that a drift
+of the machine over the run falls on every path alike. Printed: p50 and p99 per path, then
+per proxy the added ms (proxy − direct P+D) and the ratios.
+
+``--old-proxy REV`` also measures the proxy of git revision REV (a temporary worktree; or a
+directory holding a copy of ``pdactors/``), in front of the same stand-ins. ``--pin`` puts
+the proxies on CPU 1 and the client and the stand-ins on CPU 0 (the deployment shape where
+the proxy has a core of its own).
+``--compare-tls`` also measures the proxy in front of a second pair of stand-ins that serve
+HTTPS (a private CA, trustme): what TLS between the proxy and the engines costs.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -43,9 +49,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from common import worktree  # noqa: E402  (bench/ is the script's directory)
 
-from tests.test_proxy import FakeEngine, serve_fake  # noqa: E402
-
 _TICKS = os.sysconf("SC_CLK_TCK")
+_STAND_IN = Path(__file__).resolve().parent / "stand_in.py"
 
 
 def cpu_seconds(pid: int) -> float:
@@ -54,12 +59,28 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
-async def measure(
-    url: str, n: int, concurrency: int, direct: bool, stream: bool, p_url: str | None = None
-) -> tuple[float, float, float]:
-    """``p_url``: the direct flow also sends P its request, in the background."""
+@dataclass
+class Route:
+    """One measured path: where the client sends, and what it has measured so far."""
+
+    name: str
+    url: str
+    pid: int | None = None  # the proxy's, if through one
+    p_url: str | None = None  # direct P+D: P's request too, in the background
+    latencies: list[float] = field(default_factory=list)
+    elapsed: float = 0.0
+    cpu: float = 0.0
+
+    def percentiles(self) -> tuple[float, float]:
+        p50, p99 = np.percentile(self.latencies, [50, 99]) * 1e3
+        return float(p50), float(p99)
+
+
+async def measure(path: Route, n: int, concurrency: int, stream: bool) -> list[float]:
+    """``n`` requests over ``concurrency`` connections: their latencies (s); adds the wall
+    time to ``path.elapsed``."""
     body: dict[str, object] = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": stream}
-    if direct:  # what the proxy would send D
+    if path.pid is None:  # what the proxy would send D
         body["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": "t"}
     p_body = {
         "model": "m",
@@ -73,15 +94,17 @@ async def measure(
     async with httpx.AsyncClient(trust_env=False, timeout=30, limits=limits) as client:
 
         async def prefill() -> None:
-            (await client.post(f"{p_url}/v1/completions", json=p_body)).raise_for_status()
+            (await client.post(f"{path.p_url}/v1/completions", json=p_body)).raise_for_status()
 
         async def worker() -> None:
             for _ in todo:
                 async with trio.open_nursery() as legs:
                     start = time.perf_counter()
-                    if p_url is not None:
+                    if path.p_url is not None:
                         legs.start_soon(prefill)
-                    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                    async with client.stream(
+                        "POST", f"{path.url}/v1/completions", json=body
+                    ) as resp:
                         resp.raise_for_status()
                         await resp.aread()
                     latencies.append(time.perf_counter() - start)
@@ -90,22 +113,13 @@ async def measure(
         async with trio.open_nursery() as nursery:
             for _ in range(concurrency):
                 nursery.start_soon(worker)
-        elapsed = time.perf_counter() - start
-    p50, p99 = np.percentile(latencies, [50, 99]) * 1e3
-    return float(p50), float(p99), n / elapsed
+        path.elapsed += time.perf_counter() - start
+    return latencies
 
 
 @asynccontextmanager
-async def proxy_process(
-    p: FakeEngine, d: FakeEngine, cwd: Path, ca_file: str | None = None
-) -> AsyncIterator[tuple[str, int]]:
-    """``pdactors proxy`` (the code in ``cwd``) in front of the stand-ins: (URL, pid)."""
-    cmd = [
-        sys.executable, "-m", "pdactors.cli", "proxy", "--port", "0",
-        "--prefill", f"{p.url}@{p.url}", "--decode", d.url,
-    ]  # fmt: skip
-    if ca_file is not None:
-        cmd += ["--ca-file", ca_file]
+async def _process(cmd: list[str], cwd: Path) -> AsyncIterator[tuple[str, int]]:
+    """A child that prints its URL as the last word of its first line: (URL, pid)."""
     env = {**os.environ, "PYTHONPATH": str(cwd)}
     proc = await trio.lowlevel.open_process(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
@@ -114,7 +128,7 @@ async def proxy_process(
         assert proc.stdout is not None
         line = (await proc.stdout.receive_some(4096)).decode()
         url = line.split()[-1]
-        async with httpx.AsyncClient(trust_env=False) as probe:
+        async with httpx.AsyncClient(trust_env=False, verify=False) as probe:
             while (await probe.get(f"{url}/health")).status_code != 200:  # noqa: ASYNC110
                 await trio.sleep(0.1)
         yield url, proc.pid
@@ -123,70 +137,104 @@ async def proxy_process(
         await proc.wait()
 
 
+def stand_in(name: str, engine_id: str = "", tls: tuple[str, str] | None = None) -> Any:
+    """A stand-in engine in its own process: (URL, pid)."""
+    cmd = [sys.executable, str(_STAND_IN), name, "--engine-id", engine_id]
+    if tls is not None:
+        cmd += ["--certfile", tls[0], "--keyfile", tls[1]]
+    return _process(cmd, ROOT)
+
+
+def proxy_process(p_url: str, d_url: str, cwd: Path, ca_file: str | None = None) -> Any:
+    """``pdactors proxy`` (the code in ``cwd``) in front of the stand-ins: (URL, pid)."""
+    cmd = [
+        sys.executable, "-m", "pdactors.cli", "proxy", "--port", "0",
+        "--prefill", f"{p_url}@{p_url}", "--decode", d_url,
+    ]  # fmt: skip
+    if ca_file is not None:
+        cmd += ["--ca-file", ca_file]
+    return _process(cmd, cwd)
+
+
 async def main(args: argparse.Namespace) -> None:
     logging.disable(logging.INFO)
-    p, d = FakeEngine("p0", engine_id="prefill-0"), FakeEngine("d0")
-    async with trio.open_nursery() as nursery:
-        for engine in (p, d):
-            await nursery.start(serve_fake, engine)
-        proxies = [("proxy", ROOT)]
-        with contextlib.ExitStack() as stack:
-            tls_pair = None
-            if args.compare_tls:
-                tls_pair = await _tls_stand_ins(
-                    nursery, Path(stack.enter_context(tempfile.TemporaryDirectory()))
-                )
+    with contextlib.ExitStack() as stack:
+        async with contextlib.AsyncExitStack() as procs:
+            p_url, p_pid = await procs.enter_async_context(stand_in("p0", "prefill-0"))
+            d_url, d_pid = await procs.enter_async_context(stand_in("d0"))
+            engine_pids = [p_pid, d_pid]
+            proxies = [("proxy", ROOT)]
             if args.old_proxy:
-                proxies.append(
-                    (f"proxy {args.old_proxy}", stack.enter_context(worktree(args.old_proxy)))
+                proxies.append((f"proxy {args.old_proxy}", _tree(stack, args.old_proxy)))
+            urls = [
+                (name, *await procs.enter_async_context(proxy_process(p_url, d_url, cwd)))
+                for name, cwd in proxies
+            ]
+            if args.compare_tls:
+                certs = _certificates(Path(stack.enter_context(tempfile.TemporaryDirectory())))
+                certfile, keyfile, ca_file = certs
+                p_tls, p_tls_pid = await procs.enter_async_context(
+                    stand_in("p0", "prefill-0", (certfile, keyfile))
                 )
+                d_tls, d_tls_pid = await procs.enter_async_context(
+                    stand_in("d0", "", (certfile, keyfile))
+                )
+                engine_pids += [p_tls_pid, d_tls_pid]
+                over_tls = proxy_process(p_tls, d_tls, ROOT, ca_file)
+                urls.append(("proxy → HTTPS engines", *await procs.enter_async_context(over_tls)))
+            if args.pin:
+                for pid in (0, *engine_pids):
+                    os.sched_setaffinity(pid, {0})
+                for _, _, pid in urls:
+                    os.sched_setaffinity(pid, {1})
             kind = "streamed" if args.stream else "non-streamed"
             pinned = "; proxies on CPU 1, client and stand-ins on CPU 0" if args.pin else ""
-            print(f"# proxy overhead: stand-in engines, proxy in its own process; {kind}{pinned}")
+            print(
+                f"# proxy overhead: stand-ins, proxy and client in processes of their own; "
+                f"{kind}; {args.requests} requests per row in {args.rounds} rounds{pinned}"
+            )
             print("| concurrency | path | p50 ms | p99 ms | requests/s | proxy CPU ms/request |")
             print("|---|---|---|---|---|---|")
-            async with contextlib.AsyncExitStack() as procs:
-                urls = [
-                    (name, *await procs.enter_async_context(proxy_process(p, d, cwd)))
-                    for name, cwd in proxies
-                ]
-                if tls_pair is not None:
-                    p_tls, d_tls, ca_file = tls_pair
-                    over_tls = proxy_process(p_tls, d_tls, ROOT, ca_file)
-                    urls.append(
-                        ("proxy → HTTPS engines", *await procs.enter_async_context(over_tls))
+            summary = []
+            for concurrency in args.concurrency:
+                paths = [Route("direct to D", d_url), Route("direct P+D", d_url, p_url=p_url)]
+                paths += [Route(name, url, pid) for name, url, pid in urls]
+                for path in paths:
+                    await measure(path, 50, concurrency, args.stream)  # warm-up
+                per_round = max(1, args.requests // args.rounds)
+                for _ in range(args.rounds):
+                    for path in paths:
+                        cpu0 = cpu_seconds(path.pid) if path.pid else 0.0
+                        path.latencies += await measure(path, per_round, concurrency, args.stream)
+                        path.cpu += cpu_seconds(path.pid) - cpu0 if path.pid else 0.0
+                for path in paths:
+                    p50, p99 = path.percentiles()
+                    rate = len(path.latencies) / path.elapsed
+                    cpu = f"{path.cpu / len(path.latencies) * 1e3:.2f}" if path.pid else ""
+                    print(
+                        f"| {concurrency} | {path.name} | {p50:.3f} | {p99:.3f} | {rate:.0f} "
+                        f"| {cpu} |",
+                        flush=True,
                     )
-                if args.pin:
-                    os.sched_setaffinity(0, {0})
-                    for _, _, pid in urls:
-                        os.sched_setaffinity(pid, {1})
-                for concurrency in args.concurrency:
-                    targets = [
-                        ("direct to D", d.url, None, None),
-                        ("direct P+D", d.url, None, p.url),
-                    ]
-                    targets += [(name, url, pid, None) for name, url, pid in urls]
-                    for name, target, pid, p_url in targets:
-                        direct = pid is None
-                        await measure(
-                            target, 50, concurrency, direct, args.stream, p_url
-                        )  # warm-up
-                        cpu0 = cpu_seconds(pid) if pid else 0.0
-                        p50, p99, rate = await measure(
-                            target, args.requests, concurrency, direct, args.stream, p_url
-                        )
-                        cpu = (cpu_seconds(pid) - cpu0) / args.requests * 1e3 if pid else 0.0
-                        cpu_cell = f"{cpu:.2f}" if pid else ""
-                        print(
-                            f"| {concurrency} | {name} | {p50:.3f} | {p99:.3f} | {rate:.0f} "
-                            f"| {cpu_cell} |",
-                            flush=True,
-                        )
-        nursery.cancel_scope.cancel()
+                base50, base99 = paths[1].percentiles()
+                for path in paths[2:]:
+                    p50, p99 = path.percentiles()
+                    added = f"{p50 - base50:+.3f} | {p99 - base99:+.3f}"
+                    ratios = f"{p50 / base50:.2f} | {p99 / base99:.2f}"
+                    summary.append(f"| {concurrency} | {path.name} | {added} | {ratios} |")
+            print("\n# added: proxy − direct P+D; ratio: proxy / direct P+D")
+            print("| concurrency | path | added p50 ms | added p99 ms | p50 ratio | p99 ratio |")
+            print("|---|---|---|---|---|---|")
+            print("\n".join(summary))
 
 
-async def _tls_stand_ins(nursery: trio.Nursery, folder: Path) -> tuple[FakeEngine, FakeEngine, str]:
-    """A P and a D stand-in serving HTTPS with a certificate of a private CA; and its file."""
+def _tree(stack: contextlib.ExitStack, rev: str) -> Path:
+    """The directory ``rev``, or a temporary worktree of revision ``rev`` (for ``stack``)."""
+    return Path(rev) if Path(rev).is_dir() else stack.enter_context(worktree(rev))
+
+
+def _certificates(folder: Path) -> tuple[str, str, str]:
+    """A certificate for 127.0.0.1 from a private CA: (certfile, keyfile, CA file)."""
     import trustme
 
     ca = trustme.CA()
@@ -196,13 +244,7 @@ async def _tls_stand_ins(nursery: trio.Nursery, folder: Path) -> tuple[FakeEngin
     for i, pem in enumerate(cert.cert_chain_pems):
         pem.write_to_path(certfile, append=i > 0)
     cert.private_key_pem.write_to_path(keyfile)
-    engines = (
-        FakeEngine("p0", engine_id="prefill-0", tls=(certfile, keyfile)),
-        FakeEngine("d0", tls=(certfile, keyfile)),
-    )
-    for engine in engines:
-        await nursery.start(serve_fake, engine)
-    return engines[0], engines[1], ca_file
+    return certfile, keyfile, ca_file
 
 
 if __name__ == "__main__":
@@ -210,9 +252,12 @@ if __name__ == "__main__":
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--stream", action="store_true", help="streamed completions (SSE)")
-    ap.add_argument("--old-proxy", metavar="REV", help="also measure the proxy of this revision")
+    ap.add_argument(
+        "--old-proxy", metavar="REV", help="also measure the proxy of this revision (or directory)"
+    )
     ap.add_argument("--pin", action="store_true", help="proxies on CPU 1, the rest on CPU 0")
     ap.add_argument(
         "--compare-tls", action="store_true", help="also the proxy in front of HTTPS stand-ins"

@@ -518,6 +518,23 @@ async def test_ds_answer_reaches_the_client_while_p_has_not_answered(stream: boo
             await eventually_metric(s, total("completions", "ok"), 1)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_p_answering_just_after_d_is_not_cancelled(stream: bool) -> None:
+    """P's answer a moment behind D's is let finish (its connection is then kept for the next
+    request, instead of closed and dialled anew): P's leg is cancelled only after a grace."""
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            s.p[0].hold = trio.Event()
+            resp = await s.client.post("/v1/completions", json=completion_body(stream=stream))
+            assert resp.status_code == 200  # D's whole answer, P still held
+            await trio.sleep(0.05)  # a cancelled leg's closed connection reaches P by then
+            s.p[0].hold.set()
+            await trio.sleep(0.5)  # past the grace: a cancellation would have come by now
+            assert s.p[0].cancelled == [] and len(s.p[0].tids()) == 1
+            resp = await s.client.post("/v1/completions", json=completion_body(stream=stream))
+            assert resp.status_code == 200 and s.p[0].cancelled == []
+
+
 async def test_prefill_failing_after_ds_stream_began_ends_it_with_an_error_event() -> None:
     with trio.fail_after(TIMEOUT):
         async with open_setup() as s:

@@ -11,10 +11,18 @@ closed, which is how vLLM learns the request was abandoned.
 
 ``https://`` engines (vLLM's ``--ssl-certfile``) are spoken to over ``trio.SSLStream``, the
 server's certificate verified against the proxy's CA bundle (or the system's CAs).
+
+Plain ``http://`` connections are read and written without a trip through trio's scheduler
+when the kernel takes or gives the bytes at once (:class:`_PlainStream`): trio's
+``SocketStream`` yields on every call, and each yield is a scheduler batch (an ``epoll_wait``
+and the other ready tasks) — at several calls per leg, a large part of the proxy's CPU per
+request (bench/proxy_overhead.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import select
+import socket
 import ssl
 import urllib.parse
 from collections.abc import AsyncIterator
@@ -38,20 +46,54 @@ class ConnectFailed(EngineError):
     """No connection to the engine (refused, unreachable, or not within the connect timeout)."""
 
 
+class _PlainStream:
+    """A connected non-blocking TCP socket. Its calls wait (and so yield to trio) only when
+    the kernel cannot take or give bytes at once; they are not checkpoints otherwise."""
+
+    __slots__ = ("socket",)
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.socket = sock
+
+    async def send_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                sent = self.socket.send(view)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self.socket)
+            else:
+                view = view[sent:]
+
+    async def receive_some(self, max_bytes: int) -> bytes:
+        while True:
+            try:
+                return self.socket.recv(max_bytes)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self.socket)
+
+
 class _Connection:
     __slots__ = ("h11", "socket", "stream")
 
-    def __init__(self, stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]) -> None:
+    def __init__(self, stream: _PlainStream | trio.SSLStream[trio.SocketStream]) -> None:
         self.stream = stream
-        tcp = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
-        self.socket = tcp.socket
+        self.socket: socket.socket | trio.socket.SocketType
+        if isinstance(stream, trio.SSLStream):
+            tcp = stream.transport_stream
+            assert isinstance(tcp, trio.SocketStream)
+            self.socket = tcp.socket
+        else:
+            self.socket = stream.socket
         self.h11 = h11.Connection(our_role=h11.CLIENT)
 
     def stale(self) -> bool:
         """An idle connection with something to read is closed or broken (the server gave up
         on it, e.g. its keep-alive timeout): never reuse it. (Over TLS the server's session
         tickets come before its first answer, which was read to its end: nothing is left.)"""
-        return self.socket.is_readable()
+        poll = select.poll()
+        poll.register(self.socket, select.POLLIN)
+        return bool(poll.poll(0))
 
     async def next_event(self) -> object:
         """The next h11 event (an ``h11.Event``, or ``h11.PAUSED``)."""
@@ -143,7 +185,11 @@ class EngineClient:
         :class:`ConnectFailed` when no connection can be made, :class:`EngineError` when the
         exchange breaks. On cancellation the connection is closed.
         """
-        await self.slots.acquire()
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:  # a free slot is taken without a trip through the scheduler
+            self.slots.acquire_nowait()
+        except trio.WouldBlock:
+            await self.slots.acquire()
         try:
             return await self._request(method, path, body, headers)
         except BaseException:
@@ -203,9 +249,11 @@ class EngineClient:
         with trio.move_on_after(self.connect_timeout):
             tcp = None
             try:
-                tcp = await trio.open_tcp_stream(self.host, self.port)
+                tcp = await trio.open_tcp_stream(self.host, self.port)  # TCP_NODELAY set
                 if self.tls is None:
-                    return _Connection(tcp)
+                    sock = socket.socket(fileno=tcp.socket.detach())
+                    sock.setblocking(False)
+                    return _Connection(_PlainStream(sock))
                 secure = trio.SSLStream(
                     tcp, self.tls, server_hostname=self.host, https_compatible=True
                 )
@@ -248,4 +296,6 @@ class _Answered(EngineError):
 
 def _close(conn: _Connection) -> None:
     # A plain socket close (no TLS goodbye): no checkpoint, so it also runs in cancelled code.
+    if isinstance(conn.socket, socket.socket):
+        trio.lowlevel.notify_closing(conn.socket)  # (trio's own sockets do this themselves)
     conn.socket.close()

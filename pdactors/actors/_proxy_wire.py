@@ -143,18 +143,28 @@ class Reply:
     def __init__(self, send: ASGISendCallable) -> None:
         self._send = send
         self.started = False
+        self.complete = False  # the answer's last byte was handed to hypercorn
 
-    async def start(self, status: int, content_type: bytes, tid: str, *extra: bytes) -> None:
+    async def start(
+        self,
+        status: int,
+        content_type: bytes,
+        tid: str,
+        *extra: tuple[bytes, bytes],
+    ) -> None:
         self.started = True
-        headers = [(b"content-type", content_type), (b"x-request-id", tid.encode())]
-        headers += [(b"cache-control", value) for value in extra]
+        headers = [(b"content-type", content_type), (b"x-request-id", tid.encode()), *extra]
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def chunk(self, data: bytes, *, more: bool = True) -> None:
+        self.complete = not more
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
 
     async def whole(self, status: int, body: bytes, tid: str = "") -> None:
-        await self.start(status, b"application/json", tid)
+        # With its length, hypercorn writes the body at once; chunked, the last chunk is a
+        # write (and a wake-up of the client) of its own.
+        length = (b"content-length", str(len(body)).encode())
+        await self.start(status, b"application/json", tid, length)
         await self.chunk(body, more=False)
 
     async def failure(self, failure: Failure) -> None:
@@ -182,11 +192,16 @@ async def read_body(receive: ASGIReceiveCallable, limit: int) -> bytes | None:
             return b"".join(parts)
 
 
-async def cancel_on_disconnect(receive: ASGIReceiveCallable, scope: trio.CancelScope) -> None:
-    """The client went away: cancel its request (P and D see their connections close)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
+async def cancel_on_disconnect(
+    receive: ASGIReceiveCallable, scope: trio.CancelScope, reply: Reply, watch: trio.CancelScope
+) -> None:
+    """The client went away before its answer was complete: cancel its request (P and D see
+    their connections close). Watches until ``watch`` is cancelled."""
+    with watch:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not reply.complete:  # (hypercorn reports a disconnect at every answer's end)
+            scope.cancel()
 
 
 class ProxyApp(QuartTrio):  # type: ignore[misc]

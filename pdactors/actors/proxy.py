@@ -15,8 +15,9 @@ P's answer, which vLLM's API server sends after D may already have the KV). P's 
 beside D's for the whole request: when one fails, the other is cancelled (closing its
 connection, which makes vLLM abort the request). A failure before D's answer began is an HTTP
 status (a 4xx passes through, anything else is a 502 naming the engine); once a stream has
-begun it ends with an error event. D's answer complete, P's leg (if still running) is
-cancelled. A client that goes away cancels both; a stream in which D reports an error event
+begun it ends with an error event. D's answer complete, P's leg (if still running) gets a
+moment to end (``_PREFILL_GRACE``, so that its connection is reused), then it is cancelled.
+A client that goes away cancels both; a stream in which D reports an error event
 counts as ``decode_error``.
 
 Other routes: ``GET /v1/models`` (a healthy D's answer), ``GET /health`` (200 when at least one P
@@ -85,6 +86,8 @@ _http_log = logging.getLogger("pdactors.proxy.http")
 
 #: How long closing a connection to an engine may take (it is done shielded).
 _CLOSE_TIMEOUT: Final = 2.0
+#: How long P's leg may go on once the client's answer is complete, before it is cancelled.
+_PREFILL_GRACE: Final = 0.25
 #: How long a relay waits to hand a final error event to a slow client.
 _LAST_EVENT_TIMEOUT: Final = 1.0
 #: An SSE event in which an engine reports a failure of a stream it already answered 200 to.
@@ -143,9 +146,16 @@ class _Proxy:
             return  # it went away before its body was in: nothing started, nobody to answer
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(cancel_on_disconnect, receive, nursery.cancel_scope)
+                watch = trio.CancelScope()
+                nursery.start_soon(
+                    cancel_on_disconnect, receive, nursery.cancel_scope, reply, watch
+                )
                 await self.complete(endpoint, scope, raw, reply, nursery, arrived)
-                nursery.cancel_scope.cancel()  # P's leg, if still open, and the watcher
+                # Answered. P's leg, if still open, gets a moment to end (its connection is
+                # then reused: cancelled, it is closed and the next request dials anew), then
+                # it is cancelled; the client hanging up from now on changes nothing.
+                watch.cancel()
+                nursery.cancel_scope.deadline = trio.current_time() + _PREFILL_GRACE
         except Exception as exc:
             log.error("proxy: internal error on POST %s", endpoint.path, exc_info=exc)
             if not reply.started:
@@ -306,11 +316,14 @@ class _Proxy:
         """Hand D's streamed answer to the client as it comes; owns ``resp``."""
         outcome = "cancelled"
         try:
-            await reply.start(200, b"text/event-stream", ex.transfer_id, b"no-cache")
+            await reply.start(
+                200, b"text/event-stream", ex.transfer_id, (b"cache-control", b"no-cache")
+            )
             outcome = await self._forward(ex, resp, reply)
             await reply.chunk(b"", more=False)
         finally:
-            ex.p_scope.cancel()  # D is done with P, whatever happened
+            if outcome != "ok":  # else P's leg gets its moment (serve_completion)
+                ex.p_scope.cancel()
             await resp.aclose()
             self._end(ex, outcome)
 
