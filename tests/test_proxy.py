@@ -372,6 +372,10 @@ BAD_BODIES: list[tuple[str, bytes]] = [
     ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": "5"}'),
     ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": true}'),
     ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 2.5}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": ["hi", "ho"]}'),  # one transfer each
+    ("/v1/completions", b'{"model": "tiny", "prompt": [[1, 2], [3]]}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "n": 2}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [], "n": 3}'),
     ("/v1/chat/completions", b'{"model": "tiny", "prompt": "hi"}'),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [], "max_completion_tokens": -1}'),
 ]
@@ -410,7 +414,15 @@ async def test_bad_bodies_get_400_and_reach_no_engine() -> None:
             assert s.p[0].received == [] and s.d[0].received == []
             metrics = await s.metrics()
             key = total("completions", "invalid")
-            assert metrics[key] == 10
+            assert metrics[key] == 13
+
+
+def test_one_prompt_in_any_shape_is_valid() -> None:
+    from pdactors.actors._proxy_wire import COMPLETIONS, validate
+
+    for prompt in ("hi", ["hi"], [1, 2, 3], [[1, 2, 3]]):
+        raw = msgspec.json.encode({"model": "tiny", "prompt": prompt, "n": 1})
+        assert isinstance(validate(raw, COMPLETIONS), dict), prompt
 
 
 async def test_unknown_route_and_huge_body_get_openai_errors() -> None:

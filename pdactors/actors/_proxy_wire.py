@@ -87,6 +87,18 @@ def validate(raw: bytes, endpoint: Endpoint) -> dict[str, Any] | str:
         return f"`{endpoint.input_field}` is required"
     if not isinstance(body.get("stream", False), bool | None):
         return "`stream` must be true or false"
+    # vLLM turns each prompt of a list (and each of `n` choices) into an engine request of its
+    # own with the request's one kv_transfer_params: they would share one transfer_id, and D
+    # takes one pull per transfer. Refused here, by name, rather than failing on D.
+    prompts = body.get("prompt")
+    if isinstance(prompts, list) and len(prompts) > 1 and not isinstance(prompts[0], int):
+        return (
+            f"`prompt` holds {len(prompts)} prompts: send one request per prompt through the "
+            "PD proxy (each prompt's KV is its own transfer)"
+        )
+    n = body.get("n")
+    if n is not None and n != 1:
+        return "`n` must be 1 through the PD proxy (each choice would need its own transfer)"
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
         if value is not None and (type(value) is not int or value < 1):

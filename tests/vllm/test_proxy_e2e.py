@@ -265,18 +265,17 @@ def test_errors_reach_the_client_in_openais_shape(setup: Setup) -> None:
     assert isinstance(missing.value.body, dict) and missing.value.body["message"]
 
 
-# One request, several engine requests: vLLM gives each prompt of a list the request's
-# kv_transfer_params, so they share one transfer_id; D refuses the second pull of it as a
-# duplicate and the request fails (502). Upstream's proxy does the same.
-@pytest.mark.xfail(
-    strict=True, raises=openai.InternalServerError, reason="one transfer_id per engine request"
-)
-def test_a_list_of_prompts_equals_single_server(setup: Setup) -> None:
+# vLLM makes each prompt of a list an engine request of its own with the request's one
+# kv_transfer_params (one transfer_id): the proxy refuses the list by name (400) instead of
+# letting D refuse the second pull as a duplicate (it was a 502; upstream's proxy still does).
+def test_a_list_of_prompts_is_refused_with_a_clear_400(setup: Setup) -> None:
     prompts = [prompt_ids(40, seed=60), prompt_ids(72, seed=61)]
     kwargs: dict[str, Any] = {"model": "tiny", "prompt": prompts, "temperature": 0, "max_tokens": 8}
-    want = setup.single.completions.create(**kwargs)
-    got = setup.proxy.completions.create(**kwargs)
-    assert [c.text for c in got.choices] == [c.text for c in want.choices]
+    with pytest.raises(openai.BadRequestError, match="holds 2 prompts: send one request per"):
+        setup.proxy.completions.create(**kwargs)
+    one = setup.proxy.completions.create(**{**kwargs, "prompt": [prompts[0]]})  # a list of one
+    want = setup.single.completions.create(**{**kwargs, "prompt": [prompts[0]]})
+    assert [c.text for c in one.choices] == [c.text for c in want.choices]
 
 
 def test_prompt_too_long_is_refused_at_once(setup: Setup) -> None:
