@@ -411,6 +411,7 @@ async def test_bad_bodies_get_400_and_reach_no_engine() -> None:
                 assert resp.status_code == 400, (raw, resp.text)
                 error = resp.json()["error"]
                 assert error["type"] == "invalid_request_error" and error["message"], raw
+                assert set(error) == {"message", "type", "param", "code"}  # OpenAI's keys
             assert s.p[0].received == [] and s.d[0].received == []
             metrics = await s.metrics()
             key = total("completions", "invalid")

@@ -58,7 +58,8 @@ class Failure:
     def of(
         cls, status: int, message: str, kind: str, outcome: str, code: int | str | None = None
     ) -> Failure:
-        error = {"message": message, "type": kind, "code": status if code is None else code}
+        code = status if code is None else code
+        error = {"message": message, "type": kind, "param": None, "code": code}  # OpenAI's keys
         return cls(status, msgspec.json.encode({"error": error}), outcome)
 
     @classmethod
