@@ -23,6 +23,7 @@ from pdactors.config import SenderConfig as SenderConfig
 from pdactors.dataplane import DataPlane as DataPlane
 from pdactors.dataplane import MooncakeDataPlane as MooncakeDataPlane
 from pdactors.dataplane import open_mooncake as open_mooncake
+from pdactors.errors import BadTransferParams as BadTransferParams
 from pdactors.errors import BootstrapError as BootstrapError
 from pdactors.errors import DataPlaneError as DataPlaneError
 from pdactors.errors import DuplicateTransfer as DuplicateTransfer

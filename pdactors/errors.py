@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "BadTransferParams",
     "BootstrapError",
     "BootstrapTimeout",
     "DataPlaneError",
@@ -41,6 +42,10 @@ class DuplicateTransfer(IllegalTransition):
     def __init__(self, transfer_id: str) -> None:
         self.transfer_id = transfer_id
         super().__init__(f"transfer {transfer_id} is already in flight; this duplicate is refused")
+
+
+class BadTransferParams(PdError, ValueError):
+    """A request's ``kv_transfer_params`` cannot be read (a key has a wrong type)."""
 
 
 class PlanError(PdError, ValueError):

@@ -11,7 +11,8 @@ import httpx
 import pdactors
 
 PUBLIC = {
-    "BlockLayout", "BootstrapClient", "BootstrapConfig", "BootstrapError", "DataPlane",
+    "BadTransferParams", "BlockLayout", "BootstrapClient", "BootstrapConfig", "BootstrapError",
+    "DataPlane",
     "DataPlaneConfig", "DataPlaneError", "DuplicateTransfer", "IllegalTransition",
     "KVTransferParams", "Layout", "Liveness",
     "LayoutMismatch", "MooncakeDataPlane", "PdError", "PlanError", "PrefillBackend",

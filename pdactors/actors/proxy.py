@@ -77,6 +77,7 @@ from pdactors.actors._proxy_wire import (
 from pdactors.bootstrap_client import BootstrapClient, tls_verify
 from pdactors.config import ProxyConfig
 from pdactors.errors import describe
+from pdactors.messages import KVTransferParams
 
 __all__ = ["serve_proxy"]
 
@@ -228,13 +229,14 @@ class _Proxy:
             p_body["max_completion_tokens"] = 1
         for key in ("stream_options", "min_tokens"):  # vLLM refuses them with the above
             p_body.pop(key, None)
-        p_body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": ex.transfer_id}
-        d_params = {
-            "do_remote_prefill": True,
-            "remote_engine_id": ex.p_engine_id,
-            "remote_bootstrap_addr": ex.p.bootstrap_url,
-            "transfer_id": ex.transfer_id,
-        }
+        p_params = KVTransferParams(do_remote_decode=True, transfer_id=ex.transfer_id)
+        d_params = KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=ex.p_engine_id,
+            remote_bootstrap_addr=ex.p.bootstrap_url,
+            transfer_id=ex.transfer_id,
+        )
+        p_body["kv_transfer_params"] = p_params
         d_body = {**body, "kv_transfer_params": d_params}
         return msgspec.json.encode(p_body), msgspec.json.encode(d_body)
 

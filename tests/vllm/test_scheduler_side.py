@@ -6,6 +6,7 @@ is back in the pool at the end.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -589,3 +590,36 @@ def test_an_eager_send_is_not_preempted_away_under_async_scheduling() -> None:
     while request_status(sched, "x") is not None:
         step(sched)
     assert free_blocks(sched) == total_blocks(sched)
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("role", "params", "key"),
+    [
+        ("kv_consumer", {**D_PARAMS, "transfer_id": 5}, "transfer_id"),
+        ("kv_consumer", {**D_PARAMS, "do_remote_prefill": "yes", "transfer_id": "t"}, "do_remote"),
+        ("kv_consumer", {**D_PARAMS, "remote_engine_id": ["p"], "transfer_id": "t"}, "engine_id"),
+        ("kv_producer", {"do_remote_decode": 1, "transfer_id": "t"}, "do_remote_decode"),
+    ],
+    ids=["d-int-transfer-id", "d-string-flag", "d-list-engine", "p-int-flag"],
+)
+def test_unreadable_params_are_served_without_a_transfer_and_named_once(
+    role: str, params: dict[str, object], key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    sched = make_scheduler(kv_role=role, block_size=BS, engine_id="prefill-0")
+    sched.add_request(make_request("bad", 20, max_tokens=2, kv_transfer_params=params))
+    result = step(sched)
+    assert meta_of(result).pulls == {} and meta_of(result).pending == []
+    result = step(sched)
+    assert result.outputs["bad"].finish_reason == FinishReason.LENGTH
+    assert result.outputs["bad"].kv_transfer_params is None  # nothing for a D to pull
+    assert free_blocks(sched) == total_blocks(sched)
+    warned = [r.getMessage() for r in caplog.records if "served without a KV" in r.getMessage()]
+    assert len(warned) == 1 and "request bad" in warned[0] and key in warned[0], warned
+    # the next request is served as before
+    sched.add_request(make_request("good", 20, max_tokens=1, kv_transfer_params=d_params("g")))
+    if role == "kv_consumer":
+        assert meta_of(step(sched)).pulls["good"].transfer_id == "g"

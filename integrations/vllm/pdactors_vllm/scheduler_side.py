@@ -44,7 +44,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.v1.request import RequestStatus
 
 from pdactors import timeline
-from pdactors.messages import BlockIds
+from pdactors.errors import BadTransferParams
+from pdactors.messages import BlockIds, KVTransferParams
 from pdactors_vllm import idle
 from pdactors_vllm.settings import ConnectorSettings
 
@@ -172,10 +173,10 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        params = _params(request)
+        if params is None or not params.do_remote_prefill:
             return 0, False
-        if not _complete_remote_params(params):
+        if not params.remote_complete:
             return 0, False  # warned in update_state_after_alloc
         remote = self._pulled(request) - num_computed_tokens
         return (remote, True) if remote > 0 else (0, False)
@@ -190,12 +191,11 @@ class SchedulerSide:
         """P, a model with recurrent state: drop the prompt's last token (D computes it from
         the state after the others) and produce one token, once per request (upstream's
         ``_truncate_mamba_request_for_prefill``)."""
-        params = request.kv_transfer_params
+        params = _params(request) if self.holds_back_last else None
         if (
-            not self.holds_back_last
-            or not params
-            or not params.get("do_remote_decode")
-            or params.get("_pdactors_held_back")
+            params is None
+            or not params.do_remote_decode
+            or _raw(request).get("_pdactors_held_back")
             or request.num_prompt_tokens < 2
         ):
             return
@@ -208,24 +208,25 @@ class SchedulerSide:
         request._all_token_ids.pop()
         request.num_prompt_tokens -= 1
         request.max_tokens = 1
-        params["_pdactors_held_back"] = True
+        _raw(request)["_pdactors_held_back"] = True
 
     # ------------------------------------------------------------------ blocks were allocated
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        params = request.kv_transfer_params
-        if not params:
+        params = _params(request)
+        if params is None:
             return
-        if params.get("do_remote_prefill"):
-            params["do_remote_prefill"] = False  # one transfer per request
-            if not _complete_remote_params(params):
+        raw = _raw(request)
+        if params.do_remote_prefill:
+            raw["do_remote_prefill"] = False  # one transfer per request
+            if not params.remote_complete:
                 log.warning(
                     "request %s: kv_transfer_params %s lack remote_engine_id, "
                     "remote_bootstrap_addr or transfer_id; computing the prompt locally",
                     request.request_id,
-                    params,
+                    raw,
                 )
                 return
             if num_external_tokens > 0:
@@ -239,33 +240,34 @@ class SchedulerSide:
                     for group, table in zip(self.groups, tables, strict=True)
                 )
                 self._pull(request.request_id, params, wanted)
-                self._pulling[request.request_id] = params["transfer_id"]
+                self._pulling[request.request_id] = _tid(params)
             else:
                 # Everything was in D's prefix cache: P only needs to free its KV.
                 self._pull(request.request_id, params, (), notify_only=True)
-        elif params.get("do_remote_decode"):
+        elif params.do_remote_decode:
             # Routers that call P first may send no transfer id: make one, return it at finish.
-            params.setdefault("transfer_id", request.request_id)
-            if params.get("_pdactors_pending"):
+            transfer_id = raw.setdefault("transfer_id", request.request_id)
+            if raw.get("_pdactors_pending"):
                 return  # allocated again after preemption: already announced
-            params["_pdactors_pending"] = True
-            self._meta.pending.append(params["transfer_id"])
-            timeline.mark(params["transfer_id"], "p_scheduled")
+            raw["_pdactors_pending"] = True
+            self._meta.pending.append(transfer_id)
+            timeline.mark(transfer_id, "p_scheduled")
             if self.settings.eager_send:
                 self._prefilling[request.request_id] = (request, [[] for _ in self.groups])
 
     def _pull(
         self,
         req_id: str,
-        params: dict[str, Any],
+        params: KVTransferParams,
         block_ids: BlockIds,
         *,
         notify_only: bool = False,
     ) -> None:
+        assert params.remote_engine_id and params.remote_bootstrap_addr  # remote_complete
         self._meta.pulls[req_id] = PullSpec(
-            transfer_id=params["transfer_id"],
-            engine_id=params["remote_engine_id"],
-            bootstrap_url=params["remote_bootstrap_addr"],
+            transfer_id=_tid(params),
+            engine_id=params.remote_engine_id,
+            bootstrap_url=params.remote_bootstrap_addr,
             block_ids=block_ids,
             notify_only=notify_only,
         )
@@ -314,10 +316,11 @@ class SchedulerSide:
             del self._prefilling[req_id]  # the prompt completes in this step
             if request.num_output_tokens + 1 < request.max_tokens:
                 continue  # it decodes on (and may be preempted): sent when it finishes
-            params = request.kv_transfer_params or {}
             # Only blocks vLLM keeps once the request ends: a sliding window's older blocks
-            # are freed then, while the write may still be reading.
-            meta.eager[req_id] = SendSpec(params["transfer_id"], self._sent(request, blocks))
+            # are freed then, while the write may still be reading. (The transfer id was
+            # set when the blocks were allocated.)
+            transfer_id = _raw(request)["transfer_id"]
+            meta.eager[req_id] = SendSpec(transfer_id, self._sent(request, blocks))
             self._eager.add(req_id)
 
     def has_pending_block_frees(self) -> bool:
@@ -356,14 +359,14 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         """``block_ids``: the request's block table per KV-cache group (vLLM's
         ``request_finished_all_groups``)."""
-        params = request.kv_transfer_params
-        if not params:
+        params = _params(request)
+        if params is None:
             return False, None
         req_id = request.request_id
-        if params.get("do_remote_prefill"):
+        if params.do_remote_prefill:
             # D: finished before it was ever scheduled (aborted): P only needs to free its KV.
-            params["do_remote_prefill"] = False
-            if _complete_remote_params(params):
+            _raw(request)["do_remote_prefill"] = False
+            if params.remote_complete:
                 self._pull(req_id, params, (), notify_only=True)
             return False, None
         if req_id in self._pulling:
@@ -372,10 +375,10 @@ class SchedulerSide:
             if request.status not in _DELIVER:
                 self._meta.aborts[req_id] = self._pulling[req_id]
             return False, None
-        if not params.get("do_remote_decode") or "transfer_id" not in params:
+        if not params.do_remote_decode or params.transfer_id is None:
             return False, None
         self._prefilling.pop(req_id, None)
-        transfer_id = params["transfer_id"]
+        transfer_id = params.transfer_id
         if req_id in self._eager:
             # The KV went to the worker with this step's forward: the blocks stay until it
             # reports the write ended (an abort's drop waits for a write in flight).
@@ -399,14 +402,40 @@ class SchedulerSide:
             # The prompt's KV fills ceil(prompt / block) blocks; later blocks hold no prompt KV.
             self._meta.ready[req_id] = SendSpec(transfer_id, self._sent(request, block_ids))
             timeline.mark(transfer_id, "p_finished")
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_bootstrap_addr": self.settings.bootstrap_url,
-            "transfer_id": transfer_id,
-        }
+        for_d = KVTransferParams(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_engine_id=self.engine_id,
+            remote_bootstrap_addr=self.settings.bootstrap_url,
+            transfer_id=transfer_id,
+        )
+        return True, for_d.to_dict()
 
 
-def _complete_remote_params(params: dict[str, Any]) -> bool:
-    return all(params.get(k) for k in ("remote_engine_id", "remote_bootstrap_addr", "transfer_id"))
+def _params(request: Request) -> KVTransferParams | None:
+    """The request's ``kv_transfer_params`` read as upstream's keys; None when it has none, or
+    when they cannot be read: then the request is served as if it had none (P computes and
+    keeps nothing for a D, D computes the prompt itself), with one warning naming it."""
+    raw = request.kv_transfer_params
+    if not raw:
+        return None
+    try:
+        return KVTransferParams.from_dict(raw)
+    except BadTransferParams as exc:
+        if not raw.get("_pdactors_unreadable"):
+            raw["_pdactors_unreadable"] = True
+            log.warning("request %s: %s; served without a KV transfer", request.request_id, exc)
+        return None
+
+
+def _raw(request: Request) -> dict[str, Any]:
+    """The dict itself, where the connector keeps its marks (only when :func:`_params` read
+    it)."""
+    raw = request.kv_transfer_params
+    assert raw is not None
+    return raw
+
+
+def _tid(params: KVTransferParams) -> str:
+    assert params.transfer_id is not None  # remote_complete, or set at allocation
+    return params.transfer_id
