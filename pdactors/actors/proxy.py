@@ -47,27 +47,19 @@ import httpx
 import msgspec
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    generate_latest,
-)
-from quart import Response, request
-from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from quart import Response
 
 from pdactors.actors._auth import BearerCheck
 from pdactors.actors._engine_http import ConnectFailed, EngineClient, EngineError, EngineResponse
 from pdactors.actors._http import bind_listener, serve_http
+from pdactors.actors._proxy_app import make_app
 from pdactors.actors._proxy_health import HealthWatch
 from pdactors.actors._proxy_state import Backend, Metrics, Pool
 from pdactors.actors._proxy_wire import (
-    CHAT,
-    COMPLETIONS,
     ClientGone,
     Endpoint,
     Exchange,
     Failure,
-    ProxyApp,
     Reply,
     cancel_on_disconnect,
     header,
@@ -95,7 +87,7 @@ _LAST_EVENT_TIMEOUT: Final = 1.0
 _ERROR_EVENT: Final = b'data: {"error"'
 
 
-class _Proxy:
+class Proxy:
     """The proxy's state and request handling; :func:`serve_proxy` runs it."""
 
     def __init__(self, config: ProxyConfig, probe_http: httpx.AsyncClient) -> None:
@@ -436,68 +428,6 @@ class _Proxy:
         return Failure.of(504, message, "timeout", "").response()
 
 
-# --------------------------------------------------------------------------- HTTP face
-
-
-def _json(body: object, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(body), status=status, content_type="application/json")
-
-
-def _make_app(proxy: _Proxy) -> QuartTrio:
-    app = ProxyApp(__name__, static_folder=None)
-    app.config["MAX_CONTENT_LENGTH"] = proxy.config.max_body_bytes
-    # Quart would silently cut a streamed answer after RESPONSE_TIMEOUT (60 s); the proxy
-    # bounds each request itself, with an error the client can see.
-    app.config["RESPONSE_TIMEOUT"] = None
-
-    app.fast = {
-        e.path: partial(proxy.serve_completion, e) for e in (COMPLETIONS, CHAT)
-    }  # POST only; other methods on these paths reach Quart's routing (405)
-
-    @app.route("/v1/completions", methods=["PUT"])
-    @app.route("/v1/chat/completions", methods=["PUT"])
-    async def completions_put() -> Response:  # never POST: served on raw ASGI (app.fast)
-        return Failure.of(405, "use POST", "invalid_request_error", "").response()
-
-    @app.before_request
-    async def authenticate() -> Response | None:
-        if request.path in ("/health", "/metrics"):
-            return None  # open: load balancers and Prometheus
-        client = request.remote_addr or "unknown client"
-        refused = proxy.auth.refusal(request.headers.get("authorization"), client)
-        return None if refused is None else Failure.unauthorized(refused).response()
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        incoming = request.headers.get("authorization")
-        return await proxy.models(incoming.encode("latin-1") if incoming else None)
-
-    @app.get("/health")
-    async def health() -> Response:
-        status, report = proxy.watch.report()
-        return _json(report, status)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(proxy.metrics.registry), content_type=CONTENT_TYPE_LATEST)
-
-    @app.errorhandler(HTTPException)
-    async def http_error(exc: HTTPException) -> Response:
-        # 404, 405, 413, ...: OpenAI's error shape.
-        code = exc.code or 500
-        return Failure.of(code, exc.description or exc.name, "invalid_request_error", "").response()
-
-    @app.errorhandler(Exception)
-    async def internal_error(exc: Exception) -> Response:
-        # Handled here so that Quart never builds its own logger (it would start a queue
-        # listener thread); the bug is logged with its traceback and the server keeps going.
-        log.error("proxy: internal error on %s %s", request.method, request.path, exc_info=exc)
-        message = f"internal error: {type(exc).__name__}"
-        return Failure.of(500, message, "internal_error", "").response()
-
-    return app
-
-
 @asynccontextmanager
 async def _open_http(
     timeouts: httpx.Timeout, limits: httpx.Limits, ca_file: str | None = None
@@ -535,7 +465,7 @@ async def serve_proxy(
     probe_timeout = httpx.Timeout(config.health_timeout)
     probe_limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with _open_http(probe_timeout, probe_limits, config.ca_file) as probe_http:
-        proxy = _Proxy(config, probe_http)
+        proxy = Proxy(config, probe_http)
         sock = await bind_listener(config.host, config.port, "the proxy")
         try:
             await _serve(proxy, sock, task_status)
@@ -545,12 +475,12 @@ async def serve_proxy(
 
 
 async def _serve(
-    proxy: _Proxy, sock: trio.socket.SocketType, task_status: trio.TaskStatus[str]
+    proxy: Proxy, sock: trio.socket.SocketType, task_status: trio.TaskStatus[str]
 ) -> None:
     config = proxy.config
     async with trio.open_nursery() as nursery:
         nursery.start_soon(proxy.watch.run)
-        app = _make_app(proxy)
+        app = make_app(proxy)
         serve = partial(
             serve_http,
             app,
