@@ -109,6 +109,11 @@ class FaultyTransport:
             finally:
                 self._dealers.discard(wrapped)
 
+    @property
+    def open_dealers(self) -> int:
+        """How many dealers (D's connections to P workers) are open through this transport."""
+        return len(self._dealers)
+
     def cut(self, reason: str = "link cut by the fault injector") -> int:
         """Every open dealer's connection is lost now; returns how many."""
         for dealer in self._dealers:
