@@ -215,3 +215,20 @@ def test_only_http_and_https_engine_urls() -> None:
     assert secure.port == 443 and secure.tls is not None
     plain = EngineClient("http://example:8100", connect_timeout=1, slots=trio.Semaphore(1))
     assert plain.port == 8100 and plain.tls is None
+
+
+async def test_close_closes_even_the_connection_of_an_answer_left_open() -> None:
+    """An answer nobody closes (a bug elsewhere) still has its connection closed when the
+    client closes, not left to the garbage collector (a ResourceWarning, fatal in the tests)."""
+    with trio.fail_after(10):
+        async with serve(answer(b"hi")) as (url, _):
+            engine = client(url)
+            kept = await (await engine.request("POST", "/", b"", [])).read()
+            assert kept == b"hi0" and len(engine._idle) == 1
+            dropped = await engine.request("POST", "/", b"", [])  # never read, never closed
+            assert dropped.status == 200 and engine._idle == []
+            sockets = [c.socket for c in engine._open]
+            assert len(sockets) == 1
+            engine.close()
+            assert engine._open == set() and all(s.fileno() == -1 for s in sockets)
+            engine.close()  # twice is harmless

@@ -74,10 +74,16 @@ class _PlainStream:
 
 
 class _Connection:
-    __slots__ = ("h11", "socket", "stream")
+    __slots__ = ("h11", "open", "socket", "stream")
 
-    def __init__(self, stream: _PlainStream | trio.SSLStream[trio.SocketStream]) -> None:
+    def __init__(
+        self,
+        stream: _PlainStream | trio.SSLStream[trio.SocketStream],
+        open_set: set[_Connection],
+    ) -> None:
         self.stream = stream
+        self.open = open_set  # the client's open connections: this one until it is closed
+        open_set.add(self)
         self.socket: socket.socket | trio.socket.SocketType
         if isinstance(stream, trio.SSLStream):
             tcp = stream.transport_stream
@@ -175,6 +181,9 @@ class EngineClient:
         self.slots = slots  # open answers, shared by the proxy's clients (max_connections)
         self.max_idle = max_idle
         self._idle: list[_Connection] = []  # a stack: the newest is the likeliest alive
+        # Every connection not yet closed, idle or in use: close() closes them all, so none is
+        # left to the garbage collector (an answer dropped unclosed, a leg cut short).
+        self._open: set[_Connection] = set()
 
     async def request(
         self, method: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]]
@@ -253,12 +262,12 @@ class EngineClient:
                 if self.tls is None:
                     sock = socket.socket(fileno=tcp.socket.detach())
                     sock.setblocking(False)
-                    return _Connection(_PlainStream(sock))
+                    return _Connection(_PlainStream(sock), self._open)
                 secure = trio.SSLStream(
                     tcp, self.tls, server_hostname=self.host, https_compatible=True
                 )
                 await secure.do_handshake()
-                return _Connection(secure)
+                return _Connection(secure, self._open)
             except (OSError, ssl.SSLError, trio.BrokenResourceError) as exc:
                 if tcp is not None:
                     tcp.socket.close()
@@ -285,9 +294,11 @@ class EngineClient:
             _close(conn)
 
     def close(self) -> None:
-        """Close every idle connection (answers still open close their own)."""
-        while self._idle:
-            _close(self._idle.pop())
+        """Close every connection: the idle ones, and any an answer still holds (its reads
+        then fail)."""
+        self._idle.clear()
+        for conn in list(self._open):
+            _close(conn)
 
 
 class _Answered(EngineError):
@@ -296,6 +307,9 @@ class _Answered(EngineError):
 
 def _close(conn: _Connection) -> None:
     # A plain socket close (no TLS goodbye): no checkpoint, so it also runs in cancelled code.
+    conn.open.discard(conn)
+    if conn.socket.fileno() == -1:
+        return  # closed already
     if isinstance(conn.socket, socket.socket):
         trio.lowlevel.notify_closing(conn.socket)  # (trio's own sockets do this themselves)
     conn.socket.close()
