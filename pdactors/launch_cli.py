@@ -154,7 +154,7 @@ def _headers(key: str | None) -> dict[str, str]:
 async def _read_stats(http: httpx.AsyncClient, plan: Plan) -> Stats:
     def url(name: str) -> str:
         child = next(c for c in plan.children if c.name == name)
-        return child.health_url.removesuffix("/health") + "/metrics"
+        return child.base_url + "/metrics"
 
     async def text(name: str) -> str:
         return (await http.get(url(name))).text
@@ -177,7 +177,7 @@ async def _watch(view: LaunchView, plan: Plan) -> None:
 
 async def _smoke(plan: Plan, api_key: str | None) -> Smoke:
     single = next(c for c in plan.children if c.name == "single")
-    single_url = single.health_url.removesuffix("/health")
+    single_url = single.base_url
     engine_key = plan.extra.get("engine_key")
     got, want = [], []
     async with (
@@ -394,7 +394,7 @@ def launch_command(
                 run_secrets=run_secrets,
             )
             for child in plan.children:
-                view.add(child.name, child.health_url.removesuffix("/health"))
+                view.add(child.name, child.base_url)
             await launch(
                 plan,
                 startup_timeout=config.startup_timeout,

@@ -95,6 +95,11 @@ class Child:
     env: dict[str, str]
     health_url: str
 
+    @property
+    def base_url(self) -> str:
+        """Where it serves (its health URL without ``/health``)."""
+        return self.health_url.removesuffix("/health")
+
 
 @dataclass
 class Plan:
