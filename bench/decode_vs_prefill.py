@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pdactors_vllm.tiny_model import FAMILIES, ensure_tiny_model
+from pdactors_vllm.tiny_model import FAMILIES, ensure_tiny_model, serving_args
 from tests.vllm.servers import Server, completion, servers
 from tests.vllm.test_e2e import prompt_ids
 
@@ -35,7 +35,8 @@ def top(server: Server, prompt: list[int], n: int) -> list[tuple[int, dict[str, 
 
 def main(args: argparse.Namespace) -> None:
     model = ensure_tiny_model(family=args.family)
-    with servers({"one": {"core": "0-1"}}, model, Path(tempfile.mkdtemp())) as started:
+    spec = {"core": "0-1", "extra_args": serving_args(args.family)}
+    with servers({"one": spec}, model, Path(tempfile.mkdtemp())) as started:
         one = started["one"]
         print(f"# decode vs prefill on one vLLM server, tiny {args.family} model")
         print("| prompt tokens | same token | by decode (logprob) | by prefill (logprob) |")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pdactors_vllm.tiny_model import FAMILIES, ensure_tiny_model
+from pdactors_vllm.tiny_model import FAMILIES, ensure_tiny_model, serving_args
 from tests.vllm.servers import (
     Server,
     completion,
@@ -30,9 +30,6 @@ from tests.vllm.servers import (
     servers,
 )
 from tests.vllm.test_e2e import prompt_ids
-
-#: The engine arguments each family is served with (tests/vllm/test_e2e_families.py).
-ENGINE_ARGS = {"gdn": ("--dtype", "bfloat16")}
 
 
 def greedy(server: Server, prompt: list[int], n: int, **params: Any) -> list[dict[str, float]]:
@@ -68,7 +65,7 @@ def best(top: dict[str, float]) -> tuple[str, float]:
 
 def main(args: argparse.Namespace) -> None:
     model = ensure_tiny_model(family=args.family)
-    engine_args = ENGINE_ARGS.get(args.family, ())
+    engine_args = serving_args(args.family)
     if args.engine_args is not None:
         engine_args = tuple(args.engine_args.split())
     port = free_port()

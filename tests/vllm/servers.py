@@ -48,6 +48,15 @@ class Server:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
+    def kv_layout(self) -> dict[str, Any]:
+        """What the connector of this server's (first) worker reported at registration:
+        vLLM's KV-cache groups as configured on this host (pdactors_vllm.kv_report)."""
+        from pdactors_vllm.kv_report import parse_kv_layout
+
+        reports = parse_kv_layout(self.log.read_text(errors="replace"))
+        assert reports, f"{self.name} reported no KV layout:\n{self.tail()}"
+        return reports[0]
+
     def kill(self) -> None:
         """SIGKILL the server and its engine processes (a crash, not a shutdown)."""
         try:

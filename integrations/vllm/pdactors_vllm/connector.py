@@ -8,6 +8,8 @@ Load it by name (``"kv_connector": "PdActorsConnector"``, registered by the vLLM
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -21,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pdactors import RankInfo
+from pdactors_vllm.kv_report import PREFIX, kv_layout_report, show_with_vllm_logs
 from pdactors_vllm.metrics import PdActorsPromMetrics, PdActorsStats
 from pdactors_vllm.scheduler_side import KVGroup, PdActorsMetadata, SchedulerSide
 from pdactors_vllm.settings import settings_from_extra_config
@@ -38,6 +41,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["PdActorsConnector"]
+
+log = logging.getLogger("pdactors.vllm")
 
 
 class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
@@ -65,7 +70,9 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
         self.engine_id = transfer.engine_id
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
+        show_with_vllm_logs()
         groups = kv_groups(kv_cache_config, architecture_of(vllm_config.model_config))
+        self._groups = groups
         if role == KVConnectorRole.SCHEDULER:
             block_size = vllm_config.cache_config.block_size
             self.scheduler_side = SchedulerSide(self.settings, self.engine_id, block_size, groups)
@@ -129,7 +136,17 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
         group_of = {
             name: g for g, group in enumerate(config.kv_cache_groups) for name in group.layer_names
         }
-        self._worker().register_kv_caches(kv_caches, config.num_blocks, group_of)
+        layout = self._worker().register_kv_caches(kv_caches, config.num_blocks, group_of)
+        worker = self._worker()
+        report = kv_layout_report(
+            self.engine_id,
+            worker.place.ranks,
+            config,
+            self._groups,
+            layout,
+            prefix_caching=bool(self._vllm_config.cache_config.enable_prefix_caching),
+        )
+        log.info("%s%s", PREFIX, json.dumps(report))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -5,8 +5,9 @@ byte-level BPE tokenizer trained on a small embedded corpus, and returns its dir
 HF transformers and vLLM load offline. Weights come from a fixed-seed generator, so every machine
 builds the same model.
 
-vLLM must be started with ``dtype="float32"`` (``--dtype float32``): on CPU, ``"auto"`` turns a
-float32 checkpoint into bfloat16, and greedy tokens would then drift from HF's.
+Each model is stored in the dtype every vLLM CPU path serves it in (:data:`DTYPES`), and vLLM must
+be started with that dtype (:func:`serving_args`): on CPU, ``"auto"`` turns a float32 checkpoint
+into bfloat16, and greedy tokens would then drift from HF's.
 
 `find_eos_first_prompts` finds prompts whose greedy first generated token is EOS, for tests of
 requests that finish at prefill.
@@ -126,8 +127,7 @@ SHAPES: dict[str, dict[str, int]] = {
 #: * ``mla``: DeepSeek-V2-style multi-head latent attention (one latent cache per layer,
 #:   ``kv_lora_rank`` 512 + 64 rope dims: the head size vLLM's CPU MLA kernel takes), dense MLP;
 #: * ``gdn``: Qwen3-Next-style hybrid, gated delta-net linear attention on three layers of four
-#:   and full attention on the fourth, a small mixture of experts; vLLM's CPU kernel for it
-#:   needs ``--dtype bfloat16``.
+#:   and full attention on the fourth, a small mixture of experts.
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {},
     "sliding": {
@@ -162,6 +162,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
+#: The dtype each family is stored in and served with (float32 for the others). Chosen so that
+#: every CPU path of vLLM 0.32 serves it: its CPU gated delta-net kernel takes bfloat16 only, and
+#: on x86 CPUs with AMX vLLM runs MLA with its AMX kernel, which refuses float32 weights
+#: ("expect weight to be bfloat16, float16, ..."), where the reference CPU MLA kernel of other
+#: CPUs serves bfloat16 as well. (What else vLLM derives from the host, block sizes and the
+#: recurrent state's dtype, is reported by the connector at start: pdactors_vllm.kv_report.)
+DTYPES: dict[str, str] = {"mla": "bfloat16", "gdn": "bfloat16"}
+
+
+def serving_args(family: str = "llama") -> tuple[str, ...]:
+    """The vLLM arguments a tiny ``family`` model must be served with: its dtype."""
+    return ("--dtype", DTYPES.get(family, "float32"))
+
+
 def ensure_tiny_model(
     cache_dir: Path | None = None, *, shape: str = "tiny", family: str = "llama"
 ) -> Path:
@@ -192,7 +206,8 @@ def ensure_tiny_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
     try:
         tmp.chmod(0o755)  # mkdtemp's 0700 would make a shared cache unreadable to others
-        _build(tmp, {**SHAPES[shape], **FAMILIES[family]}, family)
+        dtype = DTYPES.get(family, "float32")
+        _build(tmp, {**SHAPES[shape], **FAMILIES[family], "dtype": dtype}, family)
         for _ in range(3):
             if _is_complete(target, family):
                 return target
@@ -300,7 +315,7 @@ def _batch_first_tokens(
 
 def _marker(family: str) -> str:
     """What a complete model's marker file says: the version (and the family)."""
-    return _VERSION if family == "llama" else f"{_VERSION}-{family}-3"
+    return _VERSION if family == "llama" else f"{_VERSION}-{family}-4"
 
 
 def _is_complete(path: Path, family: str = "llama") -> bool:
@@ -326,6 +341,7 @@ def _build(out: Path, shape: dict[str, Any], family: str = "llama") -> None:
     with torch.device("cpu"):
         model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(_deterministic_weights(model, tokenizer))
+    model.to(getattr(torch, shape.get("dtype", "float32")))
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -367,7 +383,6 @@ def _train_tokenizer() -> PreTrainedTokenizerFast:
 def _model_config(tokenizer: PreTrainedTokenizerFast, shape: dict[str, Any]) -> PretrainedConfig:
     kwargs: dict[str, Any] = {
         "vocab_size": len(tokenizer),
-        **shape,
         "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-5,
         "initializer_range": _INIT_STD,
@@ -376,6 +391,7 @@ def _model_config(tokenizer: PreTrainedTokenizerFast, shape: dict[str, Any]) -> 
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
         "dtype": "float32",
+        **shape,
     }
     config_classes: dict[str, type[PretrainedConfig]] = {
         "DeepseekV2ForCausalLM": DeepseekV2Config,

@@ -189,9 +189,9 @@ class WorkerSide:
         kv_caches: dict[str, torch.Tensor],
         num_blocks: int,
         group_of: Mapping[str, int] | None = None,
-    ) -> None:
+    ) -> Layout:
         """Start the data plane with vLLM's KV memory (``group_of``: each layer's KV-cache
-        group), then the actors this role needs."""
+        group), then the actors this role needs. Returns the layout the actors move."""
         registered = layout_from_kv_caches(kv_caches, num_blocks, group_of)
         layout, memory, self._layer_regions = registered
         if self.settings.protocol == "nvlink_intra":
@@ -201,13 +201,7 @@ class WorkerSide:
         self._layout, self._memory = layout, memory
         self._cuda = any(cache.is_cuda for cache in kv_caches.values())
         self._start_host()
-        log.info(
-            "PdActorsConnector worker %s %s up: %d regions, %d bytes per block",
-            self.place.engine_id,
-            self.place.ranks,
-            len(layout.regions),
-            layout.bytes_per_block,
-        )
+        return layout
 
     def _start_host(self) -> None:
         host = TrioHost(name=f"pdactors-{self.place.engine_id}", on_death=self._on_death)
