@@ -293,6 +293,14 @@ def proxy(
     routing: Annotated[
         str, typer.Option(metavar="NAME", help=f"{' or '.join(ROUTINGS)} (per role).")
     ] = default_of(ProxyConfig, "routing"),
+    first_token: Annotated[
+        str,
+        typer.Option(
+            metavar="p|d",
+            help="p: the client's first token is P's answer and D continues after it; d: "
+            "upstream's flow (P and D at once, D computes every token).",
+        ),
+    ] = default_of(ProxyConfig, "first_token"),
     health_interval: Annotated[
         float, typer.Option(metavar="SECONDS", help="Seconds between health checks.")
     ] = default_of(ProxyConfig, "health_interval"),
@@ -354,6 +362,7 @@ def proxy(
             host=host,
             port=port,
             routing=routing,  # type: ignore[arg-type]  # checked by ProxyConfig
+            first_token=first_token,  # type: ignore[arg-type]  # checked by ProxyConfig
             health_interval=health_interval,
             request_timeout=request_timeout,
             bootstrap_token=_token(bootstrap_token_file, "--bootstrap-token-file"),

@@ -226,6 +226,8 @@ def origin(url: str) -> str:
 Routing = Literal["round_robin", "least_outstanding"]
 #: The proxy's routing policies.
 ROUTINGS: tuple[str, ...] = get_args(Routing)
+#: Who computes the client's first token (:class:`ProxyConfig`'s ``first_token``).
+FirstToken = Literal["p", "d"]
 
 
 class PrefillBackend(msgspec.Struct, frozen=True):
@@ -256,6 +258,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     * ``certfile`` / ``keyfile``: serve HTTPS with this PEM certificate and key.
     * ``ca_file``: the CA bundle that signs the certificates of HTTPS bootstraps and of
       ``https://`` engines (a private CA); the system's CAs otherwise.
+    * ``first_token``: ``"p"`` (the default): the client's first token is P's answer, D
+      continues after it (:mod:`pdactors.actors._p_first`); ``"d"``: upstream's flow, P and D
+      asked at once and D computing every token the client gets.
     * ``engine_api_key``: the key the engines were started with (vLLM's ``--api-key``), sent
       to them instead of the client's. With neither key set, the client's ``Authorization``
       header is passed to the engines as it came.
@@ -266,6 +271,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 0
     routing: Routing = "round_robin"
+    first_token: FirstToken = "p"
     health_interval: float = 2.0
     health_timeout: float = 2.0
     request_timeout: float = 600.0
@@ -291,6 +297,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("an engine URL is listed twice")
         if self.routing not in ("round_robin", "least_outstanding"):
             raise ValueError(f"unknown routing {self.routing!r}")
+        if self.first_token not in get_args(FirstToken):
+            raise ValueError(f"first_token must be 'p' or 'd', not {self.first_token!r}")
         timeouts = (self.health_interval, self.health_timeout, self.request_timeout)
         if min(*timeouts, self.connect_timeout) <= 0:
             raise ValueError("intervals and timeouts must be > 0")

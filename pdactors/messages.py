@@ -300,6 +300,12 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
     ``transfer_id``; P's answer (for routers that call P first) carries all five, with
     ``do_remote_decode=False``. A key left unset (None) is not written; unknown keys are
     ignored on reading, so other tools can add their own.
+
+    ``first_token_from_p`` (ours; `pdactors proxy` sends it): the client's first token is P's
+    answer, and D continues after it. On P: the whole prompt is computed (a model with
+    recurrent state holds no token back) and a request that stops at that token (EOS, a stop
+    string) frees its KV at once, as no D will pull it. On D: the prompt's last token is P's
+    token, so D pulls the KV of the tokens before it and computes that one itself.
     """
 
     do_remote_decode: bool | None = None
@@ -307,6 +313,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
     remote_engine_id: str | None = None
     remote_bootstrap_addr: str | None = None
     transfer_id: str | None = None
+    first_token_from_p: bool | None = None
 
     @classmethod
     def from_dict(cls, params: dict[str, object]) -> KVTransferParams:

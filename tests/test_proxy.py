@@ -63,6 +63,7 @@ class FakeEngine:
     cancelled: list[str] = field(default_factory=list)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     tls: tuple[str, str] | None = None  # (certfile, keyfile): serve HTTPS
+    finish: str = "length"  # whole answers' finish_reason
 
     def tids(self) -> list[str]:
         return [body["kv_transfer_params"]["transfer_id"] for body in self.received]
@@ -79,18 +80,22 @@ def sse(engine: FakeEngine, i: int) -> bytes:
 
 def answer(engine: FakeEngine, body: dict[str, Any], chat: bool) -> dict[str, Any]:
     text = f"{engine.name} says hi"
-    choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+    choice: dict[str, Any] = {"index": 0, "finish_reason": engine.finish}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
-    return {
+    out = {
         "id": f"cmpl-{engine.name}",
         "object": "chat.completion" if chat else "text_completion",
         "model": body["model"],
         "choices": [choice],
         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
     }
+    if body.get("return_token_ids"):  # as vLLM: the prompt's ids and the answer's
+        choice["token_ids"] = [7]
+        (out if chat else choice)["prompt_token_ids"] = [1, 2, 3]
+    return out
 
 
 def make_fake_app(engine: FakeEngine) -> QuartTrio:
@@ -101,7 +106,7 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
         engine.received.append(body)
         engine.dp_ranks_seen.append(request.headers.get("X-data-parallel-rank"))
         engine.auth_seen.append(request.headers.get("Authorization"))
-        tid = body["kv_transfer_params"]["transfer_id"]
+        tid = (body.get("kv_transfer_params") or {}).get("transfer_id", "")
         try:
             if engine.hold is not None:
                 await engine.hold.wait()
@@ -234,7 +239,9 @@ async def open_setup(
     engine_tls: tuple[str, str] | None = None,
     **config: Any,
 ) -> AsyncIterator[Setup]:
-    """Fake engines (``engine_tls``: serving HTTPS) behind a proxy with ``config``."""
+    """Fake engines (``engine_tls``: serving HTTPS) behind a proxy with ``config`` (upstream's
+    concurrent flow unless ``first_token`` says otherwise: tests/test_p_first.py)."""
+    config.setdefault("first_token", "d")
     p = [
         FakeEngine(
             f"p{i}", engine_id=f"prefill-{i}", healthy=healthy, dp_ranks=p_dp, tls=engine_tls

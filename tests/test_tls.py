@@ -104,6 +104,7 @@ async def test_the_proxy_serves_https_and_reads_an_https_bootstrap(pki: Pki) -> 
                 keyfile=pki.keyfile,
                 ca_file=pki.ca_file,
                 health_interval=0.05,
+                first_token="d",  # the stand-ins give no token ids
             )
             url = await nursery.start(serve_proxy, config)
             assert url.startswith("https://")

@@ -120,9 +120,24 @@ class Metrics:
         pd = ["prefill", "decode"]
         self.ttft = Histogram(
             "pdactors_proxy_ttft_seconds",
-            "Time from a streaming request's arrival to D's first chunk",
+            "Time from a streaming request's arrival to its first chunk (D's, or P's token when P "
+            "goes first)",
             pd,
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.second_chunk = Histogram(
+            "pdactors_proxy_second_chunk_seconds",
+            "P-first flow: time from a streaming request's arrival to D's first chunk, after "
+            "P's token",
+            pd,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.p_first = Counter(
+            "pdactors_proxy_p_first",
+            "Requests served P first, by how they ended: at P's token, or continued on D",
+            ["path"],
             registry=r,
         )
         self.latency = Histogram(

@@ -133,6 +133,7 @@ class Exchange:
     #: When P answered and when D's headers came (trio clock), for the debug timeline.
     p_answered: float | None = None
     d_answered: float | None = None
+    first_sent: float | None = None  # when the client's first chunk went out
 
     def fail(self, failure: Failure) -> None:
         if self.failure is None:  # the first failure is the cause; later ones are its echo

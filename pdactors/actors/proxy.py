@@ -38,10 +38,10 @@ from __future__ import annotations
 import logging
 import ssl
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any, Final
+from typing import Final
 
 import httpx
 import msgspec
@@ -49,9 +49,11 @@ import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope
 from quart import Response
 
+from pdactors.actors import _bodies
 from pdactors.actors._auth import BearerCheck
 from pdactors.actors._engine_http import ConnectFailed, EngineClient, EngineError, EngineResponse
 from pdactors.actors._http import bind_listener, serve_http
+from pdactors.actors._p_first import complete_p_first
 from pdactors.actors._proxy_app import make_app
 from pdactors.actors._proxy_health import HealthWatch
 from pdactors.actors._proxy_state import Backend, Metrics, Pool
@@ -195,7 +197,17 @@ class Proxy:
         p.outstanding += 1
         d.outstanding += 1
         self.metrics.in_flight.inc()
-        p_body, d_body = self._bodies(ex, body)
+        if self.config.first_token == "p" and _bodies.applies(body, endpoint.chat):
+            await complete_p_first(self, ex, body, reply)
+            return
+        p_params = KVTransferParams(do_remote_decode=True, transfer_id=tid)
+        d_params = KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=p_engine_id,
+            remote_bootstrap_addr=p.bootstrap_url,
+            transfer_id=tid,
+        )
+        p_body, d_body = _bodies.concurrent_bodies(body, endpoint.chat, p_params, d_params)
         # P's leg runs beside D's for as long as the request does: it is cancelled when the
         # client's answer is complete (D no longer needs P) or when D fails.
         nursery.start_soon(self._prefill_leg, ex, p_body)
@@ -215,26 +227,11 @@ class Proxy:
         else:
             await self._relay(ex, d_resp, reply)
 
-    def _bodies(self, ex: Exchange, body: dict[str, Any]) -> tuple[bytes, bytes]:
-        p_body = {**body, "max_tokens": 1, "stream": False}
-        if ex.endpoint.chat:
-            p_body["max_completion_tokens"] = 1
-        for key in ("stream_options", "min_tokens"):  # vLLM refuses them with the above
-            p_body.pop(key, None)
-        p_params = KVTransferParams(do_remote_decode=True, transfer_id=ex.transfer_id)
-        d_params = KVTransferParams(
-            do_remote_prefill=True,
-            remote_engine_id=ex.p_engine_id,
-            remote_bootstrap_addr=ex.p.bootstrap_url,
-            transfer_id=ex.transfer_id,
-        )
-        p_body["kv_transfer_params"] = p_params
-        d_body = {**body, "kv_transfer_params": d_params}
-        return msgspec.json.encode(p_body), msgspec.json.encode(d_body)
-
-    async def _prefill_leg(self, ex: Exchange, body: bytes) -> None:
-        """P's whole answer; a failure (or no answer by the deadline) fails the request."""
+    async def _prefill_leg(self, ex: Exchange, body: bytes) -> bytes | None:
+        """P's whole answer; a failure (or no answer by the deadline) fails the request
+        (and None is returned)."""
         failure: Failure | None = None
+        answer: bytes | None = None
         with ex.p_scope, trio.move_on_at(ex.deadline) as timer:
             try:
                 resp = await self.engines[ex.p.url].request(
@@ -253,16 +250,20 @@ class Proxy:
             failure = self._timeout_failure("no answer from P")
         if failure is not None and not ex.ended:
             ex.fail(failure)
+        return answer if failure is None and not timer.cancelled_caught else None
 
-    async def _open_decode(self, ex: Exchange, body: bytes) -> EngineResponse | None:
-        """D's open answer (status 200), or None with ``ex.failure`` set: D failed, P failed
-        first, or nothing came by the deadline. The caller owns the answer."""
+    async def _open_decode(
+        self, ex: Exchange, body: bytes, path: str | None = None
+    ) -> EngineResponse | None:
+        """D's open answer (status 200) on ``path`` (default: the client's), or None with
+        ``ex.failure`` set: D failed, P failed first, or nothing came by the deadline. The
+        caller owns the answer."""
         resp: EngineResponse | None = None
         try:
             with ex.decode_scope(), trio.move_on_at(ex.deadline) as timer:
                 try:
                     resp = await self.engines[ex.d.url].request(
-                        "POST", ex.endpoint.path, body, ex.headers
+                        "POST", path or ex.endpoint.path, body, ex.headers
                     )
                     if resp.status != 200:
                         answer = await resp.read()
@@ -306,14 +307,23 @@ class Proxy:
         self._end(ex, "ok")
         await reply.whole(200, body, ex.transfer_id)
 
-    async def _relay(self, ex: Exchange, resp: EngineResponse, reply: Reply) -> None:
-        """Hand D's streamed answer to the client as it comes; owns ``resp``."""
+    async def _relay(
+        self,
+        ex: Exchange,
+        resp: EngineResponse,
+        reply: Reply,
+        *,
+        transform: Callable[[bytes], bytes] | None = None,
+    ) -> None:
+        """Hand D's streamed answer to the client as it comes (``transform``ed: P-first);
+        owns ``resp``."""
         outcome = "cancelled"
         try:
-            await reply.start(
-                200, b"text/event-stream", ex.transfer_id, (b"cache-control", b"no-cache")
-            )
-            outcome = await self._forward(ex, resp, reply)
+            if not reply.started:
+                await reply.start(
+                    200, b"text/event-stream", ex.transfer_id, (b"cache-control", b"no-cache")
+                )
+            outcome = await self._forward(ex, resp, reply, transform)
             await reply.chunk(b"", more=False)
         finally:
             if outcome != "ok":  # else P's leg gets its moment (serve_completion)
@@ -321,7 +331,13 @@ class Proxy:
             await resp.aclose()
             self._end(ex, outcome)
 
-    async def _forward(self, ex: Exchange, resp: EngineResponse, reply: Reply) -> str:
+    async def _forward(
+        self,
+        ex: Exchange,
+        resp: EngineResponse,
+        reply: Reply,
+        transform: Callable[[bytes], bytes] | None,
+    ) -> str:
         first, outcome = True, "ok"
         with ex.decode_scope(), trio.move_on_at(ex.deadline):
             try:
@@ -331,18 +347,34 @@ class Proxy:
                         self._first_chunk(ex)
                     if _ERROR_EVENT in chunk:  # D reports a failure in a stream it began (200)
                         outcome = "decode_error"
-                    await reply.chunk(chunk)
+                    data = transform(chunk) if transform is not None else chunk
+                    if data:
+                        await reply.chunk(data)
                 return outcome
             except EngineError as exc:
                 ex.fail(self._transport_failure(ex.d, exc))
-        failure = ex.failure or self._timeout_failure("D did not finish")
-        log.warning("proxy: request %s failed mid-stream: %s", ex.transfer_id, failure.body[:300])
+        await self._stream_failure(ex, reply)
+        assert ex.failure is not None
+        return ex.failure.outcome
+
+    async def _stream_failure(self, ex: Exchange, reply: Reply) -> None:
+        """End a begun stream with the request's failure (or D's timeout) as an event."""
+        if ex.failure is None:
+            ex.fail(self._timeout_failure("D did not finish"))
+        assert ex.failure is not None
+        log.warning(
+            "proxy: request %s failed mid-stream: %s", ex.transfer_id, ex.failure.body[:300]
+        )
         with trio.move_on_after(_LAST_EVENT_TIMEOUT):
-            await reply.chunk(failure.sse_event())
-        return failure.outcome
+            await reply.chunk(ex.failure.sse_event())
 
     def _first_chunk(self, ex: Exchange) -> None:
+        """The client's first chunk (TTFT), or D's first after P's token (P-first)."""
         now = trio.current_time()
+        if ex.first_sent is not None:
+            self.metrics.second_chunk.labels(ex.p.url, ex.d.url).observe(now - ex.arrived)
+            return
+        ex.first_sent = now
         self.metrics.ttft.labels(ex.p.url, ex.d.url).observe(now - ex.arrived)
         if log.isEnabledFor(logging.DEBUG):
 

@@ -255,6 +255,28 @@ def test_plain_request_on_p_is_untouched() -> None:
     assert free_blocks(sched) == total_blocks(sched)
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "at-finish"])
+def test_p_whose_first_token_is_the_clients_frees_the_kv_when_it_stops(eager: bool) -> None:
+    """first_token_from_p: a first token that ends the answer (EOS) ends the request at P,
+    the proxy asks no D, so nothing is kept for one; one that does not is kept as before."""
+    extra = None if eager else NOT_EAGER
+    sched = make_scheduler(kv_role="kv_producer", block_size=BS, extra_config=extra)
+    params = {"do_remote_decode": True, "transfer_id": "t9", "first_token_from_p": True}
+    sched.add_request(make_request("p9", 40, max_tokens=1, kv_transfer_params=dict(params)))
+    result = step(sched, eos=True)
+    assert result.outputs["p9"].kv_transfer_params is None  # nothing for a D
+    if eager:  # handed over with the forward: the write is dropped, the blocks then free
+        assert meta_of(step(sched)).dropped == ["t9"]
+        step(sched, finished_sending={"p9"})
+    else:
+        assert meta_of(step(sched)).dropped == ["t9"]
+    assert free_blocks(sched) == total_blocks(sched)
+    sched.add_request(make_request("p10", 40, max_tokens=1, kv_transfer_params=dict(params)))
+    result = step(sched)  # a first token that does not end it: the KV waits for D
+    assert params_for_d(result.outputs["p10"])["transfer_id"] == "t9"
+    assert free_blocks(sched) < total_blocks(sched)
+
+
 # ---------------------------------------------------------------------------------- D side
 
 
@@ -276,6 +298,23 @@ def test_d_pulls_once_then_recomputes_only_the_last_token(prompt_len: int) -> No
     result = step(sched)
     assert result.scheduled.num_scheduled_tokens == {"d1": 1}  # only the last prompt token
     while request_status(sched, "d1") is not None:
+        step(sched)
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+@pytest.mark.parametrize("prompt_len", [2, 17, 70], ids=["one-token", "block-and-one", "several"])
+def test_d_continuing_after_ps_token_pulls_the_prompt_before_it(prompt_len: int) -> None:
+    """first_token_from_p: D's prompt is P's prompt and P's first token; P computed all but
+    that token, D pulls their KV and computes P's token (the single server's second step)."""
+    sched = make_scheduler(kv_role="kv_consumer", block_size=BS)
+    params = {**d_params("t5"), "first_token_from_p": True}
+    sched.add_request(make_request("d5", prompt_len, max_tokens=3, kv_transfer_params=params))
+    (pull,) = meta_of(step(sched)).pulls.values()
+    assert len(pull.block_ids[0]) == math.ceil((prompt_len - 1) / BS)
+    step(sched, finished_recving={"d5"})
+    result = step(sched)
+    assert result.scheduled.num_scheduled_tokens == {"d5": 1}  # P's token
+    while request_status(sched, "d5") is not None:
         step(sched)
     assert free_blocks(sched) == total_blocks(sched)
 
@@ -505,6 +544,23 @@ def test_p_holds_back_the_last_prompt_token_of_a_model_with_state(eager: bool) -
     assert spec.block_ids == (tuple(state), tuple(full[: math.ceil(39 / BS)]))
     assert len(state) == 1  # one state page per request
     step(sched, finished_sending={"ps"})
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+def test_p_computes_the_whole_prompt_of_a_model_with_state_when_its_token_is_the_clients() -> None:
+    """first_token_from_p: D continues after P's token, so P's state must cover the whole
+    prompt (D computes P's token from it): nothing is held back."""
+    sched = make_scheduler(
+        kv_role="kv_producer", block_size=BS, recurrent_state=True, enable_prefix_caching=False
+    )
+    params = {"do_remote_decode": True, "transfer_id": "tf", "first_token_from_p": True}
+    request = make_request("pf", 40, max_tokens=1, kv_transfer_params=params)
+    sched.add_request(request)
+    first = step(sched)
+    assert first.scheduled.num_scheduled_tokens == {"pf": 40}
+    state, full = block_tables(sched, "pf")
+    assert meta_of(first).eager["pf"].block_ids == (tuple(state), tuple(full))
+    step(sched, finished_sending={"pf"})
     assert free_blocks(sched) == total_blocks(sched)
 
 

@@ -30,6 +30,11 @@ move: one per request, or per prefix-cache block, nulls dropped) follow upstream
 a state cannot be rewound by a token, so P computes the prompt but its last token (it drops
 it when the request arrives, :meth:`on_new_request`) and D pulls N - 1 tokens, then
 computes the last one from P's state.
+
+``first_token_from_p`` (``pdactors proxy``'s default flow: the client's first token is P's):
+P computes the whole prompt (no hold-back) and drops the transfer of a request that stops at
+its token (no D will pull it); D's prompt ends with P's token, so D pulls all but that token
+and computes it itself, whatever the model.
 """
 
 from __future__ import annotations
@@ -178,14 +183,15 @@ class SchedulerSide:
             return 0, False
         if not params.remote_complete:
             return 0, False  # warned in update_state_after_alloc
-        remote = self._pulled(request) - num_computed_tokens
+        remote = self._pulled(request, params) - num_computed_tokens
         return (remote, True) if remote > 0 else (0, False)
 
-    def _pulled(self, request: Request) -> int:
-        """D: the prompt tokens whose KV (and state) P computed for it. With recurrent state,
-        all but the last (a one-token prompt: none; D computes it, P is told to free)."""
+    def _pulled(self, request: Request, params: KVTransferParams) -> int:
+        """D: the prompt tokens whose KV (and state) P computed for it: all but the last with
+        recurrent state (a one-token prompt: none; D computes it, P is told to free), or when
+        the last is P's first token (``first_token_from_p``)."""
         n = request.num_prompt_tokens
-        return n - 1 if self.holds_back_last else n
+        return n - 1 if self.holds_back_last or params.first_token_from_p else n
 
     def on_new_request(self, request: Request) -> None:
         """P, a model with recurrent state: drop the prompt's last token (D computes it from
@@ -195,6 +201,7 @@ class SchedulerSide:
         if (
             params is None
             or not params.do_remote_decode
+            or params.first_token_from_p  # D continues after P's token: the state covers all
             or _raw(request).get("_pdactors_held_back")
             or request.num_prompt_tokens < 2
         ):
@@ -232,7 +239,7 @@ class SchedulerSide:
             if num_external_tokens > 0:
                 # The uncached tail of the prompt: the blocks vLLM just allocated for it
                 # (local prefix hits end at a block boundary of every group).
-                n = self._pulled(request)
+                n = self._pulled(request, params)
                 hit = n - num_external_tokens
                 tables = blocks.get_block_ids()
                 wanted = tuple(
@@ -379,14 +386,19 @@ class SchedulerSide:
             return False, None
         self._prefilling.pop(req_id, None)
         transfer_id = params.transfer_id
+        # A request whose first token ends it (EOS, a stop string) when that token is the
+        # client's (first_token_from_p): the proxy asks no D, nothing will pull the KV.
+        delivers = request.status in _DELIVER and not (
+            params.first_token_from_p and request.status == RequestStatus.FINISHED_STOPPED
+        )
         if req_id in self._eager:
             # The KV went to the worker with this step's forward: the blocks stay until it
             # reports the write ended (an abort's drop waits for a write in flight).
             self._eager.discard(req_id)
-            if request.status not in _DELIVER:
+            if not delivers:
                 self._meta.dropped.append(transfer_id)
                 return True, None
-        elif request.status not in _DELIVER or not any(block_ids):
+        elif not delivers or not any(block_ids):
             self._meta.dropped.append(transfer_id)
             return False, None
         elif self._window_passed(request):

@@ -1,0 +1,175 @@
+"""The proxy's P-first flow (the default) against stand-in engines (tests/test_proxy.py's): the
+client's first token is P's answer, D continues after it; real vLLM: tests/vllm/test_proxy_e2e.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+
+from tests.test_proxy import (
+    TIMEOUT,
+    chat_body,
+    completion_body,
+    eventually,
+    open_setup,
+    total,
+)
+
+pytestmark = pytest.mark.filterwarnings(r"ignore:Async generator 'http(x|core)\._:ResourceWarning")
+
+
+def data_events(text: str) -> list[Any]:
+    return [
+        msgspec.json.decode(line.removeprefix("data: "))
+        for line in text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+
+
+async def test_p_is_asked_first_then_d_continues_after_ps_token() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p") as s:
+            resp = await s.client.post("/v1/completions", json=completion_body())
+            assert resp.status_code == 200, resp.text
+            answer = resp.json()
+            assert answer["choices"][0]["text"] == "p0 says hid0 says hi"  # P's token, then D's
+            assert answer["usage"] == {
+                "prompt_tokens": 3,
+                "completion_tokens": 2,
+                "total_tokens": 5,
+            }
+            assert "token_ids" not in answer["choices"][0] and "kv_transfer_params" not in answer
+            (p_body,) = s.p[0].received
+            (d_body,) = s.d[0].received
+            tid = p_body["kv_transfer_params"]["transfer_id"]
+            assert p_body == {
+                **completion_body(), "max_tokens": 1, "stream": False, "return_token_ids": True,
+                "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid,
+                                       "first_token_from_p": True},
+            }  # fmt: skip
+            assert d_body == {
+                **completion_body(), "prompt": [1, 2, 3, 7], "max_tokens": 4,
+                "kv_transfer_params": {
+                    "do_remote_prefill": True, "remote_engine_id": "prefill-0",
+                    "remote_bootstrap_addr": s.p[0].url, "transfer_id": tid,
+                    "first_token_from_p": True,
+                },
+            }  # fmt: skip
+
+
+async def test_ps_token_reaches_a_streaming_client_before_d_answers() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p") as s:
+            s.d[0].hold = trio.Event()  # D has not answered
+            body = completion_body(stream=True, stream_options={"include_usage": True})
+            async with s.client.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                lines = resp.aiter_lines()
+                first = msgspec.json.decode((await anext(lines)).removeprefix("data: "))
+                assert first["choices"][0]["text"] == "p0 says hi"
+                assert first["choices"][0]["finish_reason"] is None
+                await eventually(lambda: bool(s.d[0].received))  # asked, not answered
+                s.d[0].hold.set()
+                rest = "\n".join([line async for line in lines])
+            texts = [e["choices"][0]["text"] for e in data_events(rest) if e["choices"]]
+            assert texts == ["d0-0", "d0-1", "d0-2"] and "data: [DONE]" in rest.splitlines()
+            m = await s.metrics()
+            assert m[total("completions", "ok")] == 1
+            assert m[("pdactors_proxy_p_first_total", (("path", "continued_on_d"),))] == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_first_token_that_ends_the_answer_asks_no_d(stream: bool) -> None:
+    """EOS or a stop string at P: P's answer is the client's, D is never asked (P frees the
+    KV itself: first_token_from_p)."""
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p") as s:
+            s.p[0].finish = "stop"
+            resp = await s.client.post("/v1/completions", json=completion_body(stream=stream))
+            assert resp.status_code == 200
+            if stream:
+                (event,) = data_events(resp.text)
+                assert resp.text.endswith("data: [DONE]\n\n")
+                choice = event["choices"][0]
+            else:
+                choice = resp.json()["choices"][0]
+            assert (choice["text"], choice["finish_reason"]) == ("p0 says hi", "stop")
+            assert s.d[0].received == []
+            m = await s.metrics()
+            assert m[("pdactors_proxy_p_first_total", (("path", "ended_at_p"),))] == 1
+
+
+async def test_one_token_asked_is_a_plain_request_to_p() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p") as s:
+            resp = await s.client.post("/v1/completions", json=completion_body(max_tokens=1))
+            assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "p0 says hi"
+            (p_body,) = s.p[0].received
+            assert "kv_transfer_params" not in p_body  # P keeps no KV for a D
+            assert s.d[0].received == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_p_failing_before_its_token_fails_the_request_and_asks_no_d(stream: bool) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p") as s:
+            s.p[0].status = 500
+            resp = await s.client.post("/v1/completions", json=completion_body(stream=stream))
+            assert resp.status_code == 502 and s.p[0].url in resp.json()["error"]["message"]
+            assert s.d[0].received == []
+
+
+async def test_d_failing_after_ps_token_ends_the_stream_with_an_error_event() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p") as s:
+            s.d[0].status = 503
+            body = completion_body(stream=True)
+            resp = await s.client.post("/v1/completions", json=body)
+            assert resp.status_code == 200  # P's token was out before D failed
+            first, error = data_events(resp.text)
+            assert first["choices"][0]["text"] == "p0 says hi"
+            assert error["error"]["code"] == 502 and s.d[0].url in error["error"]["message"]
+            m = await s.metrics()
+            assert m[total("completions", "decode_error")] == 1
+
+
+async def test_a_client_gone_while_d_answers_cancels_d() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p") as s:
+            s.d[0].hold = trio.Event()
+            async with s.client.stream("POST", "/v1/completions", json=completion_body(
+                stream=True)) as resp:  # fmt: skip
+                await anext(resp.aiter_lines())  # P's token
+                await eventually(lambda: bool(s.d[0].received))
+            await eventually(lambda: s.d[0].cancelled == s.d[0].tids())
+
+
+async def test_chat_goes_to_d_as_a_completion_of_the_chats_ids() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p") as s:
+            resp = await s.client.post("/v1/chat/completions", json=chat_body(temperature=0))
+            assert resp.status_code == 200
+            assert resp.json()["choices"][0]["message"]["content"] == "p0 says hid0 says hi"
+            (d_body,) = s.d[0].received
+            assert "messages" not in d_body and d_body["prompt"] == [1, 2, 3, 7]
+            assert d_body["max_tokens"] == 4 and d_body["temperature"] == 0
+            body = chat_body(stream=True)
+            resp = await s.client.post("/v1/chat/completions", json=body)
+            events = data_events(resp.text)
+            assert {e["object"] for e in events} == {"chat.completion.chunk"}
+            text = "".join(e["choices"][0]["delta"]["content"] for e in events)
+            assert text == "p0 says hid0-0d0-1d0-2"
+
+
+async def test_requests_the_flow_cannot_carry_take_the_concurrent_flow() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p") as s:
+            resp = await s.client.post("/v1/chat/completions", json=chat_body(tools=[]))
+            assert resp.status_code == 200
+            assert resp.json()["choices"][0]["message"]["content"] == "d0 says hi"
+            (p_body,) = s.p[0].received
+            assert "return_token_ids" not in p_body
