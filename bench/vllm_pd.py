@@ -8,14 +8,18 @@ concurrency, sends the same prompts (greedy, streamed, lengths drawn from ``--pr
 * ``single``: the single server;
 * ``direct``: P's request in the background and D's streamed straight back (all upstream's
   example proxy does), once per P (``direct`` eager, ``direct whole`` without eager send);
-* ``proxy``: ``pdactors proxy`` in front of the eager P and D (and ``proxy <rev>`` for the
-  proxy of another git revision, with ``--old-proxy REV``).
+* ``proxy``: ``pdactors proxy`` in front of the eager P and D, the client's first token from
+  P (its default); ``proxy d-first``: the same with ``--first-token d`` (upstream's concurrent
+  flow, D computing the first token); and ``proxy <rev>`` for the proxy of another git
+  revision, with ``--old-proxy REV``.
 
-It prints TTFT p50/p99 and output tokens/s per setup, then the PD timeline (``pdactors.timeline``
-marks written by P and D, joined by transfer id): p50 of each segment, in ms.
+It prints TTFT p50/p99, the second streamed chunk's p50 and output tokens/s per setup, then
+the PD timeline (``pdactors.timeline`` marks written by P and D, joined by transfer id): p50 of
+each segment, in ms.
 
     python bench/vllm_pd.py [--shape small] [--block-size 32] [--prompt-lens 20 900]
         [--max-tokens 16] [--requests 32] [--rounds 2] [--concurrency 1 8 32] [--old-proxy REV]
+        [--only single proxy 'proxy d-first']
 
 All servers share this 2-core machine (single and both P on core 0, D on core 1), so absolute
 figures are small-machine figures; the side-by-side ratios are the point.
@@ -60,6 +64,7 @@ HTTP = httpx.Client(
 @dataclass
 class Result:
     ttft: float  # seconds
+    second: float  # seconds to the second streamed chunk (P-first: D's first)
     tokens: int
     sent: float  # wall clock, for the timeline
     first: float
@@ -75,19 +80,21 @@ def stream(url: str, prompt: list[int], max_tokens: int, params: dict[str, Any] 
     if params is not None:
         body["kv_transfer_params"] = params
     sent, start = time.time(), time.perf_counter()
-    ttft, first, chunks = float("nan"), float("nan"), 0
+    ttft, second, first, chunks = float("nan"), float("nan"), float("nan"), 0
     with HTTP.stream("POST", f"{url}/v1/completions", json=body) as r:
         tid = r.headers.get("x-request-id")
         if r.status_code != 200:  # counted as a failed request (a TTFT of nan)
             r.read()
-            return Result(float("nan"), 0, sent, float("nan"), tid)
+            return Result(float("nan"), float("nan"), 0, sent, float("nan"), tid)
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             if chunks == 0:
                 ttft, first = time.perf_counter() - start, time.time()
+            elif chunks == 1:
+                second = time.perf_counter() - start
             chunks += 1
-    return Result(ttft, chunks, sent, first, tid)
+    return Result(ttft, second, chunks, sent, first, tid)
 
 
 def direct(
@@ -115,14 +122,16 @@ def run_level(fn: Callable[[list[int]], Result], prompts: list[list[int]], n: in
 
 
 def summary(results: list[Result], elapsed: float) -> str:
-    """TTFT p50 | p99 | output tok/s | failed requests (answered with an error status)."""
+    """TTFT p50 | p99 | 2nd chunk p50 | output tok/s | failed requests (an error status)."""
     ttfts = np.array([r.ttft for r in results if r.ttft == r.ttft]) * 1e3
+    seconds = np.array([r.second for r in results if r.second == r.second]) * 1e3
     failed = sum(r.ttft != r.ttft for r in results)
     tok_s = sum(r.tokens for r in results) / elapsed
+    second = f"{np.percentile(seconds, 50):.1f}" if len(seconds) else "-"
     if not len(ttfts):
-        return f"- | - | {tok_s:.1f} | {failed}"
+        return f"- | - | {second} | {tok_s:.1f} | {failed}"
     p50, p99 = np.percentile(ttfts, 50), np.percentile(ttfts, 99)
-    return f"{p50:.1f} | {p99:.1f} | {tok_s:.1f} | {failed}"
+    return f"{p50:.1f} | {p99:.1f} | {second} | {tok_s:.1f} | {failed}"
 
 
 #: (segment, from marks, to mark): a segment starts at the latest of its "from" marks.
@@ -156,14 +165,14 @@ def segments(results: list[Result], marks: dict[str, dict[str, float]]) -> dict[
 
 @contextlib.contextmanager
 def proxy_process(
-    p_url: str, bootstrap: str, d_url: str, log: Path, cwd: Path = ROOT
+    p_url: str, bootstrap: str, d_url: str, log: Path, cwd: Path = ROOT, *extra: str
 ) -> Iterator[Server]:
-    """``pdactors proxy`` (the one in ``cwd``) in front of P and D, stopped on exit; its
-    messages go to ``log``."""
+    """``pdactors proxy`` (the one in ``cwd``, with ``extra`` arguments) in front of P and D,
+    stopped on exit; its messages go to ``log``."""
     port = free_port()
     cmd = [
         sys.executable, "-m", "pdactors.cli", "proxy", "--port", str(port),
-        "--prefill", f"{p_url}@{bootstrap}", "--decode", d_url,
+        "--prefill", f"{p_url}@{bootstrap}", "--decode", d_url, *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(cwd)}
     with (
@@ -192,6 +201,11 @@ def main() -> None:
     ap.add_argument("--old-proxy", metavar="REV", help="also measure the proxy of this revision")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per level, in rotated order")
     ap.add_argument("--logs", help="directory for the servers' logs (default: a new one)")
+    ap.add_argument(
+        "--only", nargs="+", metavar="SETUP",
+        help="measure only these setups (single, direct, 'direct whole', proxy, "
+        "'proxy d-first', 'proxy REV')",
+    )  # fmt: skip
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     ports = {"eager": free_port(), "whole": free_port()}
@@ -225,6 +239,14 @@ def main() -> None:
         }
         proxy = stack.enter_context(proxy_process(p.url, boot["eager"], d.url, logs / "proxy.log"))
         setups["proxy"] = lambda pr: stream(proxy.url, pr, args.max_tokens, None)
+        concurrent = stack.enter_context(
+            proxy_process(
+                p.url, boot["eager"], d.url, logs / "proxy-d.log", ROOT, "--first-token", "d"
+            )
+        )
+        setups["proxy d-first"] = lambda pr: stream(concurrent.url, pr, args.max_tokens, None)
+        if args.only:
+            setups = {k: v for k, v in setups.items() if k in args.only}
         if args.old_proxy:
             tree = stack.enter_context(worktree(args.old_proxy))
             old = stack.enter_context(
@@ -238,8 +260,11 @@ def main() -> None:
             f" tokens, {args.max_tokens} output tokens, {args.requests} requests per level;"
             " single and P on core 0, D on core 1"
         )
-        print("| concurrency | setup | TTFT p50 ms | TTFT p99 ms | output tok/s | failed |")
-        print("|---|---|---|---|---|---|")
+        print(
+            "| concurrency | setup | TTFT p50 ms | TTFT p99 ms | 2nd chunk p50 ms | output tok/s "
+            "| failed |"
+        )
+        print("|---|---|---|---|---|---|---|")
         timelines: dict[tuple[int, str], dict[str, float]] = {}
         for n in args.concurrency:
             prompts = [

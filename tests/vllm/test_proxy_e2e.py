@@ -29,7 +29,7 @@ pytest.importorskip("openai")
 
 import openai
 
-from pdactors_vllm.tiny_model import ensure_tiny_model
+from pdactors_vllm.tiny_model import ensure_tiny_model, find_eos_first_prompts
 from tests.vllm.servers import Server, free_port, producer_config, servers, stop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -223,6 +223,58 @@ def test_concurrent_requests_equal_single_server(setup: Setup) -> None:
         want = list(pool.map(lambda p: run(setup.single, p), prompts))
         got = list(pool.map(lambda p: run(setup.proxy, p), prompts))
     assert got == want
+
+
+def test_the_first_token_is_ps_and_the_answer_continues_on_d(setup: Setup) -> None:
+    """P-first (the proxy's default): whole and streamed, the answer equals a single
+    server's with logprobs and token ids; D computed one prompt token (P's) and took the rest
+    by KV; usage counts what the client got."""
+    prompt = prompt_ids(200, seed=21)
+    kwargs: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 6,
+                              "temperature": 0, "logprobs": 2}  # fmt: skip
+    extra = {"return_token_ids": True}
+    want = setup.single.completions.create(**kwargs, extra_body=extra)
+    local, external = setup.local_prompt_tokens(), setup.external_prompt_tokens()
+    got = setup.proxy.completions.create(**kwargs, extra_body=extra)
+    assert setup.local_prompt_tokens() - local == 1  # P's token, computed by D
+    assert setup.external_prompt_tokens() - external == 200
+    (g,), (w,) = got.choices, want.choices
+    assert (g.text, g.finish_reason) == (w.text, w.finish_reason)
+    assert g.logprobs is not None and w.logprobs is not None
+    assert g.logprobs.tokens == w.logprobs.tokens
+    assert g.logprobs.text_offset == w.logprobs.text_offset
+    assert g.token_ids == w.token_ids and g.prompt_token_ids == w.prompt_token_ids
+    assert got.usage == want.usage
+    stream = setup.proxy.completions.create(**kwargs, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == w.text
+    offsets = [
+        o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+    ]
+    assert offsets == w.logprobs.text_offset
+
+
+def test_a_first_token_that_ends_the_answer_never_reaches_d(setup: Setup) -> None:
+    """EOS first, or one token asked: the request ends at P; D is not asked and P holds no
+    KV afterwards."""
+    (eos_prompt,) = find_eos_first_prompts(ensure_tiny_model(), 1)
+    d_before = setup.d.metric("vllm:request_success_total")
+    for prompt, max_tokens in ((eos_prompt, 8), (PROMPTS["text"], 1)):
+        want = setup.single.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0
+        )
+        got = setup.proxy.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0
+        )
+        assert (got.choices[0].text, got.choices[0].finish_reason) == (
+            want.choices[0].text, want.choices[0].finish_reason,
+        )  # fmt: skip
+        assert got.usage == want.usage
+    assert setup.d.metric("vllm:request_success_total") == d_before
+    deadline = time.monotonic() + 10
+    while setup.p.metric("vllm:kv_cache_usage_perc") > 0:  # P freed the blocks
+        assert time.monotonic() < deadline, "P still holds KV blocks"
+        time.sleep(0.1)
 
 
 def test_models_and_bad_requests_through_the_client(setup: Setup) -> None:
