@@ -81,7 +81,7 @@ def stream(url: str, prompt: list[int], max_tokens: int, params: dict[str, Any] 
         body["kv_transfer_params"] = params
     sent, start = time.time(), time.perf_counter()
     ttft, second, first, chunks = float("nan"), float("nan"), float("nan"), 0
-    with HTTP.stream("POST", f"{url}/v1/completions", json=body) as r:
+    with _open_stream(f"{url}/v1/completions", body) as r:
         tid = r.headers.get("x-request-id")
         if r.status_code != 200:  # counted as a failed request (a TTFT of nan)
             r.read()
@@ -95,6 +95,21 @@ def stream(url: str, prompt: list[int], max_tokens: int, params: dict[str, Any] 
                 second = time.perf_counter() - start
             chunks += 1
     return Result(ttft, second, chunks, sent, first, tid)
+
+
+@contextlib.contextmanager
+def _open_stream(url: str, body: dict[str, Any]) -> Iterator[httpx.Response]:
+    """POST ``body`` streamed; once more on a fresh connection when a kept-alive one turns
+    out closed by the server before it answered (its idle timeout racing our reuse)."""
+    try:
+        with HTTP.stream("POST", url, json=body) as r:
+            yield r
+            return
+    except httpx.RemoteProtocolError as exc:
+        if "without sending a response" not in str(exc):
+            raise
+    with HTTP.stream("POST", url, json=body) as r:
+        yield r
 
 
 def direct(

@@ -301,6 +301,13 @@ def proxy(
             "upstream's flow (P and D at once, D computes every token).",
         ),
     ] = default_of(ProxyConfig, "first_token"),
+    placement: Annotated[
+        str,
+        typer.Option(
+            metavar="disaggregate|local",
+            help="disaggregate: P computes every prompt; local: D serves each request whole.",
+        ),
+    ] = default_of(ProxyConfig, "placement"),
     health_interval: Annotated[
         float, typer.Option(metavar="SECONDS", help="Seconds between health checks.")
     ] = default_of(ProxyConfig, "health_interval"),
@@ -363,6 +370,7 @@ def proxy(
             port=port,
             routing=routing,  # type: ignore[arg-type]  # checked by ProxyConfig
             first_token=first_token,  # type: ignore[arg-type]  # checked by ProxyConfig
+            placement=placement,  # type: ignore[arg-type]  # checked by ProxyConfig
             health_interval=health_interval,
             request_timeout=request_timeout,
             bootstrap_token=_token(bootstrap_token_file, "--bootstrap-token-file"),

@@ -173,3 +173,23 @@ async def test_requests_the_flow_cannot_carry_take_the_concurrent_flow() -> None
             assert resp.json()["choices"][0]["message"]["content"] == "d0 says hi"
             (p_body,) = s.p[0].received
             assert "return_token_ids" not in p_body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_local_placement_serves_each_request_on_d_alone(stream: bool) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p", placement="local") as s:
+            resp = await s.client.post("/v1/completions", json=completion_body(stream=stream))
+            assert resp.status_code == 200
+            assert s.p[0].received == []
+            (d_body,) = s.d[0].received
+            assert d_body == completion_body(stream=stream)  # as the client sent it
+            text = (
+                "".join(e["choices"][0]["text"] for e in data_events(resp.text))
+                if stream
+                else resp.json()["choices"][0]["text"]
+            )
+            assert text.startswith("d0")
+            m = await s.metrics()
+            assert m[("pdactors_proxy_placement_total", (("placement", "local"),))] == 1
+            assert m[total("completions", "ok")] == 1

@@ -134,6 +134,12 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.placement = Counter(
+            "pdactors_proxy_placement",
+            "Requests by where their prompt was computed: on P (disaggregated) or on D (local)",
+            ["placement"],
+            registry=r,
+        )
         self.p_first = Counter(
             "pdactors_proxy_p_first",
             "Requests served P first, by how they ended: at P's token, or continued on D",

@@ -197,6 +197,12 @@ class Proxy:
         p.outstanding += 1
         d.outstanding += 1
         self.metrics.in_flight.inc()
+        if self.config.placement == "local":  # D prefills it itself: P takes no part
+            self.metrics.placement.labels("local").inc()
+            self._release_prefill(ex)
+            await self._answer_from_decode(ex, raw, reply)
+            return
+        self.metrics.placement.labels("disaggregated").inc()
         if self.config.first_token == "p" and _bodies.applies(body, endpoint.chat):
             await complete_p_first(self, ex, body, reply)
             return
@@ -211,15 +217,19 @@ class Proxy:
         # P's leg runs beside D's for as long as the request does: it is cancelled when the
         # client's answer is complete (D no longer needs P) or when D fails.
         nursery.start_soon(self._prefill_leg, ex, p_body)
+        await self._answer_from_decode(ex, d_body, reply)
+
+    async def _answer_from_decode(self, ex: Exchange, body: bytes, reply: Reply) -> None:
+        """Ask D with ``body`` and answer the client with D's answer, as it comes."""
         try:
-            d_resp = await self._open_decode(ex, d_body)
+            d_resp = await self._open_decode(ex, body)
         except BaseException:
             ex.p_scope.cancel()
             self._end(ex, "cancelled")
             raise
         if d_resp is None:  # a failure before D's answer began: an HTTP status
             assert ex.failure is not None
-            log.warning("proxy: request %s failed: %s", tid, ex.failure.body[:300])
+            log.warning("proxy: request %s failed: %s", ex.transfer_id, ex.failure.body[:300])
             self._end(ex, ex.failure.outcome)
             await reply.failure(ex.failure)
         elif not ex.stream:

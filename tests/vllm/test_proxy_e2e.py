@@ -65,10 +65,13 @@ class Setup:
         return self.d.metric("vllm:prompt_tokens_by_source_total", source="local_compute")
 
 
-def _start_proxy(p: Server, d: Server, bootstrap_url: str, log: Path) -> subprocess.Popen[str]:
+def _start_proxy(
+    p: Server, d: Server, bootstrap_url: str, log: Path, *extra: str
+) -> subprocess.Popen[str]:
     args = [
         sys.executable, "-m", "pdactors.cli", "proxy", "--port", "0",
         "--prefill", f"{p.url}@{bootstrap_url}", "--decode", d.url, "--health-interval", "0.5",
+        *extra,
     ]  # fmt: skip
     with open(log, "w") as err:
         return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -275,6 +278,45 @@ def test_a_first_token_that_ends_the_answer_never_reaches_d(setup: Setup) -> Non
     while setup.p.metric("vllm:kv_cache_usage_perc") > 0:  # P freed the blocks
         assert time.monotonic() < deadline, "P still holds KV blocks"
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize("flow", [("--placement", "local"), ("--first-token", "d")],
+                         ids=["local", "d-first"])  # fmt: skip
+def test_the_other_placements_and_flows_serve_the_same_answers(
+    setup: Setup, flow: tuple[str, str], tmp_path: Path
+) -> None:
+    """Pinned local (D computes the prompt: no KV moves) and upstream's concurrent flow (D
+    takes the prompt by KV and computes the first token): equal to a single server."""
+    bootstrap_url = f"http://127.0.0.1:{setup.bootstrap_port}"
+    proc = _start_proxy(setup.p, setup.d, bootstrap_url, tmp_path / "proxy.log", *flow)
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().split()[-1]
+        _wait_proxy_healthy(url, proc)
+        proxy = setup.client(url)
+        prompt = prompt_ids(150, seed=31 if flow[1] == "local" else 32)
+        kwargs: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 8,
+                                  "temperature": 0}  # fmt: skip
+        want = setup.single.completions.create(**kwargs)
+        local, external = setup.local_prompt_tokens(), setup.external_prompt_tokens()
+        got = proxy.completions.create(**kwargs)
+        streamed = "".join(c.choices[0].text for c in proxy.completions.create(
+            **{**kwargs, "prompt": prompt[:-1]}, stream=True))  # fmt: skip
+        assert got.choices[0].text == want.choices[0].text
+        assert (
+            streamed
+            == setup.single.completions.create(**{**kwargs, "prompt": prompt[:-1]}).choices[0].text
+        )
+        if flow[1] == "local":
+            assert setup.external_prompt_tokens() == external  # no KV moved
+        else:
+            assert setup.external_prompt_tokens() - external == 150 + 149
+            assert setup.local_prompt_tokens() == local
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def test_models_and_bad_requests_through_the_client(setup: Setup) -> None:
