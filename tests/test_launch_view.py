@@ -76,11 +76,14 @@ def test_the_smoke_passes_only_when_answers_match_kv_moved_and_d_computed_nothin
     lines = ok.lines()
     assert lines[0] == "smoke: 4/4 answers through the proxy equal the single server's — PASS"
     assert "single 40 ms, PD 90 ms (×2.2)" in lines[1]
-    assert "4 transfers, 1.00 MiB" in lines[2] and lines[3].endswith(": 0")
+    assert "4 transfers, 1.00 MiB" in lines[2] and ": 0 (P's first token" in lines[3]
     assert not Smoke(3, 4, 0.04, 0.09, moved).passed
     assert not Smoke(4, 4, 0.04, 0.09, Stats(transfers=0, kv_bytes=0)).passed
     local = Stats(transfers=4, kv_bytes=2**20, d_local_prompt_tokens=12)
     assert not Smoke(4, 4, 0.04, 0.09, local).passed
+    assert not Smoke(4, 4, 0.04, 0.09, local, proxied=5).passed  # more than P's tokens
+    assert Smoke(4, 4, 0.04, 0.09, Stats(transfers=4, kv_bytes=1, d_local_prompt_tokens=5),
+                 proxied=5).passed  # fmt: skip
     assert Smoke(3, 4, 0.04, 0.09, moved).lines()[0].endswith("— FAIL")
 
 
