@@ -94,7 +94,8 @@ def test_pd_over_two_dp_engines_equals_a_single_server(cluster: DataParallel) ->
         got = list(pool.map(lambda p: cluster.complete(p, 8), prompts))
     for i, (want, have) in enumerate(zip(expected, got, strict=True)):
         assert text_and_reason(have) == text_and_reason(want), f"prompt {i}"
-    assert cluster.d.metric(m, source="local_compute") == local, "D computed prompt tokens"
+    # D computed P's first token of each (the proxy's P-first flow), none of the prompts
+    assert cluster.d.metric(m, source="local_compute") - local == len(prompts)
     assert cluster.d.metric(m, source="external_kv_transfer") - received == sum(map(len, prompts))
     served = [cluster.p.metric("vllm:request_success_total", engine=e) for e in ("0", "1")]
     assert all(n > 0 for n in served), served  # the proxy used both of P's DP engines

@@ -294,23 +294,20 @@ def test_the_other_placements_and_flows_serve_the_same_answers(
         url = proc.stdout.readline().split()[-1]
         _wait_proxy_healthy(url, proc)
         proxy = setup.client(url)
-        prompt = prompt_ids(150, seed=31 if flow[1] == "local" else 32)
-        kwargs: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 8,
-                                  "temperature": 0}  # fmt: skip
-        want = setup.single.completions.create(**kwargs)
+        seed = 31 if flow[1] == "local" else 33
+        prompt, other = prompt_ids(150, seed=seed), prompt_ids(140, seed=seed + 1)
+        kwargs: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+        want = setup.single.completions.create(prompt=prompt, **kwargs)
+        want_other = setup.single.completions.create(prompt=other, **kwargs)
         local, external = setup.local_prompt_tokens(), setup.external_prompt_tokens()
-        got = proxy.completions.create(**kwargs)
-        streamed = "".join(c.choices[0].text for c in proxy.completions.create(
-            **{**kwargs, "prompt": prompt[:-1]}, stream=True))  # fmt: skip
+        got = proxy.completions.create(prompt=prompt, **kwargs)
+        stream = proxy.completions.create(prompt=other, stream=True, **kwargs)
         assert got.choices[0].text == want.choices[0].text
-        assert (
-            streamed
-            == setup.single.completions.create(**{**kwargs, "prompt": prompt[:-1]}).choices[0].text
-        )
+        assert "".join(c.choices[0].text for c in stream) == want_other.choices[0].text
         if flow[1] == "local":
             assert setup.external_prompt_tokens() == external  # no KV moved
         else:
-            assert setup.external_prompt_tokens() - external == 150 + 149
+            assert setup.external_prompt_tokens() - external == 150 + 140
             assert setup.local_prompt_tokens() == local
     finally:
         proc.terminate()
