@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -13,7 +14,7 @@ import trio
 from pdactors.config import Liveness
 from pdactors.dataplane.base import Addrs, DataPlane
 from pdactors.errors import TransferError
-from pdactors.transport import Dealer, Router, Transport
+from pdactors.transport import Dealer, PeerUnreachable, Router, Transport
 
 __all__ = ["FaultyDataPlane", "FaultyTransport", "MessageFaults"]
 
@@ -88,8 +89,14 @@ class FaultyTransport:
     async def _wrap_router(
         self, host: str, port: int, liveness: Liveness | None
     ) -> AsyncIterator[Router]:
-        async with self.inner.open_router(host, port, liveness=liveness) as router:
-            yield _FaultyRouter(router, self)
+        async with (
+            self.inner.open_router(host, port, liveness=liveness) as router,
+            trio.open_nursery() as nursery,
+        ):
+            try:
+                yield _FaultyRouter(router, self, nursery)
+            finally:
+                nursery.cancel_scope.cancel()  # messages still delayed are lost with the router
 
     def open_dealer(
         self, address: str, *, liveness: Liveness | None = None, server_key: str = ""
@@ -139,8 +146,8 @@ class FaultyTransport:
 
 
 class _FaultyRouter:
-    def __init__(self, inner: Router, owner: FaultyTransport) -> None:
-        self._inner, self._owner = inner, owner
+    def __init__(self, inner: Router, owner: FaultyTransport, nursery: trio.Nursery) -> None:
+        self._inner, self._owner, self._nursery = inner, owner, nursery
         self.lost_peers = inner.lost_peers
         self.curve_key = inner.curve_key
 
@@ -153,6 +160,30 @@ class _FaultyRouter:
 
     async def send(self, identity: bytes, frames: Sequence[bytes]) -> None:
         await self._owner._deliver(lambda: self._inner.send(identity, frames))
+
+    def send_nowait(self, identity: bytes, frames: Sequence[bytes]) -> bool:
+        """Drops and duplicates as :meth:`send` does; a delayed message is sent after the
+        delay by a task of its own (it cannot wait here), so later ones may overtake it."""
+        owner = self._owner
+        f, rnd, stats = owner.faults, owner.random, owner.stats
+        stats["sent"] += 1
+        if rnd.random() < f.drop:
+            stats["dropped"] += 1
+            return True
+        if rnd.random() < f.delay:
+            stats["delayed"] += 1
+            self._nursery.start_soon(self._send_later, identity, frames, f.delay_seconds)
+            return True
+        sent = self._inner.send_nowait(identity, frames)
+        if sent and rnd.random() < f.duplicate:
+            stats["duplicated"] += 1
+            self._inner.send_nowait(identity, frames)
+        return sent
+
+    async def _send_later(self, identity: bytes, frames: Sequence[bytes], delay: float) -> None:
+        await trio.sleep(delay)
+        with contextlib.suppress(PeerUnreachable, trio.ClosedResourceError):
+            await self._inner.send(identity, frames)
 
 
 class _FaultyDealer:
