@@ -62,13 +62,11 @@ HEADER: Final = b"PDA" + bytes([PROTOCOL_VERSION])
 
 class FrameError(ValueError):
     """A side-channel frame could not be decoded (wrong version, malformed, unknown type, or
-    a number beyond :data:`LIMITS`). ``tag`` and ``transfer_id``: the message's type tag and
-    transfer id when they could still be read ("" otherwise); ``version``: the peer's protocol
-    version when that is what differs (else None)."""
+    beyond :data:`LIMITS`); its ``tag`` and ``transfer_id`` if still readable (else ""), and
+    the peer's protocol ``version`` if that is what differs (else None)."""
 
-    def __init__(
-        self, reason: str, *, tag: str = "", transfer_id: str = "", version: int | None = None
-    ) -> None:
+    def __init__(self, reason: str, *, tag: str = "", transfer_id: str = "",
+                 version: int | None = None) -> None:  # fmt: skip
         super().__init__(reason)
         self.tag, self.transfer_id, self.version = tag, transfer_id, version
 
@@ -77,7 +75,6 @@ class FrameError(ValueError):
 # Every number a peer puts on the side channel is bounded here, once, and checked while the
 # frame is decoded (msgspec ``Meta``), before any work: a message beyond them is a FrameError.
 # Generous: far beyond any deployment vLLM runs (docs/security.md, "Limits on the side channel").
-
 MAX_TP_SIZE: Final = 1024  #: tensor-parallel ranks (``tp_size``; ranks below it)
 MAX_PP_SIZE: Final = 256  #: pipeline-parallel stages
 MAX_KV_HEADS: Final = 4096  #: the model's KV heads in all
@@ -96,17 +93,14 @@ LIMITS: Final = {
 #: The longest frame a peer may send (ZMQ's ``MAXMSGSIZE``: a longer one drops its connection),
 #: derived from the limits: a pull with every limit reached, 9 bytes per integer, 4 per character
 #: (about 19 MB).
-MAX_FRAME_BYTES: Final = (
-    1024
-    + 3 * (4 * MAX_ID + 5)
-    + MAX_GROUPS * 5
-    + MAX_BLOCK_IDS * 9
-    + (MAX_REGIONS * (1 + 4 * 9 + 9 + 4 * MAX_NAME + 5))
-)
+MAX_FRAME_BYTES: Final = (1024 + 3 * (4 * MAX_ID + 5) + MAX_GROUPS * 5 + MAX_BLOCK_IDS * 9
+                           + MAX_REGIONS * (1 + 4 * 9 + 9 + 4 * MAX_NAME + 5))  # fmt: skip
 
 _Id = Annotated[str, Meta(max_length=MAX_ID)]
 _Reason = Annotated[str, Meta(max_length=MAX_REASON)]
 _U64 = Annotated[int, Meta(ge=0)]  # msgpack integers stop at 2**64
+_PerRegion = Meta(max_length=MAX_REGIONS)
+_BlockId = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 
 
 # --------------------------------------------------------------------------- memory layout
@@ -138,13 +132,9 @@ class Layout(msgspec.Struct, frozen=True, array_like=True):
     every region in group 0. A transfer names its blocks per group (:data:`BlockIds`).
     """
 
-    regions: Annotated[tuple[BlockLayout, ...], Meta(max_length=MAX_REGIONS)]
-    names: Annotated[
-        tuple[Annotated[str, Meta(max_length=MAX_NAME)], ...], Meta(max_length=MAX_REGIONS)
-    ] = ()
-    groups: Annotated[
-        tuple[Annotated[int, Meta(ge=0, lt=MAX_GROUPS)], ...], Meta(max_length=MAX_REGIONS)
-    ] = ()
+    regions: Annotated[tuple[BlockLayout, ...], _PerRegion]
+    names: Annotated[tuple[Annotated[str, Meta(max_length=MAX_NAME)], ...], _PerRegion] = ()
+    groups: Annotated[tuple[Annotated[int, Meta(ge=0, lt=MAX_GROUPS)], ...], _PerRegion] = ()
 
     @property
     def bytes_per_block(self) -> int:
@@ -162,15 +152,8 @@ def region_groups(layout: Layout) -> tuple[int, ...]:
 #: nothing.
 BlockIds: TypeAlias = tuple[tuple[int, ...], ...]
 #: :data:`BlockIds` as the wire bounds it (the total is checked after decoding).
-_WireBlockIds = Annotated[
-    tuple[
-        Annotated[
-            tuple[Annotated[int, Meta(ge=0, le=(1 << 63) - 1)], ...], Meta(max_length=MAX_BLOCK_IDS)
-        ],
-        ...,
-    ],
-    Meta(max_length=MAX_GROUPS),
-]
+_Group = Annotated[tuple[_BlockId, ...], Meta(max_length=MAX_BLOCK_IDS)]
+_WireBlockIds = Annotated[tuple[_Group, ...], Meta(max_length=MAX_GROUPS)]
 #: What the actors' block-taking calls accept: a flat sequence of ids (one group), or one
 #: sequence per group.
 BlockIdsLike: TypeAlias = Sequence[int] | Sequence[Sequence[int]]
@@ -272,9 +255,7 @@ class ErrorReply(_Msg, frozen=True, tag="error"):
 Msg = PullRequest | CancelPull | PullDone | PullFailed | LayoutUnknown | ErrorReply
 
 
-class _Head(msgspec.Struct, array_like=True):
-    """What a message that failed to decode may still tell: its tag and transfer id."""
-
+class _Head(msgspec.Struct, array_like=True):  # what an undecodable message may still tell
     t: Annotated[str, Meta(max_length=16)]
     transfer_id: _Id = ""
 

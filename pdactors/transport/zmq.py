@@ -56,8 +56,11 @@ from pdactors.transport._socket import (
     _NOBLOCK,
     _RCVMORE,
     _SRCFD,
+    _checked,
+    _close_now,
     _Monitor,
     _monitor,
+    _new_socket,
     _TrioSocket,
 )
 from pdactors.transport.curve import (
@@ -81,9 +84,7 @@ __all__ = [
 #: Messages queued per peer and direction before a send waits. The control plane has thousands of
 #: small messages in flight at most; the bound only matters when a peer stops reading.
 DEFAULT_HWM = 100_000
-#: Frames of one received message kept beyond the first (a ROUTER's: the identity); the rest
-#: are read and dropped, so a message of a thousand parts costs no more than a malformed one.
-_MAX_FRAMES = 8
+_MAX_FRAMES = 8  #: frames kept of a received message (beyond the identity); more are dropped
 
 
 class TransportError(PdError):
@@ -184,11 +185,8 @@ class RouterSocket(_TrioSocket):
         await self._io(self._send, partial(self._send_to, message))
 
     def send_nowait(self, identity: bytes, frames: Sequence[bytes]) -> bool:
-        """Send ``frames`` to the peer ``identity`` if its queue has room; return whether it
-        was sent (False: that peer's queue is full, nothing was sent). Not a checkpoint.
-
-        Raises as :meth:`send` does. It must not run while a task waits in :meth:`send`.
-        """
+        """Send ``frames`` to ``identity`` if that peer's queue has room; whether it did
+        (False: nothing was sent). Not a checkpoint. Raises as :meth:`send` does."""
         if self._closed:
             raise trio.ClosedResourceError("the ZMQ socket was closed")
         message = _checked([identity, *frames])
@@ -278,40 +276,6 @@ class DealerSocket(_TrioSocket):
         :class:`trio.ClosedResourceError` if the socket is or gets closed.
         """
         await self._io(self._send, partial(self._send_now, _checked(frames)))
-
-
-def _checked(frames: Sequence[bytes]) -> Sequence[bytes]:
-    # Checked before the first frame goes out: a bad frame in the middle would leave half a
-    # message in the socket, to be completed by the next one.
-    if not frames:
-        raise ValueError("a message needs at least one frame")
-    for frame in frames:
-        if not isinstance(frame, bytes | bytearray | memoryview):
-            raise TypeError(f"frames must be bytes-like, not {type(frame).__name__}")
-    return frames
-
-
-def _new_socket(
-    context: zmq.Context[Any] | None,
-    kind: int,
-    hwm: int,
-    liveness: Liveness | None,
-    max_message: int = -1,
-) -> zmq.Socket[bytes]:
-    socket: zmq.Socket[bytes] = (context or zmq.Context.instance()).socket(kind)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.MAXMSGSIZE, max_message)
-    socket.setsockopt(zmq.SNDHWM, hwm)
-    socket.setsockopt(zmq.RCVHWM, hwm)
-    if liveness is not None:
-        socket.setsockopt(zmq.HEARTBEAT_IVL, _ms(liveness.heartbeat_interval))
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(liveness.heartbeat_timeout))
-        socket.setsockopt(zmq.HEARTBEAT_TTL, _ms(liveness.heartbeat_timeout))
-    return socket
-
-
-def _ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
 
 
 _S = TypeVar("_S", bound="RouterSocket | DealerSocket")
@@ -440,10 +404,3 @@ async def open_dealer(
         raise
     async with _watched(DealerSocket(socket, address), monitor) as dealer:
         yield dealer
-
-
-def _close_now(socket: zmq.Socket[bytes], monitor: _Monitor | None) -> None:
-    if monitor is not None:
-        socket.disable_monitor()
-        monitor._socket.close(linger=0)
-    socket.close(linger=0)
