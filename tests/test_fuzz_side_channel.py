@@ -92,6 +92,7 @@ EXTREME = st.sampled_from(
     [0, 1, 2, 7, 8, 1023, 1024, 1025, 4096, 4097, 2**20, 2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1]
 )
 INTS = EXTREME | st.integers(0, 2**64 - 1) | st.integers(-(2**63), -1)
+SMALL = st.integers(0, 4)  # ranks and sizes that pass, so the other fields get looked at
 TEXT = st.text(max_size=40) | st.sampled_from(["\nCRITICAL forged", "x" * 600, "é" * 200])
 IDS = st.lists(INTS, max_size=8) | st.builds(lambda n: list(range(n)), st.integers(0, 3000))
 
@@ -112,11 +113,11 @@ def pulls(draw: st.DrawFn) -> list[object]:
     body = [
         draw(TEXT),  # transfer id
         draw(TEXT),  # session
-        *(draw(INTS) for _ in range(4)),  # tp_rank, tp_size, pp_rank, pp_size
+        *(draw(SMALL | INTS) for _ in range(4)),  # tp_rank, tp_size, pp_rank, pp_size
         ids,
         draw(TEXT),  # layout id
         draw(st.none() | layouts()),
-        *(draw(INTS) for _ in range(3)),  # kv_heads, p_tp_size, p_pp_size
+        *(draw(SMALL | INTS) for _ in range(3)),  # kv_heads, p_tp_size, p_pp_size
     ]
     return ["pull", *body[: draw(st.integers(8, len(body)))]]
 

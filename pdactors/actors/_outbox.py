@@ -4,7 +4,7 @@ One peer that stops reading must not hold up the others: each peer's replies wai
 of their own (at most ``max_queued``), sent without blocking (``Router.send_nowait``). A peer
 whose queue is full, or whose socket refuses every reply for ``stall_timeout`` seconds, is
 *cut off*: its queue is dropped, nothing it sends is read any more, and the actor ends its
-transfers as it does a lost D's (``on_cut``). It is forgotten when its connection ends.
+transfers as it does a lost D's (``on_cut``).
 
 Garbage is answered at most once per bad frame and never with more bytes than the peer sent
 (:class:`Refusals`): a bad frame earns its sender credit of its own size, an answer spends
@@ -146,10 +146,10 @@ class Outbox:
         self._on_cut(identity, reason)
 
     def forget(self, identity: bytes) -> None:
-        """``identity``'s connection ended: its queue goes, and a new peer may take the name."""
+        """``identity``'s connection ended: its queue goes. A cut-off identity stays cut off
+        (what it sent before may still be queued; a ROUTER does not reuse the names it makes)."""
         self.dropped += len(self._queues.pop(identity, ()))
         self._stalled.pop(identity, None)
-        self._cut.discard(identity)
 
     async def serve(self) -> None:
         """Send queued replies until cancelled, never waiting on one peer."""

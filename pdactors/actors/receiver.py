@@ -9,9 +9,10 @@ The actor is a thin trio shell around :class:`~pdactors.core.pull_table.PullTabl
 every pull's record. Per P worker, one DEALER socket is opened on first use and kept while P is
 alive (ZMQ heartbeats and the socket's monitor tell): when P's side channel is lost, every pull
 sent there ends at once as ``P_GONE``, the socket is closed, and the next pull looks P up
-again. D's layout travels with the first pull to each P worker only. Bootstrap answers are
-cached per bootstrap address and re-read when an engine id is not in them (P restarted) or
-after P was lost.
+again; so it does when P answers what D cannot use (another protocol version, garbage). D's
+layout travels with the first pull to each P worker only. Bootstrap answers are cached per
+bootstrap address and re-read when an engine id is not in them (P restarted) or after P was
+lost.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pdactors.core.pull_table import Completed, PullEffect, PullTable, SendCance
 from pdactors.dataplane.base import DataPlane
 from pdactors.errors import PdError, PullFailedError
 from pdactors.messages import (
+    MAX_ID,
     PROTOCOL_VERSION,
     BlockIds,
     BlockIdsLike,
@@ -73,13 +75,11 @@ class _Peer:
     curve_key: str  # the CURVE key the P worker registered ("": none)
     knows_layout: bool = False
     lost: bool = False
-    gone: trio.Event = field(default_factory=trio.Event)
+    gone: trio.Event = field(default_factory=trio.Event)  # lost, or P broke the protocol
     gone_reason: str = ""
-    #: It broke the protocol (another version, garbage): it cannot read a parting cancel.
-    broken: bool = False
+    broken: bool = False  # P broke the protocol: it cannot read a parting cancel either
 
-    def end(self, reason: str, *, broken: bool = False) -> None:
-        """The connection is over (lost, or P broke the protocol); the first reason stands."""
+    def end(self, reason: str, *, broken: bool = False) -> None:  # the first reason stands
         if not self.gone.is_set():
             self.gone_reason, self.broken = reason, broken
             self.gone.set()
@@ -125,8 +125,7 @@ class Receiver:
         self._down: set[str] = set()  # P workers lost and not heard from since (log once)
         #: Seconds each delivered pull took (start to P's answer), newest last; readers drain it.
         self.pull_seconds: deque[float] = deque(maxlen=10_000)
-        #: ErrorReplies and undecodable frames from P (logged once per P per minute).
-        self.protocol_errors = 0
+        self.protocol_errors = 0  #: ErrorReplies and bad frames from P (logged once a minute)
         self._every = Every(60.0)
 
     # ------------------------------------------------------------------ engine side (sync)
@@ -227,6 +226,8 @@ class Receiver:
         pull = self._table.get(tid)
         if pull is None:
             return
+        if len(tid) > MAX_ID:  # P could not even name it in its refusal
+            return self._apply(self._table.fail(tid, f"transfer id over {MAX_ID} characters"))
         if not self.config.trusts(pull.bootstrap_url):
             reason = (f"bootstrap {pull.bootstrap_url} is not among this D's trusted_bootstraps "
                       "(its bootstrap token goes to those only)")  # fmt: skip
@@ -312,7 +313,7 @@ class Receiver:
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._read_answers, peer)
-                    nursery.start_soon(self._watch_lost, peer, liveness.connect_timeout)
+                    nursery.start_soon(_watch_lost, peer, liveness.connect_timeout)
                     await peer.gone.wait()
                     nursery.cancel_scope.cancel()
                 # Before the socket closes: a send still in flight on it then fails for a pull
@@ -322,10 +323,6 @@ class Receiver:
             finally:
                 peer.lost = True
                 del self._peers[address]
-
-    @staticmethod
-    async def _watch_lost(peer: _Peer, connect_timeout: float) -> None:
-        peer.end(await peer.dealer.wait_lost(connect_timeout))
 
     def _lost(self, peer: _Peer, reason: str) -> None:
         address = peer.address
@@ -463,6 +460,10 @@ class Receiver:
         else:
             self._failed[tid] = done.reason
         self._results_changed.fire()
+
+
+async def _watch_lost(peer: _Peer, connect_timeout: float) -> None:
+    peer.end(await peer.dealer.wait_lost(connect_timeout))
 
 
 async def serve_receiver(
