@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -145,9 +146,14 @@ class FaultyTransport:
             await send()
 
 
+#: A message sent later: its delay, how many copies, its frames.
+_Later = tuple[float, int, Sequence[bytes]]
+
+
 class _FaultyRouter:
     def __init__(self, inner: Router, owner: FaultyTransport, nursery: trio.Nursery) -> None:
         self._inner, self._owner, self._nursery = inner, owner, nursery
+        self._later: dict[bytes, deque[_Later]] = {}  # per peer: messages sent by a task
         self.lost_peers = inner.lost_peers
         self.curve_key = inner.curve_key
 
@@ -162,28 +168,39 @@ class _FaultyRouter:
         await self._owner._deliver(lambda: self._inner.send(identity, frames))
 
     def send_nowait(self, identity: bytes, frames: Sequence[bytes]) -> bool:
-        """Drops and duplicates as :meth:`send` does; a delayed message is sent after the
-        delay by a task of its own (it cannot wait here), so later ones may overtake it."""
-        owner = self._owner
-        f, rnd, stats = owner.faults, owner.random, owner.stats
+        """Drops, delays and duplicates as :meth:`send` does, in order per peer: a delayed
+        message, and every later one to that peer, is sent by a task of the peer's own."""
+        f, rnd, stats = self._owner.faults, self._owner.random, self._owner.stats
         stats["sent"] += 1
         if rnd.random() < f.drop:
             stats["dropped"] += 1
             return True
-        if rnd.random() < f.delay:
-            stats["delayed"] += 1
-            self._nursery.start_soon(self._send_later, identity, frames, f.delay_seconds)
+        delay = f.delay_seconds if rnd.random() < f.delay else 0.0
+        copies = 2 if rnd.random() < f.duplicate else 1
+        stats["delayed"] += delay > 0
+        stats["duplicated"] += copies - 1
+        later = self._later.get(identity)
+        if delay or later is not None:
+            if later is None:
+                later = self._later[identity] = deque()
+                self._nursery.start_soon(self._send_later, identity, later)
+            later.append((delay, copies, frames))
             return True
         sent = self._inner.send_nowait(identity, frames)
-        if sent and rnd.random() < f.duplicate:
-            stats["duplicated"] += 1
+        if sent and copies > 1:
             self._inner.send_nowait(identity, frames)
         return sent
 
-    async def _send_later(self, identity: bytes, frames: Sequence[bytes], delay: float) -> None:
-        await trio.sleep(delay)
-        with contextlib.suppress(PeerUnreachable, trio.ClosedResourceError):
-            await self._inner.send(identity, frames)
+    async def _send_later(self, identity: bytes, later: deque[_Later]) -> None:
+        try:
+            while later:
+                delay, copies, frames = later.popleft()
+                await trio.sleep(delay)
+                for _ in range(copies):
+                    with contextlib.suppress(PeerUnreachable, trio.ClosedResourceError):
+                        await self._inner.send(identity, frames)
+        finally:
+            del self._later[identity]
 
 
 class _FaultyDealer:
