@@ -122,7 +122,35 @@ def pulls(draw: st.DrawFn) -> list[object]:
     return ["pull", *body[: draw(st.integers(8, len(body)))]]
 
 
+#: A pull P accepts (it waits for its transfer), as the list the wire carries.
+VALID_PULL: list[object] = ["pull", "t", "127.0.0.1:1", 0, 1, 0, 1, [[1]], "l",
+                            [[[1 << 20, 64, 1024, 1024]], [], []], 0, 0, 0]  # fmt: skip
+
+
+@st.composite
+def mutated_pulls(draw: st.DrawFn) -> list[object]:
+    """A valid pull with one to three fields replaced: past the checks that the others pass."""
+    msg = list(VALID_PULL)
+    msg[1] = draw(TEXT)
+    for _ in range(draw(st.integers(1, 3))):
+        field = draw(st.integers(3, len(msg) - 1))
+        msg[field] = draw(SMALL | INTS | TEXT | st.none() | layouts() | st.lists(IDS, max_size=3))
+    return msg
+
+
+@st.composite
+def shape_pulls(draw: st.DrawFn) -> list[object]:
+    """A valid pull whose TP shape and head count are drawn from the sizes that broke P."""
+    msg = list(VALID_PULL)
+    msg[3] = draw(st.sampled_from([0, 1, 2**63]))  # tp_rank
+    msg[4] = draw(st.sampled_from([1, 2, 8, 1024, 2048, 4000, 2**31]))  # tp_size
+    msg[10] = draw(st.sampled_from([0, 8, 4096, 2**63, 2**64 - 1]))  # kv_heads
+    return msg
+
+
 structured = st.one_of(
+    shape_pulls(),
+    mutated_pulls(),
     pulls(),
     st.builds(lambda t, r: ["cancel", t, r], TEXT, TEXT),
     st.builds(
