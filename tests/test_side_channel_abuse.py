@@ -14,6 +14,7 @@ import zmq
 from msgspec import msgpack
 
 from pdactors import PullFailedError
+from pdactors.actors._pull_check import MAX_WAITING_IDS, MAX_WAITING_PULLS
 from pdactors.bootstrap_client import open_bootstrap_client
 from pdactors.config import Liveness
 from pdactors.core.plan import packed_layout
@@ -292,6 +293,31 @@ async def test_a_pull_beyond_the_block_id_limit_is_refused_at_once() -> None:
             assert isinstance(refused, PullFailed) and "pull refused" in refused.reason
             assert p.sender.transfer_state("many") is None
         await real_pull(cluster, "after-many")
+
+
+async def test_what_one_peer_leaves_waiting_is_bounded() -> None:
+    """Pulls for transfers P has not heard of wait for ready_timeout (480 s): one peer may
+    leave only so many, naming only so many block ids."""
+    async with open_cluster(**SMALL) as cluster:
+        p = cluster.prefill[0]
+        async with open_dealer(p.sender.address) as attacker:
+            ids = (tuple(range(100)) * (MAX_BLOCK_IDS // 100 + 1))[:MAX_BLOCK_IDS]
+            for i in range(MAX_WAITING_IDS // MAX_BLOCK_IDS):
+                await attacker.send(encode_frames(pull(f"big-{i}", block_ids=(ids,))))
+            await attacker.send(encode_frames(pull("one-id-too-many")))
+            refused = await answer(attacker, "one-id-too-many")
+            assert isinstance(refused, PullFailed) and "block ids" in refused.reason
+            for i in range(MAX_WAITING_PULLS):  # (the big ones count too)
+                await attacker.send(encode_frames(pull(f"w{i}", block_ids=())))
+            refused = await answer(attacker, f"w{MAX_WAITING_PULLS - 4}")
+            assert isinstance(refused, PullFailed) and "pulls waiting" in refused.reason
+            await real_pull(cluster, "beside-the-waiting")
+            await attacker.send(encode_frames(CancelPull("big-0")))  # one ends: room again
+            assert (await answer(attacker, "big-0")).reason == "cancelled"  # type: ignore[union-attr]
+            await attacker.send(encode_frames(pull("room")))
+            with trio.move_on_after(0.5):
+                raise AssertionError(f"refused: {await answer(attacker, 'room')}")
+            assert p.sender.transfer_state("room") is not None
 
 
 # --------------------------------------------------------------------------- finding 8

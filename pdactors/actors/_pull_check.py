@@ -55,3 +55,50 @@ def expected_pulls(config: SenderConfig, pull: PullRequest) -> int:
     """How many D workers pull each transfer from this P worker (D's shape says)."""
     ranks = config.ranks
     return tp_expected(ranks.tp_rank, pull.tp_size, ranks.tp_size, _kv_heads(config, pull))
+
+
+#: What one D peer may leave waiting at P (pulls not answered yet), far beyond what a real D
+#: has in flight (it cannot pull into more blocks than its KV cache has): pulls, and block ids
+#: in them (2**22: ~100-150 MB of Python integers at most). Beyond, a pull is refused.
+MAX_WAITING_PULLS = 16_384
+MAX_WAITING_IDS = 1 << 22
+
+
+class WaitingPulls:
+    """The pulls each peer has waiting at P, with their block ids, against the bounds above.
+    A pull is held from its acceptance to the reply about its transfer (or its peer's end)."""
+
+    def __init__(self) -> None:
+        self._held: dict[bytes, tuple[int, dict[str, int]]] = {}  # peer -> (ids, {tid: ids})
+
+    def refusal(self, identity: bytes, pull: PullRequest) -> str | None:
+        """Why ``pull`` would take its peer past a bound (None: it would not)."""
+        total, held = self._held.get(identity, (0, {}))
+        if pull.transfer_id in held:
+            return None
+        if len(held) >= MAX_WAITING_PULLS:
+            return (
+                f"this D has {len(held)} pulls waiting at P already (at most {MAX_WAITING_PULLS})"
+            )
+        if total + sum(map(len, pull.block_ids)) > MAX_WAITING_IDS:
+            return f"this D's pulls waiting at P name {total} block ids (at most {MAX_WAITING_IDS})"
+        return None
+
+    def hold(self, identity: bytes, pull: PullRequest) -> None:
+        total, held = self._held.get(identity, (0, {}))
+        if pull.transfer_id not in held:
+            held[pull.transfer_id] = n = sum(map(len, pull.block_ids))
+            self._held[identity] = (total + n, held)
+
+    def release(self, identity: bytes, transfer_id: str) -> None:
+        entry = self._held.get(identity)
+        if entry is not None and transfer_id in entry[1]:
+            total, held = entry
+            n = held.pop(transfer_id)
+            if held:
+                self._held[identity] = (total - n, held)
+            else:
+                del self._held[identity]
+
+    def forget(self, identity: bytes) -> None:
+        self._held.pop(identity, None)

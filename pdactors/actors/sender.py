@@ -37,7 +37,7 @@ from pdactors import timeline
 from pdactors._pulse import Pulse
 from pdactors.actors._layouts import LayoutCache
 from pdactors.actors._outbox import Outbox, Refusals, SideChannelStats
-from pdactors.actors._pull_check import StaleView, expected_pulls, pull_heads
+from pdactors.actors._pull_check import StaleView, WaitingPulls, expected_pulls, pull_heads
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import SenderConfig
 from pdactors.core.plan import check_layout, matching_regions, plan_transfer
@@ -131,6 +131,7 @@ class Sender:
         stall = config.liveness.heartbeat_timeout
         self._outbox = Outbox(router, self._cut_off, stall_timeout=stall)
         self._refusals = Refusals()
+        self._waiting = WaitingPulls()
         self._finished: set[str] = set()
         self._finished_changed = Pulse()
         self._streams: dict[str, _Stream] = {}  # transfers written while P computes them
@@ -268,6 +269,7 @@ class Sender:
         self._apply(effects)
 
     def _forget_peer(self, identity: bytes) -> None:
+        self._waiting.forget(identity)
         self._outbox.forget(identity)
         self._refusals.forget(identity)
         self._layouts.forget_peer(identity)
@@ -275,6 +277,7 @@ class Sender:
     def _cut_off(self, identity: bytes, reason: str) -> None:
         """The outbox cut ``identity`` off: its transfers end as a lost D's do."""
         log.warning("cut off peer %s: %s", identity.hex(), reason)
+        self._waiting.forget(identity)
         self._refusals.forget(identity)
         self._layouts.forget_peer(identity)
         self._peer_gone(identity, f"cut off: {reason}")
@@ -310,7 +313,12 @@ class Sender:
         except _PULL_ERRORS as exc:
             stale = isinstance(exc, StaleView)
             return [Reply(identity, PullFailed(tid, str(exc), lookup_again=stale))]
-        return self._table.pull_arrived(tid, identity, pull, now, expected=expected)
+        if (too_many := self._waiting.refusal(identity, pull)) is not None:
+            return [Reply(identity, PullFailed(tid, too_many))]
+        effects = self._table.pull_arrived(tid, identity, pull, now, expected=expected)
+        if not any(isinstance(e, Reply) and e.identity == identity for e in effects):
+            self._waiting.hold(identity, pull)  # until the reply about it
+        return effects
 
     async def _tick_loop(self) -> None:
         while True:
@@ -426,6 +434,7 @@ class Sender:
         for effect in effects:
             match effect:
                 case Reply(identity=identity, msg=msg):
+                    self._waiting.release(identity, getattr(msg, "transfer_id", ""))
                     self._outbox.put(identity, msg)
                 case StartSend():
                     self._nursery.start_soon(self._send, effect)
