@@ -335,7 +335,9 @@ async def test_cancels_are_not_logged_per_message_and_peer_text_is_escaped(
                 forged = CancelPull(f"c{i}\nCRITICAL x", "bye\nCRITICAL forged line")
                 await attacker.send(encode_frames(forged))
             await attacker.send([b"PDA\x07", b"\nCRITICAL " * 10])
-            await answer(attacker, "c99\nCRITICAL x")
+            await attacker.send(encode_frames(pull("p\nCRITICAL forged", session="s\nCRITICAL")))
+            await attacker.send(encode_frames(CancelPull("last")))
+            await answer(attacker, "last")  # everything before it was read
     assert not [r for r in caplog.records if "\n" in r.getMessage()]
     cancels = [r for r in caplog.records if r.levelno >= logging.INFO and "bye" in r.getMessage()]
     assert not cancels

@@ -329,7 +329,7 @@ class Receiver:
         self._lookups.forget_address(address)
         pulls = self._table.on_peer(address)
         level = logging.INFO if address in self._down or not pulls else logging.WARNING
-        log.log(level, "P worker %s gone (%s): %d pulls end", address, reason, len(pulls))
+        log.log(level, "P worker %s gone (%r): %d pulls end", address, reason, len(pulls))
         self._down.add(address)
         self._apply(self._table.peer_lost(address, f"P gone: {reason}"))
         if pulls and not peer.broken:
@@ -448,7 +448,7 @@ class Receiver:
         if done.ok:
             self.pull_seconds.append(trio.current_time() - pull.started)
         else:
-            log.info("pull %s failed (%s): %s", tid, done.end.value, done.reason)
+            log.info("pull %s failed (%s): %r", tid, done.end.value, done.reason)  # P's text
             if done.end.p_may_have_moved:
                 self._lookups.forget(pull.bootstrap_url)  # look P up again next time
         if isinstance(pull.waiter, _Waiter):
