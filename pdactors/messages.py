@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Final, TypeAlias
+from typing import Annotated, Final, TypeAlias
 
 import msgspec
+from msgspec import Meta
 
 from pdactors.errors import BadTransferParams
 
 __all__ = [
     "HEADER",
+    "LIMITS",
+    "MAX_FRAME_BYTES",
     "PROTOCOL_VERSION",
     "BlockIds",
     "BlockIdsLike",
@@ -58,7 +61,46 @@ HEADER: Final = b"PDA" + bytes([PROTOCOL_VERSION])
 
 
 class FrameError(ValueError):
-    """A side-channel frame could not be decoded (wrong version, malformed, unknown type)."""
+    """A side-channel frame could not be decoded (wrong version, malformed, unknown type, or
+    beyond :data:`LIMITS`); its ``tag`` and ``transfer_id`` if still readable (else ""), and
+    the peer's protocol ``version`` if that is what differs (else None)."""
+
+    def __init__(self, reason: str, *, tag: str = "", transfer_id: str = "",
+                 version: int | None = None) -> None:  # fmt: skip
+        super().__init__(reason)
+        self.tag, self.transfer_id, self.version = tag, transfer_id, version
+
+
+# --------------------------------------------------------------------------- limits
+# Every number a peer puts on the side channel is bounded here, once, and checked while the
+# frame is decoded (msgspec ``Meta``), before any work: a message beyond them is a FrameError.
+# Generous: far beyond any deployment vLLM runs (docs/security.md, "Limits on the side channel").
+MAX_TP_SIZE: Final = 1024  #: tensor-parallel ranks (``tp_size``; ranks below it)
+MAX_PP_SIZE: Final = 256  #: pipeline-parallel stages
+MAX_KV_HEADS: Final = 4096  #: the model's KV heads in all
+MAX_GROUPS: Final = 32  #: KV-cache groups (vLLM's hybrid cache); group ids are below it
+MAX_REGIONS: Final = 16384  #: regions (layers, or K and V apart) in one layout
+MAX_NAME: Final = 128  #: characters in a region name
+MAX_ID: Final = 512  #: characters in a transfer id, a data-plane session or a layout id
+MAX_REASON: Final = 2048  #: characters in a reason (longer ones are cut when sent)
+MAX_BLOCK_IDS: Final = 1 << 20  #: block ids in one pull, all groups together
+#: Every limit by name, for docs and tests.
+LIMITS: Final = {
+    "MAX_TP_SIZE": MAX_TP_SIZE, "MAX_PP_SIZE": MAX_PP_SIZE, "MAX_KV_HEADS": MAX_KV_HEADS,
+    "MAX_GROUPS": MAX_GROUPS, "MAX_REGIONS": MAX_REGIONS, "MAX_NAME": MAX_NAME,
+    "MAX_ID": MAX_ID, "MAX_REASON": MAX_REASON, "MAX_BLOCK_IDS": MAX_BLOCK_IDS,
+}  # fmt: skip
+#: The longest frame a peer may send (ZMQ's ``MAXMSGSIZE``: a longer one drops its connection),
+#: derived from the limits: a pull with every limit reached, 9 bytes per integer, 4 per character
+#: (about 19 MB).
+MAX_FRAME_BYTES: Final = (1024 + 3 * (4 * MAX_ID + 5) + MAX_GROUPS * 5 + MAX_BLOCK_IDS * 9
+                           + MAX_REGIONS * (1 + 4 * 9 + 9 + 4 * MAX_NAME + 5))  # fmt: skip
+
+_Id = Annotated[str, Meta(max_length=MAX_ID)]
+_Reason = Annotated[str, Meta(max_length=MAX_REASON)]
+_U64 = Annotated[int, Meta(ge=0)]  # msgpack integers stop at 2**64
+_PerRegion = Meta(max_length=MAX_REGIONS)
+_BlockId = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 
 
 # --------------------------------------------------------------------------- memory layout
@@ -71,10 +113,10 @@ class BlockLayout(msgspec.Struct, frozen=True, array_like=True):
     engine has one region per layer (or two, for layouts that keep K and V apart).
     """
 
-    base: int
-    num_blocks: int
-    block_bytes: int
-    stride: int
+    base: _U64
+    num_blocks: _U64
+    block_bytes: _U64
+    stride: _U64
 
 
 class Layout(msgspec.Struct, frozen=True, array_like=True):
@@ -90,9 +132,9 @@ class Layout(msgspec.Struct, frozen=True, array_like=True):
     every region in group 0. A transfer names its blocks per group (:data:`BlockIds`).
     """
 
-    regions: tuple[BlockLayout, ...]
-    names: tuple[str, ...] = ()
-    groups: tuple[int, ...] = ()
+    regions: Annotated[tuple[BlockLayout, ...], _PerRegion]
+    names: Annotated[tuple[Annotated[str, Meta(max_length=MAX_NAME)], ...], _PerRegion] = ()
+    groups: Annotated[tuple[Annotated[int, Meta(ge=0, lt=MAX_GROUPS)], ...], _PerRegion] = ()
 
     @property
     def bytes_per_block(self) -> int:
@@ -109,6 +151,9 @@ def region_groups(layout: Layout) -> tuple[int, ...]:
 #: (a model with one kind of attention has one group). A group left out, or empty, moves
 #: nothing.
 BlockIds: TypeAlias = tuple[tuple[int, ...], ...]
+#: :data:`BlockIds` as the wire bounds it (the total is checked after decoding).
+_Group = Annotated[tuple[_BlockId, ...], Meta(max_length=MAX_BLOCK_IDS)]
+_WireBlockIds = Annotated[tuple[_Group, ...], Meta(max_length=MAX_GROUPS)]
 #: What the actors' block-taking calls accept: a flat sequence of ids (one group), or one
 #: sequence per group.
 BlockIdsLike: TypeAlias = Sequence[int] | Sequence[Sequence[int]]
@@ -154,83 +199,109 @@ class PullRequest(_Msg, frozen=True, tag="pull"):
     another shape, with ``lookup_again`` set.
     """
 
-    transfer_id: str
-    session: str
-    tp_rank: int
-    tp_size: int
-    pp_rank: int
-    pp_size: int
-    block_ids: BlockIds
-    layout_id: str
+    transfer_id: _Id
+    session: _Id
+    tp_rank: Annotated[int, Meta(ge=0, lt=MAX_TP_SIZE)]
+    tp_size: Annotated[int, Meta(ge=1, le=MAX_TP_SIZE)]
+    pp_rank: Annotated[int, Meta(ge=0, lt=MAX_PP_SIZE)]
+    pp_size: Annotated[int, Meta(ge=1, le=MAX_PP_SIZE)]
+    block_ids: _WireBlockIds
+    layout_id: _Id
     layout: Layout | None = None
-    kv_heads: int = 0
-    p_tp_size: int = 0
-    p_pp_size: int = 0
+    kv_heads: Annotated[int, Meta(ge=0, le=MAX_KV_HEADS)] = 0
+    p_tp_size: Annotated[int, Meta(ge=0, le=MAX_TP_SIZE)] = 0
+    p_pp_size: Annotated[int, Meta(ge=0, le=MAX_PP_SIZE)] = 0
 
 
 class CancelPull(_Msg, frozen=True, tag="cancel"):
     """D → P: D gave up on ``transfer_id`` (aborted or timed out); P may free its blocks."""
 
-    transfer_id: str
-    reason: str = ""
+    transfer_id: _Id
+    reason: _Reason = ""
 
 
 class PullDone(_Msg, frozen=True, tag="done"):
     """P → D: every block of ``transfer_id`` has landed in D's memory."""
 
-    transfer_id: str
-    nbytes: int = 0
-    descriptors: int = 0
+    transfer_id: _Id
+    nbytes: _U64 = 0
+    descriptors: _U64 = 0
 
 
 class PullFailed(_Msg, frozen=True, tag="failed"):
     """P → D: ``transfer_id`` will not be delivered; ``reason`` says why. ``lookup_again``: D's
     view of P (from the bootstrap) is stale or partial; D should look P up again."""
 
-    transfer_id: str
-    reason: str
+    transfer_id: _Id
+    reason: _Reason
     lookup_again: bool = False
 
 
 class LayoutUnknown(_Msg, frozen=True, tag="layout?"):
     """P → D: resend the pull for ``transfer_id`` with the full layout."""
 
-    transfer_id: str
-    layout_id: str
+    transfer_id: _Id
+    layout_id: _Id
 
 
 class ErrorReply(_Msg, frozen=True, tag="error"):
-    """Either way: the frame you sent could not be decoded; ``reason`` says why."""
+    """Either way: the frame you sent could not be decoded; ``reason`` says why.
+    ``transfer_id``: the transfer it was about, when that could be read ("" otherwise)."""
 
-    reason: str
+    reason: _Reason
+    transfer_id: _Id = ""
 
 
 Msg = PullRequest | CancelPull | PullDone | PullFailed | LayoutUnknown | ErrorReply
 
+
+class _Head(msgspec.Struct, array_like=True):  # what an undecodable message may still tell
+    t: Annotated[str, Meta(max_length=16)]
+    transfer_id: _Id = ""
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Msg)
+_head_decoder = msgspec.msgpack.Decoder(_Head)
 
 
 def encode_frames(msg: Msg) -> list[bytes]:
-    """Encode ``msg`` as the two ZMQ frames of the side channel."""
+    """Encode ``msg`` as the two ZMQ frames of the side channel (a reason longer than
+    :data:`MAX_REASON` is cut to it: the peer would refuse the frame)."""
+    if isinstance(msg, PullFailed | ErrorReply | CancelPull) and len(msg.reason) > MAX_REASON:
+        msg = msgspec.structs.replace(msg, reason=msg.reason[: MAX_REASON - 3] + "...")
     return [HEADER, _encoder.encode(msg)]
 
 
 def decode_frames(frames: list[bytes]) -> Msg:
-    """Check the header, then decode the payload. Raises :class:`FrameError`."""
+    """Check the header, then decode the payload within :data:`LIMITS`. Raises
+    :class:`FrameError`."""
     if len(frames) != 2:
         raise FrameError(f"expected 2 frames (header, payload), got {len(frames)}")
     header, payload = frames
     if header != HEADER:
         if header[:3] == HEADER[:3] and len(header) == len(HEADER):
             raise FrameError(
-                f"protocol version {header[3]} is not supported (this is {PROTOCOL_VERSION})"
+                f"protocol version {header[3]} is not supported (this is {PROTOCOL_VERSION})",
+                version=header[3],
             )
         raise FrameError(f"bad header {bytes(header[:8])!r}")
     try:
-        return _decoder.decode(payload)
+        msg = _decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise FrameError(f"undecodable payload: {exc}") from None
+        try:
+            head = _head_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            raise FrameError(f"undecodable payload: {exc}") from None
+        reason = f"undecodable {head.t!r} message: {exc}"
+        raise FrameError(reason, tag=head.t, transfer_id=head.transfer_id) from None
+    if isinstance(msg, PullRequest) and sum(map(len, msg.block_ids)) > MAX_BLOCK_IDS:
+        raise FrameError(
+            f"a pull names more than {MAX_BLOCK_IDS} block ids",
+            tag="pull",
+            transfer_id=msg.transfer_id,
+        )
+    return msg
 
 
 # --------------------------------------------------------------------------- bootstrap (JSON)

@@ -91,7 +91,8 @@ def mark(transfer_id: str, event: str) -> None:
     if not (_on or log.isEnabledFor(logging.DEBUG)):
         return
     t = time.time()
-    log.debug("transfer %s: %s", transfer_id, event)
+    shown = transfer_id if transfer_id.isprintable() else repr(transfer_id)  # a peer's text
+    log.debug("transfer %s: %s", shown, event)
     fd = _fd
     if fd is not None:
         line = _encoder.encode(_Mark(transfer_id, event, t, os.getpid())) + b"\n"

@@ -76,6 +76,25 @@ async def test_only_the_right_keys_get_through_and_strangers_disturb_no_one(
     assert d.secret not in caplog.text and p.secret not in caplog.text
 
 
+async def test_fresh_stranger_keys_are_logged_once_an_interval_not_once_a_key(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 23: refusals were logged once per key, and a stranger makes a fresh key per
+    connection (7,705 lines in 20 s)."""
+    caplog.set_level(logging.WARNING, "pdactors.transport.curve")
+    p, _ = curve_from_secret(SECRET)
+    with trio.fail_after(60):
+        async with open_router("127.0.0.1", curve=p, liveness=LIVE) as router:
+            for _ in range(8):
+                curve = stranger(p.public)
+                async with open_dealer(router.address, curve=curve, liveness=LIVE) as bad:
+                    with trio.move_on_after(1):
+                        await bad.send([b"let me in"])
+                    assert "handshake" in await bad.wait_lost(5.0)
+    refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 1, [r.getMessage() for r in refusals]
+
+
 def test_keys_from_a_secret_and_from_certificate_files(tmp_path: Path) -> None:
     p, d = curve_from_secret(SECRET)
     assert p == curve_from_secret(SECRET)[0]  # derived, not random

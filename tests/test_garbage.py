@@ -1,5 +1,6 @@
-"""Garbage at the side channel: every bad frame is answered with an error, and the actors keep
-serving a normal transfer afterwards.
+"""Garbage at the side channel: a bad frame is answered with an error when its sender has sent
+the bytes the answer takes (never more, never twice), and the actors keep serving a normal
+transfer afterwards.
 
 The cluster runs in a :class:`~pdactors.host.TrioHost` thread for the whole module, so
 hypothesis can drive it from plain synchronous test code through a raw ZMQ socket.
@@ -7,6 +8,7 @@ hypothesis can drive it from plain synchronous test code through a raw ZMQ socke
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import msgspec
@@ -17,7 +19,15 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pdactors.host import TrioHost
-from pdactors.messages import HEADER, ErrorReply, FrameError, decode_frames
+from pdactors.messages import (
+    HEADER,
+    CancelPull,
+    ErrorReply,
+    FrameError,
+    PullFailed,
+    decode_frames,
+    encode_frames,
+)
 from pdactors.testing import Cluster, open_cluster, run_transfer
 
 
@@ -89,20 +99,38 @@ frames_strategy = st.one_of(
 )
 
 
+_probes = itertools.count()
+#: Bytes of garbage sent and of answers received, over the whole test (the credit carries over).
+_balance = {"sent": 0, "answered": 0}
+
+
 @settings(
     max_examples=150,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(frames=frames_strategy)
-def test_garbage_frames_are_answered_with_errors(
+def test_garbage_frames_are_answered_with_errors_within_their_bytes(
     dealer: zmq.Socket[bytes], frames: list[bytes]
 ) -> None:
     # Well-formed messages are the other tests' business (a valid pull would wait for P).
     assume(not _decodes(frames))
     dealer.send_multipart(frames)
-    answer = decode_frames(dealer.recv_multipart())
-    assert isinstance(answer, ErrorReply), answer
+    _balance["sent"] += sum(map(len, frames))
+    # A cancel is always answered, after whatever the garbage got (one queue per peer).
+    probe = f"probe-{next(_probes)}"
+    dealer.send_multipart(encode_frames(CancelPull(probe)))
+    answers = []
+    while True:
+        raw = dealer.recv_multipart()
+        answer = decode_frames(raw)
+        if isinstance(answer, PullFailed) and answer.transfer_id == probe:
+            break
+        assert isinstance(answer, ErrorReply | PullFailed), answer
+        _balance["answered"] += sum(map(len, raw))
+        answers.append(answer)
+    assert len(answers) <= 1  # at most one answer per bad frame
+    assert _balance["answered"] <= _balance["sent"]  # never more bytes than it sent
 
 
 def _decodes(frames: list[bytes]) -> bool:
@@ -114,7 +142,7 @@ def _decodes(frames: list[bytes]) -> bool:
 
 
 def test_version_mismatch_is_named(dealer: zmq.Socket[bytes]) -> None:
-    dealer.send_multipart([b"PDA\x09", b""])
+    dealer.send_multipart([b"PDA\x09", b"x" * 200])  # pays for an answer
     answer = decode_frames(dealer.recv_multipart())
     assert isinstance(answer, ErrorReply) and "protocol version 9" in answer.reason
 

@@ -1,4 +1,5 @@
-"""The receiver's bootstrap look-ups: a cache of ``GET /query`` answers per bootstrap URL.
+"""The receiver's bootstrap look-ups: a cache of ``GET /query`` answers per bootstrap URL, and
+which of P's workers a D rank pulls from.
 
 One query in flight per bootstrap; tasks queued behind a query that fails share its failure
 instead of asking again; an answer is dropped when a pull finds P moved or gone.
@@ -11,6 +12,8 @@ from collections import defaultdict
 import trio
 
 from pdactors.bootstrap_client import BootstrapClient
+from pdactors.config import RankInfo
+from pdactors.core.tp import tp_pulls
 from pdactors.errors import BootstrapError
 from pdactors.messages import BootstrapAnswer, BootstrapEntry
 
@@ -63,6 +66,37 @@ class Lookups:
             raise BootstrapError(f"engine {engine_id!r} is not registered at {url}")
         return entry
 
+    async def p_workers(
+        self, url: str, engine_id: str, ranks: RankInfo, kv_heads: int
+    ) -> tuple[int, int, list[tuple[str, str]]]:
+        """P's TP and PP sizes (as registered) and the side-channel addresses and CURVE keys
+        of the P workers D rank ``ranks`` pulls from. Checkpoint. Raises
+        :class:`~pdactors.errors.PdError` when P's registration does not have them (asked
+        twice: a cached answer may predate a P worker's registration)."""
+        for fresh in (False, True):
+            if fresh:
+                self.forget(url)
+            entry = await self.resolve(url, engine_id)
+            workers = entry.worker_addr
+            p_tp = len(workers)
+            sources = tp_pulls(ranks.tp_rank, ranks.tp_size, p_tp, kv_heads)
+            wanted = [(tp, pp) for tp in sources for pp in _stages(ranks, workers.get(tp, {}))]
+            addresses = [workers.get(tp, {}).get(pp) for tp, pp in wanted]
+            if None not in addresses:
+                found = [a for a in addresses if a is not None]
+                if len(set(found)) != len(found):
+                    raise BootstrapError(f"engine {engine_id!r} at {url}: two workers share "
+                                         f"one address ({found})")  # fmt: skip
+                keys = [entry.curve_keys.get(tp, {}).get(pp, "") for tp, pp in wanted]
+                p_pp = max(len(by_pp) for by_pp in workers.values())
+                return p_tp, p_pp, list(zip(found, keys, strict=True))
+        tp, pp = next(w for w, a in zip(wanted, addresses, strict=True) if a is None)
+        raise BootstrapError(
+            f"engine {engine_id!r} at {url} has no worker registered for tp rank {tp} "
+            f"pp rank {pp} (registered: "
+            f"{ {tp: sorted(pps) for tp, pps in sorted(workers.items())} })"
+        )
+
     def forget(self, url: str) -> None:
         """Ask ``url`` again next time."""
         self._answers.pop(url, None)
@@ -82,3 +116,12 @@ class Lookups:
             if entry.engine_id == engine_id and entry.worker_addr:
                 return entry
         return None
+
+
+def _stages(ranks: RankInfo, by_pp: dict[int, str]) -> list[int]:
+    """The P pipeline stages to pull from: the same stage when P has as many as D, else every
+    stage (P PP 2 -> D PP 1: each stage writes its layers, matched by name). A TP rank with no
+    stage registered: D's own stage, which is then reported missing."""
+    if len(by_pp) in (0, ranks.pp_size):
+        return [ranks.pp_rank]
+    return sorted(by_pp)

@@ -9,30 +9,34 @@ The actor is a thin trio shell around :class:`~pdactors.core.pull_table.PullTabl
 every pull's record. Per P worker, one DEALER socket is opened on first use and kept while P is
 alive (ZMQ heartbeats and the socket's monitor tell): when P's side channel is lost, every pull
 sent there ends at once as ``P_GONE``, the socket is closed, and the next pull looks P up
-again. D's layout travels with the first pull to each P worker only. Bootstrap answers are
-cached per bootstrap address and re-read when an engine id is not in them (P restarted) or
-after P was lost.
+again; so it does when P answers what D cannot use (another protocol version, garbage). D's
+layout travels with the first pull to each P worker only. Bootstrap answers are cached per
+bootstrap address and re-read when an engine id is not in them (P restarted) or after P was
+lost.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import trio
 
 from pdactors import timeline
+from pdactors._once import Every
 from pdactors._pulse import Pulse
 from pdactors.actors._lookups import Lookups
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import ReceiverConfig
-from pdactors.core.plan import check_layout, tp_pulls
+from pdactors.core.plan import check_layout
 from pdactors.core.pull_table import Completed, PullEffect, PullTable, SendCancel
 from pdactors.dataplane.base import DataPlane
-from pdactors.errors import BootstrapError, PdError, PullFailedError
+from pdactors.errors import PdError, PullFailedError
 from pdactors.messages import (
+    MAX_ID,
+    PROTOCOL_VERSION,
     BlockIds,
     BlockIdsLike,
     CancelPull,
@@ -70,8 +74,15 @@ class _Peer:
     dealer: Dealer
     curve_key: str  # the CURVE key the P worker registered ("": none)
     knows_layout: bool = False
-    sent_garbage: bool = False
     lost: bool = False
+    gone: trio.Event = field(default_factory=trio.Event)  # lost, or P broke the protocol
+    gone_reason: str = ""
+    broken: bool = False  # P broke the protocol: it cannot read a parting cancel either
+
+    def end(self, reason: str, *, broken: bool = False) -> None:  # the first reason stands
+        if not self.gone.is_set():
+            self.gone_reason, self.broken = reason, broken
+            self.gone.set()
 
 
 class _Waiter:
@@ -114,6 +125,8 @@ class Receiver:
         self._down: set[str] = set()  # P workers lost and not heard from since (log once)
         #: Seconds each delivered pull took (start to P's answer), newest last; readers drain it.
         self.pull_seconds: deque[float] = deque(maxlen=10_000)
+        self.protocol_errors = 0  #: ErrorReplies and bad frames from P (logged once a minute)
+        self._every = Every(60.0)
 
     # ------------------------------------------------------------------ engine side (sync)
 
@@ -213,13 +226,17 @@ class Receiver:
         pull = self._table.get(tid)
         if pull is None:
             return
+        if len(tid) > MAX_ID:  # P could not even name it in its refusal
+            return self._apply(self._table.fail(tid, f"transfer id over {MAX_ID} characters"))
         if not self.config.trusts(pull.bootstrap_url):
             reason = (f"bootstrap {pull.bootstrap_url} is not among this D's trusted_bootstraps "
                       "(its bootstrap token goes to those only)")  # fmt: skip
             self._apply(self._table.fail(tid, reason))
             return
         try:
-            p_tp, p_pp, workers = await self._p_workers(pull.bootstrap_url, pull.engine_id)
+            p_tp, p_pp, workers = await self._lookups.p_workers(
+                pull.bootstrap_url, pull.engine_id, self.config.ranks, self.config.kv_heads
+            )
             peers = [await self._peer(address, key) for address, key in workers]
         except (PdError, OSError) as exc:
             where = f"P {pull.engine_id} via {pull.bootstrap_url}"
@@ -261,45 +278,6 @@ class Receiver:
                 lost_now = f"P worker {peer.address} was lost"
                 self._apply(self._table.fail(tid, lost_now, peer=peer.address))
 
-    async def _p_workers(self, url: str, engine_id: str) -> tuple[int, int, list[tuple[str, str]]]:
-        """P's TP and PP sizes (as registered) and the side-channel addresses and CURVE keys
-        of the P workers this rank pulls from.
-        Checkpoint. Raises :class:`PdError` when P's registration does not have them (asked
-        twice: a cached answer may predate a P worker's registration)."""
-        ranks = self.config.ranks
-        for fresh in (False, True):
-            if fresh:
-                self._lookups.forget(url)
-            entry = await self._lookups.resolve(url, engine_id)
-            workers = entry.worker_addr
-            p_tp = len(workers)
-            sources = tp_pulls(ranks.tp_rank, ranks.tp_size, p_tp, self.config.kv_heads)
-            wanted = [(tp, pp) for tp in sources for pp in self._stages(workers.get(tp, {}))]
-            addresses = [workers.get(tp, {}).get(pp) for tp, pp in wanted]
-            if None not in addresses:
-                found = [a for a in addresses if a is not None]
-                if len(set(found)) != len(found):
-                    raise BootstrapError(f"engine {engine_id!r} at {url}: two workers share "
-                                         f"one address ({found})")  # fmt: skip
-                keys = [entry.curve_keys.get(tp, {}).get(pp, "") for tp, pp in wanted]
-                p_pp = max(len(by_pp) for by_pp in workers.values())
-                return p_tp, p_pp, list(zip(found, keys, strict=True))
-        tp, pp = next(w for w, a in zip(wanted, addresses, strict=True) if a is None)
-        raise BootstrapError(
-            f"engine {engine_id!r} at {url} has no worker registered for tp rank {tp} "
-            f"pp rank {pp} (registered: "
-            f"{ {tp: sorted(pps) for tp, pps in sorted(workers.items())} })"
-        )
-
-    def _stages(self, by_pp: dict[int, str]) -> list[int]:
-        """The P pipeline stages to pull from: the same stage when P has as many as D, else
-        every stage (P PP 2 -> D PP 1: each stage writes its layers, matched by name). A TP
-        rank with no stage registered: D's own stage, which is then reported missing."""
-        ranks = self.config.ranks
-        if len(by_pp) in (0, ranks.pp_size):
-            return [ranks.pp_rank]
-        return sorted(by_pp)
-
     def _with_layout(self, request: PullRequest) -> PullRequest:
         return msgspec.structs.replace(request, layout=self.layout)
 
@@ -335,12 +313,13 @@ class Receiver:
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._read_answers, peer)
-                    reason = await dealer.wait_lost(liveness.connect_timeout)
+                    nursery.start_soon(_watch_lost, peer, liveness.connect_timeout)
+                    await peer.gone.wait()
                     nursery.cancel_scope.cancel()
                 # Before the socket closes: a send still in flight on it then fails for a pull
                 # that has already ended here (and gets its parting cancel).
                 peer.lost = True
-                self._lost(peer, reason)
+                self._lost(peer, peer.gone_reason)
             finally:
                 peer.lost = True
                 del self._peers[address]
@@ -350,10 +329,10 @@ class Receiver:
         self._lookups.forget_address(address)
         pulls = self._table.on_peer(address)
         level = logging.INFO if address in self._down or not pulls else logging.WARNING
-        log.log(level, "P worker %s gone (%s): %d pulls end", address, reason, len(pulls))
+        log.log(level, "P worker %s gone (%r): %d pulls end", address, reason, len(pulls))
         self._down.add(address)
         self._apply(self._table.peer_lost(address, f"P gone: {reason}"))
-        if pulls:
+        if pulls and not peer.broken:
             self._nursery.start_soon(self._parting_cancels, address, peer.curve_key, pulls)
 
     async def _parting_cancels(self, address: str, key: str, transfer_ids: list[str]) -> None:
@@ -392,11 +371,20 @@ class Receiver:
             try:
                 msg = decode_frames(frames)
             except FrameError as exc:
-                if not peer.sent_garbage:  # log once per peer
-                    peer.sent_garbage = True
-                    log.warning("bad frame from P worker %s: %s", peer.address, exc)
-                continue
+                # Nothing more on this connection can be trusted: its pulls end now.
+                self._protocol_error(peer, str(exc))
+                why = f"sent an undecodable frame: {exc}"
+                if exc.version is not None:
+                    why = (f"speaks side-channel protocol version {exc.version}, this D "
+                           f"speaks {PROTOCOL_VERSION}")  # fmt: skip
+                peer.end(f"P worker {peer.address} {why}", broken=True)
+                return
             self._on_answer(peer, msg)
+
+    def _protocol_error(self, peer: _Peer, reason: str) -> None:
+        self.protocol_errors += 1
+        if (n := self._every.due(peer.address, trio.current_time())) is not None:
+            log.warning("P worker %s: %r (%d such in 60 s)", peer.address, reason, n)
 
     def _on_answer(self, peer: _Peer, msg: Msg) -> None:
         self._down.discard(peer.address)
@@ -415,8 +403,16 @@ class Receiver:
                     # P forgot us (restart): resend with the layout
                     frames = encode_frames(self._with_layout(pull.request))
                     self._nursery.start_soon(self._send_quietly, peer, frames)
-            case ErrorReply(reason=reason):
-                log.warning("P worker %s could not read our message: %s", peer.address, reason)
+            case ErrorReply(reason=reason, transfer_id=tid):
+                # P could not read our message about ``tid``: it is not writing that pull.
+                self._protocol_error(peer, f"could not read our message: {reason}")
+                reason = f"P could not read the pull: {reason}"
+                if tid:
+                    self._apply(
+                        self._table.answered(tid, ok=False, reason=reason, peer=peer.address)
+                    )
+                else:  # about a message we cannot tell: every pull on this connection
+                    peer.end(f"P worker {peer.address}: {reason}", broken=True)
             case _:
                 log.warning("unexpected %s from P worker %s", type(msg).__name__, peer.address)
 
@@ -452,7 +448,7 @@ class Receiver:
         if done.ok:
             self.pull_seconds.append(trio.current_time() - pull.started)
         else:
-            log.info("pull %s failed (%s): %s", tid, done.end.value, done.reason)
+            log.info("pull %s failed (%s): %r", tid, done.end.value, done.reason)  # P's text
             if done.end.p_may_have_moved:
                 self._lookups.forget(pull.bootstrap_url)  # look P up again next time
         if isinstance(pull.waiter, _Waiter):
@@ -464,6 +460,10 @@ class Receiver:
         else:
             self._failed[tid] = done.reason
         self._results_changed.fire()
+
+
+async def _watch_lost(peer: _Peer, connect_timeout: float) -> None:
+    peer.end(await peer.dealer.wait_lost(connect_timeout))
 
 
 async def serve_receiver(

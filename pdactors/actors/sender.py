@@ -13,13 +13,19 @@ loop feeds D's messages in, a loss loop feeds in the D workers whose side channe
 went silent (ZMQ heartbeats and the ROUTER's monitor), a tick loop feeds the clock in, and the
 effects come out as replies (through one outbox task), writes (one task per transfer) and
 released ids. A lease loop renews the worker's bootstrap registration.
+
+Nothing a peer sends can stop the actor: a frame is decoded within the wire's limits
+(:data:`~pdactors.messages.LIMITS`) before any work, an error from one message or one write
+fails that pull only (a typed reply), replies go out through one bounded queue per peer
+(:mod:`pdactors.actors._outbox`: a peer that stops reading is cut off and treated as lost),
+and garbage is answered with no more bytes than it carried.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,18 +34,13 @@ import numpy as np
 import trio
 
 from pdactors import timeline
-from pdactors._once import FirstTimes
 from pdactors._pulse import Pulse
+from pdactors.actors._layouts import LayoutCache
+from pdactors.actors._outbox import Outbox, Refusals, SideChannelStats
+from pdactors.actors._pull_check import StaleView, WaitingPulls, expected_pulls, pull_heads
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import SenderConfig
-from pdactors.core.plan import (
-    HeadSlice,
-    check_layout,
-    matching_regions,
-    plan_transfer,
-    tp_expected,
-    tp_pulls,
-)
+from pdactors.core.plan import check_layout, matching_regions, plan_transfer
 from pdactors.core.send_table import (
     Effect,
     Release,
@@ -58,28 +59,22 @@ from pdactors.messages import (
     FrameError,
     Layout,
     LayoutUnknown,
-    Msg,
     PullFailed,
     PullRequest,
     RegisterWorker,
     block_groups,
     decode_frames,
-    encode_frames,
 )
-from pdactors.transport import ZMQ, PeerUnreachable, Router, Transport
+from pdactors.transport import ZMQ, Router, Transport
 
-__all__ = ["Sender", "serve_sender"]
+__all__ = ["Sender", "SideChannelStats", "serve_sender"]
 
 log = logging.getLogger("pdactors.sender")
 
-_MAX_LAYOUTS = 1024
-
-
 _NO_ADDRS = np.empty(0, dtype=np.uint64)
-
-
-class _StaleView(PlanError):
-    """D planned a pull for another shape of P than this one (a partial bootstrap answer)."""
+#: What one pull's message or write may raise besides our own errors: numbers numpy or the
+#: engine cannot take. It fails that pull, never the actor.
+_PULL_ERRORS = (PlanError, DataPlaneError, ArithmeticError, ValueError)
 
 
 #: A blocking wait for KV to be complete in memory (e.g. a CUDA event's ``synchronize``).
@@ -132,12 +127,13 @@ class Sender:
             unclaimed_ttl=config.unclaimed_ttl,
             tombstone_ttl=config.tombstone_ttl,
         )
-        self._layouts: OrderedDict[str, Layout] = OrderedDict()
-        self._outbox_send, self._outbox_recv = trio.open_memory_channel[tuple[bytes, Msg]](math.inf)
+        self._layouts = LayoutCache()
+        stall = config.liveness.heartbeat_timeout
+        self._outbox = Outbox(router, self._cut_off, stall_timeout=stall)
+        self._refusals = Refusals()
+        self._waiting = WaitingPulls()
         self._finished: set[str] = set()
         self._finished_changed = Pulse()
-        #: Peers that sent garbage (logged once each); forgotten when they disconnect.
-        self._bad_peers = FirstTimes()
         self._streams: dict[str, _Stream] = {}  # transfers written while P computes them
         self._complete: dict[str, Complete] = {}  # ready KV a GPU may still be computing
         self.bytes_sent = 0
@@ -232,40 +228,69 @@ class Sender:
     def statistics(self) -> SendTableStats:
         return self._table.statistics()
 
+    def side_channel_statistics(self) -> SideChannelStats:
+        """What the side channel refused: bad frames, unanswered ones, peers cut off."""
+        return self._outbox.statistics(self._refusals)
+
     # ------------------------------------------------------------------ the loops
 
     async def _receive_loop(self) -> None:
         while True:
             identity, frames = await self._router.receive()
+            if self._outbox.is_cut(identity):
+                self._outbox.dropped += 1
+                continue
             try:
                 msg = decode_frames(frames)
             except FrameError as exc:
-                self._bad_frame(identity, str(exc))
+                self._bad_frame(identity, frames, exc)
                 continue
             now = trio.current_time()
             match msg:
                 case PullRequest():
                     self._apply(self._on_pull(identity, msg, now))
                 case CancelPull(transfer_id=tid, reason=reason):
-                    log.info("transfer %s cancelled by D: %s", tid, reason or "no reason")
+                    log.debug("transfer %r cancelled by D: %r", tid, reason)
                     self._apply(self._table.pull_cancelled(tid, identity, now, reason))
                 case _:
-                    self._bad_frame(identity, f"unexpected message {type(msg).__name__}")
+                    what = f"unexpected message {type(msg).__name__}"
+                    self._bad_frame(identity, frames, FrameError(what))
 
     async def _loss_loop(self) -> None:
         async for identity in self._router.lost_peers:
-            self._bad_peers.forget(identity)
-            effects = self._table.peer_gone(identity, trio.current_time())
-            if effects:
-                log.warning(
-                    "D worker %s gone: %d transfers it pulled end", identity.hex(), len(effects)
-                )
-            self._apply(effects)
+            self._forget_peer(identity)
+            self._peer_gone(identity, "")
 
-    def _bad_frame(self, identity: bytes, reason: str) -> None:
-        if self._bad_peers.first(identity):  # log once per peer, answer every time
-            log.warning("bad frame from peer %s: %s", identity.hex(), reason)
-        self._outbox_send.send_nowait((identity, ErrorReply(reason)))
+    def _peer_gone(self, identity: bytes, reason: str) -> None:
+        effects = self._table.peer_gone(identity, trio.current_time(), reason)
+        if effects:
+            log.warning("D worker %s gone%s: %d transfers it pulled end",
+                        identity.hex(), f" ({reason})" if reason else "", len(effects))  # fmt: skip
+        self._apply(effects)
+
+    def _forget_peer(self, identity: bytes) -> None:
+        self._waiting.forget(identity)
+        self._outbox.forget(identity)
+        self._refusals.forget(identity)
+        self._layouts.forget_peer(identity)
+
+    def _cut_off(self, identity: bytes, reason: str) -> None:
+        """The outbox cut ``identity`` off: its transfers end as a lost D's do."""
+        log.warning("cut off peer %s: %s", identity.hex(), reason)
+        self._waiting.forget(identity)
+        self._refusals.forget(identity)
+        self._layouts.forget_peer(identity)
+        self._peer_gone(identity, f"cut off: {reason}")
+
+    def _bad_frame(self, identity: bytes, frames: list[bytes], exc: FrameError) -> None:
+        """Answer a frame that did not decode (a pull whose id could be read gets its
+        PullFailed), within what the peer sent (:class:`~pdactors.actors._outbox.Refusals`)."""
+        reply: ErrorReply | PullFailed = ErrorReply(str(exc), exc.transfer_id)
+        if exc.tag == "pull" and exc.transfer_id:
+            reply = PullFailed(exc.transfer_id, f"pull refused: {exc}")
+        nbytes = sum(map(len, frames))
+        if (answer := self._refusals.answer(identity, nbytes, reply, str(exc))) is not None:
+            self._outbox.put(identity, answer)
 
     def _on_pull(self, identity: bytes, pull: PullRequest, now: float) -> list[Effect]:
         tid = pull.transfer_id
@@ -275,10 +300,7 @@ class Sender:
                 check_layout(pull.layout)
             except PlanError as exc:
                 return [Reply(identity, PullFailed(tid, f"bad layout: {exc}"))]
-            self._layouts[pull.layout_id] = pull.layout
-            self._layouts.move_to_end(pull.layout_id)
-            while len(self._layouts) > _MAX_LAYOUTS:
-                self._layouts.popitem(last=False)
+            self._layouts.put(pull.layout_id, pull.layout, identity)
         else:
             known = self._layouts.get(pull.layout_id)
             if known is None:
@@ -286,53 +308,17 @@ class Sender:
             # The pull keeps its layout: an eviction before the write cannot fail it.
             pull = msgspec.structs.replace(pull, layout=known)
         try:
-            self._heads(pull)
-            expected = self._expected(pull)
-        except PlanError as exc:
-            stale = isinstance(exc, _StaleView)
+            pull_heads(self.config, pull)
+            expected = expected_pulls(self.config, pull)
+        except _PULL_ERRORS as exc:
+            stale = isinstance(exc, StaleView)
             return [Reply(identity, PullFailed(tid, str(exc), lookup_again=stale))]
-        return self._table.pull_arrived(tid, identity, pull, now, expected=expected)
-
-    def _kv_heads(self, pull: PullRequest) -> int:
-        mine = self.config.kv_heads
-        if mine and pull.kv_heads and mine != pull.kv_heads:
-            raise PlanError(f"D's model has {pull.kv_heads} KV heads, P's {mine}")
-        return mine or pull.kv_heads
-
-    def _heads(self, pull: PullRequest) -> tuple[HeadSlice, ...]:
-        """The heads of each block this P worker writes for ``pull`` (none: D's shape only
-        needs it to hear the pull, to free its blocks). Raises :class:`PlanError` when the
-        pull is not this worker's to answer."""
-        ranks = self.config.ranks
-        if (pull.p_tp_size and pull.p_tp_size != ranks.tp_size) or (
-            pull.p_pp_size and pull.p_pp_size != ranks.pp_size
-        ):
-            raise _StaleView(
-                f"D planned for a P with tp_size {pull.p_tp_size}, pp_size {pull.p_pp_size}; "
-                f"this P has {ranks.tp_size}, {ranks.pp_size} (was the bootstrap's answer "
-                "incomplete?)"
-            )
-        pulls = tp_pulls(pull.tp_rank, pull.tp_size, ranks.tp_size, self._kv_heads(pull))
-        # Equal PP sizes pair stage with stage; otherwise D pulls from every stage of P.
-        other_stage = pull.pp_size == ranks.pp_size and pull.pp_rank != ranks.pp_rank
-        if ranks.tp_rank not in pulls or other_stage:
-            raise PlanError(
-                f"pull for tp {pull.tp_rank}/{pull.tp_size}, pp {pull.pp_rank} reached P worker "
-                f"{ranks}, which does not serve it"
-            )
-        return pulls[ranks.tp_rank]
-
-    def _expected(self, pull: PullRequest) -> int:
-        """How many D workers pull each transfer from this P worker (D's shape says)."""
-        ranks = self.config.ranks
-        return tp_expected(ranks.tp_rank, pull.tp_size, ranks.tp_size, self._kv_heads(pull))
-
-    async def _outbox_loop(self) -> None:
-        async for identity, msg in self._outbox_recv:
-            try:
-                await self._router.send(identity, encode_frames(msg))
-            except PeerUnreachable:
-                log.warning("cannot answer %s: D worker %s is gone", msg, identity.hex())
+        if (too_many := self._waiting.refusal(identity, pull)) is not None:
+            return [Reply(identity, PullFailed(tid, too_many))]
+        effects = self._table.pull_arrived(tid, identity, pull, now, expected=expected)
+        if not any(isinstance(e, Reply) and e.identity == identity for e in effects):
+            self._waiting.hold(identity, pull)  # until the reply about it
+        return effects
 
     async def _tick_loop(self) -> None:
         while True:
@@ -352,15 +338,15 @@ class Sender:
                 error = await self._stream(job, stream, written)
             else:
                 await self._write(job, written, before=self._complete.get(job.transfer_id))
-        except (PlanError, DataPlaneError) as exc:
-            error = str(exc)
+        except _PULL_ERRORS as exc:
+            error = str(exc) or type(exc).__name__
         finally:
             if stream is not None:
                 stream.done = True
                 if stream.complete:
                     del self._streams[job.transfer_id]
         if error is not None:
-            log.warning("transfer %s to %s failed: %s", job.transfer_id, pull.session, error)
+            log.warning("transfer %r to %r failed: %s", job.transfer_id, pull.session, error)
         now = trio.current_time()
         timeline.mark(job.transfer_id, "write_end")
         if error is None:
@@ -393,7 +379,7 @@ class Sender:
         d_layout = matching_regions(self.layout, pull.layout)  # P's layers in D's memory
         plans = [
             plan_transfer(self.layout, job.src_blocks, d_layout, pull.block_ids, regions, h)
-            for h in self._heads(pull)
+            for h in pull_heads(self.config, pull)
         ]
         if len(plans) == 1:
             src, dst, lengths = plans[0].src, plans[0].dst, plans[0].lengths
@@ -424,8 +410,8 @@ class Sender:
                         continue
                     try:
                         await self._write(job, written, todo, complete)
-                    except (PlanError, DataPlaneError) as exc:
-                        error = str(exc)  # no more writes; wait for P's word
+                    except _PULL_ERRORS as exc:
+                        error = str(exc) or type(exc).__name__  # no more writes; wait for P
                     done.update(todo)
         if not stream.complete:
             return f"P's streamed prefill did not finish within {self.config.ready_timeout:g} s"
@@ -448,7 +434,8 @@ class Sender:
         for effect in effects:
             match effect:
                 case Reply(identity=identity, msg=msg):
-                    self._outbox_send.send_nowait((identity, msg))
+                    self._waiting.release(identity, getattr(msg, "transfer_id", ""))
+                    self._outbox.put(identity, msg)
                 case StartSend():
                     self._nursery.start_soon(self._send, effect)
                 case Release(transfer_id=tid, state=state):
@@ -498,7 +485,7 @@ async def serve_sender(
                 nursery.start_soon(_renew_lease, client, url, worker, config)
         nursery.start_soon(sender._receive_loop)
         nursery.start_soon(sender._loss_loop)
-        nursery.start_soon(sender._outbox_loop)
+        nursery.start_soon(sender._outbox.serve)
         nursery.start_soon(sender._tick_loop)
         log.info("sender %s rank %s serving on %s", config.engine_id, config.ranks, router.address)
         task_status.started(sender)

@@ -16,25 +16,24 @@ Pure and sans-IO (numpy only). The rules:
   Coalescing is worth about tenfold on GPUs (see DESIGN.md), which is why it happens here, once.
 * Every block id is bounds-checked against its region on its side before any address is
   computed: a plan never holds a descriptor outside its region.
-* Heterogeneous tensor parallelism: a rank holds a contiguous range of the model's KV heads
-  (:func:`rank_heads`; with more ranks than heads each holds one, replicated), and in each
-  region a block is its heads back to back, ``block_bytes / heads`` bytes each (vLLM CPU's
-  ``[blocks, kv_heads, block_size, 2*head]``, and GPUs' head-major ``HND`` layout). A
-  :class:`HeadSlice` restricts a plan to some heads on both sides; :func:`tp_sources` says
-  which P ranks supply which heads of a D rank.
+* Heterogeneous tensor parallelism: in each region a block is its rank's KV heads back to
+  back, ``block_bytes / heads`` bytes each (vLLM CPU's ``[blocks, kv_heads, block_size,
+  2*head]``, and GPUs' head-major ``HND`` layout). A :class:`HeadSlice` restricts a plan to
+  some heads on both sides; :mod:`pdactors.core.tp` says which P ranks supply which heads
+  (its names are re-exported here).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
+from pdactors.core.tp import WHOLE_BLOCK, HeadSlice, rank_heads, tp_expected, tp_pulls, tp_sources
 from pdactors.errors import LayoutMismatch, PlanError
 from pdactors.messages import BlockIds, BlockLayout, Layout, block_groups, region_groups
 
@@ -258,65 +257,6 @@ def _descriptors(prep: _Prepared, ids: _Ids) -> Addrs:
     return addrs.ravel()
 
 
-class HeadSlice(NamedTuple):
-    """``num_heads`` KV heads moved from P's local head ``src_first`` (of the ``src_heads``
-    each P block holds) to D's local head ``dst_first`` (of ``dst_heads``)."""
-
-    src_heads: int
-    dst_heads: int
-    src_first: int
-    dst_first: int
-    num_heads: int
-
-
-#: The whole block: what a plan without a head slice moves.
-WHOLE_BLOCK = HeadSlice(1, 1, 0, 0, 1)
-
-
-def rank_heads(tp_rank: int, tp_size: int, total_heads: int) -> range:
-    """The model's KV heads that TP rank ``tp_rank`` of ``tp_size`` holds (vLLM's split).
-
-    ``tp_size <= total_heads``: an equal contiguous range each (``total_heads`` must divide
-    evenly). More ranks than heads (GQA replication): one head each, ``tp_size /
-    total_heads`` ranks in a row sharing it. Raises :class:`PlanError` for shapes vLLM refuses.
-    """
-    if total_heads < 1 or not 0 <= tp_rank < tp_size:
-        raise PlanError(f"tp rank {tp_rank} of {tp_size} with {total_heads} KV heads")
-    if tp_size <= total_heads:
-        if total_heads % tp_size:
-            raise PlanError(f"{total_heads} KV heads do not split over tp_size {tp_size}")
-        per = total_heads // tp_size
-        return range(tp_rank * per, (tp_rank + 1) * per)
-    if tp_size % total_heads:
-        raise PlanError(f"tp_size {tp_size} is not a multiple of {total_heads} KV heads")
-    head = tp_rank // (tp_size // total_heads)
-    return range(head, head + 1)
-
-
-def tp_sources(d_rank: int, d_tp: int, p_tp: int, total_heads: int) -> list[tuple[int, HeadSlice]]:
-    """Which P ranks supply D rank ``d_rank``'s heads: ``(p_rank, slice)`` in head order, one
-    per contiguous run of heads from one P rank, covering D's heads exactly once.
-
-    Where several P ranks hold a head (P has more ranks than heads), D rank ``j`` takes it from
-    the ``j``-th of them (modulo their number), so D's ranks spread over P's replicas.
-    """
-    mine = rank_heads(d_rank, d_tp, total_heads)
-    p_heads = [rank_heads(i, p_tp, total_heads) for i in range(p_tp)]
-    out: list[tuple[int, HeadSlice]] = []
-    for head in mine:
-        holders = [i for i, heads in enumerate(p_heads) if head in heads]
-        p_rank = holders[d_rank % len(holders)]
-        src_first = head - p_heads[p_rank].start
-        dst_first = head - mine.start
-        if out and out[-1][0] == p_rank:
-            prev = out[-1][1]
-            if prev.src_first + prev.num_heads == src_first:
-                out[-1] = (p_rank, prev._replace(num_heads=prev.num_heads + 1))
-                continue
-        out.append((p_rank, HeadSlice(len(p_heads[p_rank]), len(mine), src_first, dst_first, 1)))
-    return out
-
-
 def plan_transfer(
     src: Layout,
     src_blocks: BlockIds | Sequence[int],
@@ -414,43 +354,3 @@ def _group_rows(sp: _Prepared, dp: _Prepared, group: int) -> tuple[_Prepared, _P
     """Both sides restricted to the regions of KV-cache ``group`` (their groups are equal)."""
     rows = np.flatnonzero(sp.group == group)
     return _only(sp, rows.tolist()), _only(dp, rows.tolist())
-
-
-@functools.lru_cache(maxsize=256)
-def tp_pulls(
-    d_rank: int, d_tp: int, p_tp: int, total_heads: int
-) -> Mapping[int, tuple[HeadSlice, ...]]:
-    """The P ranks that D rank ``d_rank`` of ``d_tp`` pulls a transfer from, with the head
-    slices each one writes: the one place P's and D's tensor-parallel ranks are paired.
-
-    Equal TP sizes: rank ``i`` ↔ rank ``i``, whole blocks (``total_heads`` is not needed, 0
-    will do). Otherwise the sources of :func:`tp_sources`, plus every P rank that is no D
-    rank's source (GQA replicas D does not read) with no slices: P rank ``i`` then hears from
-    D rank ``i % d_tp``, so each P rank gets at least one pull per transfer and knows when it
-    may free its blocks. Raises :class:`PlanError` for shapes vLLM refuses.
-    """
-    if not 0 <= d_rank < d_tp or p_tp < 1:
-        raise PlanError(f"D tp rank {d_rank} of {d_tp} with P tp_size {p_tp}")
-    if d_tp == p_tp:
-        return MappingProxyType({d_rank: (WHOLE_BLOCK,)})  # cached: read-only
-    if total_heads < 1:
-        raise PlanError(
-            f"heterogeneous TP (P tp_size {p_tp}, D tp_size {d_tp}) needs the model's KV head "
-            "count on both sides (kv_heads; a model with recurrent state, which does not split "
-            "by head, has none: its P and D need equal TP sizes)"
-        )
-    rank_heads(0, p_tp, total_heads)  # P's shape must be one vLLM runs
-    pulls: dict[int, list[HeadSlice]] = {}
-    for p_rank, heads in tp_sources(d_rank, d_tp, p_tp, total_heads):
-        pulls.setdefault(p_rank, []).append(heads)
-    used = {p for j in range(d_tp) for p, _ in tp_sources(j, d_tp, p_tp, total_heads)}
-    for p_rank in range(d_rank, p_tp, d_tp):
-        if p_rank not in used:
-            pulls[p_rank] = []
-    return MappingProxyType({p: tuple(slices) for p, slices in sorted(pulls.items())})
-
-
-@functools.lru_cache(maxsize=256)
-def tp_expected(p_rank: int, d_tp: int, p_tp: int, total_heads: int) -> int:
-    """How many D ranks pull each transfer from P rank ``p_rank`` (see :func:`tp_pulls`)."""
-    return sum(p_rank in tp_pulls(j, d_tp, p_tp, total_heads) for j in range(d_tp))

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -13,7 +15,7 @@ import trio
 from pdactors.config import Liveness
 from pdactors.dataplane.base import Addrs, DataPlane
 from pdactors.errors import TransferError
-from pdactors.transport import Dealer, Router, Transport
+from pdactors.transport import Dealer, PeerUnreachable, Router, Transport
 
 __all__ = ["FaultyDataPlane", "FaultyTransport", "MessageFaults"]
 
@@ -88,8 +90,14 @@ class FaultyTransport:
     async def _wrap_router(
         self, host: str, port: int, liveness: Liveness | None
     ) -> AsyncIterator[Router]:
-        async with self.inner.open_router(host, port, liveness=liveness) as router:
-            yield _FaultyRouter(router, self)
+        async with (
+            self.inner.open_router(host, port, liveness=liveness) as router,
+            trio.open_nursery() as nursery,
+        ):
+            try:
+                yield _FaultyRouter(router, self, nursery)
+            finally:
+                nursery.cancel_scope.cancel()  # messages still delayed are lost with the router
 
     def open_dealer(
         self, address: str, *, liveness: Liveness | None = None, server_key: str = ""
@@ -138,9 +146,14 @@ class FaultyTransport:
             await send()
 
 
+#: A message sent later: its delay, how many copies, its frames.
+_Later = tuple[float, int, Sequence[bytes]]
+
+
 class _FaultyRouter:
-    def __init__(self, inner: Router, owner: FaultyTransport) -> None:
-        self._inner, self._owner = inner, owner
+    def __init__(self, inner: Router, owner: FaultyTransport, nursery: trio.Nursery) -> None:
+        self._inner, self._owner, self._nursery = inner, owner, nursery
+        self._later: dict[bytes, deque[_Later]] = {}  # per peer: messages sent by a task
         self.lost_peers = inner.lost_peers
         self.curve_key = inner.curve_key
 
@@ -153,6 +166,41 @@ class _FaultyRouter:
 
     async def send(self, identity: bytes, frames: Sequence[bytes]) -> None:
         await self._owner._deliver(lambda: self._inner.send(identity, frames))
+
+    def send_nowait(self, identity: bytes, frames: Sequence[bytes]) -> bool:
+        """Drops, delays and duplicates as :meth:`send` does, in order per peer: a delayed
+        message, and every later one to that peer, is sent by a task of the peer's own."""
+        f, rnd, stats = self._owner.faults, self._owner.random, self._owner.stats
+        stats["sent"] += 1
+        if rnd.random() < f.drop:
+            stats["dropped"] += 1
+            return True
+        delay = f.delay_seconds if rnd.random() < f.delay else 0.0
+        copies = 2 if rnd.random() < f.duplicate else 1
+        stats["delayed"] += delay > 0
+        stats["duplicated"] += copies - 1
+        later = self._later.get(identity)
+        if delay or later is not None:
+            if later is None:
+                later = self._later[identity] = deque()
+                self._nursery.start_soon(self._send_later, identity, later)
+            later.append((delay, copies, frames))
+            return True
+        sent = self._inner.send_nowait(identity, frames)
+        if sent and copies > 1:
+            self._inner.send_nowait(identity, frames)
+        return sent
+
+    async def _send_later(self, identity: bytes, later: deque[_Later]) -> None:
+        try:
+            while later:
+                delay, copies, frames = later.popleft()
+                await trio.sleep(delay)
+                for _ in range(copies):
+                    with contextlib.suppress(PeerUnreachable, trio.ClosedResourceError):
+                        await self._inner.send(identity, frames)
+        finally:
+            del self._later[identity]
 
 
 class _FaultyDealer:

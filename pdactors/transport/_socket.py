@@ -35,10 +35,12 @@ from __future__ import annotations
 import itertools
 import struct
 from collections.abc import Callable, Sequence
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import trio
 import zmq
+
+from pdactors.config import Liveness
 
 _T = TypeVar("_T")
 
@@ -210,3 +212,44 @@ def _monitor(socket: zmq.Socket[bytes]) -> _Monitor:
     pair.setsockopt(zmq.LINGER, 0)
     pair.connect(address)
     return _Monitor(pair)
+
+
+def _checked(frames: Sequence[bytes]) -> Sequence[bytes]:
+    # Checked before the first frame goes out: a bad frame in the middle would leave half a
+    # message in the socket, to be completed by the next one.
+    if not frames:
+        raise ValueError("a message needs at least one frame")
+    for frame in frames:
+        if not isinstance(frame, bytes | bytearray | memoryview):
+            raise TypeError(f"frames must be bytes-like, not {type(frame).__name__}")
+    return frames
+
+
+def _new_socket(
+    context: zmq.Context[Any] | None,
+    kind: int,
+    hwm: int,
+    liveness: Liveness | None,
+    max_message: int = -1,
+) -> zmq.Socket[bytes]:
+    socket: zmq.Socket[bytes] = (context or zmq.Context.instance()).socket(kind)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, max_message)
+    socket.setsockopt(zmq.SNDHWM, hwm)
+    socket.setsockopt(zmq.RCVHWM, hwm)
+    if liveness is not None:
+        socket.setsockopt(zmq.HEARTBEAT_IVL, _ms(liveness.heartbeat_interval))
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(liveness.heartbeat_timeout))
+        socket.setsockopt(zmq.HEARTBEAT_TTL, _ms(liveness.heartbeat_timeout))
+    return socket
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def _close_now(socket: zmq.Socket[bytes], monitor: _Monitor | None) -> None:
+    if monitor is not None:
+        socket.disable_monitor()
+        monitor._socket.close(linger=0)
+    socket.close(linger=0)

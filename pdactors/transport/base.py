@@ -15,6 +15,7 @@ from typing import Protocol
 import trio
 
 from pdactors.config import Liveness
+from pdactors.messages import MAX_FRAME_BYTES
 from pdactors.transport.curve import Curve
 
 __all__ = ["ZMQ", "Dealer", "Router", "Transport", "ZmqTransport"]
@@ -36,6 +37,10 @@ class Router(Protocol):
 
     async def send(self, identity: bytes, frames: Sequence[bytes]) -> None:
         """Raises :class:`~pdactors.transport.PeerUnreachable` for an identity not connected."""
+        ...
+
+    def send_nowait(self, identity: bytes, frames: Sequence[bytes]) -> bool:
+        """Send if that peer's queue has room; whether it did. Raises as :meth:`send`."""
         ...
 
 
@@ -70,13 +75,22 @@ class Transport(Protocol):
         ...
 
 
+#: Replies queued in ZMQ per D worker, and the kernel's send buffer per connection: a D reads
+#: its side channel in ZMQ's I/O thread (busy Python or not), so only a peer that stops
+#: reading fills them; P's outbox then cuts it off (:mod:`pdactors.actors._outbox`).
+SEND_HWM = 1024
+SEND_BUFFER = 1 << 20
+
+
 class ZmqTransport:
     """The real side channel: :func:`~pdactors.transport.zmq.open_router` /
     :func:`~pdactors.transport.zmq.open_dealer` on the process-wide ZMQ context.
 
     With ``server`` / ``client`` CURVE keys (:mod:`pdactors.transport.curve`), routers are
     CURVE servers and dealers CURVE clients: ``ZmqTransport(*curve_from_secret(secret))``
-    secures both roles of a process that knows the deployment secret.
+    secures both roles of a process that knows the deployment secret. A peer that sends a
+    frame longer than :data:`~pdactors.messages.MAX_FRAME_BYTES` is disconnected; a router
+    queues at most :data:`SEND_HWM` messages and :data:`SEND_BUFFER` bytes per peer.
     """
 
     def __init__(self, server: Curve | None = None, client: Curve | None = None) -> None:
@@ -93,7 +107,15 @@ class ZmqTransport:
 
         if self.client is not None and self.server is None:
             raise ValueError("this transport has CURVE keys for D only; P needs server keys")
-        return open_router(host, port, liveness=liveness, curve=self.server)
+        return open_router(
+            host,
+            port,
+            liveness=liveness,
+            curve=self.server,
+            max_message=MAX_FRAME_BYTES,
+            send_hwm=SEND_HWM,
+            send_buffer=SEND_BUFFER,
+        )
 
     def open_dealer(
         self, address: str, *, liveness: Liveness | None = None, server_key: str = ""
@@ -102,7 +124,13 @@ class ZmqTransport:
 
         if self.server is not None and self.client is None:
             raise ValueError("this transport has CURVE keys for P only; D needs client keys")
-        return open_dealer(address, liveness=liveness, curve=self.client, server_key=server_key)
+        return open_dealer(
+            address,
+            liveness=liveness,
+            curve=self.client,
+            server_key=server_key,
+            max_message=MAX_FRAME_BYTES,
+        )
 
 
 #: The default transport of the actors.

@@ -22,6 +22,7 @@ import hashlib
 import itertools
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from pdactors._once import FirstTimes
+from pdactors._once import Every
 from pdactors.config import Secret
 from pdactors.messages import is_curve_key
 
@@ -131,17 +132,24 @@ def curve_from_files(own: str | Path, peers: str | Path, *, server: bool) -> Cur
 
 
 class _Allowed:
-    """The ZAP callback of one ROUTER: its allowed client keys; refusals logged once a key."""
+    """The ZAP callback of one ROUTER: its allowed client keys. Refusals are counted and
+    logged once per ``LOG_INTERVAL`` (not once per key: a stranger can make fresh keys as fast
+    as it connects); the line names the last key refused and how many refusals it stands for."""
+
+    LOG_INTERVAL = 60.0
 
     def __init__(self, clients: tuple[str, ...]) -> None:
         self.clients = frozenset(clients)
-        self.refused = FirstTimes()  # keys logged as refused
+        self.refused = 0
+        self._every = Every(self.LOG_INTERVAL)
 
     def callback(self, domain: str, key: bytes) -> bool:
         if key.decode() in self.clients:
             return True
-        if self.refused.first(key):
-            log.warning("side channel %s refused a D with an unknown key %s", domain, key.decode())
+        self.refused += 1
+        if (n := self._every.due(None, time.monotonic())) is not None:
+            log.warning("side channel %s refused %d D(s) with unknown keys in %g s (the last: %r)",
+                        domain, n, self.LOG_INTERVAL, key.decode())  # fmt: skip
         return False
 
 

@@ -76,6 +76,13 @@ class _MemoryRouter:
             raise PeerUnreachable(identity)
         dealer.inbox_send.send_nowait(list(frames))
 
+    def send_nowait(self, identity: bytes, frames: Sequence[bytes]) -> bool:
+        dealer = self.dealers.get(identity)
+        if dealer is None:
+            raise PeerUnreachable(identity)
+        dealer.inbox_send.send_nowait(list(frames))  # a dealer's inbox has no bound
+        return True
+
     def drop(self, dealer: _MemoryDealer) -> None:
         if self.dealers.pop(dealer.identity, None) is not None:
             self._lost_send.send_nowait(dealer.identity)

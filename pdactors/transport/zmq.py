@@ -56,8 +56,11 @@ from pdactors.transport._socket import (
     _NOBLOCK,
     _RCVMORE,
     _SRCFD,
+    _checked,
+    _close_now,
     _Monitor,
     _monitor,
+    _new_socket,
     _TrioSocket,
 )
 from pdactors.transport.curve import (
@@ -81,6 +84,7 @@ __all__ = [
 #: Messages queued per peer and direction before a send waits. The control plane has thousands of
 #: small messages in flight at most; the bound only matters when a peer stops reading.
 DEFAULT_HWM = 100_000
+_MAX_FRAMES = 8  #: frames kept of a received message (beyond the identity); more are dropped
 
 
 class TransportError(PdError):
@@ -146,7 +150,9 @@ class RouterSocket(_TrioSocket):
         first = self._socket.recv(_NOBLOCK, copy=False)
         frames = [first.bytes]
         while self._socket.getsockopt(_RCVMORE):
-            frames.append(self._socket.recv(_NOBLOCK))
+            frame = self._socket.recv(_NOBLOCK)
+            if len(frames) <= _MAX_FRAMES:  # a peer's thousand-part message is kept short
+                frames.append(frame)
         if self._monitor is not None:
             self._note(frames[0], first.get(_SRCFD))
         return frames
@@ -177,6 +183,21 @@ class RouterSocket(_TrioSocket):
             raise ValueError("a message needs at least one frame")
         message = _checked([identity, *frames])
         await self._io(self._send, partial(self._send_to, message))
+
+    def send_nowait(self, identity: bytes, frames: Sequence[bytes]) -> bool:
+        """Send ``frames`` to ``identity`` if that peer's queue has room; whether it did
+        (False: nothing was sent). Not a checkpoint. Raises as :meth:`send` does."""
+        if self._closed:
+            raise trio.ClosedResourceError("the ZMQ socket was closed")
+        message = _checked([identity, *frames])
+        try:
+            self._send_to(message)
+        except zmq.Again:
+            return False
+        finally:
+            if self._send.wakeup or self._receive.wakeup:
+                self._poll_events()  # this touch may have taken a sleeper's fd signal
+        return True
 
     def _send_to(self, message: Sequence[bytes]) -> None:
         try:
@@ -257,35 +278,6 @@ class DealerSocket(_TrioSocket):
         await self._io(self._send, partial(self._send_now, _checked(frames)))
 
 
-def _checked(frames: Sequence[bytes]) -> Sequence[bytes]:
-    # Checked before the first frame goes out: a bad frame in the middle would leave half a
-    # message in the socket, to be completed by the next one.
-    if not frames:
-        raise ValueError("a message needs at least one frame")
-    for frame in frames:
-        if not isinstance(frame, bytes | bytearray | memoryview):
-            raise TypeError(f"frames must be bytes-like, not {type(frame).__name__}")
-    return frames
-
-
-def _new_socket(
-    context: zmq.Context[Any] | None, kind: int, hwm: int, liveness: Liveness | None
-) -> zmq.Socket[bytes]:
-    socket: zmq.Socket[bytes] = (context or zmq.Context.instance()).socket(kind)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.SNDHWM, hwm)
-    socket.setsockopt(zmq.RCVHWM, hwm)
-    if liveness is not None:
-        socket.setsockopt(zmq.HEARTBEAT_IVL, _ms(liveness.heartbeat_interval))
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(liveness.heartbeat_timeout))
-        socket.setsockopt(zmq.HEARTBEAT_TTL, _ms(liveness.heartbeat_timeout))
-    return socket
-
-
-def _ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
-
-
 _S = TypeVar("_S", bound="RouterSocket | DealerSocket")
 
 
@@ -325,16 +317,26 @@ async def open_router(
     hwm: int = DEFAULT_HWM,
     liveness: Liveness | None = None,
     curve: Curve | None = None,
+    max_message: int = -1,
+    send_hwm: int | None = None,
+    send_buffer: int = -1,
 ) -> AsyncIterator[RouterSocket]:
     """Bind a ROUTER socket on ``tcp://host:port`` (port 0: any free port) for the block.
 
     ``context`` defaults to the process-wide ``zmq.Context.instance()``; ``hwm`` is the queue
     bound per peer and direction (0: none); ``liveness`` turns on heartbeats and
     :attr:`RouterSocket.lost_peers`; ``curve`` makes it a CURVE server that lets in only the
-    D keys it names (:mod:`pdactors.transport.curve`). Leaving the block closes the socket
-    (linger 0). Raises ``zmq.ZMQError`` if the address cannot be bound.
+    D keys it names (:mod:`pdactors.transport.curve`); ``max_message``: ZMQ's ``MAXMSGSIZE``,
+    the longest frame a peer may send before its connection is dropped (-1: no bound);
+    ``send_hwm`` / ``send_buffer``: the queue bound per peer towards it (default ``hwm``) and
+    the kernel's send buffer per connection (-1: the system's), which together say how much a
+    peer that stops reading can leave queued before :meth:`RouterSocket.send_nowait` refuses.
+    Leaving the block closes the socket (linger 0). Raises ``zmq.ZMQError`` if the address
+    cannot be bound.
     """
-    socket = _new_socket(context, zmq.ROUTER, hwm, liveness)
+    socket = _new_socket(context, zmq.ROUTER, hwm, liveness, max_message)
+    socket.setsockopt(zmq.SNDHWM, hwm if send_hwm is None else send_hwm)
+    socket.setsockopt(zmq.SNDBUF, send_buffer)
     monitor = None
     domain: str | None = None
     try:
@@ -367,16 +369,18 @@ async def open_dealer(
     liveness: Liveness | None = None,
     curve: Curve | None = None,
     server_key: str = "",
+    max_message: int = -1,
 ) -> AsyncIterator[DealerSocket]:
     """Connect a DEALER socket to ``address`` (``"tcp://host:port"``) for the block.
 
     The connection is made (and remade) in the background; sends queue until it is up.
-    ``context``, ``hwm`` and ``liveness`` are as for :func:`open_router` (with liveness,
-    :meth:`DealerSocket.wait_lost` tells when the peer is gone); ``curve`` makes it a CURVE
-    client that demands of P the key ``server_key`` (the key P registered; "": the one key
-    ``curve`` trusts) — a P without that key fails the handshake: lost at once. Leaving the
-    block closes the socket (linger 0). Raises :class:`TransportError` if the address is
-    malformed or cannot be resolved, or if P registered a key ``curve`` does not trust.
+    ``context``, ``hwm``, ``liveness`` and ``max_message`` are as for :func:`open_router`
+    (with liveness, :meth:`DealerSocket.wait_lost` tells when the peer is gone); ``curve``
+    makes it a CURVE client that demands of P the key ``server_key`` (the key P registered;
+    "": the one key ``curve`` trusts) — a P without that key fails the handshake: lost at
+    once. Leaving the block closes the socket (linger 0). Raises :class:`TransportError` if
+    the address is malformed or cannot be resolved, or if P registered a key ``curve`` does
+    not trust.
     """
     if curve is None and server_key:
         raise TransportError(f"P worker {address} speaks CURVE (it registered a key) "
@@ -385,7 +389,7 @@ async def open_dealer(
         demanded = curve.server_key(server_key, address) if curve is not None else ""
     except UntrustedServer as exc:
         raise TransportError(str(exc)) from None
-    socket = _new_socket(context, zmq.DEALER, hwm, liveness)
+    socket = _new_socket(context, zmq.DEALER, hwm, liveness, max_message)
     monitor = None
     try:
         if curve is not None:
@@ -400,10 +404,3 @@ async def open_dealer(
         raise
     async with _watched(DealerSocket(socket, address), monitor) as dealer:
         yield dealer
-
-
-def _close_now(socket: zmq.Socket[bytes], monitor: _Monitor | None) -> None:
-    if monitor is not None:
-        socket.disable_monitor()
-        monitor._socket.close(linger=0)
-    socket.close(linger=0)
