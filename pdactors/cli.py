@@ -299,6 +299,16 @@ def proxy(
     request_timeout: Annotated[
         float, typer.Option(metavar="SECONDS", help="The longest one request may take, in seconds.")
     ] = default_of(ProxyConfig, "request_timeout"),
+    max_body_bytes: Annotated[
+        int, typer.Option(metavar="BYTES", help="Larger request bodies are refused (413).")
+    ] = default_of(ProxyConfig, "max_body_bytes"),
+    body_timeout: Annotated[
+        float,
+        typer.Option(
+            metavar="SECONDS",
+            help="A request body not all in by then is refused (408), its connection closed.",
+        ),
+    ] = default_of(ProxyConfig, "body_timeout"),
     bootstrap_token_file: Annotated[
         Path | None,
         typer.Option(metavar="FILE", help="File holding the bearer token P's bootstraps ask for."),
@@ -356,6 +366,8 @@ def proxy(
             routing=routing,  # type: ignore[arg-type]  # checked by ProxyConfig
             health_interval=health_interval,
             request_timeout=request_timeout,
+            max_body_bytes=max_body_bytes,
+            body_timeout=body_timeout,
             bootstrap_token=_token(bootstrap_token_file, "--bootstrap-token-file"),
             api_key=Secret(api_key.strip()) if api_key and api_key.strip() else None,
             engine_api_key=Secret(engine_api_key.strip()) if engine_api_key else None,

@@ -1,18 +1,34 @@
-"""Serving a quart-trio app with hypercorn under trio, as the bootstrap and the proxy do."""
+"""Serving a quart-trio app with hypercorn under trio, as the bootstrap and the proxy do.
+
+Every HTTP door goes through :func:`serve_http`, which wraps the app so that an answer given
+before the request's body was read (a refusal: 401, 408, 413, 429) closes the connection and
+never leaves it wedged (:func:`ends_cleanly`).
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, Final
 
 import hypercorn.logging
 import hypercorn.trio
 import trio
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.typing import (
+    ASGIReceiveCallable,
+    ASGISendCallable,
+    ASGISendEvent,
+    Scope,
+)
 
-__all__ = ["bind_listener", "serve_http"]
+__all__ = ["CLOSING_STATUSES", "bind_listener", "ends_cleanly", "serve_http"]
+
+#: Refusals that may come before the request's body was read: HTTP/1 answers with these
+#: statuses say ``Connection: close`` and the connection is closed after them, so a body that
+#: arrives late is never read as the next request.
+CLOSING_STATUSES: Final = frozenset({401, 408, 413, 429})
 
 
 class _QuietHypercornLogger(hypercorn.logging.Logger):  # type: ignore[misc]
@@ -37,6 +53,49 @@ async def bind_listener(host: str, port: int, what: str) -> trio.socket.SocketTy
             exc.add_note(f"binding {what} to {host}:{port}")
         raise
     return sock
+
+
+def ends_cleanly(app: Any) -> Callable[..., Any]:
+    """``app`` (ASGI) with every HTTP answer ending cleanly, whatever the app read of the body.
+
+    * An answer with a status in :data:`CLOSING_STATUSES` says ``Connection: close`` (HTTP/1),
+      and hypercorn closes the connection after it.
+    * The answer's last message is handed to hypercorn shielded, with the request's remaining
+      messages drained beside it. Hypercorn ends the exchange inside that call: it queues a
+      disconnect for the app (a queue of 10 messages, which a body the app never read may
+      have filled) and then closes the connection or readies it for the next request. Quart
+      cancels its handler as soon as it sees that disconnect, which cut the close short: the
+      connection neither answered again nor closed (issue 23, finding 7).
+    """
+
+    async def asgi(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        http1 = scope["http_version"] in ("1.0", "1.1")  # HTTP/2 has no Connection header
+
+        async def send_cleanly(message: ASGISendEvent) -> None:
+            if message["type"] == "http.response.start":
+                if http1 and message["status"] in CLOSING_STATUSES:
+                    headers = [*message.get("headers", ()), (b"connection", b"close")]
+                    message = {**message, "headers": headers}
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                with trio.CancelScope(shield=True):
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_drain, receive)
+                        await send(message)
+                        nursery.cancel_scope.cancel()
+                return
+            await send(message)
+
+        await app(scope, receive, send_cleanly)
+
+    return asgi
+
+
+async def _drain(receive: ASGIReceiveCallable) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _reachable_url(bound: str) -> str:
@@ -78,7 +137,12 @@ async def serve_http(
     async with trio.open_nursery() as nursery:
         # shutdown_trigger never fires: the owner stops the server by cancelling us.
         binds: list[str] = await nursery.start(
-            partial(hypercorn.trio.serve, app, hconfig, shutdown_trigger=trio.sleep_forever)
+            partial(
+                hypercorn.trio.serve,
+                ends_cleanly(app),
+                hconfig,
+                shutdown_trigger=trio.sleep_forever,
+            )
         )
         url = _reachable_url(binds[0])
         announce(url)
