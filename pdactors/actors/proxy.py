@@ -212,7 +212,7 @@ class Proxy:
 
     async def _refuse(self, endpoint: Endpoint, client: str, no: Failure, reply: Reply) -> None:
         self.metrics.requests.labels(endpoint.name, no.outcome).inc()
-        self.refusals.refused(client, no.status, no.body.decode(errors="replace")[:300])
+        self.refusals.refused(client, no.status, no.message)
         await reply.failure(no)
 
     def _bodies(self, ex: Exchange, body: dict[str, Any]) -> tuple[bytes, bytes]:
