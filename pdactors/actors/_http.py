@@ -13,15 +13,20 @@ from functools import partial
 from typing import Any, Final
 
 import hypercorn.logging
-import hypercorn.trio
 import trio
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio.lifespan import Lifespan
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import (
     ASGIReceiveCallable,
     ASGISendCallable,
     ASGISendEvent,
+    ConnectionState,
+    LifespanState,
     Scope,
 )
+from hypercorn.utils import repr_socket_addr, wrap_app
 
 __all__ = ["CLOSING_STATUSES", "bind_listener", "ends_cleanly", "serve_http"]
 
@@ -130,20 +135,43 @@ async def serve_http(
     if (certfile is None) != (keyfile is None):
         raise ValueError("TLS needs both a certificate file and a key file")
     hconfig.certfile, hconfig.keyfile = certfile, keyfile
-    hconfig.bind = [f"fd://{sock.detach()}"]  # hypercorn takes the bound socket over
     hconfig.accesslog = None
     hconfig.errorlog = errorlog
     hconfig.logger_class = _QuietHypercornLogger
+    wrapped = wrap_app(ends_cleanly(app), hconfig.wsgi_max_body_size, "asgi")
+    # hypercorn.trio.serve, less what we do not use (workers, shutdown triggers, QUIC), with
+    # the connection handler below.
+    state: LifespanState = {}
+    lifespan = Lifespan(wrapped, hconfig, state)
+    sock.listen(hconfig.backlog)
+    listener: trio.abc.Listener[Any] = trio.SocketListener(sock)
+    if certfile is not None:
+        tls = hconfig.create_ssl_context()
+        assert tls is not None  # (it is None only without a certificate)
+        listener = trio.SSLListener(listener, tls, https_compatible=True)
+    bound = repr_socket_addr(sock.family, sock.getsockname())
+    url = _reachable_url(f"{'https' if certfile else 'http'}://{bound}")
     async with trio.open_nursery() as nursery:
-        # shutdown_trigger never fires: the owner stops the server by cancelling us.
-        binds: list[str] = await nursery.start(
-            partial(
-                hypercorn.trio.serve,
-                ends_cleanly(app),
-                hconfig,
-                shutdown_trigger=trio.sleep_forever,
-            )
+        await nursery.start(lifespan.handle_lifespan)
+        await lifespan.wait_for_startup()
+        handler = partial(
+            _Connection, wrapped, hconfig, WorkerContext(None), ConnectionState(state.copy())
         )
-        url = _reachable_url(binds[0])
+        nursery.start_soon(partial(trio.serve_listeners, handler, [listener]))
         announce(url)
         task_status.started(url)
+
+
+class _Connection(TCPServer):  # type: ignore[misc]
+    """Hypercorn's connection handler, closing without a half-close first.
+
+    Hypercorn half-closes (``send_eof``) outside its send lock, so when another task of the
+    connection was sending at that moment (an error answer to bytes that came after a request
+    that said ``Connection: close``), trio raised ``BusyResourceError`` out of the handler and
+    the whole server stopped: one crafted request took the bootstrap down (found by
+    tests/test_http_doors.py's fuzzing). Closing the socket sends the same FIN; a sender in
+    another task then gets ``ClosedResourceError``, which hypercorn handles.
+    """
+
+    async def _close(self) -> None:
+        await self.stream.aclose()
