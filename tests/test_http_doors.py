@@ -435,7 +435,7 @@ async def test_fuzzed_requests_never_hurt_the_bootstrap() -> None:
         ):
             before = max_rss_mb()
             good = {"authorization": f"Bearer {TOKEN}"}
-            for door, examples in ((port, 150), (open_port, 150)):
+            for door, examples in ((port, 100), (open_port, 100)):
                 seen = await trio.to_thread.run_sync(
                     fuzz_http, door, _requests, examples, abandon_on_cancel=True
                 )

@@ -20,6 +20,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import (
     ASGIReceiveCallable,
+    ASGIReceiveEvent,
     ASGISendCallable,
     ASGISendEvent,
     ConnectionState,
@@ -63,8 +64,12 @@ async def bind_listener(host: str, port: int, what: str) -> trio.socket.SocketTy
 def ends_cleanly(app: Any) -> Callable[..., Any]:
     """``app`` (ASGI) with every HTTP answer ending cleanly, whatever the app read of the body.
 
-    * An answer with a status in :data:`CLOSING_STATUSES` says ``Connection: close`` (HTTP/1),
-      and hypercorn closes the connection after it.
+    * An answer that starts before the app saw the end of the request's body first reads and
+      drops what is left of it (at most :data:`_DRAIN_BYTES`, for :data:`_DRAIN_SECONDS`), so
+      that the connection can serve the next request and the client's late bytes do not reset
+      it under the answer. An answer with a status in :data:`CLOSING_STATUSES`, or whose body
+      is still not all in, says ``Connection: close`` (HTTP/1), and hypercorn closes the
+      connection after it.
     * The answer's last message is handed to hypercorn shielded, with the request's remaining
       messages drained beside it. Hypercorn ends the exchange inside that call: it queues a
       disconnect for the app (a queue of 10 messages, which a body the app never read may
@@ -78,29 +83,67 @@ def ends_cleanly(app: Any) -> Callable[..., Any]:
             await app(scope, receive, send)
             return
         http1 = scope["http_version"] in ("1.0", "1.1")  # HTTP/2 has no Connection header
+        request = _Request(receive)
 
         async def send_cleanly(message: ASGISendEvent) -> None:
             if message["type"] == "http.response.start":
-                if http1 and message["status"] in CLOSING_STATUSES:
+                if not request.ended.is_set():
+                    await request.drain_rest()
+                if http1 and (message["status"] in CLOSING_STATUSES or not request.ended.is_set()):
                     headers = [*message.get("headers", ()), (b"connection", b"close")]
                     message = {**message, "headers": headers}
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 with trio.CancelScope(shield=True):
                     async with trio.open_nursery() as nursery:
-                        nursery.start_soon(_drain, receive)
+                        nursery.start_soon(request.drain_all)
                         await send(message)
                         nursery.cancel_scope.cancel()
                 return
             await send(message)
 
-        await app(scope, receive, send_cleanly)
+        await app(scope, request.receive, send_cleanly)
 
     return asgi
 
 
-async def _drain(receive: ASGIReceiveCallable) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+#: What an answer given before the request's body was all in reads of it first, at most.
+_DRAIN_BYTES: Final = 64 * 1024
+_DRAIN_SECONDS: Final = 0.5
+
+
+class _Request:
+    """One request's ``receive``, noting when its body's end (or a disconnect) came."""
+
+    def __init__(self, receive: ASGIReceiveCallable) -> None:
+        self._receive = receive
+        self.ended = trio.Event()
+
+    async def receive(self) -> ASGIReceiveEvent:
+        message = await self._receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            self.ended.set()
+        return message
+
+    async def drain_rest(self) -> None:
+        """Read and drop the body until its end (whoever reads it), within the bounds."""
+        with trio.move_on_after(_DRAIN_SECONDS):
+            async with trio.open_nursery() as nursery:
+
+                async def read() -> None:
+                    drained = 0
+                    while not self.ended.is_set() and drained <= _DRAIN_BYTES:
+                        message = await self.receive()
+                        if message["type"] == "http.request":
+                            drained += len(message.get("body", b""))
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(read)
+                await self.ended.wait()
+                nursery.cancel_scope.cancel()
+
+    async def drain_all(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
 
 
 def _reachable_url(bound: str) -> str:
