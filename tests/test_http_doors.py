@@ -21,6 +21,7 @@ import httpx
 import msgspec
 import pytest
 import trio
+import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -129,6 +130,9 @@ async def test_an_early_answer_never_wedges_the_connection(
                 await stream.send_all(head(method, path, len(body), *extra))
                 first = await read_answer(stream)
                 assert first is not None and first[0] == status, first
+                # The server is done with the first exchange (sending the body at once raced
+                # its end, and the old code sometimes got through).
+                await trio.testing.wait_all_tasks_blocked()
                 # /metrics: 200 on the proxy (whose /health is 503 here); the bootstrap's 404.
                 second_request = head("GET", "/health" if door == "bootstrap" else "/metrics", None)
                 try:
