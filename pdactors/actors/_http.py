@@ -2,7 +2,8 @@
 
 Every HTTP door goes through :func:`serve_http`, which wraps the app so that an answer given
 before the request's body was read (a refusal: 401, 408, 413, 429) closes the connection and
-never leaves it wedged (:func:`ends_cleanly`).
+never leaves it wedged (:func:`ends_cleanly`), and runs hypercorn's connection handler itself
+(:class:`_Connection`, which closes without hypercorn's racy half-close).
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ def ends_cleanly(app: Any) -> Callable[..., Any]:
                     message = {**message, "headers": headers}
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 with trio.CancelScope(shield=True):
+                    if request.ended.is_set():  # the app read it all: the queue has room
+                        await send(message)
+                        return
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(request.drain_all)
                         await send(message)
@@ -186,23 +190,24 @@ async def serve_http(
     # the connection handler below.
     state: LifespanState = {}
     lifespan = Lifespan(wrapped, hconfig, state)
-    sock.listen(hconfig.backlog)
-    listener: trio.abc.Listener[Any] = trio.SocketListener(sock)
-    if certfile is not None:
-        tls = hconfig.create_ssl_context()
-        assert tls is not None  # (it is None only without a certificate)
-        listener = trio.SSLListener(listener, tls, https_compatible=True)
-    bound = repr_socket_addr(sock.family, sock.getsockname())
-    url = _reachable_url(f"{'https' if certfile else 'http'}://{bound}")
-    async with trio.open_nursery() as nursery:
-        await nursery.start(lifespan.handle_lifespan)
-        await lifespan.wait_for_startup()
-        handler = partial(
-            _Connection, wrapped, hconfig, WorkerContext(None), ConnectionState(state.copy())
-        )
-        nursery.start_soon(partial(trio.serve_listeners, handler, [listener]))
-        announce(url)
-        task_status.started(url)
+    with sock:  # closed when the server stops (the listener does not close it)
+        sock.listen(hconfig.backlog)
+        listener: trio.abc.Listener[Any] = trio.SocketListener(sock)
+        if certfile is not None:
+            tls = hconfig.create_ssl_context()
+            assert tls is not None  # (it is None only without a certificate)
+            listener = trio.SSLListener(listener, tls, https_compatible=True)
+        bound = repr_socket_addr(sock.family, sock.getsockname())
+        url = _reachable_url(f"{'https' if certfile else 'http'}://{bound}")
+        async with trio.open_nursery() as nursery:
+            await nursery.start(lifespan.handle_lifespan)
+            await lifespan.wait_for_startup()
+            handler = partial(
+                _Connection, wrapped, hconfig, WorkerContext(None), ConnectionState(state.copy())
+            )
+            nursery.start_soon(partial(trio.serve_listeners, handler, [listener]))
+            announce(url)
+            task_status.started(url)
 
 
 class _Connection(TCPServer):  # type: ignore[misc]
