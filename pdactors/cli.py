@@ -14,6 +14,7 @@ from pdactors.config import (
     DEFAULT_BOOTSTRAP_PORT,
     PROTOCOLS,
     ROUTINGS,
+    BootstrapConfig,
     DataPlaneConfig,
     ProxyConfig,
     default_of,
@@ -211,6 +212,12 @@ def bootstrap(
     keyfile: Annotated[
         Path | None, typer.Option(metavar="FILE", help="PEM private key of --certfile.")
     ] = None,
+    max_workers: Annotated[
+        int,
+        typer.Option(
+            metavar="N", help="The most registrations (dp/tp/pp ranks) held; one more gets 429."
+        ),
+    ] = default_of(BootstrapConfig, "max_workers"),
     verbose: Annotated[
         bool, typer.Option("--verbose/--quiet", "-v", help="Log at INFO (--quiet: warnings only).")
     ] = True,
@@ -220,7 +227,6 @@ def bootstrap(
     import trio
 
     from pdactors.actors.bootstrap import serve_bootstrap
-    from pdactors.config import BootstrapConfig
 
     if (certfile is None) != (keyfile is None):
         raise typer.BadParameter("give both --certfile and --keyfile, or neither")
@@ -230,6 +236,7 @@ def bootstrap(
         token=_token(token_file, "--token-file"),
         certfile=str(certfile) if certfile else None,
         keyfile=str(keyfile) if keyfile else None,
+        max_workers=max_workers,
     )
 
     async def main() -> None:
