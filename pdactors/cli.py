@@ -14,6 +14,7 @@ from pdactors.config import (
     DEFAULT_BOOTSTRAP_PORT,
     PROTOCOLS,
     ROUTINGS,
+    BootstrapConfig,
     DataPlaneConfig,
     ProxyConfig,
     default_of,
@@ -211,6 +212,12 @@ def bootstrap(
     keyfile: Annotated[
         Path | None, typer.Option(metavar="FILE", help="PEM private key of --certfile.")
     ] = None,
+    max_workers: Annotated[
+        int,
+        typer.Option(
+            metavar="N", help="The most registrations (dp/tp/pp ranks) held; one more gets 429."
+        ),
+    ] = default_of(BootstrapConfig, "max_workers"),
     verbose: Annotated[
         bool, typer.Option("--verbose/--quiet", "-v", help="Log at INFO (--quiet: warnings only).")
     ] = True,
@@ -220,7 +227,6 @@ def bootstrap(
     import trio
 
     from pdactors.actors.bootstrap import serve_bootstrap
-    from pdactors.config import BootstrapConfig
 
     if (certfile is None) != (keyfile is None):
         raise typer.BadParameter("give both --certfile and --keyfile, or neither")
@@ -230,6 +236,7 @@ def bootstrap(
         token=_token(token_file, "--token-file"),
         certfile=str(certfile) if certfile else None,
         keyfile=str(keyfile) if keyfile else None,
+        max_workers=max_workers,
     )
 
     async def main() -> None:
@@ -314,6 +321,16 @@ def proxy(
     request_timeout: Annotated[
         float, typer.Option(metavar="SECONDS", help="The longest one request may take, in seconds.")
     ] = default_of(ProxyConfig, "request_timeout"),
+    max_body_bytes: Annotated[
+        int, typer.Option(metavar="BYTES", help="Larger request bodies are refused (413).")
+    ] = default_of(ProxyConfig, "max_body_bytes"),
+    body_timeout: Annotated[
+        float,
+        typer.Option(
+            metavar="SECONDS",
+            help="A request body not all in by then is refused (408), its connection closed.",
+        ),
+    ] = default_of(ProxyConfig, "body_timeout"),
     bootstrap_token_file: Annotated[
         Path | None,
         typer.Option(metavar="FILE", help="File holding the bearer token P's bootstraps ask for."),
@@ -373,6 +390,8 @@ def proxy(
             placement=placement,  # type: ignore[arg-type]  # checked by ProxyConfig
             health_interval=health_interval,
             request_timeout=request_timeout,
+            max_body_bytes=max_body_bytes,
+            body_timeout=body_timeout,
             bootstrap_token=_token(bootstrap_token_file, "--bootstrap-token-file"),
             api_key=Secret(api_key.strip()) if api_key and api_key.strip() else None,
             engine_api_key=Secret(engine_api_key.strip()) if engine_api_key else None,

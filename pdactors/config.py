@@ -111,13 +111,19 @@ class Liveness(msgspec.Struct, frozen=True, kw_only=True):
 class BootstrapConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Where the bootstrap registry listens (port 0: any free port). ``token``: when set,
     ``POST /register`` and ``GET /query`` need ``Authorization: Bearer <token>`` (401
-    otherwise); ``GET /health`` stays open."""
+    otherwise); ``GET /health`` stays open. ``max_workers``: the most registrations (one per
+    dp/tp/pp rank) the registry holds; a new worker beyond them gets 429."""
 
     host: str = "127.0.0.1"
     port: int = 0
     token: str | None = None
     certfile: str | None = None  # PEM certificate (chain) and key: serve HTTPS
     keyfile: str | None = None
+    max_workers: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_workers < 1:
+            raise ValueError("max_workers must be >= 1")
 
 
 class Secret(str):
@@ -251,7 +257,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     * ``request_timeout``: the longest one client request may take, start to last byte.
     * ``connect_timeout``: the longest a connection to an engine may take to open.
     * ``max_connections``: connections the proxy keeps open to the engines, all together.
-    * ``max_body_bytes``: request bodies above this are refused with 413.
+    * ``max_body_bytes``: request bodies above this are refused with 413 (from their
+      ``Content-Length`` when they give one, before any of them is read).
+    * ``body_timeout``: the longest a client may take to send a request's body; a body not
+      all in by then is refused with 408 and its connection closed.
     * ``bootstrap_token``: the bearer token P's bootstraps ask for (``pdactors bootstrap
       --token-file``), sent with the proxy's ``GET /query``.
     * ``api_key``: when set, clients must send ``Authorization: Bearer <api_key>`` (OpenAI's
@@ -283,6 +292,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     connect_timeout: float = 5.0
     max_connections: int = 1024
     max_body_bytes: int = 32 * 1024 * 1024
+    body_timeout: float = 30.0
     bootstrap_token: str | None = None
     api_key: str | None = None
     engine_api_key: str | None = None
@@ -307,7 +317,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.first_token not in get_args(FirstToken):
             raise ValueError(f"first_token must be 'p' or 'd', not {self.first_token!r}")
         timeouts = (self.health_interval, self.health_timeout, self.request_timeout)
-        if min(*timeouts, self.connect_timeout) <= 0:
+        if min(*timeouts, self.connect_timeout, self.body_timeout) <= 0:
             raise ValueError("intervals and timeouts must be > 0")
         if self.max_connections < 1 or self.max_body_bytes < 1:
             raise ValueError("max_connections and max_body_bytes must be >= 1")

@@ -82,7 +82,7 @@ async def test_register_and_query_need_the_token_health_does_not(
 @settings(max_examples=300, deadline=None)
 @given(header=st.one_of(st.none(), st.text(max_size=80)), client=st.sampled_from(["a", "b"]))
 def test_bearer_check_passes_exactly_the_token(header: str | None, client: str) -> None:
-    check = BearerCheck(TOKEN, "the registry", logging.getLogger("test"))
+    check = BearerCheck(TOKEN, "the registry")
     passes = (
         header is not None
         and header.strip().lower().startswith("bearer ")
@@ -90,7 +90,7 @@ def test_bearer_check_passes_exactly_the_token(header: str | None, client: str) 
     )
     assert (check.refusal(header, client) is None) == passes
     assert check.refusal(f"Bearer {TOKEN}", client) is None
-    assert BearerCheck(None, "open", logging.getLogger("test")).refusal(header, client) is None
+    assert BearerCheck(None, "open").refusal(header, client) is None
 
 
 async def test_clients_with_the_token_work_and_without_are_refused_at_once() -> None:

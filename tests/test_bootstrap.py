@@ -489,7 +489,7 @@ def test_expire_says_who_went() -> None:
     reg = BootstrapRegistry()
     reg.register(worker("p", tp=0), now=0.0, lease=1.0)
     reg.register(worker("p", tp=1, port=5556), now=0.5, lease=1.0)
-    assert reg.expire(now=1.0) == ["p dp=0 tp=0 pp=0 at tcp://127.0.0.1:5555"]
+    assert reg.expire(now=1.0) == ["'p' dp=0 tp=0 pp=0 at 'tcp://127.0.0.1:5555'"]
     assert reg.answer(now=1.0) == {0: BootstrapEntry("p", {1: {0: "tcp://127.0.0.1:5556"}})}
 
 

@@ -1,16 +1,16 @@
 """Bearer-token checks for the HTTP faces (the bootstrap registry; the proxy's API key).
 
 ``Authorization: Bearer <token>`` (RFC 6750; the scheme is case-insensitive), compared in
-constant time. A refused client is logged once per client address (a scanner must not flood
-the log) and answered every time.
+constant time. A refused client is answered every time and logged through a
+:class:`~pdactors.actors._refusals.RefusalLog` (once per client per interval: a scanner must
+not flood the log).
 """
 
 from __future__ import annotations
 
 import hmac
-import logging
 
-from pdactors._once import FirstTimes
+from pdactors.actors._refusals import RefusalLog
 
 __all__ = ["BearerCheck"]
 
@@ -18,19 +18,18 @@ __all__ = ["BearerCheck"]
 class BearerCheck:
     """Whether a request's ``Authorization`` header carries ``token`` (None: everyone may)."""
 
-    def __init__(self, token: str | None, what: str, log: logging.Logger) -> None:
+    def __init__(self, token: str | None, what: str, refusals: RefusalLog | None = None) -> None:
         self._token = token.encode() if token else None
         self._what = what
-        self._log = log
-        self._refused = FirstTimes()  # clients logged as refused
+        self._refusals = refusals
 
     @property
     def enabled(self) -> bool:
         return self._token is not None
 
     def refusal(self, header: str | None, client: str) -> str | None:
-        """None when the request may pass; otherwise why not (for the 401 body). Logs the
-        first refusal of each client."""
+        """None when the request may pass; otherwise why not (for the 401 body), noted in the
+        refusal log when there is one (else the caller logs it)."""
         if self._token is None:
             return None
         scheme, _, presented = (header or "").strip().partition(" ")
@@ -42,6 +41,6 @@ class BearerCheck:
             return None
         else:
             reason = f"{self._what}: wrong token"
-        if self._refused.first(client):
-            self._log.warning("%s refused for %s: %s", self._what, client, reason)
+        if self._refusals is not None:
+            self._refusals.refused(client, 401, reason)
         return reason

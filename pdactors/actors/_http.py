@@ -1,18 +1,41 @@
-"""Serving a quart-trio app with hypercorn under trio, as the bootstrap and the proxy do."""
+"""Serving a quart-trio app with hypercorn under trio, as the bootstrap and the proxy do.
+
+Every HTTP door goes through :func:`serve_http`, which wraps the app so that an answer given
+before the request's body was read (a refusal: 401, 408, 413, 429) closes the connection and
+never leaves it wedged (:func:`ends_cleanly`), and runs hypercorn's connection handler itself
+(:class:`_Connection`, which closes without hypercorn's racy half-close).
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, Final
 
 import hypercorn.logging
-import hypercorn.trio
 import trio
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio.lifespan import Lifespan
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import (
+    ASGIReceiveCallable,
+    ASGIReceiveEvent,
+    ASGISendCallable,
+    ASGISendEvent,
+    ConnectionState,
+    LifespanState,
+    Scope,
+)
+from hypercorn.utils import repr_socket_addr, wrap_app
 
-__all__ = ["bind_listener", "serve_http"]
+__all__ = ["CLOSING_STATUSES", "bind_listener", "ends_cleanly", "serve_http"]
+
+#: Refusals that may come before the request's body was read: HTTP/1 answers with these
+#: statuses say ``Connection: close`` and the connection is closed after them, so a body that
+#: arrives late is never read as the next request.
+CLOSING_STATUSES: Final = frozenset({401, 408, 413, 429})
 
 
 class _QuietHypercornLogger(hypercorn.logging.Logger):  # type: ignore[misc]
@@ -37,6 +60,99 @@ async def bind_listener(host: str, port: int, what: str) -> trio.socket.SocketTy
             exc.add_note(f"binding {what} to {host}:{port}")
         raise
     return sock
+
+
+def ends_cleanly(app: Any) -> Callable[..., Any]:
+    """``app`` (ASGI) with every HTTP answer ending cleanly, whatever the app read of the body.
+
+    * An answer that starts before the app saw the end of the request's body first reads and
+      drops what is left of it (at most :data:`_DRAIN_BYTES` in :data:`_DRAIN_PIECES`
+      messages, for :data:`_DRAIN_SECONDS`), so
+      that the connection can serve the next request and the client's late bytes do not reset
+      it under the answer. An answer with a status in :data:`CLOSING_STATUSES`, or whose body
+      is still not all in, says ``Connection: close`` (HTTP/1), and hypercorn closes the
+      connection after it.
+    * The answer's last message is handed to hypercorn shielded, with the request's remaining
+      messages drained beside it. Hypercorn ends the exchange inside that call: it queues a
+      disconnect for the app (a queue of 10 messages, which a body the app never read may
+      have filled) and then closes the connection or readies it for the next request. Quart
+      cancels its handler as soon as it sees that disconnect, which cut the close short: the
+      connection neither answered again nor closed (issue 23, finding 7).
+    """
+
+    async def asgi(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        http1 = scope["http_version"] in ("1.0", "1.1")  # HTTP/2 has no Connection header
+        request = _Request(receive)
+
+        async def send_cleanly(message: ASGISendEvent) -> None:
+            if message["type"] == "http.response.start":
+                if not request.ended.is_set():
+                    await request.drain_rest()
+                if http1 and (message["status"] in CLOSING_STATUSES or not request.ended.is_set()):
+                    headers = [*message.get("headers", ()), (b"connection", b"close")]
+                    message = {**message, "headers": headers}
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                with trio.CancelScope(shield=True):
+                    if request.ended.is_set():  # the app read it all: the queue has room
+                        await send(message)
+                        return
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(request.drain_all)
+                        await send(message)
+                        nursery.cancel_scope.cancel()
+                return
+            await send(message)
+
+        await app(scope, request.receive, send_cleanly)
+
+    return asgi
+
+
+#: What an answer given before the request's body was all in reads of it first, at most.
+_DRAIN_BYTES: Final = 64 * 1024
+_DRAIN_PIECES: Final = 256
+_DRAIN_SECONDS: Final = 0.5
+
+
+class _Request:
+    """One request's ``receive``, noting when its body's end (or a disconnect) came."""
+
+    def __init__(self, receive: ASGIReceiveCallable) -> None:
+        self._receive = receive
+        self.ended = trio.Event()
+
+    async def receive(self) -> ASGIReceiveEvent:
+        message = await self._receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            self.ended.set()
+        return message
+
+    async def drain_rest(self) -> None:
+        """Read and drop the body until its end (whoever reads it), within the bounds."""
+        with trio.move_on_after(_DRAIN_SECONDS):
+            async with trio.open_nursery() as nursery:
+
+                async def read() -> None:
+                    drained = pieces = 0
+                    while not self.ended.is_set() and drained <= _DRAIN_BYTES:
+                        if pieces == _DRAIN_PIECES:  # each costs ~40 µs, whatever its size
+                            break
+                        message = await self.receive()
+                        if message["type"] == "http.request":
+                            drained += len(message.get("body", b""))
+                        pieces += 1
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(read)
+                await self.ended.wait()
+                nursery.cancel_scope.cancel()
+
+    async def drain_all(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
 
 
 def _reachable_url(bound: str) -> str:
@@ -71,15 +187,44 @@ async def serve_http(
     if (certfile is None) != (keyfile is None):
         raise ValueError("TLS needs both a certificate file and a key file")
     hconfig.certfile, hconfig.keyfile = certfile, keyfile
-    hconfig.bind = [f"fd://{sock.detach()}"]  # hypercorn takes the bound socket over
     hconfig.accesslog = None
     hconfig.errorlog = errorlog
     hconfig.logger_class = _QuietHypercornLogger
-    async with trio.open_nursery() as nursery:
-        # shutdown_trigger never fires: the owner stops the server by cancelling us.
-        binds: list[str] = await nursery.start(
-            partial(hypercorn.trio.serve, app, hconfig, shutdown_trigger=trio.sleep_forever)
-        )
-        url = _reachable_url(binds[0])
-        announce(url)
-        task_status.started(url)
+    wrapped = wrap_app(ends_cleanly(app), hconfig.wsgi_max_body_size, "asgi")
+    # hypercorn.trio.serve, less what we do not use (workers, shutdown triggers, QUIC), with
+    # the connection handler below.
+    state: LifespanState = {}
+    lifespan = Lifespan(wrapped, hconfig, state)
+    with sock:  # closed when the server stops (the listener does not close it)
+        sock.listen(hconfig.backlog)
+        listener: trio.abc.Listener[Any] = trio.SocketListener(sock)
+        if certfile is not None:
+            tls = hconfig.create_ssl_context()
+            assert tls is not None  # (it is None only without a certificate)
+            listener = trio.SSLListener(listener, tls, https_compatible=True)
+        bound = repr_socket_addr(sock.family, sock.getsockname())
+        url = _reachable_url(f"{'https' if certfile else 'http'}://{bound}")
+        async with trio.open_nursery() as nursery:
+            await nursery.start(lifespan.handle_lifespan)
+            await lifespan.wait_for_startup()
+            handler = partial(
+                _Connection, wrapped, hconfig, WorkerContext(None), ConnectionState(state.copy())
+            )
+            nursery.start_soon(partial(trio.serve_listeners, handler, [listener]))
+            announce(url)
+            task_status.started(url)
+
+
+class _Connection(TCPServer):  # type: ignore[misc]
+    """Hypercorn's connection handler, closing without a half-close first.
+
+    Hypercorn half-closes (``send_eof``) outside its send lock, so when another task of the
+    connection was sending at that moment (an error answer to bytes that came after a request
+    that said ``Connection: close``), trio raised ``BusyResourceError`` out of the handler and
+    the whole server stopped: one crafted request took the bootstrap down (found by
+    tests/test_http_doors.py's fuzzing). Closing the socket sends the same FIN; a sender in
+    another task then gets ``ClosedResourceError``, which hypercorn handles.
+    """
+
+    async def _close(self) -> None:
+        await self.stream.aclose()

@@ -34,6 +34,7 @@ def _json(body: object, status: int = 200) -> Response:
 def make_app(proxy: Proxy) -> QuartTrio:
     app = ProxyApp(__name__, static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = proxy.config.max_body_bytes
+    app.config["BODY_TIMEOUT"] = proxy.config.body_timeout  # (no route here reads a body)
     # Quart would silently cut a streamed answer after RESPONSE_TIMEOUT (60 s); the proxy
     # bounds each request itself, with an error the client can see.
     app.config["RESPONSE_TIMEOUT"] = None
@@ -53,7 +54,11 @@ def make_app(proxy: Proxy) -> QuartTrio:
             return None  # open: load balancers and Prometheus
         client = request.remote_addr or "unknown client"
         refused = proxy.auth.refusal(request.headers.get("authorization"), client)
-        return None if refused is None else Failure.unauthorized(refused).response()
+        if refused is None:
+            return None
+        proxy.refusals.refused(client, 401, refused)
+        proxy.metrics.requests.labels(_endpoint(request.path), "unauthorized").inc()
+        return Failure.unauthorized(refused).response()
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -71,16 +76,25 @@ def make_app(proxy: Proxy) -> QuartTrio:
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
-        # 404, 405, 413, ...: OpenAI's error shape.
+        # 404, 405, 408, 413, ...: OpenAI's error shape.
         code = exc.code or 500
+        proxy.refusals.refused(request.remote_addr or "unknown client", code, exc.name)
+        proxy.metrics.requests.labels(_endpoint(request.path), "invalid").inc()
         return Failure.of(code, exc.description or exc.name, "invalid_request_error", "").response()
 
     @app.errorhandler(Exception)
     async def internal_error(exc: Exception) -> Response:
         # Handled here so that Quart never builds its own logger (it would start a queue
         # listener thread); the bug is logged with its traceback and the server keeps going.
-        log.error("proxy: internal error on %s %s", request.method, request.path, exc_info=exc)
+        log.error("proxy: internal error on %s %r", request.method, request.path, exc_info=exc)
         message = f"internal error: {type(exc).__name__}"
         return Failure.of(500, message, "internal_error", "").response()
 
     return app
+
+
+def _endpoint(path: str) -> str:
+    """The metric label of a Quart route's path: a few known names, never the client's text."""
+    return {"/v1/models": "models", COMPLETIONS.path: COMPLETIONS.name, CHAT.path: CHAT.name}.get(
+        path, "other"
+    )

@@ -1,5 +1,12 @@
 """The proxy's client side of the wire: OpenAI request bodies and error bodies, one request's
-exchange state, and replies over raw ASGI (the completion routes skip Quart's machinery)."""
+exchange state, and replies over raw ASGI (the completion routes skip Quart's machinery).
+
+A completion's body is refused before any work it could cause: from its ``Content-Length``
+when that is over the limit (413, nothing read), when more of it arrives than the limit (413),
+when it takes longer than the body timeout to arrive (408), and when its JSON nests deeper than
+:data:`MAX_JSON_DEPTH` (400). Refusals that leave a body unread close the connection
+(:mod:`pdactors.actors._http`).
+"""
 
 from __future__ import annotations
 
@@ -14,10 +21,12 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from pdactors.actors._proxy_state import Backend
+from pdactors.config import ProxyConfig
 
 __all__ = [
     "CHAT",
     "COMPLETIONS",
+    "MAX_JSON_DEPTH",
     "ClientGone",
     "Endpoint",
     "Exchange",
@@ -26,12 +35,22 @@ __all__ = [
     "Reply",
     "cancel_on_disconnect",
     "header",
-    "read_body",
+    "receive_body",
     "validate",
 ]
 
 
 # --------------------------------------------------------------------------- requests
+
+#: The deepest a request's JSON may nest (objects and arrays); deeper is refused with 400.
+#: OpenAI bodies nest a few levels (tool schemas a few more).
+MAX_JSON_DEPTH: Final = 64
+#: A body that came in more pieces than this (ASGI messages: a chunk of a chunked body, or
+#: what one read of the socket gave) must average at least :data:`MIN_MEAN_PIECE` bytes a
+#: piece, else it is refused with 400: each piece costs the server ~40 µs whatever its size,
+#: so a 16 MB body in 2-byte chunks would cost minutes of CPU.
+MAX_SMALL_PIECES: Final = 1024
+MIN_MEAN_PIECE: Final = 256
 
 
 @dataclass(frozen=True)
@@ -53,6 +72,7 @@ class Failure:
     status: int
     body: bytes
     outcome: str
+    message: str = ""  # for the log, when made by :meth:`of`
 
     @classmethod
     def of(
@@ -60,7 +80,7 @@ class Failure:
     ) -> Failure:
         code = status if code is None else code
         error = {"message": message, "type": kind, "param": None, "code": code}  # OpenAI's keys
-        return cls(status, msgspec.json.encode({"error": error}), outcome)
+        return cls(status, msgspec.json.encode({"error": error}), outcome, message)
 
     @classmethod
     def unauthorized(cls, message: str) -> Failure:
@@ -74,14 +94,28 @@ class Failure:
         return b"data: " + self.body + b"\n\n"
 
 
-def validate(raw: bytes, endpoint: Endpoint) -> dict[str, Any] | str:
-    """The decoded body, or what is wrong with it."""
+def validate(raw: bytes, endpoint: Endpoint) -> dict[str, Any] | Failure:
+    """The decoded body, or the 400 that says what is wrong with it."""
+    problem = _problem(raw, endpoint)
+    if isinstance(problem, str):
+        return Failure.of(400, problem, "invalid_request_error", "invalid")
+    return problem
+
+
+def _problem(raw: bytes, endpoint: Endpoint) -> dict[str, Any] | str:
+    too_deep = f"the body's JSON nests deeper than {MAX_JSON_DEPTH} levels"
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         return f"the body is not valid JSON: {exc}"
+    except RecursionError:  # deeper than the interpreter's stack: far deeper than allowed
+        return too_deep
     if not isinstance(body, dict):
         return "the body must be a JSON object"
+    # Each nesting level needs a '[' or '{': a body with few of them cannot nest too deep
+    # (the common case, checked at C speed); the others are walked.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _deeper_than(body, MAX_JSON_DEPTH):
+        return too_deep
     if not isinstance(body.get("model"), str):
         return "`model` is required (a string)"
     if body.get(endpoint.input_field) is None:
@@ -105,6 +139,19 @@ def validate(raw: bytes, endpoint: Endpoint) -> dict[str, Any] | str:
         if value is not None and (type(value) is not int or value < 1):
             return f"`{key}` must be a positive integer"
     return body
+
+
+def _deeper_than(value: object, limit: int) -> bool:
+    """Whether ``value`` nests dicts and lists deeper than ``limit`` (no recursion)."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        assert isinstance(children, Iterable)
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
 
 
 @dataclass(eq=False)
@@ -189,21 +236,54 @@ class ClientGone(Exception):
     """The client disconnected before its request's body was in."""
 
 
-async def read_body(receive: ASGIReceiveCallable, limit: int) -> bytes | None:
-    """The request's body, or None when it is longer than ``limit`` bytes."""
-    parts, size = [], 0
-    while True:
+async def receive_body(
+    headers: Iterable[tuple[bytes, bytes]], receive: ASGIReceiveCallable, config: ProxyConfig
+) -> bytes | Failure:
+    """The request's body, or the refusal to answer: 413 when its ``Content-Length`` is over
+    ``config.max_body_bytes`` (nothing read) or more than that arrives, 408 when it is not all
+    in within ``config.body_timeout`` seconds, 400 when it comes in too many small pieces
+    (:data:`MAX_SMALL_PIECES`). The body is gathered in one buffer, so the pieces it came in
+    cost nothing once read. Raises :class:`ClientGone` when the client disconnects first."""
+    limit, timeout = config.max_body_bytes, config.body_timeout
+    length = header(headers, b"content-length")
+    if length is not None and length.isascii() and length.isdigit():  # (h11 checked it)
+        if len(length) > 20 or int(length) > limit:
+            return _too_large(limit)
+    with trio.move_on_after(timeout):
+        return await _read_body(receive, limit)
+    message = f"the body did not arrive within {timeout:g} s"
+    return Failure.of(408, message, "invalid_request_error", "client_timeout")
+
+
+def _too_large(limit: int) -> Failure:
+    return Failure.of(
+        413, f"the body is larger than {limit} bytes", "invalid_request_error", "invalid"
+    )
+
+
+async def _read_body(receive: ASGIReceiveCallable, limit: int) -> bytes | Failure:
+    message = await receive()
+    if message["type"] != "http.request":
+        raise ClientGone
+    first = message.get("body", b"")
+    if not message.get("more_body", False):  # the common case: the body in one piece
+        return first if len(first) <= limit else _too_large(limit)
+    body, pieces = bytearray(first), 1
+    while len(body) <= limit:
+        if pieces > MAX_SMALL_PIECES and len(body) < pieces * MIN_MEAN_PIECE:
+            why = (
+                f"the body came in {pieces} pieces of {len(body) // pieces} bytes on average "
+                f"(more than {MAX_SMALL_PIECES} must average {MIN_MEAN_PIECE} bytes or more)"
+            )
+            return Failure.of(400, why, "invalid_request_error", "invalid")
         message = await receive()
         if message["type"] != "http.request":
             raise ClientGone
-
-        part = message.get("body", b"")
-        size += len(part)
-        if size > limit:
-            return None
-        parts.append(part)
+        body += message.get("body", b"")
+        pieces += 1
         if not message.get("more_body", False):
-            return b"".join(parts)
+            return bytes(body) if len(body) <= limit else _too_large(limit)
+    return _too_large(limit)
 
 
 async def cancel_on_disconnect(

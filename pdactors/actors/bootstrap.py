@@ -8,6 +8,11 @@ This module holds the upstream-compatible HTTP face of the bootstrap:
   body), ``GET /query`` (the :data:`~pdactors.messages.BootstrapAnswer` JSON) and
   ``GET /health``.
 
+The registry is bounded: at most ``BootstrapConfig.max_workers`` registrations (4,096 by
+default; one more is refused with 429 until some lapse or are replaced), and each field within
+:data:`MAX_ENGINE_ID_CHARS`, :data:`MAX_ADDR_CHARS` and :data:`MAX_RANK` (400 beyond), so its
+memory and its ``/query`` answer stay within a few MB whatever clients send.
+
 Registrations are leases when they say so: ``POST /register?lease=SECONDS`` (our senders renew
 every second or so) lapses unless renewed within ``SECONDS``, so a dead P leaves ``/query`` by
 itself. A registration without ``lease`` (upstream's tools register once) never lapses.
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
 import msgspec
 import trio
@@ -31,27 +36,62 @@ from werkzeug.exceptions import HTTPException
 
 from pdactors.actors._auth import BearerCheck
 from pdactors.actors._http import bind_listener, serve_http
+from pdactors.actors._refusals import RefusalLog
 from pdactors.config import BootstrapConfig
 from pdactors.messages import BootstrapAnswer, BootstrapEntry, RegisterWorker
 
-__all__ = ["BootstrapRegistry", "Registration", "serve_bootstrap"]
+__all__ = [
+    "MAX_ADDR_CHARS",
+    "MAX_ENGINE_ID_CHARS",
+    "MAX_RANK",
+    "BootstrapRegistry",
+    "Registration",
+    "RegistryFull",
+    "serve_bootstrap",
+]
 
 log = logging.getLogger("pdactors.bootstrap")
 # Hypercorn's own messages go here rather than to "hypercorn.error", whose handlers hypercorn
 # would otherwise replace process-wide with a stderr handler.
 _http_log = logging.getLogger("pdactors.bootstrap.http")
 
-#: Far above any real body (five short fields); bigger bodies are refused with 413.
-_MAX_BODY_BYTES = 64 * 1024
-
+# Limits on one registration, far above real values (a field beyond them: 400). With the
+# number of registrations (BootstrapConfig.max_workers) they bound the registry's memory and
+# its /query answer (4,096 workers: under 4 MB).
+#: The longest engine id, in characters (vLLM's are UUIDs, 36).
+MAX_ENGINE_ID_CHARS: Final = 256
+#: The longest side-channel address, in characters (``tcp://`` and a DNS name and port fit).
+MAX_ADDR_CHARS: Final = 512
+#: The highest DP, TP or PP rank.
+MAX_RANK: Final = 65535
+#: Far above any real body (six short fields); bigger bodies are refused with 413 (from their
+#: Content-Length when they give one, before a byte of them is read).
+_MAX_BODY_BYTES: Final = 16 * 1024
+#: The longest a client may take to send a body (seconds); then 408 and the connection closes.
+_BODY_TIMEOUT: Final = 10.0
 #: The longest lease a registration may ask for (seconds).
-_MAX_LEASE = 3600.0
+_MAX_LEASE: Final = 3600.0
 
 #: What a registration changed, as :meth:`BootstrapRegistry.register` reports it.
 Registration = Literal["added", "moved", "unchanged", "engine_replaced"]
 
 
 # --------------------------------------------------------------------------- registry (pure)
+
+
+class RegistryFull(Exception):
+    """The registry holds its maximum number of workers; a new one must wait for a lease to
+    lapse (answered 429)."""
+
+
+def _check_fields(worker: RegisterWorker) -> None:
+    """Raises :class:`ValueError` naming the first field beyond its limit."""
+    if len(worker.engine_id) > MAX_ENGINE_ID_CHARS:
+        raise ValueError(f"engine_id is longer than {MAX_ENGINE_ID_CHARS} characters")
+    if len(worker.addr) > MAX_ADDR_CHARS:
+        raise ValueError(f"addr is longer than {MAX_ADDR_CHARS} characters")
+    if max(worker.dp_rank, worker.tp_rank, worker.pp_rank) > MAX_RANK:
+        raise ValueError(f"ranks must be at most {MAX_RANK}")
 
 
 @dataclass
@@ -74,12 +114,19 @@ class BootstrapRegistry:
       its address and CURVE key (the worker restarted on a new port, or with a new key).
     * A registration with a ``lease`` lapses ``lease`` seconds after it was last renewed; one
       without never lapses. A DP rank whose every worker lapsed is gone.
+    * At most ``max_workers`` workers, each with fields within the module's limits.
 
     No IO and no checkpoints; every method is synchronous and takes the time from its caller.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_workers: int = 4096) -> None:
         self._ranks: dict[int, _DpRank] = {}
+        self._max_workers = max_workers
+        self._workers = 0  # registrations held, in all ranks
+
+    def __len__(self) -> int:
+        """The number of workers registered (lapsed leases included until expired)."""
+        return self._workers
 
     def register(
         self, worker: RegisterWorker, now: float = 0.0, lease: float | None = None
@@ -89,21 +136,35 @@ class BootstrapRegistry:
         Returns ``"added"`` for a new rank, ``"moved"`` for a known rank at a new address (or
         with a new key),
         ``"unchanged"`` for a repeat (a renewal), ``"engine_replaced"`` when a new engine id
-        took over the DP rank. ``worker`` is already validated by its own type; nothing is
-        raised.
+        took over the DP rank.
+
+        Raises :class:`ValueError` for a field beyond its limit and :class:`RegistryFull` when
+        the worker is new and the registry holds ``max_workers`` (a registration that replaces
+        a DP rank's engine frees that rank's workers first); nothing changes then.
         """
+        _check_fields(worker)
         self.expire(now)
         key = (worker.tp_rank, worker.pp_rank)
         expires = float("inf") if lease is None else now + lease
         rank = self._ranks.get(worker.dp_rank)
-        if rank is None or rank.engine_id != worker.engine_id:
+        replaced = rank is not None and rank.engine_id != worker.engine_id
+        freed = len(rank.addrs) if rank is not None and replaced else 0
+        new_worker = rank is None or replaced or key not in rank.addrs
+        if new_worker and self._workers - freed >= self._max_workers:
+            raise RegistryFull(
+                f"the registry holds its maximum of {self._max_workers} workers; "
+                "a new one is taken once a lease lapses"
+            )
+        if rank is None or replaced:
             new = _DpRank(worker.engine_id)
             self._ranks[worker.dp_rank] = new
             _record(new, key, worker, expires)
+            self._workers += 1 - freed
             return "added" if rank is None else "engine_replaced"
         old = (rank.addrs.get(key), rank.keys.get(key, ""))
         _record(rank, key, worker, expires)
         if old[0] is None:
+            self._workers += 1
             return "added"
         return "unchanged" if old == (worker.addr, worker.curve_key) else "moved"
 
@@ -115,7 +176,8 @@ class BootstrapRegistry:
                 addr = rank.addrs.pop((tp, pp))
                 del rank.expires[tp, pp]
                 rank.keys.pop((tp, pp), None)
-                gone.append(f"{rank.engine_id} dp={dp} tp={tp} pp={pp} at {addr}")
+                self._workers -= 1
+                gone.append(f"{rank.engine_id!r} dp={dp} tp={tp} pp={pp} at {addr!r}")
             if not rank.addrs:
                 del self._ranks[dp]
         return gone
@@ -159,8 +221,14 @@ def _make_app(registry: BootstrapRegistry, token: str | None = None) -> QuartTri
     # static_folder=None: no /static route; the app serves exactly three routes.
     app = QuartTrio(__name__, static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = _MAX_BODY_BYTES
+    app.config["BODY_TIMEOUT"] = _BODY_TIMEOUT
     decoder = msgspec.json.Decoder(RegisterWorker)
-    check = BearerCheck(token, "the bootstrap registry", log)
+    refusals = RefusalLog(log, "the bootstrap registry")
+    check = BearerCheck(token, "the bootstrap registry", refusals)
+
+    def refuse(status: int, message: str) -> Response:
+        refusals.refused(request.remote_addr or "unknown client", status, message)
+        return _json({"error": message}, status)
 
     @app.before_request
     async def authenticate() -> Response | None:
@@ -178,7 +246,7 @@ def _make_app(registry: BootstrapRegistry, token: str | None = None) -> QuartTri
         try:
             worker = decoder.decode(body)
         except msgspec.DecodeError as exc:  # ValidationError is a DecodeError too
-            return _json({"error": f"invalid registration: {exc}"}, 400)
+            return refuse(400, f"invalid registration: {exc}")
         lease_arg = request.args.get("lease")
         lease: float | None = None
         if lease_arg is not None:
@@ -187,13 +255,17 @@ def _make_app(registry: BootstrapRegistry, token: str | None = None) -> QuartTri
             except ValueError:
                 lease = -1.0
             if not 0 < lease <= _MAX_LEASE:
-                message = f"lease must be a number of seconds in (0, {_MAX_LEASE:g}]"
-                return _json({"error": message}, 400)
-        change = registry.register(worker, trio.current_time(), lease)
+                return refuse(400, f"lease must be a number of seconds in (0, {_MAX_LEASE:g}]")
+        try:
+            change = registry.register(worker, trio.current_time(), lease)
+        except ValueError as exc:
+            return refuse(400, f"invalid registration: {exc}")
+        except RegistryFull as exc:
+            return refuse(429, str(exc))
         if change == "unchanged":
             return _json({"ok": True})  # a renewal: not worth a log line each second
         log.info(
-            "bootstrap: engine %s dp=%d tp=%d pp=%d at %s%s (%s)",
+            "bootstrap: engine %r dp=%d tp=%d pp=%d at %r%s (%s)",
             worker.engine_id,
             worker.dp_rank,
             worker.tp_rank,
@@ -214,14 +286,14 @@ def _make_app(registry: BootstrapRegistry, token: str | None = None) -> QuartTri
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
-        # 404, 405, 413, ...: the same JSON error shape as a bad registration.
-        return _json({"error": exc.description or exc.name}, exc.code or 500)
+        # 404, 405, 408, 413, ...: the same JSON error shape as a bad registration.
+        return refuse(exc.code or 500, exc.description or exc.name)
 
     @app.errorhandler(Exception)
     async def internal_error(exc: Exception) -> Response:
         # Handled here so that Quart never builds its own logger (it would start a queue
         # listener thread); the bug is logged with its traceback and the server keeps going.
-        log.error("bootstrap: internal error on %s %s", request.method, request.path, exc_info=exc)
+        log.error("bootstrap: internal error on %s %r", request.method, request.path, exc_info=exc)
         return _json({"error": f"internal error: {type(exc).__name__}"}, 500)
 
     return app
@@ -237,10 +309,10 @@ async def serve_bootstrap(
     Binds ``config.host:config.port`` (port 0: a free port), then reports the bound URL, e.g.
     ``"http://127.0.0.1:40123"``, through ``task_status.started`` (a wildcard host is
     reported as loopback, so the URL can be dialled). Every request is answered; bad input
-    gets a 400 with ``{"error": ...}`` and never stops the server. With ``config.token``,
-    ``/register`` and ``/query`` without that bearer token get a 401 (each refused client is
-    logged once). Each registration is
-    logged on ``"pdactors.bootstrap"``.
+    gets a 400 with ``{"error": ...}`` and never stops the server; past
+    ``config.max_workers`` registrations a new worker gets a 429. With ``config.token``,
+    ``/register`` and ``/query`` without that bearer token get a 401. Each registration is
+    logged on ``"pdactors.bootstrap"``, each refused client once a minute at most.
 
     Usage: ``url = await nursery.start(serve_bootstrap, BootstrapConfig())``, or
     ``trio.run(serve_bootstrap, config)`` to run it as a process's only job.
@@ -249,7 +321,7 @@ async def serve_bootstrap(
     normally.
     """
     sock = await bind_listener(config.host, config.port, "the bootstrap registry")
-    registry = BootstrapRegistry()
+    registry = BootstrapRegistry(config.max_workers)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_expire_loop, registry)
         await serve_http(

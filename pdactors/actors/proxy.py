@@ -41,7 +41,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Final
+from typing import Any, Final
 
 import httpx
 import msgspec
@@ -65,9 +65,10 @@ from pdactors.actors._proxy_wire import (
     Reply,
     cancel_on_disconnect,
     header,
-    read_body,
+    receive_body,
     validate,
 )
+from pdactors.actors._refusals import RefusalLog
 from pdactors.bootstrap_client import BootstrapClient, tls_verify
 from pdactors.config import ProxyConfig
 from pdactors.errors import describe
@@ -96,7 +97,8 @@ class Proxy:
         self.config = config
         self.probe_http = probe_http  # httpx, its own pool: request traffic never delays probes
         self.bootstrap = BootstrapClient(probe_http, config.bootstrap_token)
-        self.auth = BearerCheck(config.api_key, "the proxy", log)
+        self.refusals = RefusalLog(log, "the proxy")  # 4xx answers to clients
+        self.auth = BearerCheck(config.api_key, "the proxy")  # refusals logged by the caller
         prefill = [Backend("prefill", p.url.rstrip("/"), p.bootstrap_url) for p in config.prefill]
         decode = [Backend("decode", url.rstrip("/")) for url in config.decode]
         self.prefill = Pool("prefill", prefill, config.routing)
@@ -125,27 +127,31 @@ class Proxy:
         send: ASGISendCallable,
     ) -> None:
         """One completion request (raw ASGI). A client that goes away cancels it; a bug is
-        logged with its traceback and answered 500 when nothing was sent yet."""
+        logged with its traceback and answered 500 when nothing was sent yet. Refusals (401,
+        408, 413, 400) are counted and logged once per client per interval."""
         reply = Reply(send)
         arrived = trio.current_time()
         peer = scope.get("client")
         client = peer[0] if peer else "unknown client"
         refused = self.auth.refusal(header(scope["headers"], b"authorization"), client)
         if refused is not None:  # before reading a byte of the body
-            self.metrics.requests.labels(endpoint.name, "unauthorized").inc()
-            await reply.failure(Failure.unauthorized(refused))
+            await self._refuse(endpoint, client, Failure.unauthorized(refused), reply)
             return
         try:
-            raw = await read_body(receive, self.config.max_body_bytes)
+            raw = await receive_body(scope["headers"], receive, self.config)
         except ClientGone:
             return  # it went away before its body was in: nothing started, nobody to answer
+        body = raw if isinstance(raw, Failure) else validate(raw, endpoint)
+        if isinstance(body, Failure):
+            await self._refuse(endpoint, client, body, reply)
+            return
         try:
             async with trio.open_nursery() as nursery:
                 watch = trio.CancelScope()
                 nursery.start_soon(
                     cancel_on_disconnect, receive, nursery.cancel_scope, reply, watch
                 )
-                await self.complete(endpoint, scope, raw, reply, nursery, arrived)
+                await self.complete(endpoint, scope, body, reply, nursery, arrived)
                 # Answered. P's leg, if still open, gets a moment to end (its connection is
                 # then reused: cancelled, it is closed and the next request dials anew), then
                 # it is cancelled; the client hanging up from now on changes nothing.
@@ -161,22 +167,11 @@ class Proxy:
         self,
         endpoint: Endpoint,
         scope: HTTPScope,
-        raw: bytes | None,
+        body: dict[str, Any],
         reply: Reply,
         nursery: trio.Nursery,
         arrived: float,
     ) -> None:
-        if raw is None:
-            limit = self.config.max_body_bytes
-            message = f"the body is larger than {limit} bytes"
-            self.metrics.requests.labels(endpoint.name, "invalid").inc()
-            await reply.failure(Failure.of(413, message, "invalid_request_error", "invalid"))
-            return
-        body = validate(raw, endpoint)
-        if isinstance(body, str):
-            self.metrics.requests.labels(endpoint.name, "invalid").inc()
-            await reply.failure(Failure.of(400, body, "invalid_request_error", "invalid"))
-            return
         p, d = self.prefill.pick(), self.decode.pick()
         if p is None or d is None:
             why = (self.prefill if p is None else self.decode).why_none()
@@ -200,7 +195,7 @@ class Proxy:
         if self.config.placement == "local":  # D prefills it itself: P takes no part
             self.metrics.placement.labels("local").inc()
             self._release_prefill(ex)
-            await self._answer_from_decode(ex, raw, reply)
+            await self._answer_from_decode(ex, msgspec.json.encode(body), reply)
             return
         self.metrics.placement.labels("disaggregated").inc()
         if self.config.first_token == "p" and _bodies.applies(body, endpoint.chat):
@@ -236,6 +231,11 @@ class Proxy:
             await self._whole_answer(ex, d_resp, reply)
         else:
             await self._relay(ex, d_resp, reply)
+
+    async def _refuse(self, endpoint: Endpoint, client: str, no: Failure, reply: Reply) -> None:
+        self.metrics.requests.labels(endpoint.name, no.outcome).inc()
+        self.refusals.refused(client, no.status, no.message)
+        await reply.failure(no)
 
     async def _prefill_leg(self, ex: Exchange, body: bytes) -> bytes | None:
         """P's whole answer; a failure (or no answer by the deadline) fails the request
