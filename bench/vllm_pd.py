@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,18 +65,21 @@ class Result:
     sent: float  # wall clock, for the timeline
     first: float
     tid: str | None
+    last: float = float("nan")  # seconds from the send to the last data chunk
 
 
 def stream(url: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Result:
-    """One streamed greedy completion."""
+    """One streamed greedy completion; its tokens are counted by the usage chunk that ends the
+    stream (a chunk can hold several tokens, or none: the detokenizer holds back incomplete
+    characters), or as chunks where no usage came."""
     body: dict[str, Any] = {
         "model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": max_tokens,
-        "stream": True, "ignore_eos": True,
+        "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
     if params is not None:
         body["kv_transfer_params"] = params
     sent, start = time.time(), time.perf_counter()
-    ttft, first, chunks = float("nan"), float("nan"), 0
+    ttft, first, last, chunks, tokens = float("nan"), float("nan"), float("nan"), 0, None
     with HTTP.stream("POST", f"{url}/v1/completions", json=body) as r:
         tid = r.headers.get("x-request-id")
         if r.status_code != 200:  # counted as a failed request (a TTFT of nan)
@@ -84,10 +88,16 @@ def stream(url: str, prompt: list[int], max_tokens: int, params: dict[str, Any] 
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
+            now = time.perf_counter() - start
+            chunk = json.loads(line.removeprefix("data: "))
+            if not chunk["choices"]:  # the usage chunk, after the last token's
+                tokens = chunk["usage"]["completion_tokens"]
+                continue
             if chunks == 0:
-                ttft, first = time.perf_counter() - start, time.time()
+                ttft, first = now, time.time()
+            last = now
             chunks += 1
-    return Result(ttft, chunks, sent, first, tid)
+    return Result(ttft, chunks if tokens is None else tokens, sent, first, tid, last)
 
 
 def direct(
@@ -156,14 +166,19 @@ def segments(results: list[Result], marks: dict[str, dict[str, float]]) -> dict[
 
 @contextlib.contextmanager
 def proxy_process(
-    p_url: str, bootstrap: str, d_url: str, log: Path, cwd: Path = ROOT
+    p_url: str,
+    bootstrap: str,
+    d_url: str,
+    log: Path,
+    cwd: Path = ROOT,
+    extra: Sequence[str] = (),
 ) -> Iterator[Server]:
-    """``pdactors proxy`` (the one in ``cwd``) in front of P and D, stopped on exit; its
-    messages go to ``log``."""
+    """``pdactors proxy`` (the one in ``cwd``, with the options ``extra``) in front of P and D,
+    stopped on exit; its messages go to ``log``."""
     port = free_port()
     cmd = [
         sys.executable, "-m", "pdactors.cli", "proxy", "--port", str(port),
-        "--prefill", f"{p_url}@{bootstrap}", "--decode", d_url,
+        "--prefill", f"{p_url}@{bootstrap}", "--decode", d_url, *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(cwd)}
     with (
