@@ -89,6 +89,25 @@ async def open_pair(
             nursery.cancel_scope.cancel()
 
 
+#: Clock ticks per second, the unit of /proc/PID/stat's CPU times.
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every live process in process group ``pgid``."""
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # fields after the name: state ppid pgrp ...
+            total += int(fields[11]) + int(fields[12])  # utime stime
+    return total / CLK
+
+
 @contextmanager
 def worktree(rev: str) -> Iterator[Path]:
     """A checkout of git revision ``rev`` of this repository in a temporary directory (for

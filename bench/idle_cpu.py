@@ -12,7 +12,6 @@ P), CPU of D's whole process group sampled over ``--seconds``; then, side by sid
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import threading
@@ -24,27 +23,12 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import group_cpu_seconds
 from bench.vllm_pd import direct, run_level
 from pdactors_vllm.tiny_model import ensure_tiny_model
 from tests.vllm.servers import Server, free_port, producer_config, servers
 
 ENGINE = "prefill-bench"
-CLK = os.sysconf("SC_CLK_TCK")
-
-
-def group_cpu_seconds(pgid: int) -> float:
-    """User + system CPU seconds of every live process in process group ``pgid``."""
-    total = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:  # fields after the name: state ppid pgrp ...
-            total += int(fields[11]) + int(fields[12])  # utime stime
-    return total / CLK
 
 
 def waiting_cpu(d: Server, bootstrap: str, seconds: float) -> float:

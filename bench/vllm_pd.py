@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,18 +70,22 @@ class Result:
     sent: float  # wall clock, for the timeline
     first: float
     tid: str | None
+    last: float = float("nan")  # seconds from the send to the last data chunk
 
 
 def stream(url: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Result:
-    """One streamed greedy completion."""
+    """One streamed greedy completion; its tokens are counted by the usage chunk that ends the
+    stream (a chunk can hold several tokens, or none: the detokenizer holds back incomplete
+    characters), or as chunks where no usage came."""
     body: dict[str, Any] = {
         "model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": max_tokens,
-        "stream": True, "ignore_eos": True,
+        "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
     if params is not None:
         body["kv_transfer_params"] = params
     sent, start = time.time(), time.perf_counter()
-    ttft, second, first, chunks = float("nan"), float("nan"), float("nan"), 0
+    ttft, second, first, last = float("nan"), float("nan"), float("nan"), float("nan")
+    chunks, tokens = 0, None
     with _open_stream(f"{url}/v1/completions", body) as r:
         tid = r.headers.get("x-request-id")
         if r.status_code != 200:  # counted as a failed request (a TTFT of nan)
@@ -89,12 +94,18 @@ def stream(url: str, prompt: list[int], max_tokens: int, params: dict[str, Any] 
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
+            now = time.perf_counter() - start
+            chunk = json.loads(line.removeprefix("data: "))
+            if not chunk["choices"]:  # the usage chunk, after the last token's
+                tokens = chunk["usage"]["completion_tokens"]
+                continue
             if chunks == 0:
-                ttft, first = time.perf_counter() - start, time.time()
+                ttft, first = now, time.time()
             elif chunks == 1:
-                second = time.perf_counter() - start
+                second = now
+            last = now
             chunks += 1
-    return Result(ttft, second, chunks, sent, first, tid)
+    return Result(ttft, second, chunks if tokens is None else tokens, sent, first, tid, last)
 
 
 @contextlib.contextmanager
@@ -180,9 +191,14 @@ def segments(results: list[Result], marks: dict[str, dict[str, float]]) -> dict[
 
 @contextlib.contextmanager
 def proxy_process(
-    p_url: str, bootstrap: str, d_url: str, log: Path, cwd: Path = ROOT, *extra: str
+    p_url: str,
+    bootstrap: str,
+    d_url: str,
+    log: Path,
+    cwd: Path = ROOT,
+    extra: Sequence[str] = (),
 ) -> Iterator[Server]:
-    """``pdactors proxy`` (the one in ``cwd``, with ``extra`` arguments) in front of P and D,
+    """``pdactors proxy`` (the one in ``cwd``, with the options ``extra``) in front of P and D,
     stopped on exit; its messages go to ``log``."""
     port = free_port()
     cmd = [
@@ -256,7 +272,7 @@ def main() -> None:
         setups["proxy"] = lambda pr: stream(proxy.url, pr, args.max_tokens, None)
         concurrent = stack.enter_context(
             proxy_process(
-                p.url, boot["eager"], d.url, logs / "proxy-d.log", ROOT, "--first-token", "d"
+                p.url, boot["eager"], d.url, logs / "proxy-d.log", ROOT, ("--first-token", "d")
             )
         )
         setups["proxy d-first"] = lambda pr: stream(concurrent.url, pr, args.max_tokens, None)

