@@ -311,10 +311,20 @@ def proxy(
     placement: Annotated[
         str,
         typer.Option(
-            metavar="disaggregate|local",
-            help="disaggregate: P computes every prompt; local: D serves each request whole.",
+            metavar="auto|disaggregate|local",
+            help="auto: per request, P or D computes the prompt, whichever the proxy's "
+            "measurements say costs less; disaggregate: P computes every prompt; local: D "
+            "serves each request whole.",
         ),
     ] = default_of(ProxyConfig, "placement"),
+    placement_stall_weight: Annotated[
+        float,
+        typer.Option(
+            metavar="W",
+            help="auto: what a ms of pause to a request D is decoding counts for against a "
+            "ms of the new request's time to first token.",
+        ),
+    ] = default_of(ProxyConfig, "placement_stall_weight"),
     health_interval: Annotated[
         float, typer.Option(metavar="SECONDS", help="Seconds between health checks.")
     ] = default_of(ProxyConfig, "health_interval"),
@@ -388,6 +398,7 @@ def proxy(
             routing=routing,  # type: ignore[arg-type]  # checked by ProxyConfig
             first_token=first_token,  # type: ignore[arg-type]  # checked by ProxyConfig
             placement=placement,  # type: ignore[arg-type]  # checked by ProxyConfig
+            placement_stall_weight=placement_stall_weight,
             health_interval=health_interval,
             request_timeout=request_timeout,
             max_body_bytes=max_body_bytes,

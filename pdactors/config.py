@@ -235,7 +235,7 @@ ROUTINGS: tuple[str, ...] = get_args(Routing)
 #: Who computes the client's first token (:class:`ProxyConfig`'s ``first_token``).
 FirstToken = Literal["p", "d"]
 #: Where the proxy has a request's prompt computed (:class:`ProxyConfig`'s ``placement``).
-Placement = Literal["disaggregate", "local"]
+Placement = Literal["auto", "disaggregate", "local"]
 
 
 class PrefillBackend(msgspec.Struct, frozen=True):
@@ -269,8 +269,12 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     * ``certfile`` / ``keyfile``: serve HTTPS with this PEM certificate and key.
     * ``ca_file``: the CA bundle that signs the certificates of HTTPS bootstraps and of
       ``https://`` engines (a private CA); the system's CAs otherwise.
-    * ``placement``: ``"disaggregate"`` (the default): P computes every prompt;
+    * ``placement``: ``"auto"`` (the default): per request, P computes the prompt or D
+      computes the request whole, whichever the proxy's estimates say costs less
+      (:mod:`pdactors.actors._placement`); ``"disaggregate"``: P computes every prompt;
       ``"local"``: D computes each request whole (an ordinary request to D; P takes no part).
+    * ``placement_stall_weight``: for ``"auto"``, what a millisecond of pause to a request D
+      is decoding counts for against a millisecond of the new request's time to first token.
     * ``first_token``: ``"p"`` (the default): the client's first token is P's answer, D
       continues after it (:mod:`pdactors.actors._p_first`); ``"d"``: upstream's flow, P and D
       asked at once and D computing every token the client gets.
@@ -285,7 +289,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 0
     routing: Routing = "round_robin"
     first_token: FirstToken = "p"
-    placement: Placement = "disaggregate"
+    placement: Placement = "auto"
+    placement_stall_weight: float = 0.25
     health_interval: float = 2.0
     health_timeout: float = 2.0
     request_timeout: float = 600.0
@@ -313,7 +318,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.routing not in ("round_robin", "least_outstanding"):
             raise ValueError(f"unknown routing {self.routing!r}")
         if self.placement not in get_args(Placement):
-            raise ValueError(f"placement must be 'disaggregate' or 'local', not {self.placement!r}")
+            allowed = ", ".join(repr(p) for p in get_args(Placement))
+            raise ValueError(f"placement must be one of {allowed}, not {self.placement!r}")
+        if not self.placement_stall_weight >= 0:
+            raise ValueError("placement_stall_weight must be >= 0")
         if self.first_token not in get_args(FirstToken):
             raise ValueError(f"first_token must be 'p' or 'd', not {self.first_token!r}")
         timeouts = (self.health_interval, self.health_timeout, self.request_timeout)

@@ -8,6 +8,7 @@ tail of the failed component's log.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -17,7 +18,7 @@ import tempfile
 import time
 import tomllib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -110,9 +111,14 @@ class Smoke:
     ttft_single: float
     ttft_pd: float
     stats: Stats
-    #: Requests through the proxy: with the first token from P, D computes one prompt token
-    #: of each it continues (P's token), and none of the prompt.
+    #: Requests through the proxy disaggregated: with the first token from P, D computes one
+    #: prompt token of each it continues (P's token), and none of the prompt.
     proxied: int = 0
+    second_pd: float = 0.0  # disaggregated: the second token (D's first chunk), median
+    #: The same prompts with the proxy's own placement (``--placement auto`` by default): the
+    #: median time to first token, and how many went local (D alone) and disaggregated.
+    ttft_auto: float = 0.0
+    auto_placed: dict[str, int] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -124,31 +130,60 @@ class Smoke:
 
     def lines(self) -> list[str]:
         s = self.stats
+
+        def vs_single(t: float) -> str:
+            return f" (×{t / self.ttft_single:.1f})" if self.ttft_single else ""
+
         verdict = "PASS" if self.passed else "FAIL"
-        ratio = f" (×{self.ttft_pd / self.ttft_single:.1f})" if self.ttft_single else ""
-        return [
+        out = [
             f"smoke: {self.same}/{self.total} answers through the proxy equal the single "
             f"server's — {verdict}",
             f"  time to first token (median): single {1000 * self.ttft_single:.0f} ms, "
-            f"PD {1000 * self.ttft_pd:.0f} ms{ratio}",
+            f"PD {1000 * self.ttft_pd:.0f} ms{vs_single(self.ttft_pd)} (P's token), "
+            f"second token {1000 * self.second_pd:.0f} ms (D's first)",
+        ]
+        if self.auto_placed:
+            placed = ", ".join(f"{n} {where}" for where, n in sorted(self.auto_placed.items()))
+            out.append(
+                f"  with the proxy's own placement: {1000 * self.ttft_auto:.0f} ms"
+                f"{vs_single(self.ttft_auto)} ({placed})"
+            )
+        out += [
             f"  KV moved P → D: {s.transfers:.0f} transfers, {s.kv_bytes / 2**20:.2f} MiB",
             f"  prompt tokens D computed itself: {s.d_local_prompt_tokens:.0f} "
             f"(P's first token of each request D continued; {self.proxied} requests)",
         ]
+        return out
 
 
-async def _stream(http: httpx.AsyncClient, url: str, model: str, prompt: str) -> tuple[str, float]:
-    """One greedy streamed completion: its text and the seconds to its first chunk."""
+@dataclass
+class Streamed:
+    """One streamed answer: its text, seconds to its first and second chunks, and where the
+    proxy placed it (its ``x-pdactors-placement`` header; "" from an engine)."""
+
+    text: str
+    first: float
+    second: float
+    placement: str
+
+
+async def _stream(
+    http: httpx.AsyncClient, url: str, model: str, prompt: str, placement: str | None = None
+) -> Streamed:
+    """One greedy streamed completion (through the proxy, ``placement`` pinned when given)."""
     body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": True}
-    start, first, text = time.monotonic(), None, []
-    async with http.stream("POST", f"{url}/v1/completions", json=body) as answer:
+    headers = {"x-pdactors-placement": placement} if placement else None
+    start, times, text = time.monotonic(), [], []
+    async with http.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as answer:
         answer.raise_for_status()
         async for line in answer.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            first = first or time.monotonic() - start
+            times.append(time.monotonic() - start)
             text += [c.get("text", "") for c in json.loads(line[6:]).get("choices", ())]
-    return "".join(text), first or 0.0
+    times += [0.0, 0.0]
+    where = answer.headers.get("x-pdactors-placement", "")
+    return Streamed("".join(text), times[0], times[1], where)
 
 
 def _headers(key: str | None) -> dict[str, str]:
@@ -180,29 +215,37 @@ async def _watch(view: LaunchView, plan: Plan) -> None:
 
 
 async def _smoke(plan: Plan, api_key: str | None) -> Smoke:
+    """Each prompt to the single server and through the proxy disaggregated (the answers must
+    be equal, the KV must have moved, D must not have computed the prompts), then through the
+    proxy with its own placement (equal answers again)."""
     single = next(c for c in plan.children if c.name == "single")
     single_url = single.base_url
     engine_key = plan.extra.get("engine_key")
-    got, want = [], []
+    got, want, auto = [], [], []
     async with (
         httpx.AsyncClient(trust_env=False, timeout=120, headers=_headers(api_key)) as proxy,
         httpx.AsyncClient(trust_env=False, timeout=120, headers=_headers(engine_key)) as direct,
     ):
         # One request each first, not counted: an engine's first request is slow (warm-up).
-        await _stream(proxy, plan.proxy_url, plan.model_name, "Hello")
+        await _stream(proxy, plan.proxy_url, plan.model_name, "Hello", "disaggregate")
         await _stream(direct, single_url, plan.model_name, "Hello")
         for prompt in SMOKE_PROMPTS:
-            got.append(await _stream(proxy, plan.proxy_url, plan.model_name, prompt))
+            got.append(await _stream(proxy, plan.proxy_url, plan.model_name, prompt, "disaggregate"))
             want.append(await _stream(direct, single_url, plan.model_name, prompt))
-        stats = await _read_stats(direct, plan)
-    same = sum(g[0] == w[0] for g, w in zip(got, want, strict=True))
+        stats = await _read_stats(direct, plan)  # before any prompt is computed on D
+        for prompt in SMOKE_PROMPTS:
+            auto.append(await _stream(proxy, plan.proxy_url, plan.model_name, prompt))
+    same = sum(g.text == w.text for g, w in zip([*got, *auto], want * 2, strict=True))
     return Smoke(
         same,
-        len(SMOKE_PROMPTS),
-        statistics.median(w[1] for w in want),
-        statistics.median(g[1] for g in got),
+        2 * len(SMOKE_PROMPTS),
+        statistics.median(w.first for w in want),
+        statistics.median(g.first for g in got),
         stats,
         proxied=len(SMOKE_PROMPTS) + 1,  # and the warm-up
+        second_pd=statistics.median(g.second for g in got),
+        ttft_auto=statistics.median(a.first for a in auto),
+        auto_placed=dict(collections.Counter(a.placement or "?" for a in auto)),
     )
 
 

@@ -75,8 +75,14 @@ def test_the_smoke_passes_only_when_answers_match_kv_moved_and_d_computed_nothin
     assert ok.passed
     lines = ok.lines()
     assert lines[0] == "smoke: 4/4 answers through the proxy equal the single server's — PASS"
-    assert "single 40 ms, PD 90 ms (×2.2)" in lines[1]
+    assert "single 40 ms, PD 90 ms (×2.2) (P's token), second token 0 ms" in lines[1]
     assert "4 transfers, 1.00 MiB" in lines[2] and ": 0 (P's first token" in lines[3]
+    auto = Smoke(4, 4, 0.040, 0.090, moved, second_pd=0.1, ttft_auto=0.044,
+                 auto_placed={"local": 3, "disaggregated": 1})  # fmt: skip
+    assert "second token 100 ms" in auto.lines()[1]
+    assert auto.lines()[2] == (
+        "  with the proxy's own placement: 44 ms (×1.1) (1 disaggregated, 3 local)"
+    )
     assert not Smoke(3, 4, 0.04, 0.09, moved).passed
     assert not Smoke(4, 4, 0.04, 0.09, Stats(transfers=0, kv_bytes=0)).passed
     local = Stats(transfers=4, kv_bytes=2**20, d_local_prompt_tokens=12)

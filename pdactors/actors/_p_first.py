@@ -55,6 +55,9 @@ async def _serve(proxy: Proxy, ex: Exchange, body: dict[str, Any], reply: Reply)
         proxy._end(ex, ex.failure.outcome)
         await reply.failure(ex.failure)
         return
+    if ex.prompt_chars:  # a text prompt: its characters per token, for the placer
+        proxy.placer.count.observe(ex.prompt_chars, len(first.prompt_ids))
+    ex.prompt_tokens = len(first.prompt_ids)
     if ft.ends_at_p(first, body, chat):
         proxy.metrics.p_first.labels("ended_at_p").inc()
         proxy._end(ex, "ok")
@@ -79,6 +82,7 @@ async def _serve(proxy: Proxy, ex: Exchange, body: dict[str, Any], reply: Reply)
         await _start(reply, ex)
         await reply.chunk(ft.first_event(first, body, chat, last=False))
         proxy._first_chunk(ex)
+        ex.d_sent = trio.current_time()
         resp = await proxy._open_decode(ex, d_body, COMPLETIONS.path)
         if resp is None:
             await proxy._stream_failure(ex, reply)

@@ -68,6 +68,8 @@ def make_app(proxy: Proxy) -> QuartTrio:
     @app.get("/health")
     async def health() -> Response:
         status, report = proxy.watch.report()
+        if proxy.config.placement == "auto":
+            report["placement"] = proxy.placer.describe()
         return _json(report, status)
 
     @app.get("/metrics")

@@ -29,6 +29,9 @@ class Backend:
     up: bool = False
     problem: str = "not checked yet"
     outstanding: int = 0
+    #: Prompt tokens sent to it whose first token has not come back yet (its prefill queue,
+    #: as the proxy sees it: :mod:`pdactors.actors._placement`).
+    waiting_tokens: int = 0
     bootstrap_slow: bool = False  # P only: its bootstrap gave no answer in the last round
     _dp_next: int = 0
 
@@ -48,7 +51,12 @@ class Backend:
         return rank, self.dp_engines[rank]
 
     def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"url": self.url, "up": self.up, "outstanding": self.outstanding}
+        out: dict[str, Any] = {
+            "url": self.url,
+            "up": self.up,
+            "outstanding": self.outstanding,
+            "waiting_tokens": self.waiting_tokens,
+        }
         if self.role == "prefill":
             out |= {"bootstrap_url": self.bootstrap_url, "engine_id": self.engine_id}
             if len(self.dp_engines) > 1:
@@ -136,8 +144,9 @@ class Metrics:
         )
         self.placement = Counter(
             "pdactors_proxy_placement",
-            "Requests by where their prompt was computed: on P (disaggregated) or on D (local)",
-            ["placement"],
+            "Requests by where their prompt was computed, on P (disaggregated) or on D (local), "
+            "and why (pinned: the operator's --placement; else auto's reason)",
+            ["placement", "reason"],
             registry=r,
         )
         self.p_first = Counter(

@@ -181,6 +181,19 @@ class Exchange:
     p_answered: float | None = None
     d_answered: float | None = None
     first_sent: float | None = None  # when the client's first chunk went out
+    #: ``"disaggregated"`` or ``"local"`` (D computes the prompt), and the prompt's tokens
+    #: (exact for token ids, else estimated: :mod:`pdactors.actors._placement`).
+    placement: str = "disaggregated"
+    prompt_tokens: int = 0
+    prompt_chars: int = 0  # a text prompt's characters (0 for token ids)
+    #: The engine computing the prompt while its first token is awaited (its
+    #: ``waiting_tokens`` hold ``prompt_tokens``), when it was asked, and the prompt tokens
+    #: waiting on it then (its own included).
+    prefilling: Backend | None = None
+    prefill_sent: float = 0.0
+    tokens_ahead: int = 0
+    d_sent: float | None = None  # P-first: when D's request went out
+    last_chunk: float | None = None  # when D's latest chunk came
 
     def fail(self, failure: Failure) -> None:
         if self.failure is None:  # the first failure is the cause; later ones are its echo
@@ -205,6 +218,7 @@ class Reply:
         self._send = send
         self.started = False
         self.complete = False  # the answer's last byte was handed to hypercorn
+        self.headers: list[tuple[bytes, bytes]] = []  # sent with the answer's headers
 
     async def start(
         self,
@@ -214,7 +228,12 @@ class Reply:
         *extra: tuple[bytes, bytes],
     ) -> None:
         self.started = True
-        headers = [(b"content-type", content_type), (b"x-request-id", tid.encode()), *extra]
+        headers = [
+            (b"content-type", content_type),
+            (b"x-request-id", tid.encode()),
+            *self.headers,
+            *extra,
+        ]
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def chunk(self, data: bytes, *, more: bool = True) -> None:

@@ -41,7 +41,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any, Final
+from typing import Any, Final, get_args
 
 import httpx
 import msgspec
@@ -54,6 +54,7 @@ from pdactors.actors._auth import BearerCheck
 from pdactors.actors._engine_http import ConnectFailed, EngineClient, EngineError, EngineResponse
 from pdactors.actors._http import bind_listener, serve_http
 from pdactors.actors._p_first import complete_p_first
+from pdactors.actors._placement import EngineLoad, Placer, prompt_size
 from pdactors.actors._proxy_app import make_app
 from pdactors.actors._proxy_health import HealthWatch
 from pdactors.actors._proxy_state import Backend, Metrics, Pool
@@ -70,7 +71,7 @@ from pdactors.actors._proxy_wire import (
 )
 from pdactors.actors._refusals import RefusalLog
 from pdactors.bootstrap_client import BootstrapClient, tls_verify
-from pdactors.config import ProxyConfig
+from pdactors.config import Placement, ProxyConfig
 from pdactors.errors import describe
 from pdactors.messages import KVTransferParams
 
@@ -86,6 +87,9 @@ _CLOSE_TIMEOUT: Final = 2.0
 _PREFILL_GRACE: Final = 0.25
 #: How long a relay waits to hand a final error event to a slow client.
 _LAST_EVENT_TIMEOUT: Final = 1.0
+#: A request header that overrides ``--placement`` for that request (auto, disaggregate,
+#: local); the answer's header of the same name says where its prompt was computed.
+_PLACEMENT_HEADER: Final = b"x-pdactors-placement"
 #: An SSE event in which an engine reports a failure of a stream it already answered 200 to.
 _ERROR_EVENT: Final = b'data: {"error"'
 
@@ -112,6 +116,7 @@ class Proxy:
             for b in (*prefill, *decode)
         }
         self.metrics = Metrics()
+        self.placer = Placer(config.placement_stall_weight)
         for b in (*prefill, *decode):
             self.metrics.backend_up.labels(b.role, b.url).set(0)
         pools = (self.prefill, self.decode)
@@ -145,13 +150,21 @@ class Proxy:
         if isinstance(body, Failure):
             await self._refuse(endpoint, client, body, reply)
             return
+        asked = header(scope["headers"], _PLACEMENT_HEADER)
+        pin = self.config.placement if asked is None else asked.strip().lower()
+        if pin not in get_args(Placement):
+            allowed = ", ".join(get_args(Placement))
+            message = f"the {_PLACEMENT_HEADER.decode()} header must be one of {allowed}"
+            no = Failure.of(400, message, "invalid_request_error", "invalid")
+            await self._refuse(endpoint, client, no, reply)
+            return
         try:
             async with trio.open_nursery() as nursery:
                 watch = trio.CancelScope()
                 nursery.start_soon(
                     cancel_on_disconnect, receive, nursery.cancel_scope, reply, watch
                 )
-                await self.complete(endpoint, scope, body, reply, nursery, arrived)
+                await self.complete(endpoint, scope, body, pin, reply, nursery, arrived)
                 # Answered. P's leg, if still open, gets a moment to end (its connection is
                 # then reused: cancelled, it is closed and the next request dials anew), then
                 # it is cancelled; the client hanging up from now on changes nothing.
@@ -168,6 +181,7 @@ class Proxy:
         endpoint: Endpoint,
         scope: HTTPScope,
         body: dict[str, Any],
+        pin: str,
         reply: Reply,
         nursery: trio.Nursery,
         arrived: float,
@@ -189,15 +203,17 @@ class Proxy:
             endpoint, body.get("stream") is True, p, d, tid,
             arrived, arrived + self.config.request_timeout, headers, p_headers, p_engine_id,
         )  # fmt: skip
+        ex.placement = self._place(ex, body, pin)
+        reply.headers.append((_PLACEMENT_HEADER, ex.placement.encode()))
         p.outstanding += 1
         d.outstanding += 1
         self.metrics.in_flight.inc()
-        if self.config.placement == "local":  # D prefills it itself: P takes no part
-            self.metrics.placement.labels("local").inc()
+        if ex.placement == "local":  # D prefills it itself: P takes no part
             self._release_prefill(ex)
+            self._hold_prefill(ex, d)
             await self._answer_from_decode(ex, msgspec.json.encode(body), reply)
             return
-        self.metrics.placement.labels("disaggregated").inc()
+        self._hold_prefill(ex, p)
         if self.config.first_token == "p" and _bodies.applies(body, endpoint.chat):
             await complete_p_first(self, ex, body, reply)
             return
@@ -213,6 +229,49 @@ class Proxy:
         # client's answer is complete (D no longer needs P) or when D fails.
         nursery.start_soon(self._prefill_leg, ex, p_body)
         await self._answer_from_decode(ex, d_body, reply)
+
+    def _place(self, ex: Exchange, body: dict[str, Any], pinned: str) -> str:
+        """Where ``ex``'s prompt is computed: ``pinned`` (the operator's ``--placement`` or
+        the request's header), or for ``auto`` the placer's estimate (counted, and logged at
+        DEBUG with the figures behind it)."""
+        ids, ex.prompt_chars = prompt_size(body, ex.endpoint.chat)
+        ex.prompt_tokens = self.placer.count.tokens((ids, ex.prompt_chars))
+        if pinned != "auto":
+            where = "local" if pinned == "local" else "disaggregated"
+            self.metrics.placement.labels(where, "pinned").inc()
+            return where
+        p_load = EngineLoad(ex.p.waiting_tokens, 0)
+        d_load = EngineLoad(ex.d.waiting_tokens, ex.d.outstanding)
+        decision = self.placer.decide(ex.prompt_tokens, ex.p.url, p_load, ex.d.url, d_load)
+        self.metrics.placement.labels(decision.where, decision.reason).inc()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "proxy: request %s placed %s (%s): ~%d prompt tokens, P waiting on %d, "
+                "D waiting on %d and decoding %d; estimates local %.1f ms, disaggregated "
+                "%.1f ms",
+                ex.transfer_id, decision.where, decision.reason, decision.tokens,
+                p_load.waiting_tokens, d_load.waiting_tokens, d_load.decoding,
+                decision.local_ms, decision.disaggregated_ms,
+            )  # fmt: skip
+        return decision.where
+
+    def _hold_prefill(self, ex: Exchange, engine: Backend) -> None:
+        """``ex``'s prompt is sent to ``engine`` now: it waits in its prefill queue."""
+        engine.waiting_tokens += ex.prompt_tokens
+        ex.prefilling = engine
+        ex.prefill_sent = trio.current_time()
+        ex.tokens_ahead = engine.waiting_tokens
+
+    def _prefill_done(self, ex: Exchange, *, answered: bool) -> None:
+        """``ex``'s prompt left its engine's queue; ``answered``: with its first token now
+        (what the placer learns from)."""
+        engine, ex.prefilling = ex.prefilling, None
+        if engine is None:
+            return
+        engine.waiting_tokens -= ex.prompt_tokens
+        if answered:
+            elapsed = trio.current_time() - ex.prefill_sent
+            self.placer.first_token(engine.url, ex.tokens_ahead, elapsed)
 
     async def _answer_from_decode(self, ex: Exchange, body: bytes, reply: Reply) -> None:
         """Ask D with ``body`` and answer the client with D's answer, as it comes."""
@@ -252,9 +311,11 @@ class Proxy:
                 failure = self._transport_failure(ex.p, exc)
             else:
                 ex.p_answered = trio.current_time()
+                self._prefill_done(ex, answered=resp.status == 200)
                 if resp.status != 200:
                     failure = self._status_failure(ex.p, resp.status, answer)
             finally:
+                self._prefill_done(ex, answered=False)
                 self._release_prefill(ex)
         if timer.cancelled_caught:
             failure = self._timeout_failure("no answer from P")
@@ -355,6 +416,11 @@ class Proxy:
                     if first:
                         first = False
                         self._first_chunk(ex)
+                    else:
+                        now = trio.current_time()
+                        if ex.last_chunk is not None:
+                            self.placer.step(ex.d.url, now - ex.last_chunk)
+                        ex.last_chunk = now
                     if _ERROR_EVENT in chunk:  # D reports a failure in a stream it began (200)
                         outcome = "decode_error"
                     data = transform(chunk) if transform is not None else chunk
@@ -381,10 +447,15 @@ class Proxy:
     def _first_chunk(self, ex: Exchange) -> None:
         """The client's first chunk (TTFT), or D's first after P's token (P-first)."""
         now = trio.current_time()
+        ex.last_chunk = now
         if ex.first_sent is not None:
             self.metrics.second_chunk.labels(ex.p.url, ex.d.url).observe(now - ex.arrived)
+            if ex.d_sent is not None:
+                self.placer.caught_up(ex.d.url, ex.prompt_tokens, now - ex.d_sent)
             return
         ex.first_sent = now
+        if ex.prefilling is ex.d:  # local: D's first token
+            self._prefill_done(ex, answered=True)
         self.metrics.ttft.labels(ex.p.url, ex.d.url).observe(now - ex.arrived)
         if log.isEnabledFor(logging.DEBUG):
 
@@ -409,6 +480,7 @@ class Proxy:
         if ex.ended:
             return
         ex.ended = True
+        self._prefill_done(ex, answered=False)
         self._release_prefill(ex)
         ex.d.outstanding -= 1
         self.metrics.in_flight.dec()

@@ -224,8 +224,10 @@ def proxy(
     prefill: list[tuple[str, str]], decode: list[str], log: Path, *extra: str
 ) -> Iterator[str]:
     """``pdactors proxy`` in front of ``prefill`` ((engine URL, bootstrap URL) pairs) and
-    ``decode`` URLs; yields its URL once ``/health`` answers 200; stopped on exit."""
-    args = [sys.executable, "-m", "pdactors.cli", "proxy", "--port", "0", *extra]
+    ``decode`` URLs, every prompt disaggregated unless ``extra`` says otherwise; yields its
+    URL once ``/health`` answers 200; stopped on exit."""
+    args = [sys.executable, "-m", "pdactors.cli", "proxy", "--port", "0"]
+    args += ["--placement", "disaggregate", *extra]  # the PD path; a later --placement wins
     for url, bootstrap in prefill:
         args += ["--prefill", f"{url}@{bootstrap}"]
     for url in decode:

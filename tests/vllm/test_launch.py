@@ -45,9 +45,12 @@ def test_smoke_checks_answers_and_exits_clean(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stderr.splitlines()
     assert lines[0] == f"logs: {run}"
-    assert "smoke: 4/4 answers through the proxy equal the single server's — PASS" in lines
-    summary = done.stderr[done.stderr.index("smoke: 4/4") :]
+    # 4 prompts disaggregated, then the same 4 with the proxy's own placement
+    assert "smoke: 8/8 answers through the proxy equal the single server's — PASS" in lines
+    summary = done.stderr[done.stderr.index("smoke: 8/8") :]
     assert "time to first token (median): single " in summary
+    assert "(P's token), second token " in summary
+    assert "with the proxy's own placement: " in summary
     computed = next(line for line in lines if "prompt tokens D computed itself:" in line)
     # P's first token of each request D continued (D computes it), none of the prompts
     assert int(computed.split(": ")[1].split()[0]) <= 5, computed

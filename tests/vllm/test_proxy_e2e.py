@@ -71,7 +71,7 @@ def _start_proxy(
     args = [
         sys.executable, "-m", "pdactors.cli", "proxy", "--port", "0",
         "--prefill", f"{p.url}@{bootstrap_url}", "--decode", d.url, "--health-interval", "0.5",
-        *extra,
+        "--placement", "disaggregate", *extra,  # a later --placement in extra wins
     ]  # fmt: skip
     with open(log, "w") as err:
         return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)

@@ -1,0 +1,210 @@
+"""Placement per request: have P compute the prompt (disaggregated) or let D do it (local).
+
+The proxy's ``placement="auto"`` asks :class:`Placer` for each request. It estimates, from what
+the proxy measured while it ran, what each choice costs in milliseconds of the client's wait:
+
+* **disaggregated**: P's time to its first token for the prompt tokens already waiting on P
+  plus this prompt's (:class:`CostModel` of P, fitted on P's answers), plus ``stall_weight``
+  times D's catch-up (from D's request to D's first chunk: the pull and D's step; fitted on
+  the P-first flow's continuations) — the request's own second token waits for it;
+* **local**: D's time to a first token for its waiting prompt tokens plus this one (D's
+  :class:`CostModel`, fitted on local requests; until D has answered one it is P's model, the
+  engines serve the same model), one of D's decode steps when D is decoding (the prompt waits
+  for the running step; D's step is the mean gap between its streamed chunks), plus
+  ``stall_weight`` times the pause its prefill puts on each request D is decoding (D's
+  per-token cost × prompt tokens × requests in flight on D).
+
+The cheaper one wins. ``stall_weight`` is what a millisecond of delay to a decoding request is
+worth against a millisecond of TTFT: a pause of ``t`` ms adds ``t / L`` to the mean TPOT of a
+request of ``L`` output tokens, so with SLOs of TTFT ≤ 200 ms and TPOT ≤ 25 ms and 64-token
+answers the two are even at ``200 / (25·64) ≈ 0.125``; the default (0.25) leans to protect
+decodes twice as much. Short prompts go local as soon as D's catch-up costs more than their
+stall; long ones go to P unless P's queue makes them wait longer than D would.
+
+The prompt's length is exact for token-id prompts; for text it is the prompt's characters
+times the tokens per character seen in P's answers (``prompt_token_ids``), 0.25 before any.
+
+Everything here is pure (no IO, no clock): the proxy passes times in seconds of trio's clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+__all__ = ["CostModel", "Decision", "EngineLoad", "Placer", "TokenCount", "prompt_size"]
+
+Where = Literal["local", "disaggregated"]
+
+#: Before any measurement: time to first token ≈ 20 ms + 0.1 ms per prompt token (a small
+#: model on one CPU core), and D's catch-up ≈ 20 ms + 0.02 ms per token.
+_PRIOR_TTFT: Final = (20.0, 0.1)
+_PRIOR_CATCH_UP: Final = (20.0, 0.02)
+#: How much the prior weighs, in observations, and how fast older observations fade (each new
+#: one multiplies the weight of those before by this: ~20 observations of memory).
+_PRIOR_WEIGHT: Final = 2.0
+_FORGET: Final = 0.95
+#: Where the prior's second point sits, in prompt tokens.
+_PRIOR_SPAN: Final = 1000.0
+_CHARS_PER_TOKEN_PRIOR: Final = 4.0
+
+
+class CostModel:
+    """``ms ≈ a + b·tokens``: least squares over the observations, the older ones fading, with
+    a prior that holds it where observations are few or all of one size."""
+
+    def __init__(self, a: float, b: float) -> None:
+        self._prior = (a, b)
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self.observations = 0
+
+    def observe(self, tokens: float, ms: float) -> None:
+        f = _FORGET
+        self._w = self._w * f + 1
+        self._x = self._x * f + tokens
+        self._y = self._y * f + ms
+        self._xx = self._xx * f + tokens * tokens
+        self._xy = self._xy * f + tokens * ms
+        self.observations += 1
+
+    def fit(self) -> tuple[float, float]:
+        """``(a, b)``, both ≥ 0."""
+        a0, b0 = self._prior
+        pw, span = _PRIOR_WEIGHT / 2, _PRIOR_SPAN
+        w = self._w + 2 * pw
+        x = self._x + pw * span
+        y = self._y + pw * (2 * a0 + b0 * span)
+        xx = self._xx + pw * span * span
+        xy = self._xy + pw * span * (a0 + b0 * span)
+        var = w * xx - x * x
+        b = max(0.0, (w * xy - x * y) / var) if var > 0 else b0
+        a = max(0.0, (y - b * x) / w)
+        return a, b
+
+    def predict(self, tokens: float) -> float:
+        a, b = self.fit()
+        return a + b * tokens
+
+
+class TokenCount:
+    """Characters per prompt token, learned from P's answers (text prompts only)."""
+
+    def __init__(self) -> None:
+        self.chars_per_token = _CHARS_PER_TOKEN_PRIOR
+
+    def observe(self, chars: int, tokens: int) -> None:
+        if chars > 0 and tokens > 0:
+            self.chars_per_token = 0.8 * self.chars_per_token + 0.2 * (chars / tokens)
+
+    def tokens(self, size: tuple[int | None, int]) -> int:
+        ids, chars = size
+        if ids is not None:
+            return ids
+        return max(1, round(chars / self.chars_per_token))
+
+
+def prompt_size(body: dict[str, Any], chat: bool) -> tuple[int | None, int]:
+    """``(token ids, characters)`` of a (validated) request's prompt: the number of ids when
+    the prompt is token ids (characters then 0), else None and the characters of its text."""
+    if chat:
+        chars = 0
+        for message in body.get("messages") or ():
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        chars += len(part["text"])
+        return None, chars
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a list of one prompt
+    if isinstance(prompt, list):
+        return len(prompt), 0
+    return None, len(prompt) if isinstance(prompt, str) else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request's prompt is computed, why, and the two estimates (ms) behind it."""
+
+    where: Where
+    reason: str
+    tokens: int
+    local_ms: float
+    disaggregated_ms: float
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    """What the proxy knows of one engine's load when it places a request."""
+
+    waiting_tokens: int  # prompt tokens sent to it whose first token has not come back
+    decoding: int  # requests in flight on it that it decodes (D only)
+
+
+class Placer:
+    """The proxy's placement per request (``placement="auto"``), and what it learns."""
+
+    def __init__(self, stall_weight: float) -> None:
+        self.stall_weight = stall_weight
+        self._ttft: dict[str, CostModel] = {}  # engine URL -> its time to a first token
+        self._catch_up: dict[str, CostModel] = {}  # D URL -> its P-first continuation
+        self._step_ms: dict[str, float] = {}  # D URL -> mean gap between its chunks
+        self.count = TokenCount()
+
+    def _model(self, url: str, fallback: str | None = None) -> CostModel:
+        """``url``'s model; ``fallback``'s while ``url`` has observed nothing."""
+        model = self._ttft.setdefault(url, CostModel(*_PRIOR_TTFT))
+        if model.observations == 0 and fallback is not None and fallback in self._ttft:
+            return self._ttft[fallback]
+        return model
+
+    def decide(
+        self, tokens: int, p_url: str, p: EngineLoad, d_url: str, d: EngineLoad
+    ) -> Decision:
+        p_model = self._model(p_url)
+        d_model = self._model(d_url, fallback=p_url)
+        catch_up = self._catch_up.setdefault(d_url, CostModel(*_PRIOR_CATCH_UP))
+        w = self.stall_weight
+        disaggregated = p_model.predict(p.waiting_tokens + tokens) + w * catch_up.predict(tokens)
+        local = d_model.predict(d.waiting_tokens + tokens)
+        if d.decoding:
+            _, per_token = d_model.fit()
+            local += self._step_ms.get(d_url, 0.0) + w * d.decoding * per_token * tokens
+        if local < disaggregated:
+            reason = "d_idle" if not d.decoding else "p_queue" if p.waiting_tokens else "short"
+            return Decision("local", reason, tokens, local, disaggregated)
+        reason = "d_busy" if d.decoding else "p_faster"
+        return Decision("disaggregated", reason, tokens, local, disaggregated)
+
+    # ------------------------------------------------------------------ what it learns
+
+    def first_token(self, url: str, tokens_ahead: int, seconds: float) -> None:
+        """An engine gave a prompt's first token ``seconds`` after it was sent, with
+        ``tokens_ahead`` prompt tokens (its own included) waiting on it then."""
+        self._ttft.setdefault(url, CostModel(*_PRIOR_TTFT)).observe(tokens_ahead, seconds * 1e3)
+
+    def caught_up(self, d_url: str, tokens: int, seconds: float) -> None:
+        """D's first chunk of a P-first continuation came ``seconds`` after its request."""
+        model = self._catch_up.setdefault(d_url, CostModel(*_PRIOR_CATCH_UP))
+        model.observe(tokens, seconds * 1e3)
+
+    def step(self, d_url: str, seconds: float) -> None:
+        """A gap between two chunks of one of D's streams."""
+        ms = seconds * 1e3
+        old = self._step_ms.get(d_url)
+        self._step_ms[d_url] = ms if old is None else 0.9 * old + 0.1 * ms
+
+    def describe(self) -> dict[str, Any]:
+        """The fitted models, for ``GET /health``'s detail and the logs."""
+        out: dict[str, Any] = {"chars_per_token": round(self.count.chars_per_token, 2)}
+        for name, models in (("ttft", self._ttft), ("catch_up", self._catch_up)):
+            out[name] = {
+                url: {"a_ms": round(a, 2), "ms_per_token": round(b, 4), "n": m.observations}
+                for url, m in models.items()
+                for a, b in [m.fit()]
+            }
+        out["step_ms"] = {url: round(ms, 2) for url, ms in self._step_ms.items()}
+        return out

@@ -1,0 +1,215 @@
+"""Placement per request (``placement="auto"``): the placer's estimates as pure functions, then
+the proxy placing requests among stand-in engines by what it measured."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdactors.actors._placement import CostModel, EngineLoad, Placer, TokenCount, prompt_size
+from tests.test_proxy import TIMEOUT, completion_body, open_setup
+
+P, D = "http://p", "http://d"
+
+
+def idle() -> EngineLoad:
+    return EngineLoad(waiting_tokens=0, decoding=0)
+
+
+# --------------------------------------------------------------------------- the estimates
+
+
+def test_a_cost_model_learns_a_line_and_forgets_the_old_one() -> None:
+    model = CostModel(20.0, 0.1)
+    for _ in range(3):
+        for tokens in (100, 400, 900):
+            model.observe(tokens, 5.0 + 0.03 * tokens)
+    a, b = model.fit()
+    assert 0.02 < b < 0.06 and a < 15  # pulled most of the way from the prior (20, 0.1)
+    for _ in range(60):
+        for tokens in (100, 400, 900):
+            model.observe(tokens, 50.0 + 0.2 * tokens)
+    a, b = model.fit()
+    assert abs(b - 0.2) < 0.02 and abs(a - 50) < 5
+
+
+def test_observations_of_one_size_move_the_level_not_the_slope() -> None:
+    model = CostModel(20.0, 0.1)
+    for _ in range(50):
+        model.observe(500, 100.0)
+    a, b = model.fit()
+    assert abs(a + b * 500 - 100) < 5  # where it was measured: what it saw, the prior aside
+    assert b > 0  # and the slope stays the prior's kind, not a division by zero
+
+
+@given(st.lists(st.tuples(st.integers(0, 10_000), st.floats(0, 1e5)), max_size=50))
+def test_a_cost_model_never_predicts_a_negative_cost(points: list[tuple[int, float]]) -> None:
+    model = CostModel(20.0, 0.1)
+    for tokens, ms in points:
+        model.observe(tokens, ms)
+    a, b = model.fit()
+    assert a >= 0 and b >= 0
+    assert model.predict(0) >= 0
+
+
+def test_prompt_size_counts_ids_exactly_and_text_by_characters() -> None:
+    assert prompt_size({"prompt": [1, 2, 3]}, chat=False) == (3, 0)
+    assert prompt_size({"prompt": [[1, 2]]}, chat=False) == (2, 0)  # a list of one prompt
+    assert prompt_size({"prompt": "hello"}, chat=False) == (None, 5)
+    assert prompt_size({"prompt": ["hey"]}, chat=False) == (None, 3)
+    messages = [
+        {"role": "system", "content": "ab"},
+        {"role": "user", "content": [{"type": "text", "text": "cde"}, {"type": "image_url"}]},
+    ]
+    assert prompt_size({"messages": messages}, chat=True) == (None, 5)
+
+
+def test_tokens_per_character_are_learned_from_what_p_counted() -> None:
+    count = TokenCount()
+    assert count.tokens((None, 400)) == 100  # the prior: 4 characters a token
+    assert count.tokens((7, 0)) == 7
+    for _ in range(30):
+        count.observe(chars=200, tokens=100)
+    assert count.tokens((None, 400)) == 200
+
+
+def test_an_idle_d_computes_the_prompt_itself() -> None:
+    placer = Placer(stall_weight=0.25)
+    decision = placer.decide(500, P, idle(), D, idle())
+    assert decision.where == "local" and decision.reason == "d_idle"
+    # ... unless P is much faster than D, as measured.
+    for _ in range(20):
+        placer.first_token(P, 500, 0.010)
+        placer.first_token(D, 500, 0.200)
+    decision = placer.decide(500, P, idle(), D, idle())
+    assert decision.where == "disaggregated" and decision.reason == "p_faster"
+
+
+def test_a_busy_d_keeps_short_prompts_and_hands_long_ones_to_p() -> None:
+    placer = Placer(stall_weight=0.25)
+    busy = EngineLoad(waiting_tokens=0, decoding=8)
+    long = placer.decide(900, P, idle(), D, busy)
+    assert long.where == "disaggregated" and long.reason == "d_busy"
+    short = placer.decide(8, P, idle(), D, EngineLoad(0, 1))
+    assert short.where == "local" and short.reason == "short"
+
+
+def test_a_long_queue_on_p_sends_prompts_to_a_busy_d() -> None:
+    placer = Placer(stall_weight=0.25)
+    queued = EngineLoad(waiting_tokens=20_000, decoding=0)
+    decision = placer.decide(900, P, queued, D, EngineLoad(0, 2))
+    assert decision.where == "local" and decision.reason == "p_queue"
+    assert decision.local_ms < decision.disaggregated_ms
+
+
+def test_the_stall_weight_decides_between_a_decode_pause_and_a_queue() -> None:
+    queued = EngineLoad(waiting_tokens=2_000, decoding=0)
+    busy = EngineLoad(0, 8)
+    assert Placer(stall_weight=0.0).decide(900, P, queued, D, busy).where == "local"
+    assert Placer(stall_weight=2.0).decide(900, P, queued, D, busy).where == "disaggregated"
+
+
+def test_ds_model_is_ps_until_d_has_measured_its_own() -> None:
+    placer = Placer(stall_weight=0.25)
+    for _ in range(20):
+        placer.first_token(P, 500, 0.300)  # P: slow, and so D is thought to be
+    before = placer.decide(500, P, idle(), D, idle())
+    assert before.local_ms == pytest.approx(before.disaggregated_ms - 0.25 * 30, rel=0.05)
+    for _ in range(20):
+        placer.first_token(D, 500, 0.030)
+    after = placer.decide(500, P, idle(), D, idle())
+    assert after.local_ms < before.local_ms / 5
+    described = placer.describe()
+    assert described["ttft"][D]["n"] == 20 and described["ttft"][P]["n"] == 20
+
+
+# --------------------------------------------------------------------------- in the proxy
+
+
+async def _placement_counts(s: object) -> dict[tuple[str, str], float]:
+    m = await s.metrics()  # type: ignore[attr-defined]
+    return {
+        (dict(labels)["placement"], dict(labels)["reason"]): value
+        for (name, labels), value in m.items()
+        if name == "pdactors_proxy_placement_total"
+    }
+
+
+async def test_auto_serves_locally_while_d_is_idle_and_says_so() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p", placement="auto") as s:
+            resp = await s.client.post("/v1/completions", json=completion_body())
+            assert resp.status_code == 200
+            assert resp.headers["x-pdactors-placement"] == "local"
+            assert s.p[0].received == [] and len(s.d[0].received) == 1
+            assert await _placement_counts(s) == {("local", "d_idle"): 1}
+            health = (await s.client.get("/health")).json()
+            assert health["placement"]["ttft"][s.d[0].url]["n"] == 0  # a whole answer: no TTFT
+            assert health["decode"][0]["waiting_tokens"] == 0
+
+
+async def test_auto_hands_a_long_prompt_to_p_while_d_decodes() -> None:
+    """D holds one streamed request (decoding); a long prompt then goes to P, is served P
+    first, and every prompt token the proxy counted as waiting is released."""
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p", placement="auto") as s:
+            d = s.d[0]
+            d.hold = trio.Event()
+            async with trio.open_nursery() as nursery:
+                held: list[httpx.Response] = []
+
+                async def decoding() -> None:
+                    body = completion_body(stream=True)
+                    held.append(await s.client.post("/v1/completions", json=body))
+
+                nursery.start_soon(decoding)
+                while len(d.received) < 1:
+                    await trio.sleep(0.01)
+                long = completion_body(prompt=list(range(2000)), stream=True)
+                d.hold.set()  # D answers the held one and the next
+                resp = await s.client.post("/v1/completions", json=long)
+            assert resp.status_code == 200 and held[0].status_code == 200
+            assert resp.headers["x-pdactors-placement"] == "disaggregated"
+            assert held[0].headers["x-pdactors-placement"] == "local"
+            assert len(s.p[0].received) == 1  # the long one, P first
+            assert await _placement_counts(s) == {("local", "d_idle"): 1, ("disaggregated", "d_busy"): 1}
+            health = (await s.client.get("/health")).json()
+            assert health["prefill"][0]["waiting_tokens"] == 0
+            assert health["decode"][0]["waiting_tokens"] == 0
+            assert health["placement"]["ttft"][s.p[0].url]["n"] == 1  # P's first token, measured
+
+
+@pytest.mark.parametrize("placement", ["local", "disaggregate"])
+async def test_a_pinned_placement_is_counted_as_pinned(placement: str) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p", placement=placement) as s:
+            resp = await s.client.post("/v1/completions", json=completion_body())
+            assert resp.status_code == 200
+            where = "local" if placement == "local" else "disaggregated"
+            assert resp.headers["x-pdactors-placement"] == where
+            assert await _placement_counts(s) == {(where, "pinned"): 1}
+            assert "placement" not in (await s.client.get("/health")).json()
+
+
+async def test_a_request_header_overrides_the_placement_and_a_bad_one_is_refused() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p", placement="disaggregate") as s:
+            body = completion_body()
+            resp = await s.client.post(
+                "/v1/completions", json=body, headers={"x-pdactors-placement": "local"}
+            )
+            assert resp.status_code == 200
+            assert resp.headers["x-pdactors-placement"] == "local"
+            assert s.p[0].received == []
+            resp = await s.client.post(
+                "/v1/completions", json=body, headers={"x-pdactors-placement": "elsewhere"}
+            )
+            assert resp.status_code == 400
+            assert "x-pdactors-placement" in resp.json()["error"]["message"]
+            assert s.p[0].received == [] and len(s.d[0].received) == 1
+            resp = await s.client.post("/v1/completions", json=body)  # the operator's pin
+            assert resp.headers["x-pdactors-placement"] == "disaggregated"
+            assert len(s.p[0].received) == 1
