@@ -53,7 +53,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import group_cpu_seconds
+from bench.common import group_cpu_seconds, placed
 from bench.vllm_pd import Result, direct, proxy_process, stream
 from pdactors_vllm.tiny_model import SHAPES, ensure_tiny_model
 from tests.vllm.servers import consumer_config, producer_config, servers
@@ -181,6 +181,7 @@ def main() -> None:
         s = stack.enter_context(servers(specs, ensure_tiny_model(shape=args.shape), logs))
         p, d, replicas = s["P"], s["D"], [s["R0"], s["R1"]]
         pd_name = f"1P1D {args.flow}"
+        proxy_url: str | None = None
         if args.flow == "proxy":
             proxy = stack.enter_context(
                 proxy_process(
@@ -188,6 +189,7 @@ def main() -> None:
                     extra=shlex.split(args.proxy_args),
                 )
             )  # fmt: skip
+            proxy_url = proxy.url
             pd: Send = lambda i, prompt: stream(proxy.url, prompt, n, None)  # noqa: E731
         else:
             pd = lambda i, prompt: direct(p, ENGINE, bootstrap, d, prompt, n)  # noqa: E731
@@ -210,15 +212,23 @@ def main() -> None:
         print(
             "| rate req/s | setup | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms |"
             " TPOT p99 ms | SLO met | goodput req/s | failed | CPU % P / D / R0 / R1 |"
+            " local / disaggregated |"
         )
-        print("|---" * 11 + "|")
+        print("|---" * 12 + "|")
         measured: dict[tuple[float, str], Stats] = {}
         for k, rate in enumerate(args.rates):
             arrivals = schedule(rate, args, seed=args.seed * 100 + k)
             names = list(setups) if k % 2 == 0 else list(setups)[::-1]
             for name in names:
                 before = {e: group_cpu_seconds(srv.process.pid) for e, srv in s.items()}
+                placed_before = placed(proxy_url if name == pd_name else None)
                 results, seconds = open_loop(setups[name], arrivals)
+                placed_after = placed(proxy_url if name == pd_name else None)
+                where = (
+                    " / ".join(f"{placed_after[k] - placed_before[k]:.0f}" for k in placed_after)
+                    if name == pd_name and proxy_url
+                    else "–"
+                )
                 cpu = " / ".join(
                     f"{100 * (group_cpu_seconds(srv.process.pid) - before[e]) / seconds:.0f}"
                     for e, srv in s.items()
@@ -228,7 +238,7 @@ def main() -> None:
                     f"| {rate:g} | {name} | {st.sent} | {pct(st.ttft_ms, 50):.1f} |"
                     f" {pct(st.ttft_ms, 99):.1f} | {pct(st.tpot_ms, 50):.1f} |"
                     f" {pct(st.tpot_ms, 99):.1f} | {100 * st.met / st.sent:.0f} % |"
-                    f" {st.goodput:.2f} | {st.failed} | {cpu} |",
+                    f" {st.goodput:.2f} | {st.failed} | {cpu} | {where} |",
                     flush=True,
                 )
         print(f"\n| rate req/s | goodput {pd_name} / replicas | TTFT p50 | TPOT p50 | TPOT p99 |")

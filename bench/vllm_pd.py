@@ -8,10 +8,12 @@ concurrency, sends the same prompts (greedy, streamed, lengths drawn from ``--pr
 * ``single``: the single server;
 * ``direct``: P's request in the background and D's streamed straight back (all upstream's
   example proxy does), once per P (``direct`` eager, ``direct whole`` without eager send);
-* ``proxy``: ``pdactors proxy`` in front of the eager P and D, the client's first token from
-  P (its default); ``proxy d-first``: the same with ``--first-token d`` (upstream's concurrent
-  flow, D computing the first token); and ``proxy <rev>`` for the proxy of another git
-  revision, with ``--old-proxy REV``.
+* ``proxy``: ``pdactors proxy --placement disaggregate`` in front of the eager P and D, the
+  client's first token from P (its default); ``proxy auto``: the proxy's default placement
+  (per request, P or D computes the prompt: its counts are printed after each level);
+  ``proxy d-first``: disaggregated with ``--first-token d`` (upstream's concurrent flow, D
+  computing the first token); and ``proxy <rev>`` for the proxy of another git revision (its
+  own defaults), with ``--old-proxy REV``.
 
 It prints TTFT p50/p99, the second streamed chunk's p50 and output tokens/s per setup, then
 the PD timeline (``pdactors.timeline`` marks written by P and D, joined by transfer id): p50 of
@@ -47,7 +49,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from common import worktree  # noqa: E402  (bench/ is the script's directory)
+from common import placed, worktree  # noqa: E402  (bench/ is the script's directory)
 
 from pdactors import timeline  # noqa: E402
 from pdactors_vllm.tiny_model import SHAPES, ensure_tiny_model  # noqa: E402
@@ -268,13 +270,21 @@ def main() -> None:
                 p_whole, "prefill-whole", boot["whole"], d, pr, args.max_tokens
             ),
         }
-        proxy = stack.enter_context(proxy_process(p.url, boot["eager"], d.url, logs / "proxy.log"))
+        pin = ("--placement", "disaggregate")
+        proxy = stack.enter_context(
+            proxy_process(p.url, boot["eager"], d.url, logs / "proxy.log", ROOT, pin)
+        )
         setups["proxy"] = lambda pr: stream(proxy.url, pr, args.max_tokens, None)
+        auto = stack.enter_context(
+            proxy_process(p.url, boot["eager"], d.url, logs / "proxy-auto.log", ROOT, ())
+        )
+        setups["proxy auto"] = lambda pr: stream(auto.url, pr, args.max_tokens, None)
         concurrent = stack.enter_context(
             proxy_process(
-                p.url, boot["eager"], d.url, logs / "proxy-d.log", ROOT, ("--first-token", "d")
+                p.url, boot["eager"], d.url, logs / "proxy-d.log", ROOT,
+                ("--first-token", "d", *pin),
             )
-        )
+        )  # fmt: skip
         setups["proxy d-first"] = lambda pr: stream(concurrent.url, pr, args.max_tokens, None)
         if args.only:
             setups = {k: v for k, v in setups.items() if k in args.only}
@@ -318,10 +328,14 @@ def main() -> None:
                     elapsed[name] += time.perf_counter() - start
             time.sleep(0.5)  # the last marks reach the file
             marks = timeline.read_timelines(sink)
+            placed_auto = placed(auto.url)
             for name in names:
                 print(f"| {n} | {name} | {summary(results[name], elapsed[name])} |", flush=True)
                 if name != "single":
                     timelines[n, name] = segments(results[name], marks)
+            if "proxy auto" in names:  # counts since the proxy started (warm-ups included)
+                counts = ", ".join(f"{k} {v:.0f}" for k, v in placed_auto.items())
+                print(f"# proxy auto, placed so far after {n} in flight: {counts}")
         print("\n# PD timeline: p50 per segment, ms (a segment starts at the latest of its marks)")
         cols = list(timelines)
         print("| segment | " + " | ".join(f"{name} @{n}" for n, name in cols) + " |")

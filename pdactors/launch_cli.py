@@ -230,7 +230,9 @@ async def _smoke(plan: Plan, api_key: str | None) -> Smoke:
         await _stream(proxy, plan.proxy_url, plan.model_name, "Hello", "disaggregate")
         await _stream(direct, single_url, plan.model_name, "Hello")
         for prompt in SMOKE_PROMPTS:
-            got.append(await _stream(proxy, plan.proxy_url, plan.model_name, prompt, "disaggregate"))
+            got.append(
+                await _stream(proxy, plan.proxy_url, plan.model_name, prompt, "disaggregate")
+            )
             want.append(await _stream(direct, single_url, plan.model_name, prompt))
         stats = await _read_stats(direct, plan)  # before any prompt is computed on D
         for prompt in SMOKE_PROMPTS:

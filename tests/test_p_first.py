@@ -191,5 +191,13 @@ async def test_local_placement_serves_each_request_on_d_alone(stream: bool) -> N
             )
             assert text.startswith("d0")
             m = await s.metrics()
-            assert m[("pdactors_proxy_placement_total", (("placement", "local"), ("reason", "pinned")))] == 1
+            assert (
+                m[
+                    (
+                        "pdactors_proxy_placement_total",
+                        (("placement", "local"), ("reason", "pinned")),
+                    )
+                ]
+                == 1
+            )
             assert m[total("completions", "ok")] == 1

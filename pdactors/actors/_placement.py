@@ -8,13 +8,13 @@ the proxy measured while it ran, what each choice costs in milliseconds of the c
   times D's catch-up (from D's request to D's first chunk: the pull and D's step; fitted on
   the P-first flow's continuations) — the request's own second token waits for it;
 * **local**: D's time to a first token for its waiting prompt tokens plus this one (D's
-  :class:`CostModel`, fitted on local requests; until D has answered one it is P's model, the
-  engines serve the same model), one of D's decode steps when D is decoding (the prompt waits
+  :class:`CostModel`, fitted on local requests), one of D's decode steps when D is decoding (the prompt waits
   for the running step; D's step is the mean gap between its streamed chunks), plus
   ``stall_weight`` times the pause its prefill puts on each request D is decoding (D's
   per-token cost × prompt tokens × requests in flight on D).
 
-The cheaper one wins. ``stall_weight`` is what a millisecond of delay to a decoding request is
+The cheaper one wins, except that once in 16 decisions the choice not taken for that long
+is taken (reason ``explore``): each model keeps following what its engine does now. ``stall_weight`` is what a millisecond of delay to a decoding request is
 worth against a millisecond of TTFT: a pause of ``t`` ms adds ``t / L`` to the mean TPOT of a
 request of ``L`` output tokens, so with SLOs of TTFT ≤ 200 ms and TPOT ≤ 25 ms and 64-token
 answers the two are even at ``200 / (25·64) ≈ 0.125``; the default (0.25) leans to protect
@@ -47,6 +47,9 @@ _FORGET: Final = 0.95
 #: Where the prior's second point sits, in prompt tokens.
 _PRIOR_SPAN: Final = 1000.0
 _CHARS_PER_TOKEN_PRIOR: Final = 4.0
+#: One decision in this many takes the choice the estimates did not pick (when the other one
+#: has not been taken for that long): the engine's model is refreshed by what it does now.
+_EXPLORE: Final = 16
 
 
 class CostModel:
@@ -153,19 +156,14 @@ class Placer:
         self._catch_up: dict[str, CostModel] = {}  # D URL -> its P-first continuation
         self._step_ms: dict[str, float] = {}  # D URL -> mean gap between its chunks
         self.count = TokenCount()
+        #: (choice, its engine's URL) -> decisions since that choice was last taken
+        self._skipped: dict[tuple[Where, str], int] = {}
 
-    def _model(self, url: str, fallback: str | None = None) -> CostModel:
-        """``url``'s model; ``fallback``'s while ``url`` has observed nothing."""
-        model = self._ttft.setdefault(url, CostModel(*_PRIOR_TTFT))
-        if model.observations == 0 and fallback is not None and fallback in self._ttft:
-            return self._ttft[fallback]
-        return model
+    def _model(self, url: str) -> CostModel:
+        return self._ttft.setdefault(url, CostModel(*_PRIOR_TTFT))
 
-    def decide(
-        self, tokens: int, p_url: str, p: EngineLoad, d_url: str, d: EngineLoad
-    ) -> Decision:
-        p_model = self._model(p_url)
-        d_model = self._model(d_url, fallback=p_url)
+    def decide(self, tokens: int, p_url: str, p: EngineLoad, d_url: str, d: EngineLoad) -> Decision:
+        p_model, d_model = self._model(p_url), self._model(d_url)
         catch_up = self._catch_up.setdefault(d_url, CostModel(*_PRIOR_CATCH_UP))
         w = self.stall_weight
         disaggregated = p_model.predict(p.waiting_tokens + tokens) + w * catch_up.predict(tokens)
@@ -173,11 +171,22 @@ class Placer:
         if d.decoding:
             _, per_token = d_model.fit()
             local += self._step_ms.get(d_url, 0.0) + w * d.decoding * per_token * tokens
-        if local < disaggregated:
+        where: Where = "local" if local < disaggregated else "disaggregated"
+        if where == "local":
             reason = "d_idle" if not d.decoding else "p_queue" if p.waiting_tokens else "short"
-            return Decision("local", reason, tokens, local, disaggregated)
-        reason = "d_busy" if d.decoding else "p_faster"
-        return Decision("disaggregated", reason, tokens, local, disaggregated)
+        else:
+            reason = "d_busy" if d.decoding else "p_faster"
+        # The choice not taken is taken once in ``_EXPLORE`` decisions, so that its engine's
+        # model follows what that engine does now, not what it did when last chosen.
+        other: Where = "disaggregated" if where == "local" else "local"
+        key = (other, p_url if other == "disaggregated" else d_url)
+        if self._skipped.get(key, 0) + 1 >= _EXPLORE:
+            where, reason = other, "explore"
+        taken = (where, p_url if where == "disaggregated" else d_url)
+        self._skipped[taken] = 0
+        skipped = ("disaggregated", p_url) if where == "local" else ("local", d_url)
+        self._skipped[skipped] = self._skipped.get(skipped, 0) + 1
+        return Decision(where, reason, tokens, local, disaggregated)
 
     # ------------------------------------------------------------------ what it learns
 

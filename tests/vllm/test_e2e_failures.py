@@ -98,7 +98,6 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         w.proxy_url = stack.enter_context(front)
         yield w
 
-
     def restart_p(self) -> Server:
         """Reap the killed P's process group; start P again on the same ports."""
         self.p_stack.close()
@@ -171,7 +170,8 @@ def test_a_p_killed_before_its_token_fails_the_requests_with_a_502(world: World)
             prompts = [prompt_ids(300, seed=50 + i) for i in range(3)]
             futures = [pool.submit(via_proxy, world, prompt) for prompt in prompts]
             _wait_for(
-                "three requests at P", lambda: _proxy_health(world)["prefill"][0]["outstanding"] == 3
+                "three requests at P",
+                lambda: _proxy_health(world)["prefill"][0]["outstanding"] == 3,
             )
             start = time.monotonic()
             p.kill()

@@ -170,8 +170,8 @@ class SchedulerSide:
         self._eager: set[str] = set()  # P req ids whose KV went out eagerly, until finished
         if settings.timeline:
             timeline.enable()
-        if settings.idle_wait_ms > 0:
-            idle.install()  # this is the engine core's process
+        if settings.idle_wait_ms > 0 or settings.quiet_busy_waits:
+            idle.install(busy=settings.quiet_busy_waits)  # this is the engine core's process
 
     # ------------------------------------------------------------------ D: how much is remote
 

@@ -79,6 +79,11 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       worker waits up to this long for the next transfer result instead of returning at once,
       and the engine core naps instead of spinning (see :mod:`pdactors_vllm.idle`);
       default 20, 0 turns it off.
+    * ``quiet_busy_waits``: on every other step too, vLLM's engine core (waiting for the
+      worker's output) and worker (waiting for the next step) spin for 0.2 ms, then nap 5 %
+      of the time waited so far (at most 0.5 ms) instead of spinning a CPU all along: P and D
+      sharing a host's cores then stop taking each other's CPU (see
+      :mod:`pdactors_vllm.idle`); default true.
     * ``eager_send``: P hands the KV to the sender at the end of the step that completes the
       prompt (``wait_for_save``) when that step also ends the request (``max_tokens`` 1, as
       proxies send), instead of one step later from ``request_finished``; default true.
@@ -115,6 +120,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     register_timeout: float = default_of(SenderConfig, "register_timeout")
     heartbeat_timeout: float = default_of(Liveness, "heartbeat_timeout")
     idle_wait_ms: float = 20.0
+    quiet_busy_waits: bool = True
     eager_send: bool = True
     layerwise: bool = False
     timeline: bool = False

@@ -40,6 +40,7 @@ from pdactors import (
 )
 from pdactors.errors import PdError
 from pdactors.host import TrioHost
+from pdactors_vllm import idle
 from pdactors_vllm.scheduler_side import PdActorsMetadata, PullSpec, SendSpec
 from pdactors_vllm.settings import ConnectorSettings
 
@@ -181,6 +182,8 @@ class WorkerSide:
         self.counters = TransferCounters()
         if settings.timeline:
             timeline.enable()
+        if settings.quiet_busy_waits:
+            idle.install(busy=True)  # the worker's own wait for each step's input
 
     # ------------------------------------------------------------------ start and stop
 
