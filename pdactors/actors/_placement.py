@@ -8,21 +8,23 @@ the proxy measured while it ran, what each choice costs in milliseconds of the c
   times D's catch-up (from D's request to D's first chunk: the pull and D's step; fitted on
   the P-first flow's continuations) — the request's own second token waits for it;
 * **local**: D's time to a first token for its waiting prompt tokens plus this one (D's
-  :class:`CostModel`, fitted on local requests), one of D's decode steps when D is decoding (the prompt waits
-  for the running step; D's step is the mean gap between its streamed chunks), plus
-  ``stall_weight`` times the pause its prefill puts on each request D is decoding (D's
-  per-token cost × prompt tokens × requests in flight on D).
+  :class:`CostModel`, fitted on local requests), one of D's decode steps when D is decoding
+  (the prompt waits for the running step; D's step is the mean gap between its streamed
+  chunks), plus ``stall_weight`` times the pause its prefill puts on each request D is
+  decoding (D's per-token cost × prompt tokens × requests D decodes).
 
-The cheaper one wins, except that once in 16 decisions the choice not taken for that long
-is taken (reason ``explore``): each model keeps following what its engine does now. ``stall_weight`` is what a millisecond of delay to a decoding request is
-worth against a millisecond of TTFT: a pause of ``t`` ms adds ``t / L`` to the mean TPOT of a
-request of ``L`` output tokens, so with SLOs of TTFT ≤ 200 ms and TPOT ≤ 25 ms and 64-token
-answers the two are even at ``200 / (25·64) ≈ 0.125``; the default (0.25) leans to protect
-decodes twice as much. Short prompts go local as soon as D's catch-up costs more than their
-stall; long ones go to P unless P's queue makes them wait longer than D would.
+The cheaper one wins, except that once in 16 decisions the choice not taken for that long is
+taken (reason ``explore``): each model keeps following what its engine does now.
 
-The prompt's length is exact for token-id prompts; for text it is the prompt's characters
-times the tokens per character seen in P's answers (``prompt_token_ids``), 0.25 before any.
+``stall_weight`` is what a millisecond of delay to a decoding request is worth against a
+millisecond of TTFT: a pause of ``t`` ms adds ``t / L`` to the mean TPOT of a request of ``L``
+output tokens, so with SLOs of TTFT ≤ 200 ms and TPOT ≤ 25 ms and 64-token answers the two are
+even at ``200 / (25·64) ≈ 0.125``; the default (0.25) protects decodes twice as much. Short
+prompts go local as soon as D's catch-up costs more than their pause; long ones go to P unless
+P's queue makes them wait longer than D would.
+
+The prompt's length is exact for token-id prompts; for text it is the prompt's characters over
+the characters per token seen in P's answers (``prompt_token_ids``), 4 before any.
 
 Everything here is pure (no IO, no clock): the proxy passes times in seconds of trio's clock.
 """

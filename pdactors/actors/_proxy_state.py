@@ -32,6 +32,8 @@ class Backend:
     #: Prompt tokens sent to it whose first token has not come back yet (its prefill queue,
     #: as the proxy sees it: :mod:`pdactors.actors._placement`).
     waiting_tokens: int = 0
+    prefills: int = 0  # requests whose prompt it computes now (their first token not back)
+    incoming: int = 0  # D only: requests it continues whose prompt is still at a P
     bootstrap_slow: bool = False  # P only: its bootstrap gave no answer in the last round
     _dp_next: int = 0
 
@@ -56,7 +58,10 @@ class Backend:
             "up": self.up,
             "outstanding": self.outstanding,
             "waiting_tokens": self.waiting_tokens,
+            "prefills": self.prefills,
         }
+        if self.role == "decode":
+            out["incoming"] = self.incoming
         if self.role == "prefill":
             out |= {"bootstrap_url": self.bootstrap_url, "engine_id": self.engine_id}
             if len(self.dp_engines) > 1:

@@ -241,7 +241,8 @@ class Proxy:
             self.metrics.placement.labels(where, "pinned").inc()
             return where
         p_load = EngineLoad(ex.p.waiting_tokens, 0)
-        d_load = EngineLoad(ex.d.waiting_tokens, ex.d.outstanding)
+        decoding = ex.d.outstanding - ex.d.prefills - ex.d.incoming
+        d_load = EngineLoad(ex.d.waiting_tokens, decoding)
         decision = self.placer.decide(ex.prompt_tokens, ex.p.url, p_load, ex.d.url, d_load)
         self.metrics.placement.labels(decision.where, decision.reason).inc()
         if log.isEnabledFor(logging.DEBUG):
@@ -258,6 +259,9 @@ class Proxy:
     def _hold_prefill(self, ex: Exchange, engine: Backend) -> None:
         """``ex``'s prompt is sent to ``engine`` now: it waits in its prefill queue."""
         engine.waiting_tokens += ex.prompt_tokens
+        engine.prefills += 1
+        if engine is not ex.d:
+            ex.d.incoming += 1
         ex.prefilling = engine
         ex.prefill_sent = trio.current_time()
         ex.tokens_ahead = engine.waiting_tokens
@@ -269,6 +273,9 @@ class Proxy:
         if engine is None:
             return
         engine.waiting_tokens -= ex.prompt_tokens
+        engine.prefills -= 1
+        if engine is not ex.d:
+            ex.d.incoming -= 1
         if answered:
             elapsed = trio.current_time() - ex.prefill_sent
             self.placer.first_token(engine.url, ex.tokens_ahead, elapsed)
