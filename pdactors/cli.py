@@ -325,6 +325,14 @@ def proxy(
             "ms of the new request's time to first token.",
         ),
     ] = default_of(ProxyConfig, "placement_stall_weight"),
+    fall_back_to_d: Annotated[
+        bool,
+        typer.Option(
+            "--fall-back-to-d/--no-fall-back-to-d",
+            help="With no P in rotation, or a P that fails before its first token, D serves "
+            "the request alone (instead of a 503/502).",
+        ),
+    ] = default_of(ProxyConfig, "fall_back_to_d"),
     health_interval: Annotated[
         float, typer.Option(metavar="SECONDS", help="Seconds between health checks.")
     ] = default_of(ProxyConfig, "health_interval"),
@@ -399,6 +407,7 @@ def proxy(
             first_token=first_token,  # type: ignore[arg-type]  # checked by ProxyConfig
             placement=placement,  # type: ignore[arg-type]  # checked by ProxyConfig
             placement_stall_weight=placement_stall_weight,
+            fall_back_to_d=fall_back_to_d,
             health_interval=health_interval,
             request_timeout=request_timeout,
             max_body_bytes=max_body_bytes,

@@ -275,6 +275,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
       ``"local"``: D computes each request whole (an ordinary request to D; P takes no part).
     * ``placement_stall_weight``: for ``"auto"``, what a millisecond of pause to a request D
       is decoding counts for against a millisecond of the new request's time to first token.
+    * ``fall_back_to_d``: when no P is in rotation, or a P fails before its first token (the
+      P-first flow, nothing sent to the client yet), D serves the request alone instead of
+      the client getting a 503 or 502; default true.
     * ``first_token``: ``"p"`` (the default): the client's first token is P's answer, D
       continues after it (:mod:`pdactors.actors._p_first`); ``"d"``: upstream's flow, P and D
       asked at once and D computing every token the client gets.
@@ -291,6 +294,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     first_token: FirstToken = "p"
     placement: Placement = "auto"
     placement_stall_weight: float = 0.25
+    fall_back_to_d: bool = True
     health_interval: float = 2.0
     health_timeout: float = 2.0
     request_timeout: float = 600.0

@@ -17,6 +17,7 @@ from tests.test_proxy import (
     eventually,
     open_setup,
     total,
+    wait_health,
 )
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:Async generator 'http(x|core)\._:ResourceWarning")
@@ -121,6 +122,52 @@ async def test_a_p_failing_before_its_token_fails_the_request_and_asks_no_d(stre
             resp = await s.client.post("/v1/completions", json=completion_body(stream=stream))
             assert resp.status_code == 502 and s.p[0].url in resp.json()["error"]["message"]
             assert s.d[0].received == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_p_failing_before_its_token_leaves_the_request_to_d(stream: bool) -> None:
+    """With ``fall_back_to_d`` (the proxy's default) P's 5xx is not the client's: D serves the
+    request alone, as the client wrote it; counted and said in the answer's header. P's 4xx
+    is the request's fault and passes through."""
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p", fall_back_to_d=True) as s:
+            s.p[0].status = 500
+            body = completion_body(stream=stream)
+            resp = await s.client.post("/v1/completions", json=body)
+            assert resp.status_code == 200
+            assert resp.headers["x-pdactors-placement"] == "local"
+            (d_body,) = s.d[0].received
+            assert d_body == body  # as the client sent it: no transfer params
+            text = (
+                "".join(e["choices"][0]["text"] for e in data_events(resp.text))
+                if stream
+                else resp.json()["choices"][0]["text"]
+            )
+            assert text.startswith("d0")
+            m = await s.metrics()
+            assert m[("pdactors_proxy_fallbacks_total", (("why", "prefill_failed"),))] == 1
+            assert m[total("completions", "ok")] == 1
+            health = (await s.client.get("/health")).json()
+            assert (
+                health["decode"][0]["waiting_tokens"] == 0 and health["decode"][0]["prefills"] == 0
+            )
+            s.p[0].status, s.p[0].error_body = 400, {"error": {"message": "no", "type": "x"}}
+            resp = await s.client.post("/v1/completions", json=body)
+            assert resp.status_code == 400 and len(s.d[0].received) == 1
+
+
+async def test_with_no_p_in_rotation_d_serves_alone() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p", placement="auto", fall_back_to_d=True) as s:
+            s.p[0].healthy = False
+            await wait_health(s, 503)  # P out of rotation
+            resp = await s.client.post("/v1/completions", json=completion_body())
+            assert resp.status_code == 200 and resp.headers["x-pdactors-placement"] == "local"
+            assert s.p[0].received == [] and len(s.d[0].received) == 1
+            m = await s.metrics()
+            assert m[("pdactors_proxy_fallbacks_total", (("why", "no_prefill"),))] == 1
+            placed = (("placement", "local"), ("reason", "no_prefill"))
+            assert m[("pdactors_proxy_placement_total", placed)] == 1
 
 
 async def test_d_failing_after_ps_token_ends_the_stream_with_an_error_event() -> None:

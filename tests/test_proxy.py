@@ -243,9 +243,11 @@ async def open_setup(
     **config: Any,
 ) -> AsyncIterator[Setup]:
     """Fake engines (``engine_tls``: serving HTTPS) behind a proxy with ``config`` (upstream's
-    concurrent flow unless ``first_token`` says otherwise: tests/test_p_first.py)."""
+    concurrent flow, disaggregated, no fall-back to D, unless ``config`` says otherwise:
+    tests/test_p_first.py, tests/test_placement.py)."""
     config.setdefault("first_token", "d")
     config.setdefault("placement", "disaggregate")
+    config.setdefault("fall_back_to_d", False)  # tests/test_p_first.py turns it on
     p = [
         FakeEngine(
             f"p{i}", engine_id=f"prefill-{i}", healthy=healthy, dp_ranks=p_dp, tls=engine_tls

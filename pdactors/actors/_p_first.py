@@ -6,8 +6,9 @@ one token) the request is complete and no D is asked (P kept no KV: it frees it 
 Otherwise D gets a completion of the prompt's ids and P's token (``first_token_from_p``: it
 pulls the prompt's KV from P and computes P's token), and its answer follows P's token.
 The bodies and answers: :mod:`pdactors.actors._bodies`. A P that fails before its token
-fails the request as in the concurrent flow (an HTTP status); D failing after P's token was
-streamed ends the stream with an error event.
+is served by D alone (the client's body as it came; ``fall_back_to_d``), or with that off fails
+the request as in the concurrent flow (an HTTP status); D failing after P's token was streamed
+ends the stream with an error event.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ async def _serve(proxy: Proxy, ex: Exchange, body: dict[str, Any], reply: Reply)
     if isinstance(first, str):
         message = f"prefill engine {ex.p.url}: {first}"
         ex.fail(Failure.of(502, message, "upstream_error", "prefill_error"))
+    if (first is None or isinstance(first, str)) and proxy.may_fall_back(ex, reply):
+        await proxy.fall_back_to_d(ex, body, reply)
+        return
     if first is None or isinstance(first, str):
         assert ex.failure is not None
         log.warning("proxy: request %s failed: %s", ex.transfer_id, ex.failure.body[:300])

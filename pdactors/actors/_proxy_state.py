@@ -154,6 +154,13 @@ class Metrics:
             ["placement", "reason"],
             registry=r,
         )
+        self.fallbacks = Counter(
+            "pdactors_proxy_fallbacks",
+            "Requests D served alone although they were meant for P: no P in rotation "
+            "(no_prefill), or P failed before its first token (prefill_failed)",
+            ["why"],
+            registry=r,
+        )
         self.p_first = Counter(
             "pdactors_proxy_p_first",
             "Requests served P first, by how they ended: at P's token, or continued on D",

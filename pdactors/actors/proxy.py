@@ -117,6 +117,8 @@ class Proxy:
         }
         self.metrics = Metrics()
         self.placer = Placer(config.placement_stall_weight)
+        #: Stands for P in a request D serves alone because no P is in rotation.
+        self._no_prefill = Backend("prefill", "none")
         for b in (*prefill, *decode):
             self.metrics.backend_up.labels(b.role, b.url).set(0)
         pools = (self.prefill, self.decode)
@@ -187,11 +189,13 @@ class Proxy:
         arrived: float,
     ) -> None:
         p, d = self.prefill.pick(), self.decode.pick()
-        if p is None or d is None:
-            why = (self.prefill if p is None else self.decode).why_none()
+        if d is None or (p is None and not self.config.fall_back_to_d):
+            why = (self.decode if d is None else self.prefill).why_none()
             self.metrics.requests.labels(endpoint.name, "unavailable").inc()
             await reply.failure(Failure.of(503, why, "service_unavailable", "unavailable"))
             return
+        if p is None:  # no P in rotation: D serves the request alone
+            p = self._no_prefill
         tid = uuid.uuid4().hex
         headers = [(b"content-type", b"application/json"), (b"x-request-id", tid.encode())]
         headers += self._engine_auth(scope["headers"])
@@ -236,6 +240,10 @@ class Proxy:
         DEBUG with the figures behind it)."""
         ids, ex.prompt_chars = prompt_size(body, ex.endpoint.chat)
         ex.prompt_tokens = self.placer.count.tokens((ids, ex.prompt_chars))
+        if ex.p is self._no_prefill:
+            self.metrics.placement.labels("local", "no_prefill").inc()
+            self.metrics.fallbacks.labels("no_prefill").inc()
+            return "local"
         if pinned != "auto":
             where = "local" if pinned == "local" else "disaggregated"
             self.metrics.placement.labels(where, "pinned").inc()
@@ -255,6 +263,37 @@ class Proxy:
                 decision.local_ms, decision.disaggregated_ms,
             )  # fmt: skip
         return decision.where
+
+    def may_fall_back(self, ex: Exchange, reply: Reply) -> bool:
+        """Whether a P-first request whose P failed before its token can go to D alone: P's
+        failure was P's (a 5xx, a broken connection, an unreadable answer; not the request's
+        4xx), nothing reached the client yet, time is left, and the operator allows it."""
+        failure = ex.failure
+        return (
+            self.config.fall_back_to_d
+            and failure is not None
+            and failure.outcome == "prefill_error"
+            and failure.status >= 500
+            and not reply.started
+            and trio.current_time() < ex.deadline
+        )
+
+    async def fall_back_to_d(self, ex: Exchange, body: dict[str, Any], reply: Reply) -> None:
+        """Serve ``ex`` on D alone (the client's body as it came), after P failed before its
+        first token: counted, and logged once with why."""
+        assert ex.failure is not None
+        log.warning(
+            "proxy: request %s: prefill engine failed before its first token (%s); decode "
+            "engine %s serves it alone",
+            ex.transfer_id, ex.failure.message[:300], ex.d.url,
+        )  # fmt: skip
+        self.metrics.fallbacks.labels("prefill_failed").inc()
+        ex.failure, ex.d_scopes = None, []
+        ex.placement = "local"
+        reply.headers[:] = [(k, v) for k, v in reply.headers if k != _PLACEMENT_HEADER]
+        reply.headers.append((_PLACEMENT_HEADER, b"local"))
+        self._hold_prefill(ex, ex.d)
+        await self._answer_from_decode(ex, msgspec.json.encode(body), reply)
 
     def _hold_prefill(self, ex: Exchange, engine: Backend) -> None:
         """``ex``'s prompt is sent to ``engine`` now: it waits in its prefill queue."""
