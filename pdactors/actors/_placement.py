@@ -180,14 +180,15 @@ class Placer:
             reason = "d_busy" if d.decoding else "p_faster"
         # The choice not taken is taken once in ``_EXPLORE`` decisions, so that its engine's
         # model follows what that engine does now, not what it did when last chosen.
+        choices: dict[Where, tuple[Where, str]] = {
+            "local": ("local", d_url),
+            "disaggregated": ("disaggregated", p_url),
+        }
         other: Where = "disaggregated" if where == "local" else "local"
-        key = (other, p_url if other == "disaggregated" else d_url)
-        if self._skipped.get(key, 0) + 1 >= _EXPLORE:
-            where, reason = other, "explore"
-        taken = (where, p_url if where == "disaggregated" else d_url)
-        self._skipped[taken] = 0
-        skipped = ("disaggregated", p_url) if where == "local" else ("local", d_url)
-        self._skipped[skipped] = self._skipped.get(skipped, 0) + 1
+        if self._skipped.get(choices[other], 0) + 1 >= _EXPLORE:
+            where, other, reason = other, where, "explore"
+        self._skipped[choices[where]] = 0
+        self._skipped[choices[other]] = self._skipped.get(choices[other], 0) + 1
         return Decision(where, reason, tokens, local, disaggregated)
 
     # ------------------------------------------------------------------ what it learns
