@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 import trio
@@ -21,6 +22,13 @@ from tests.test_proxy import (
 )
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:Async generator 'http(x|core)\._:ResourceWarning")
+
+
+def completion_text(resp: httpx.Response, stream: bool) -> str:
+    """A completion's text, streamed (its events' texts joined) or whole."""
+    if stream:
+        return "".join(e["choices"][0]["text"] for e in data_events(resp.text))
+    return str(resp.json()["choices"][0]["text"])
 
 
 def data_events(text: str) -> list[Any]:
@@ -138,12 +146,7 @@ async def test_a_p_failing_before_its_token_leaves_the_request_to_d(stream: bool
             assert resp.headers["x-pdactors-placement"] == "local"
             (d_body,) = s.d[0].received
             assert d_body == body  # as the client sent it: no transfer params
-            text = (
-                "".join(e["choices"][0]["text"] for e in data_events(resp.text))
-                if stream
-                else resp.json()["choices"][0]["text"]
-            )
-            assert text.startswith("d0")
+            assert completion_text(resp, stream).startswith("d0")
             m = await s.metrics()
             assert m[("pdactors_proxy_fallbacks_total", (("why", "prefill_failed"),))] == 1
             assert m[total("completions", "ok")] == 1
@@ -231,12 +234,7 @@ async def test_local_placement_serves_each_request_on_d_alone(stream: bool) -> N
             assert s.p[0].received == []
             (d_body,) = s.d[0].received
             assert d_body == completion_body(stream=stream)  # as the client sent it
-            text = (
-                "".join(e["choices"][0]["text"] for e in data_events(resp.text))
-                if stream
-                else resp.json()["choices"][0]["text"]
-            )
-            assert text.startswith("d0")
+            assert completion_text(resp, stream).startswith("d0")
             m = await s.metrics()
             assert (
                 m[
