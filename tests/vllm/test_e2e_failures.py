@@ -72,6 +72,11 @@ class World:
         wait_healthy([self.p])
         return self.p
 
+    def restart_p(self) -> Server:
+        """Reap the killed P's process group; start P again on the same ports."""
+        self.p_stack.close()
+        return self.start_p()
+
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
@@ -97,11 +102,6 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         front = proxy([(p.url, bootstrap_url)], [d.url], logs / "proxy.log", *interval)
         w.proxy_url = stack.enter_context(front)
         yield w
-
-    def restart_p(self) -> Server:
-        """Reap the killed P's process group; start P again on the same ports."""
-        self.p_stack.close()
-        return self.start_p()
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:
