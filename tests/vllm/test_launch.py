@@ -3,10 +3,12 @@ real vLLM servers — and no process left behind either way."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -78,15 +80,29 @@ def test_ctrl_c_stops_everything_in_bounded_time() -> None:
             assert time.monotonic() < deadline
         else:
             raise AssertionError(f"launch exited early with {proc.wait()}")
+        # Keep reading what it says: a pipe nobody reads fills up and blocks the launcher.
+        said: list[str] = []
+        reader = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)
+        reader.start()
         assert len(deployment_processes()) >= 3
         start = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            told = "".join(said)
+            message = f"launch still running 60 s after Ctrl-C; it said:\n{told}"
+            raise AssertionError(message) from None
+        assert code == 0, "".join(said)
         assert time.monotonic() - start < 60
+        reader.join(timeout=10)
         assert deployment_processes() == []
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+            for found in deployment_processes():  # what the killed launcher left behind
+                with contextlib.suppress(OSError):
+                    os.killpg(int(found.split(":", 1)[0]), signal.SIGKILL)
         if proc.stderr is not None:
             proc.stderr.close()
