@@ -19,7 +19,7 @@ Busy steps (``quiet_busy_waits``, the default): the same spins go on for the who
 step the worker computes — the engine core waits for the worker's output, the worker for the
 next step's input — each burning a CPU while the other process works. On a host where P and
 D share the cores, each engine's spinning core process takes the CPU the other engine's
-worker needs (measured with py-spy on 2 cores: ~85 % of the engine core's samples were
+worker needs (measured with py-spy on 2 cores: 67–86 % of the engine cores' samples were
 ``sched_yield``). With the patch a wait spins for :data:`SPIN_S` and then naps a twentieth of
 the time it has waited so far, at most :data:`NAP`: an answer is noticed at most 5 % (and
 0.5 ms) later than by spinning, and a long wait costs almost no CPU. :func:`install` is
