@@ -106,7 +106,7 @@ def harness(
 ) -> None:
     """Run P and D actors with real Mooncake engines, move real KV bytes and verify them.
 
-    Defaults are DESIGN.md's reference request: 36 layers x 63 blocks x 64 KiB = 141.75 MiB.
+    Defaults are the reference request: 36 layers x 63 blocks x 64 KiB = 141.75 MiB.
     With --p-tp/--d-tp each engine runs that many workers (one Mooncake engine each), each
     holding its KV heads, and every head is verified on the D worker that holds it.
     Exits 1 when any byte is wrong, any transfer fails, or any block is left allocated.

@@ -13,7 +13,8 @@ Pure and sans-IO (numpy only). The rules:
 * Descriptors are emitted in (region, block) order and adjacent ones merge whenever both the
   source and the destination are contiguous, so a run of consecutive block ids becomes one
   descriptor per region, and regions that sit back to back on both sides merge further.
-  Coalescing is worth about tenfold on GPUs (see DESIGN.md), which is why it happens here, once.
+  Coalescing is worth about tenfold on GPUs (two H200s over NVLink: 141.75 MiB at ~312 GB/s as
+  36 descriptors, ~27.6 GB/s as 2016 of 72 KiB), which is why it happens here, once.
 * Every block id is bounds-checked against its region on its side before any address is
   computed: a plan never holds a descriptor outside its region.
 * Heterogeneous tensor parallelism: in each region a block is its rank's KV heads back to
