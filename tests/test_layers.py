@@ -1,0 +1,98 @@
+"""The import rules between the layers, checked on the source (every import, lazy ones too).
+
+* The core (pure state machines and arithmetic) imports no IO: no trio, no sockets, no threads,
+  no environment.
+* Nothing in ``pdactors`` imports vLLM or torch; only ``integrations/vllm`` does.
+* The proxy never touches KV: it imports neither the data plane, nor the block plans, nor the
+  side channel's transports.
+* The lower layers never import the ones above them (transport and data plane know no actor,
+  the actors know no deployment tooling).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "pdactors"
+
+IO_MODULES = frozenset(
+    {"trio", "zmq", "socket", "threading", "subprocess", "asyncio", "os", "httpx", "h11"}
+    | {"mooncake", "selectors", "signal", "multiprocessing"}
+)
+NEVER_IN_PDACTORS = frozenset({"vllm", "torch"})
+KV_MODULES = ("pdactors.dataplane", "pdactors.core.plan", "pdactors.core.tp", "pdactors.transport")
+
+# (package prefix, imports it must not make): a prefix matches the module and its submodules.
+UPWARD = {
+    "pdactors.core": ("pdactors.actors", "pdactors.proxy", "pdactors.deploy", "pdactors.testing"),
+    "pdactors.transport": ("pdactors.actors", "pdactors.proxy", "pdactors.dataplane"),
+    "pdactors.dataplane": ("pdactors.actors", "pdactors.proxy", "pdactors.transport"),
+    "pdactors.actors": ("pdactors.deploy", "pdactors.testing", "pdactors.proxy"),
+    "pdactors.proxy": ("pdactors.deploy", "pdactors.testing"),
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, absolute, wherever the import statement sits."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                name = _module_name(path)
+                package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_the_sources_are_found() -> None:
+    names = {_module_name(p) for p in SOURCES}
+    assert {"pdactors.core.send_table", "pdactors.core.pull_table", "pdactors.messages"} <= names
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: _module_name(p))
+def test_layer_rules(path: Path) -> None:
+    name = _module_name(path)
+    imports = _imports(path)
+    roots = {m.split(".")[0] for m in imports}
+    assert not roots & NEVER_IN_PDACTORS, f"{name} imports {roots & NEVER_IN_PDACTORS}"
+    if _under(name, "pdactors.core"):
+        assert not roots & IO_MODULES, f"the core does IO: {name} imports {roots & IO_MODULES}"
+    if _under(name, "pdactors.proxy") or name.startswith("pdactors.actors._proxy"):
+        touching = {m for m in imports for kv in KV_MODULES if _under(m, kv)}
+        assert not touching, f"the proxy touches KV: {name} imports {touching}"
+    for prefix, banned in UPWARD.items():
+        if _under(name, prefix):
+            upward = {m for m in imports for b in banned if _under(m, b)}
+            assert not upward, f"{name} imports a layer above it: {upward}"
+
+
+def test_the_rules_catch_a_violation(tmp_path: Path) -> None:
+    """The checker itself: an IO import in a core-like module is seen, a lazy one too."""
+    source = tmp_path / "mod.py"
+    source.write_text("import msgspec\n\ndef f():\n    import trio\n    from os import path\n")
+    found = {m.split(".")[0] for m in _imports(source)}
+    assert {"trio", "os"} <= found & IO_MODULES
