@@ -43,6 +43,7 @@ from pdactors.core.plan import packed_layout, rank_heads
 from pdactors.dataplane import DataPlane, open_mooncake
 from pdactors.errors import PdError
 from pdactors.messages import Layout
+from pdactors.testing.memory_dataplane import MemoryFabric
 from pdactors.transport import ZMQ, Transport
 
 __all__ = [
@@ -245,6 +246,7 @@ async def open_cluster(
     kv_heads: int = 0,
     p_pp: int = 1,
     bootstrap_token: str | None = None,
+    fabric: MemoryFabric | None = None,
 ) -> AsyncIterator[Cluster]:
     """Start a bootstrap, ``prefill`` P engines of ``p_tp`` workers (P engine ``e`` is DP rank
     ``e`` there) and ``decode`` D engines of ``d_tp`` workers, each worker with its own
@@ -260,6 +262,8 @@ async def open_cluster(
     injection); ``transport`` is every actor's side channel (a memory transport, a faulty
     wrapper, ...), or a function of the role (``"prefill"`` / ``"decode"``) and engine index
     that gives each engine its own (per-engine CURVE keys).
+    ``fabric``: every worker's data plane is an in-process one on it instead of a Mooncake
+    engine (no engine threads: the autojump clock then sees every wait).
     """
     dp_config = dataplane or DataPlaneConfig()
     s_config = sender or SenderConfig(engine_id="prefill")
@@ -272,8 +276,8 @@ async def open_cluster(
     shapes = [("prefill", e, p_tp, p_pp) for e in range(prefill)]
     shapes += [("decode", e, d_tp, 1) for e in range(decode)]
     async with AsyncExitStack() as stack:
-        planes = [
-            await stack.enter_async_context(open_mooncake(dp_config))
+        planes: list[DataPlane] = [
+            fabric.open() if fabric else await stack.enter_async_context(open_mooncake(dp_config))
             for _, _, tp, pp in shapes
             for _ in range(tp * pp)
         ]
