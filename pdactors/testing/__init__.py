@@ -1,9 +1,7 @@
 """Test and benchmark support: the standalone harness and fault-injection wrappers."""
 
-from pdactors.testing.cluster import BlockPool as BlockPool
 from pdactors.testing.cluster import Cluster as Cluster
 from pdactors.testing.cluster import DecodeNode as DecodeNode
-from pdactors.testing.cluster import KVBuffer as KVBuffer
 from pdactors.testing.cluster import PrefillNode as PrefillNode
 from pdactors.testing.cluster import TransferOutcome as TransferOutcome
 from pdactors.testing.cluster import open_cluster as open_cluster
@@ -13,3 +11,5 @@ from pdactors.testing.faults import FaultyTransport as FaultyTransport
 from pdactors.testing.faults import MessageFaults as MessageFaults
 from pdactors.testing.harness import HarnessReport as HarnessReport
 from pdactors.testing.harness import run_harness as run_harness
+from pdactors.testing.kv import BlockPool as BlockPool
+from pdactors.testing.kv import KVBuffer as KVBuffer

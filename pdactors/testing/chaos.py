@@ -42,8 +42,8 @@ from pdactors.actors.receiver import Receiver, serve_receiver
 from pdactors.config import BootstrapConfig, DataPlaneConfig, ReceiverConfig
 from pdactors.dataplane import open_mooncake
 from pdactors.errors import PullFailedError
-from pdactors.testing.cluster import BlockPool, KVBuffer
 from pdactors.testing.faults import FaultyTransport, MessageFaults
+from pdactors.testing.kv import BlockPool, KVBuffer
 from pdactors.testing.prefill_process import PrefillProcess
 from pdactors.transport import ZMQ
 

@@ -15,7 +15,6 @@ scheduler does with ``finished_sending``.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -23,12 +22,9 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
-import numpy as np
-import numpy.typing as npt
 import trio
 from msgspec.structs import replace
 
-from pdactors._pulse import Pulse
 from pdactors.actors.bootstrap import serve_bootstrap
 from pdactors.actors.receiver import Receiver, serve_receiver
 from pdactors.actors.sender import Sender, serve_sender
@@ -39,118 +35,21 @@ from pdactors.config import (
     ReceiverConfig,
     SenderConfig,
 )
-from pdactors.core.plan import packed_layout, rank_heads
+from pdactors.core.plan import rank_heads
 from pdactors.dataplane import DataPlane, open_mooncake
 from pdactors.errors import PdError
-from pdactors.messages import Layout
+from pdactors.testing.kv import BlockPool, KVBuffer
 from pdactors.testing.memory_dataplane import MemoryFabric
 from pdactors.transport import ZMQ, Transport
 
 __all__ = [
-    "BlockPool",
     "Cluster",
     "DecodeNode",
-    "KVBuffer",
     "PrefillNode",
     "TransferOutcome",
     "open_cluster",
     "run_transfer",
 ]
-
-
-class BlockPool:
-    """A free list of block ids, like vLLM's block pool; double frees raise."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
-        self._used: set[int] = set()
-        self._freed = Pulse()
-
-    @property
-    def in_use(self) -> int:
-        return len(self._used)
-
-    def allocate(self, n: int) -> list[int]:
-        """Take ``n`` blocks. Raises :class:`PdError` when fewer are free."""
-        if n > len(self._free):
-            raise PdError(f"out of KV blocks: want {n}, {len(self._free)} free")
-        ids = [self._free.pop() for _ in range(n)]
-        self._used.update(ids)
-        return ids
-
-    def free(self, ids: list[int]) -> None:
-        for i in ids:
-            if i not in self._used:
-                raise PdError(f"block {i} freed twice")
-            self._used.remove(i)
-            self._free.append(i)
-        self._freed.fire()
-
-    async def wait_empty(self) -> None:
-        """Wait until no block is allocated. Checkpoint."""
-        while self._used:
-            await self._freed.wait()
-        await trio.lowlevel.checkpoint()
-
-
-class KVBuffer:
-    """One worker's KV cache: ``layers`` regions of ``num_blocks`` blocks of ``block_bytes``.
-
-    ``heads``: which of the model's ``total_heads`` KV heads its blocks hold, back to back
-    (a tensor-parallel rank's; default the one "head" that is the whole block).
-    ``first_layer``: the model layer of its first region (a pipeline stage's); regions are
-    named by model layer.
-    """
-
-    def __init__(
-        self,
-        layers: int,
-        num_blocks: int,
-        block_bytes: int,
-        *,
-        heads: range = range(1),
-        total_heads: int = 1,
-        first_layer: int = 0,
-    ) -> None:
-        if block_bytes % len(heads):
-            raise ValueError(f"{block_bytes} block bytes do not split into {len(heads)} heads")
-        self.heads, self.total_heads = heads, total_heads
-        self.head_bytes = block_bytes // len(heads)
-        self.first_layer = first_layer
-        self.data: npt.NDArray[np.uint8] = np.zeros((layers, num_blocks, block_bytes), np.uint8)
-        packed = packed_layout(self.data.ctypes.data, layers, num_blocks, block_bytes)
-        names = tuple(f"layers.{first_layer + i}" for i in range(layers))
-        self.layout = Layout(packed.regions, names)
-
-    @property
-    def regions(self) -> list[tuple[int, int]]:
-        return [(self.data.ctypes.data, self.data.nbytes)]
-
-    def expected(self, transfer_id: str, count: int) -> npt.NDArray[np.uint8]:
-        """The bytes P writes for ``transfer_id``: ``[layers, count, block_bytes]``.
-
-        Each head of each block holds a byte ramp shifted by an offset unique to (request,
-        layer, block, head), so a misplaced, shifted or missing block — or head — is caught;
-        this buffer's heads are its part of the model's block.
-        """
-        layers, _, block_bytes = self.data.shape
-        seed = int.from_bytes(hashlib.blake2b(transfer_id.encode(), digest_size=4).digest())
-        ramp = np.arange(self.head_bytes, dtype=np.uint64).astype(np.uint8)  # wraps at 256
-        cells = np.arange(layers * count, dtype=np.uint64) + np.uint64(self.first_layer * count)
-        cells = cells[:, None] * np.uint64(self.total_heads)
-        heads = cells + np.arange(self.heads.start, self.heads.stop, dtype=np.uint64)[None, :]
-        offsets = ((seed + heads * 40503) % 251).astype(np.uint8)  # [layers * count, heads]
-        block = ramp[None, None, :] + offsets[:, :, None]  # uint8: wraps at 256 too
-        return block.reshape(layers, count, block_bytes)
-
-    def fill(self, transfer_id: str, blocks: list[int]) -> None:
-        self.data[:, blocks, :] = self.expected(transfer_id, len(blocks))
-
-    def verify(self, transfer_id: str, blocks: list[int], src_count: int) -> bool:
-        """True when ``blocks`` hold the last ``len(blocks)`` of P's ``src_count`` blocks."""
-        want = self.expected(transfer_id, src_count)[:, src_count - len(blocks) :, :]
-        return bool(np.array_equal(self.data[:, blocks, :], want))
 
 
 @dataclass

@@ -30,8 +30,9 @@ from pdactors.actors.sender import serve_sender
 from pdactors.config import DataPlaneConfig, SenderConfig
 from pdactors.dataplane import open_mooncake
 from pdactors.errors import PdError
-from pdactors.testing.cluster import BlockPool, KVBuffer, PrefillNode
+from pdactors.testing.cluster import PrefillNode
 from pdactors.testing.faults import FaultyDataPlane
+from pdactors.testing.kv import BlockPool, KVBuffer
 
 
 async def _serve(args: argparse.Namespace) -> None:
