@@ -35,6 +35,7 @@ from pdactors.messages import (
 )
 from pdactors.testing import Cluster, open_cluster, run_transfer
 from pdactors.transport import open_dealer, open_router
+from tests.conftest import wait_until
 
 SMALL = {"layers": 2, "num_blocks": 64, "block_bytes": 1024}
 #: How long a real D's pull may take while P is under attack (about a second: a loaded CI box).
@@ -56,12 +57,6 @@ def pull(tid: str, **fields: object) -> PullRequest:
         "layout": LAYOUT,
     }
     return PullRequest(**{**base, **fields})  # type: ignore[arg-type]
-
-
-async def wait_until(predicate: Callable[[], bool]) -> None:
-    with trio.fail_after(10):
-        while not predicate():
-            await trio.sleep(0.005)
 
 
 async def real_pull(cluster: Cluster, tid: str) -> None:

@@ -23,16 +23,12 @@ from pdactors.messages import (
     decode_frames,
     encode_frames,
 )
-from pdactors.testing import Cluster, FaultyDataPlane, open_cluster, run_transfer
+from pdactors.testing import FaultyDataPlane, open_cluster, run_transfer
 from pdactors.testing.cluster import DecodeNode
 from pdactors.transport import open_dealer
+from tests.conftest import settled
 
 SHAPE = {"layers": 3, "num_blocks": 32, "block_bytes": 4096}
-
-
-async def settled(cluster: Cluster) -> None:
-    with trio.fail_after(5):
-        await cluster.wait_settled()
 
 
 @pytest.mark.parametrize(
