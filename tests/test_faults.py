@@ -17,6 +17,7 @@ from pdactors.testing import (
     run_transfer,
 )
 from pdactors.transport import ZMQ, MemoryTransport
+from tests.conftest import wait_until
 
 SMALL = {"layers": 2, "num_blocks": 256, "block_bytes": 1024}
 #: The bootstrap is real HTTP even under the autojump clock: no lease renewals to jump through.
@@ -74,8 +75,7 @@ async def test_a_cut_link_ends_the_pull_as_p_gone_and_the_next_pull_works() -> N
                     reasons.append(await pull(cluster, "cut"))
 
                 nursery.start_soon(waiting)
-                while p.sender.transfer_state("cut") is None:
-                    await trio.sleep(0.001)
+                await wait_until(lambda: p.sender.transfer_state("cut") is not None)
                 assert memory.cut(p.sender.address) == 1
             assert reasons and "P gone" in reasons[0], reasons
             # P heard D leave too: the transfer D waited for is over; P can still serve
@@ -136,8 +136,7 @@ async def test_a_cut_mid_stream_ends_every_transfer_and_leaks_nothing(seed: int)
                     nursery.start_soon(one, i)
                 # Cut once D has its connection to P, while the transfers run (a fixed short
                 # sleep found no connection yet on a loaded machine).
-                while not faulty.open_dealers:
-                    await trio.sleep(0.002)
+                await wait_until(lambda: bool(faulty.open_dealers))
                 assert faulty.cut() >= 1
             assert len(ends) == 16  # every transfer ended: delivered or failed, none hung
             await cluster.wait_settled()

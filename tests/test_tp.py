@@ -26,7 +26,7 @@ from pdactors.messages import (
 from pdactors.testing import FaultyDataPlane, open_cluster, run_transfer
 from pdactors.testing.cluster import DecodeNode
 from pdactors.transport import open_dealer
-from tests.conftest import settled
+from tests.conftest import settled, wait_until
 
 SHAPE = {"layers": 3, "num_blocks": 32, "block_bytes": 4096}
 
@@ -95,8 +95,9 @@ async def test_one_p_worker_failing_fails_the_pull_only_after_the_other_stopped_
                     result.append(await run_transfer(cluster, "t-fail", 4))
 
                 nursery.start_soon(transfer)
-                while not (planes[0].writes_started and planes[1].writes_started):
-                    await trio.sleep(0.01)
+                await wait_until(
+                    lambda: bool(planes[0].writes_started and planes[1].writes_started)
+                )
                 # Rank 1's failure reaches D: the pull stops rank 0 but waits for its word.
                 p0 = cluster.prefill[0].sender.address
                 with trio.fail_after(10):
