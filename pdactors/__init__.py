@@ -23,8 +23,11 @@ from pdactors.config import SenderConfig as SenderConfig
 from pdactors.dataplane import DataPlane as DataPlane
 from pdactors.dataplane import MooncakeDataPlane as MooncakeDataPlane
 from pdactors.dataplane import open_mooncake as open_mooncake
+from pdactors.errors import BadBlockIds as BadBlockIds
+from pdactors.errors import BadMessage as BadMessage
 from pdactors.errors import BadTransferParams as BadTransferParams
 from pdactors.errors import BootstrapError as BootstrapError
+from pdactors.errors import ConfigError as ConfigError
 from pdactors.errors import DataPlaneError as DataPlaneError
 from pdactors.errors import DuplicateTransfer as DuplicateTransfer
 from pdactors.errors import IllegalTransition as IllegalTransition

@@ -10,6 +10,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from pdactors.errors import ConfigError
+
 __all__ = [
     "DEFAULT_BOOTSTRAP_PORT",
     "PROTOCOLS",
@@ -64,9 +66,9 @@ class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         if self.workers < 1:
-            raise ValueError("workers must be >= 1")
+            raise ConfigError("workers must be >= 1")
         if self.max_descriptors_per_call < 1 or self.max_calls_per_peer < 1:
-            raise ValueError("max_descriptors_per_call and max_calls_per_peer must be >= 1")
+            raise ConfigError("max_descriptors_per_call and max_calls_per_peer must be >= 1")
 
 
 class RankInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,9 +82,9 @@ class RankInfo(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size):
-            raise ValueError(f"bad ranks {self}")
+            raise ConfigError(f"bad ranks {self}")
         if self.dp_rank < 0:
-            raise ValueError("dp_rank must be >= 0")
+            raise ConfigError("dp_rank must be >= 0")
 
 
 class Liveness(msgspec.Struct, frozen=True, kw_only=True):
@@ -105,7 +107,7 @@ class Liveness(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         if min(self.heartbeat_interval, self.heartbeat_timeout, self.connect_timeout) <= 0:
-            raise ValueError("liveness intervals must be > 0")
+            raise ConfigError("liveness intervals must be > 0")
 
 
 class BootstrapConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -123,7 +125,7 @@ class BootstrapConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         if self.max_workers < 1:
-            raise ValueError("max_workers must be >= 1")
+            raise ConfigError("max_workers must be >= 1")
 
 
 class Secret(str):
@@ -140,7 +142,7 @@ def read_token_file(path: str | os.PathLike[str]) -> Secret:
     :class:`ValueError` for an empty file and :class:`OSError` when it cannot be read."""
     token = Path(path).read_text().strip()
     if not token:
-        raise ValueError(f"token file {path} is empty")
+        raise ConfigError(f"token file {path} is empty")
     return Secret(token)
 
 
@@ -183,7 +185,7 @@ class SenderConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         if self.lease_interval < 0 or self.lease_ttl <= self.lease_interval:
-            raise ValueError("need 0 <= lease_interval < lease_ttl")
+            raise ConfigError("need 0 <= lease_interval < lease_ttl")
 
 
 class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -311,25 +313,25 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
-            raise ValueError("the proxy needs at least one prefill and one decode engine")
+            raise ConfigError("the proxy needs at least one prefill and one decode engine")
         urls = [u for p in self.prefill for u in (p.url, p.bootstrap_url)] + list(self.decode)
         for url in urls:
             if not url.startswith(("http://", "https://")):
-                raise ValueError(f"{url!r} is not an http:// or https:// URL")
+                raise ConfigError(f"{url!r} is not an http:// or https:// URL")
         engines = [p.url for p in self.prefill] + list(self.decode)
         if len(set(engines)) != len(engines):
-            raise ValueError("an engine URL is listed twice")
+            raise ConfigError("an engine URL is listed twice")
         if self.routing not in ("round_robin", "least_outstanding"):
-            raise ValueError(f"unknown routing {self.routing!r}")
+            raise ConfigError(f"unknown routing {self.routing!r}")
         if self.placement not in get_args(Placement):
             allowed = ", ".join(repr(p) for p in get_args(Placement))
-            raise ValueError(f"placement must be one of {allowed}, not {self.placement!r}")
+            raise ConfigError(f"placement must be one of {allowed}, not {self.placement!r}")
         if not self.placement_stall_weight >= 0:
-            raise ValueError("placement_stall_weight must be >= 0")
+            raise ConfigError("placement_stall_weight must be >= 0")
         if self.first_token not in get_args(FirstToken):
-            raise ValueError(f"first_token must be 'p' or 'd', not {self.first_token!r}")
+            raise ConfigError(f"first_token must be 'p' or 'd', not {self.first_token!r}")
         timeouts = (self.health_interval, self.health_timeout, self.request_timeout)
         if min(*timeouts, self.connect_timeout, self.body_timeout) <= 0:
-            raise ValueError("intervals and timeouts must be > 0")
+            raise ConfigError("intervals and timeouts must be > 0")
         if self.max_connections < 1 or self.max_body_bytes < 1:
-            raise ValueError("max_connections and max_body_bytes must be >= 1")
+            raise ConfigError("max_connections and max_body_bytes must be >= 1")

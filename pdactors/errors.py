@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 __all__ = [
+    "BadBlockIds",
+    "BadMessage",
     "BadTransferParams",
     "BootstrapError",
     "BootstrapTimeout",
+    "ConfigError",
     "DataPlaneError",
     "DuplicateTransfer",
     "IllegalTransition",
@@ -42,6 +45,20 @@ class DuplicateTransfer(IllegalTransition):
     def __init__(self, transfer_id: str) -> None:
         self.transfer_id = transfer_id
         super().__init__(f"transfer {transfer_id} is already in flight; this duplicate is refused")
+
+
+class ConfigError(PdError, ValueError):
+    """A setting out of its range, or settings that do not fit together. A ``ValueError``, so
+    msgspec reports it as a ``ValidationError`` when the settings are decoded from a file."""
+
+
+class BadMessage(PdError, ValueError):
+    """A message from a peer that breaks the wire's rules (a bad registration, block ids of
+    the wrong shape, an undecodable side-channel frame)."""
+
+
+class BadBlockIds(PdError, TypeError):
+    """Block ids that are neither a sequence of integers nor a sequence of such sequences."""
 
 
 class BadTransferParams(PdError, ValueError):

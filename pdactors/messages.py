@@ -24,7 +24,7 @@ from typing import Annotated, Final, TypeAlias
 import msgspec
 from msgspec import Meta
 
-from pdactors.errors import BadTransferParams
+from pdactors.errors import BadBlockIds, BadMessage, BadTransferParams
 
 __all__ = [
     "HEADER",
@@ -60,7 +60,7 @@ PROTOCOL_VERSION: Final = 2
 HEADER: Final = b"PDA" + bytes([PROTOCOL_VERSION])
 
 
-class FrameError(ValueError):
+class FrameError(BadMessage):
     """A side-channel frame could not be decoded (wrong version, malformed, unknown type, or
     beyond :data:`LIMITS`); its ``tag`` and ``transfer_id`` if still readable (else ""), and
     the peer's protocol ``version`` if that is what differs (else None)."""
@@ -161,16 +161,17 @@ BlockIdsLike: TypeAlias = Sequence[int] | Sequence[Sequence[int]]
 
 def block_groups(ids: BlockIdsLike) -> BlockIds:
     """``ids`` as :data:`BlockIds`: a flat sequence of ids is the one group's; a sequence of
-    sequences is one per group. Raises :class:`TypeError` for anything else."""
+    sequences is one per group. Raises :class:`~pdactors.errors.BadBlockIds` (a ``TypeError``)
+    for anything else."""
     if not ids:
         return ()
     first = ids[0]
     if isinstance(first, int):
         if not all(isinstance(i, int) for i in ids):
-            raise TypeError("block ids mix integers and lists")
+            raise BadBlockIds("block ids mix integers and lists")
         return (tuple(ids),)  # type: ignore[arg-type]
     if isinstance(first, str | bytes) or not isinstance(first, Sequence):
-        raise TypeError(f"block ids must be integers or lists of them, not {type(first)!r}")
+        raise BadBlockIds(f"block ids must be integers or lists of them, not {type(first)!r}")
     return tuple(tuple(group) for group in ids)  # type: ignore[arg-type]
 
 
@@ -333,13 +334,13 @@ class RegisterWorker(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
 
     def __post_init__(self) -> None:
         if min(self.dp_rank, self.tp_rank, self.pp_rank) < 0:
-            raise ValueError("ranks must be >= 0")
+            raise BadMessage("ranks must be >= 0")
         if not self.engine_id:
-            raise ValueError("engine_id must not be empty")
+            raise BadMessage("engine_id must not be empty")
         if not self.addr.startswith("tcp://"):
-            raise ValueError("addr must be a tcp:// address")
+            raise BadMessage("addr must be a tcp:// address")
         if self.curve_key and not is_curve_key(self.curve_key):
-            raise ValueError("curve_key must be a CURVE public key: 40 characters of Z85 text")
+            raise BadMessage("curve_key must be a CURVE public key: 40 characters of Z85 text")
 
 
 class BootstrapEntry(msgspec.Struct, omit_defaults=True):

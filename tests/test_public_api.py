@@ -11,7 +11,8 @@ import httpx
 import pdactors
 
 PUBLIC = {
-    "BadTransferParams", "BlockLayout", "BootstrapClient", "BootstrapConfig", "BootstrapError",
+    "BadBlockIds", "BadMessage", "BadTransferParams", "BlockLayout", "ConfigError",
+    "BootstrapClient", "BootstrapConfig", "BootstrapError",
     "DataPlane",
     "DataPlaneConfig", "DataPlaneError", "DuplicateTransfer", "IllegalTransition",
     "KVTransferParams", "Layout", "Liveness",
