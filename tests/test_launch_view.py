@@ -10,9 +10,8 @@ from prometheus_client import generate_latest
 from rich.console import Console
 
 from pdactors.actors._proxy_state import Metrics
-from pdactors.launch_cli import Smoke, _report_failure
-from pdactors.launch_view import LaunchView, Stats, metric_total
-from pdactors.launcher import ChildDied, log_tail
+from pdactors.deploy import ChildDied, LaunchView, Smoke, Stats, log_tail, metric_total
+from pdactors.deploy.command import _report_failure
 
 # What a vLLM server's /metrics says (names as vLLM exports the connector's counters).
 PREFILL = """\

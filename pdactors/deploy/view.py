@@ -1,73 +1,27 @@
 """What ``pdactors launch`` shows: a live table of the deployment's components (rich), the few
-lines worth keeping (a component healthy, the proxy's URL, a failure), and the figures read
-from the components' ``/metrics``.
+lines worth keeping (a component healthy, the proxy's URL, a failure), and under the table the
+figures (:class:`~pdactors.deploy.stats.Stats`) read from the components' ``/metrics``.
 
-Sans-IO: the command feeds it states and metric texts; it renders.
+Sans-IO: the command feeds it states and figures; it renders.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console, Group, RenderableType
 from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["LaunchView", "Stats", "metric_total"]
+if TYPE_CHECKING:
+    from pdactors.deploy.stats import Stats
+
+__all__ = ["LaunchView"]
 
 _ICONS = {"healthy": "[green]✓[/]", "ready": "[green]✓[/]", "failed": "[red]✗[/]"}
-
-
-def metric_total(text: str, sample: str, **labels: str) -> float:
-    """Sum of the samples named ``sample`` (e.g. ``x_total``) in a Prometheus text exposition
-    whose labels include ``labels``; 0 when there are none."""
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
-
-
-@dataclass
-class Stats:
-    """The deployment's figures, from the proxy's and the engines' ``/metrics``."""
-
-    requests: float = 0.0  # answered by the proxy
-    in_flight: float = 0.0
-    ttft_sum: float = 0.0  # seconds, over ``ttft_count`` requests
-    ttft_count: float = 0.0
-    transfers: float = 0.0  # KV transfers P wrote into D
-    kv_bytes: float = 0.0
-    d_local_prompt_tokens: float = 0.0  # prompt tokens D computed itself (0 when KV moved)
-
-    def add_proxy(self, text: str) -> None:
-        self.requests = metric_total(text, "pdactors_proxy_requests_total")
-        self.in_flight = metric_total(text, "pdactors_proxy_requests_in_flight")
-        self.ttft_sum = metric_total(text, "pdactors_proxy_ttft_seconds_sum")
-        self.ttft_count = metric_total(text, "pdactors_proxy_ttft_seconds_count")
-
-    def add_prefill(self, texts: Iterable[str]) -> None:
-        texts = list(texts)
-        self.transfers = sum(metric_total(t, "vllm:pdactors_transfers_sent_total") for t in texts)
-        self.kv_bytes = sum(metric_total(t, "vllm:pdactors_bytes_sent_total") for t in texts)
-
-    def add_decode(self, texts: Iterable[str]) -> None:
-        name, source = "vllm:prompt_tokens_by_source_total", "local_compute"
-        self.d_local_prompt_tokens = sum(metric_total(t, name, source=source) for t in texts)
-
-    def line(self) -> str:
-        ttft = f"{1000 * self.ttft_sum / self.ttft_count:.0f} ms" if self.ttft_count else "–"
-        return (
-            f"requests {self.requests:.0f} ({self.in_flight:.0f} in flight) · "
-            f"KV transfers {self.transfers:.0f} ({self.kv_bytes / 2**20:.1f} MiB) · "
-            f"time to first token {ttft} (mean) · "
-            f"prompt tokens D computed {self.d_local_prompt_tokens:.0f}"
-        )
 
 
 @dataclass
