@@ -27,7 +27,7 @@ class K8sConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     ``rdma/rdma_shared_device_a``, ``rdma_per_server`` of it) and/or ``host_network``; the
     servers get ``IPC_LOCK`` to pin their KV memory. ``model_pvc``: a PersistentVolumeClaim
     mounted read-only at ``model_mount``. ``env`` and ``pod_annotations`` (e.g. a Multus
-    network) go to every P and D pod; ``vllm_args`` after the launcher's ``vllm_args``.
+    network) go to every P and D pod; ``vllm_args`` after the top-level ``vllm_args``.
     Raises :class:`~pdactors.deploy.errors.BadDeployConfig` for names and counts that do not fit.
     """
 

@@ -43,8 +43,9 @@ class LaunchView:
         self.stats: Stats | None = None
         self.started = time.monotonic()
 
-    def add(self, name: str, where: str = "", state: str = "waiting") -> None:
-        self.components[name] = _Component(name, where, state)
+    def add(self, name: str, where: str = "") -> None:
+        """A component to show, ``waiting`` until :meth:`set` or :meth:`progress` says more."""
+        self.components[name] = _Component(name, where)
 
     def set(self, name: str, state: str, *, took: float | None = None) -> None:
         c = self.components[name]
@@ -55,7 +56,8 @@ class LaunchView:
         self.console.print(text, highlight=False)
 
     def progress(self, name: str, elapsed: float, ok: bool) -> None:
-        """The launcher's health callback: a component answered ``/health`` (or not yet)."""
+        """The ``progress`` callback of :func:`~pdactors.deploy.supervise.launch`: a component
+        answered ``/health`` (or not yet)."""
         c = self.components[name]
         if ok and c.state != "healthy":
             self.set(name, "healthy", took=elapsed)
