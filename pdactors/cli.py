@@ -434,7 +434,7 @@ def proxy(
 
 
 def _register_launch() -> None:
-    from pdactors.launch_cli import launch_command
+    from pdactors.deploy import launch_command
 
     app.command("launch")(launch_command)
 

@@ -17,8 +17,8 @@ import msgspec
 import pytest
 import yaml
 
-from pdactors.k8s import SECRET_KEYS, SECRETS_DIR, K8sConfig, render_k8s, write_manifests
-from pdactors.launcher import LaunchConfig
+from pdactors.deploy import BadDeployConfig, K8sConfig, LaunchConfig, render_k8s, write_manifests
+from pdactors.deploy.k8s import SECRET_KEYS, SECRETS_DIR
 from pdactors_vllm.settings import ConnectorSettings, settings_from_extra_config
 
 #: The Kubernetes version the manifests are validated against (kubernetes-validate 1.37.0
@@ -340,15 +340,15 @@ def test_cpu_servers_request_no_gpu() -> None:
 
 
 def test_refusals() -> None:
-    with pytest.raises(ValueError, match="needs a model"):
+    with pytest.raises(BadDeployConfig, match="needs a model"):
         render_k8s(LaunchConfig())
-    with pytest.raises(ValueError, match="rdma_resource"):
+    with pytest.raises(BadDeployConfig, match="rdma_resource"):
         render_k8s(LaunchConfig(model="m", protocol="rdma"))
     host_net = LaunchConfig(model="m", protocol="rdma", k8s=K8sConfig(host_network=True))
     spec = component(render_k8s(host_net), "decode", "StatefulSet")["spec"]["template"]["spec"]
     assert (spec["hostNetwork"], spec["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
     for bad in ({"name": "Big_Model"}, {"name": "x" * 41}, {"namespace": "-a"}):
-        with pytest.raises(ValueError, match="DNS label"):
+        with pytest.raises(BadDeployConfig, match="DNS label"):
             K8sConfig(**bad)
     with pytest.raises(msgspec.ValidationError, match="unknown field"):
         load("model = 'm'\n[k8s]\nimage_name = 'x'\n")

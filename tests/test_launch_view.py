@@ -10,9 +10,8 @@ from prometheus_client import generate_latest
 from rich.console import Console
 
 from pdactors.actors._proxy_state import Metrics
-from pdactors.launch_cli import Smoke, _report_failure
-from pdactors.launch_view import LaunchView, Stats, metric_total
-from pdactors.launcher import ChildDied, log_tail
+from pdactors.deploy import ChildDied, LaunchView, NotHealthy, Smoke, Stats, log_tail, metric_total
+from pdactors.deploy.command import _report_failure
 
 # What a vLLM server's /metrics says (names as vLLM exports the connector's counters).
 PREFILL = """\
@@ -104,3 +103,10 @@ def test_a_dead_component_is_reported_with_the_tail_of_its_log(tmp_path: Path) -
     text = out.getvalue()
     assert "decode-0 exited with code 1" in text and "RuntimeError: out of memory" in text
     assert str(log) in text and "line 79" not in text  # the tail, not the whole log
+
+
+def test_components_not_healthy_in_time_are_named() -> None:
+    out = io.StringIO()
+    group = ExceptionGroup("x", [NotHealthy(["prefill-0", "decode-0"], 300.0)])
+    _report_failure(Console(file=out, width=200, color_system=None), group)
+    assert "✗ NotHealthy: not healthy within 300 s: prefill-0, decode-0" in out.getvalue()

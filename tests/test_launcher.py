@@ -10,19 +10,24 @@ import sys
 import textwrap
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 
-from pdactors.launcher import (
+from pdactors.deploy import (
+    BadDeployConfig,
     Child,
     ChildDied,
     LaunchConfig,
+    NotHealthy,
     Plan,
+    UnsafeSecretsDir,
     is_loopback,
     launch,
     make_secrets,
     plan_deployment,
 )
+from pdactors.deploy.plan import free_port
 
 SERVER = textwrap.dedent(
     """
@@ -48,12 +53,6 @@ SERVER = textwrap.dedent(
 def child(name: str, port: int, delay: float = 0.0, mode: str = "ok") -> Child:
     argv = [sys.executable, "-c", SERVER, str(port), str(delay), mode]
     return Child(name, argv, dict(os.environ), f"http://127.0.0.1:{port}/health")
-
-
-def free_port() -> int:
-    from pdactors.launcher import free_port as pick
-
-    return pick()
 
 
 def alive(pid: int) -> bool:
@@ -149,14 +148,19 @@ async def test_startup_timeout_is_bounded_and_stops_children(tmp_path: Path) -> 
             plan, startup_timeout=1, shutdown_timeout=2, out=rec.out, progress=rec.progress,
             log_dir=tmp_path, when_ready=never,
         )  # fmt: skip
-    assert info.group_contains(trio.TooSlowError)
+    matched, _ = info.value.split(NotHealthy)
+    assert matched is not None
+    (late,) = matched.exceptions
+    assert isinstance(late, NotHealthy) and late.names == ["slow"] and late.limit == 1
     assert not any(alive(pid) for pid in rec.pids())
 
 
 def test_default_plan_is_1p1d_on_cpu_with_our_connector() -> None:
-    plan = plan_deployment(LaunchConfig(proxy_port=0), "/models/tiny", served_name="tiny")
+    env = {"HOME": "/home/me"}  # the launching process's environment, passed on to each
+    plan = plan_deployment(LaunchConfig(proxy_port=0), "/models/tiny", env=env, served_name="tiny")
     names = [c.name for c in plan.children]
     assert names == ["prefill-0", "decode-0", "proxy"]
+    assert all(c.env["HOME"] == "/home/me" and c.env["HF_HUB_OFFLINE"] for c in plan.children)
     p, d, proxy = plan.children
     assert '"kv_role": "kv_producer"' in " ".join(p.argv)
     assert '"kv_role": "kv_consumer"' in " ".join(d.argv)
@@ -173,7 +177,7 @@ def test_gpu_plan_pins_devices_and_protocol() -> None:
     config = LaunchConfig(
         prefill=2, decode=1, prefill_gpus=("0", "1"), decode_gpus=("2",), protocol="nvlink_intra"
     )
-    plan = plan_deployment(config, "/models/real", single=True)
+    plan = plan_deployment(config, "/models/real", env={}, single=True)
     envs = {c.name: c.env.get("CUDA_VISIBLE_DEVICES") for c in plan.children}
     assert envs == {
         "prefill-0": "0",
@@ -187,10 +191,12 @@ def test_gpu_plan_pins_devices_and_protocol() -> None:
 
 
 def test_bad_config_is_refused() -> None:
-    with pytest.raises(ValueError, match="prefill_gpus"):
+    with pytest.raises(BadDeployConfig, match="prefill_gpus"):
         LaunchConfig(prefill=2, prefill_gpus=("0",))
-    with pytest.raises(ValueError, match="at least one"):
+    with pytest.raises(BadDeployConfig, match="at least one"):
         LaunchConfig(decode=0)
+    with pytest.raises(msgspec.ValidationError, match="at least one"):  # as launch --config
+        msgspec.convert({"decode": 0}, LaunchConfig)
 
 
 def test_a_secure_plan_wires_every_component_with_fresh_private_credentials(
@@ -202,11 +208,11 @@ def test_a_secure_plan_wires_every_component_with_fresh_private_credentials(
         assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(path.read_text().strip()) >= 40
     assert {p.name for p in run.directory.iterdir()} >= {"proxy.key", "engine.key"}
     assert run.api_key not in repr(run) and run.engine_key not in repr(run)
-    with pytest.raises(ValueError, match="new, private"):
+    with pytest.raises(UnsafeSecretsDir, match="new, private"):
         make_secrets(run.directory)  # never into a directory that already holds files
     assert make_secrets(tmp_path / "other").api_key != run.api_key  # fresh for each run
     config = LaunchConfig(proxy_port=0, secure=True)
-    plan = plan_deployment(config, "/models/tiny", served_name="tiny", run_secrets=run)
+    plan = plan_deployment(config, "/models/tiny", env={}, served_name="tiny", run_secrets=run)
     p, d, proxy = plan.children
     for server in (p, d):
         kv = json.loads(server.argv[server.argv.index("--kv-transfer-config") + 1])
@@ -219,11 +225,12 @@ def test_a_secure_plan_wires_every_component_with_fresh_private_credentials(
     assert d_kv["kv_connector_extra_config"]["trusted_bootstraps"] == [p_bootstrap]
     assert proxy.env["PDACTORS_ENGINE_API_KEY"] == run.engine_key
     assert proxy.argv[proxy.argv.index("--bootstrap-token-file") + 1] == str(run.bootstrap_token)
-    assert proxy.env["PDACTORS_PROXY_API_KEY"] == run.api_key == plan.extra["api_key"]
+    assert proxy.env["PDACTORS_PROXY_API_KEY"] == run.api_key
+    assert plan.engine_key == run.engine_key  # for a client that asks the engines directly
     keys = (run.api_key, run.engine_key)
     assert not [a for c in plan.children for a in c.argv if any(k in a for k in keys)]  # not in ps
-    with pytest.raises(ValueError, match="needs its secrets"):
-        plan_deployment(config, "/models/tiny")
+    with pytest.raises(BadDeployConfig, match="needs its secrets"):
+        plan_deployment(config, "/models/tiny", env={})
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5")
 

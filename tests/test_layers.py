@@ -7,6 +7,8 @@
   side channel's transports.
 * The lower layers never import the ones above them (transport and data plane know no actor,
   the actors know no deployment tooling).
+* The deployment tooling (``pdactors.deploy``) is the top: nothing in the library imports it but
+  ``pdactors.cli``, the edge that reads argv.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ UPWARD = {
     "pdactors.actors": ("pdactors.deploy", "pdactors.testing", "pdactors.proxy"),
     "pdactors.proxy": ("pdactors.deploy", "pdactors.testing"),
 }
+DEPLOY = "pdactors.deploy"
+DEPLOY_IMPORTED_BY = frozenset({"pdactors.cli"})  # besides its own modules
 
 
 def _module_name(path: Path) -> str:
@@ -88,6 +92,16 @@ def test_layer_rules(path: Path) -> None:
         if _under(name, prefix):
             upward = {m for m in imports for b in banned if _under(m, b)}
             assert not upward, f"{name} imports a layer above it: {upward}"
+    if not _under(name, DEPLOY) and name not in DEPLOY_IMPORTED_BY:
+        deploy = {m for m in imports if _under(m, DEPLOY)}
+        assert not deploy, f"only {sorted(DEPLOY_IMPORTED_BY)} import {DEPLOY}: {name} does"
+
+
+def test_the_deploy_rule_sees_its_package() -> None:
+    """The rule above is not vacuous: the deploy package exists and ``cli`` imports it."""
+    names = {_module_name(p) for p in SOURCES}
+    assert {f"{DEPLOY}.command", f"{DEPLOY}.plan", f"{DEPLOY}.k8s"} <= names
+    assert any(_under(m, DEPLOY) for m in _imports(PACKAGE / "cli.py"))
 
 
 def test_the_rules_catch_a_violation(tmp_path: Path) -> None:

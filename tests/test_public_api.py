@@ -9,6 +9,7 @@ import sys
 import httpx
 
 import pdactors
+import pdactors.deploy
 
 PUBLIC = {
     "BadBlockIds", "BadMessage", "BadTransferParams", "BlockLayout", "ConfigError",
@@ -22,6 +23,13 @@ PUBLIC = {
     "serve_bootstrap", "serve_proxy", "serve_receiver", "serve_sender",
 }  # fmt: skip
 
+DEPLOY_PUBLIC = {
+    "BadDeployConfig", "Child", "ChildDied", "DeployError", "K8sConfig", "LaunchConfig",
+    "LaunchView", "ModelBuildFailed", "NotHealthy", "Plan", "RunSecrets", "Smoke", "Stats",
+    "UnsafeSecretsDir", "is_loopback", "launch", "launch_command", "log_tail", "make_secrets",
+    "metric_total", "plan_deployment", "render_k8s", "write_manifests",
+}  # fmt: skip
+
 ENV = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
 
 
@@ -29,6 +37,14 @@ def test_public_names() -> None:
     names = {n for n in vars(pdactors) if not n.startswith("_")}
     modules = {n for n in names if type(getattr(pdactors, n)).__name__ == "module"}
     assert names - modules == PUBLIC
+
+
+def test_deploy_public_names() -> None:
+    names = {n for n in vars(pdactors.deploy) if not n.startswith("_")}
+    modules = {n for n in names if type(getattr(pdactors.deploy, n)).__name__ == "module"}
+    assert names - modules == DEPLOY_PUBLIC
+    errors = [getattr(pdactors.deploy, n) for n in DEPLOY_PUBLIC if n.endswith(("Error", "Died"))]
+    assert errors and all(issubclass(e, pdactors.PdError) for e in errors)
 
 
 def test_import_pulls_in_neither_torch_nor_vllm_nor_mooncake() -> None:

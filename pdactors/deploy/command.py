@@ -1,24 +1,22 @@
-"""The ``pdactors launch`` command: options, the live status, the smoke check and its summary.
+"""The ``pdactors launch`` command: its options, and the flow from them to a running (or
+smoke-checked, or rendered) deployment.
 
-The supervision itself is :mod:`pdactors.launcher`; what the terminal shows is
-:mod:`pdactors.launch_view`. Every child's output goes to a log file in the run directory; the
-terminal gets a screen: the components' states, the proxy's URL, figures, and on a failure the
-tail of the failed component's log.
+What to start is :mod:`pdactors.deploy.plan`; running it, :mod:`pdactors.deploy.supervise`; what
+the terminal shows, :mod:`pdactors.deploy.view`; the smoke check, :mod:`pdactors.deploy.smoke`.
+Every child's output goes to a log file in the run directory; the terminal gets a screen: the
+components' states, the proxy's URL, figures, and on a failure the tail of the failed
+component's log. The environment is read here (and passed on to the children), nowhere below.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 import tomllib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -31,27 +29,18 @@ from rich.live import Live
 from rich.panel import Panel
 
 from pdactors.config import PROTOCOLS
-from pdactors.launch_view import LaunchView, Stats
-from pdactors.launcher import (
-    ChildDied,
-    LaunchConfig,
-    Plan,
-    RunSecrets,
-    is_loopback,
-    launch,
-    log_tail,
-    make_secrets,
-    plan_deployment,
-)
+from pdactors.deploy.credentials import RunSecrets, is_loopback, make_secrets
+from pdactors.deploy.errors import BadDeployConfig, ChildDied, DeployError, ModelBuildFailed
+from pdactors.deploy.k8s import write_manifests
+from pdactors.deploy.launch_config import LaunchConfig
+from pdactors.deploy.plan import Plan, plan_deployment
+from pdactors.deploy.smoke import Smoke, run_smoke
+from pdactors.deploy.stats import read_stats
+from pdactors.deploy.supervise import launch, log_tail
+from pdactors.deploy.view import LaunchView
 
 __all__ = ["launch_command"]
 
-SMOKE_PROMPTS = [
-    "The river runs past the old mill and",
-    "In the morning the market opens",
-    "She looked at the map once more,",
-    "A short story about a lighthouse:",
-]
 _DEFAULTS = LaunchConfig()
 _METRICS_EVERY = 2.0  # seconds between reads of the components' /metrics once serving
 
@@ -79,10 +68,6 @@ def _load(config_file: Path | None, overrides: dict[str, Any]) -> LaunchConfig:
         raise typer.BadParameter(str(exc)) from None
 
 
-class ModelBuildFailed(Exception):
-    """The tiny model could not be built (its log says why)."""
-
-
 async def _tiny_model(view: LaunchView, run_dir: Path) -> str:
     """Build (once) and locate the project's tiny model, in a child process (torch stays out
     of this one); its output goes to ``tiny-model.log``."""
@@ -104,151 +89,13 @@ async def _tiny_model(view: LaunchView, run_dir: Path) -> str:
     return answer.read_text().strip()
 
 
-@dataclass
-class Smoke:
-    same: int
-    total: int
-    ttft_single: float
-    ttft_pd: float
-    stats: Stats
-    #: Requests through the proxy disaggregated: with the first token from P, D computes one
-    #: prompt token of each it continues (P's token), and none of the prompt.
-    proxied: int = 0
-    second_pd: float = 0.0  # disaggregated: the second token (D's first chunk), median
-    #: The same prompts with the proxy's own placement (``--placement auto`` by default): the
-    #: median time to first token, and how many went local (D alone) and disaggregated.
-    ttft_auto: float = 0.0
-    auto_placed: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def passed(self) -> bool:
-        return (
-            self.same == self.total
-            and self.stats.kv_bytes > 0
-            and self.stats.d_local_prompt_tokens <= self.proxied
-        )
-
-    def lines(self) -> list[str]:
-        s = self.stats
-
-        def vs_single(t: float) -> str:
-            return f" (×{t / self.ttft_single:.1f})" if self.ttft_single else ""
-
-        verdict = "PASS" if self.passed else "FAIL"
-        out = [
-            f"smoke: {self.same}/{self.total} answers through the proxy equal the single "
-            f"server's — {verdict}",
-            f"  time to first token (median): single {1000 * self.ttft_single:.0f} ms, "
-            f"PD {1000 * self.ttft_pd:.0f} ms{vs_single(self.ttft_pd)} (P's token), "
-            f"second token {1000 * self.second_pd:.0f} ms (D's first)",
-        ]
-        if self.auto_placed:
-            placed = ", ".join(f"{n} {where}" for where, n in sorted(self.auto_placed.items()))
-            out.append(
-                f"  with the proxy's own placement: {1000 * self.ttft_auto:.0f} ms"
-                f"{vs_single(self.ttft_auto)} ({placed})"
-            )
-        out += [
-            f"  KV moved P → D: {s.transfers:.0f} transfers, {s.kv_bytes / 2**20:.2f} MiB",
-            f"  prompt tokens D computed itself: {s.d_local_prompt_tokens:.0f} "
-            f"(P's first token of each request D continued; {self.proxied} requests)",
-        ]
-        return out
-
-
-@dataclass
-class Streamed:
-    """One streamed answer: its text, seconds to its first and second chunks, and where the
-    proxy placed it (its ``x-pdactors-placement`` header; "" from an engine)."""
-
-    text: str
-    first: float
-    second: float
-    placement: str
-
-
-async def _stream(
-    http: httpx.AsyncClient, url: str, model: str, prompt: str, placement: str | None = None
-) -> Streamed:
-    """One greedy streamed completion (through the proxy, ``placement`` pinned when given)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": True}
-    headers = {"x-pdactors-placement": placement} if placement else None
-    start, times, text = time.monotonic(), [], []
-    async with http.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as answer:
-        answer.raise_for_status()
-        async for line in answer.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            times.append(time.monotonic() - start)
-            text += [c.get("text", "") for c in json.loads(line[6:]).get("choices", ())]
-    times += [0.0, 0.0]
-    where = answer.headers.get("x-pdactors-placement", "")
-    return Streamed("".join(text), times[0], times[1], where)
-
-
-def _headers(key: str | None) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"} if key else {}
-
-
-async def _read_stats(http: httpx.AsyncClient, plan: Plan) -> Stats:
-    def url(name: str) -> str:
-        child = next(c for c in plan.children if c.name == name)
-        return child.base_url + "/metrics"
-
-    async def text(name: str) -> str:
-        return (await http.get(url(name))).text
-
-    stats = Stats()
-    names = [c.name for c in plan.children]
-    stats.add_proxy(await text("proxy"))
-    stats.add_prefill([await text(n) for n in names if n.startswith("prefill-")])
-    stats.add_decode([await text(n) for n in names if n.startswith("decode-")])
-    return stats
-
-
 async def _watch(view: LaunchView, plan: Plan) -> None:
+    """Refresh the view's figures every few seconds, until cancelled."""
     async with httpx.AsyncClient(trust_env=False, timeout=5) as http:
         while True:
             with contextlib.suppress(httpx.HTTPError):
-                view.stats = await _read_stats(http, plan)
+                view.stats = await read_stats(http, plan)
             await trio.sleep(_METRICS_EVERY)
-
-
-async def _smoke(plan: Plan, api_key: str | None) -> Smoke:
-    """Each prompt to the single server and through the proxy disaggregated (the answers must
-    be equal, the KV must have moved, D must not have computed the prompts), then through the
-    proxy with its own placement (equal answers again)."""
-    single = next(c for c in plan.children if c.name == "single")
-    single_url = single.base_url
-    engine_key = plan.extra.get("engine_key")
-    got, want, auto = [], [], []
-    async with (
-        httpx.AsyncClient(trust_env=False, timeout=120, headers=_headers(api_key)) as proxy,
-        httpx.AsyncClient(trust_env=False, timeout=120, headers=_headers(engine_key)) as direct,
-    ):
-        # One request each first, not counted: an engine's first request is slow (warm-up).
-        await _stream(proxy, plan.proxy_url, plan.model_name, "Hello", "disaggregate")
-        await _stream(direct, single_url, plan.model_name, "Hello")
-        for prompt in SMOKE_PROMPTS:
-            got.append(
-                await _stream(proxy, plan.proxy_url, plan.model_name, prompt, "disaggregate")
-            )
-            want.append(await _stream(direct, single_url, plan.model_name, prompt))
-        stats = await _read_stats(direct, plan)  # before any prompt is computed on D
-        for prompt in SMOKE_PROMPTS:
-            auto.append(await _stream(proxy, plan.proxy_url, plan.model_name, prompt))
-    same = sum(g.text == w.text for g, w in zip([*got, *auto], want * 2, strict=True))
-    return Smoke(
-        same,
-        2 * len(SMOKE_PROMPTS),
-        statistics.median(w.first for w in want),
-        statistics.median(g.first for g in got),
-        stats,
-        proxied=len(SMOKE_PROMPTS) + 1,  # and the warm-up
-        second_pd=statistics.median(g.second for g in got),
-        ttft_auto=statistics.median(a.first for a in auto),
-        auto_placed=dict(collections.Counter(a.placement or "?" for a in auto)),
-    )
 
 
 @contextlib.contextmanager
@@ -305,11 +152,9 @@ def _render(config: LaunchConfig, kind: str, out: Path) -> None:
         raise typer.BadParameter(
             f"unknown render target {kind!r}; known: k8s", param_hint="--render"
         )
-    from pdactors.k8s import write_manifests
-
     try:
         paths = write_manifests(config, out)
-    except ValueError as exc:
+    except BadDeployConfig as exc:
         raise typer.BadParameter(str(exc), param_hint="--config") from None
     for path in paths:
         typer.echo(str(path))
@@ -429,7 +274,7 @@ def launch_command(
         )
         if smoke:
             view.say("smoke: comparing answers through the proxy with the single server's")
-            result.append(await _smoke(plan, api_key))
+            result.append(await run_smoke(plan, api_key))
             return
         await _watch(view, plan)
 
@@ -439,6 +284,7 @@ def launch_command(
             plan = plan_deployment(
                 config,
                 path,
+                env=os.environ,
                 served_name=None if config.model else "tiny",
                 single=smoke,
                 run_secrets=run_secrets,
@@ -460,11 +306,8 @@ def launch_command(
     except* KeyboardInterrupt:
         console.print("stopped by Ctrl-C; every component is stopped")
         raise typer.Exit(1 if smoke else 0) from None
-    except* (ChildDied, trio.TooSlowError, httpx.HTTPError, ModelBuildFailed) as group:
+    except* (DeployError, httpx.HTTPError) as group:
         _report_failure(console, group)
-        if group.subgroup(trio.TooSlowError) is not None:
-            pending = [c.name for c in view.components.values() if c.state == "starting"]
-            console.print(f"not healthy in time: {', '.join(pending)}")
         console.print(f"[red]deployment ended; logs in {logs}[/]")
         raise typer.Exit(1) from None
     if smoke:

@@ -1,6 +1,7 @@
 """``pdactors launch --config deploy.toml --render k8s``: the deployment as Kubernetes manifests.
 
-From a :class:`~pdactors.launcher.LaunchConfig` (its ``[k8s]`` table is :class:`K8sConfig`):
+From a :class:`~pdactors.deploy.launch_config.LaunchConfig` (its ``[k8s]`` table is
+:class:`~pdactors.deploy.k8s_config.K8sConfig`):
 
 * P: a StatefulSet of vLLM OpenAI servers with PdActorsConnector (``kv_producer``), each pod
   with a ``pdactors bootstrap`` sidecar that is *its* bootstrap (``bootstrap_server_address``),
@@ -28,33 +29,35 @@ from typing import Any
 
 import yaml
 
-from pdactors._k8s_config import K8sConfig
 from pdactors.config import DEFAULT_BOOTSTRAP_PORT
-from pdactors.launcher import LaunchConfig
+from pdactors.deploy.credentials import SECRET_FILES
+from pdactors.deploy.errors import BadDeployConfig
+from pdactors.deploy.k8s_config import K8sConfig
+from pdactors.deploy.launch_config import LaunchConfig
 
-__all__ = ["K8sConfig", "render_k8s", "write_manifests"]
+__all__ = ["SECRETS_DIR", "SECRET_KEYS", "render_k8s", "write_manifests"]
 
 PREFILL_PORT, DECODE_PORT, DEFAULT_PROXY_PORT = 8100, 8200, 8000
 SECRETS_DIR = "/etc/pdactors/secrets"
-#: The Secret's keys: the file names ``pdactors launch --secure`` writes (launcher.make_secrets).
-SECRET_KEYS = ("side-channel.secret", "bootstrap.token", "proxy.key", "engine.key")
+#: The Secret's keys: the file names ``pdactors launch --secure`` writes (make_secrets).
+SECRET_KEYS = SECRET_FILES
 
 
 def render_k8s(config: LaunchConfig) -> list[dict[str, Any]]:
     """The manifests of ``config``'s deployment, as plain dicts (Services before workloads).
 
-    Raises ValueError when ``config`` cannot be deployed: no ``model`` (the tiny model is
-    built on the launching machine), or ``rdma`` with neither an RDMA resource nor the host's
-    network.
+    Raises :class:`~pdactors.deploy.errors.BadDeployConfig` when ``config`` cannot be
+    deployed: no ``model`` (the tiny model is built on the launching machine), or ``rdma`` with
+    neither an RDMA resource nor the host's network.
     """
     k = config.k8s
     if config.model is None:
-        raise ValueError(
+        raise BadDeployConfig(
             "a Kubernetes deployment needs a model: set model (a Hugging Face id, or a path "
             "under k8s.model_mount with k8s.model_pvc)"
         )
     if config.protocol == "rdma" and not (k.rdma_resource or k.host_network):
-        raise ValueError(
+        raise BadDeployConfig(
             "protocol rdma needs the NIC in the pod: set k8s.rdma_resource (a device plugin's "
             "resource) or k8s.host_network = true"
         )
@@ -102,7 +105,7 @@ def render_k8s(config: LaunchConfig) -> list[dict[str, Any]]:
 def write_manifests(config: LaunchConfig, out_dir: Path) -> list[Path]:
     """Write :func:`render_k8s`'s manifests into ``out_dir`` (created if need be), one YAML file
     per object (``NN-NAME-KIND.yaml``, in apply order), and return their paths. Existing files
-    of those names are replaced. Raises ValueError (as render_k8s) or OSError."""
+    of those names are replaced. Raises BadDeployConfig (as render_k8s) or OSError."""
     manifests = render_k8s(config)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []

@@ -1,5 +1,6 @@
 """The ``[k8s]`` table of ``pdactors launch --config`` (:class:`K8sConfig`), apart from
-:mod:`pdactors.k8s` so that :mod:`pdactors.launcher` can hold it without importing the renderer."""
+:mod:`pdactors.deploy.k8s` so that :class:`~pdactors.deploy.launch_config.LaunchConfig` can hold
+it without importing the renderer."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import re
 from typing import Literal
 
 import msgspec
+
+from pdactors.deploy.errors import BadDeployConfig
 
 __all__ = ["K8sConfig"]
 
@@ -24,7 +27,8 @@ class K8sConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     ``rdma/rdma_shared_device_a``, ``rdma_per_server`` of it) and/or ``host_network``; the
     servers get ``IPC_LOCK`` to pin their KV memory. ``model_pvc``: a PersistentVolumeClaim
     mounted read-only at ``model_mount``. ``env`` and ``pod_annotations`` (e.g. a Multus
-    network) go to every P and D pod; ``vllm_args`` after the launcher's ``vllm_args``.
+    network) go to every P and D pod; ``vllm_args`` after the top-level ``vllm_args``.
+    Raises :class:`~pdactors.deploy.errors.BadDeployConfig` for names and counts that do not fit.
     """
 
     name: str = "pdactors"
@@ -57,10 +61,10 @@ class K8sConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         # and a label value is at most 63 characters.
         for what, value, most in (("name", self.name, 40), ("namespace", self.namespace, 63)):
             if not _LABEL.fullmatch(value) or len(value) > most:
-                raise ValueError(
+                raise BadDeployConfig(
                     f"k8s.{what} {value!r} must be a DNS label (a-z, 0-9, '-') of at most {most}"
                 )
         if min(self.gpus_per_prefill, self.gpus_per_decode, self.rdma_per_server) < 0:
-            raise ValueError("k8s GPU and RDMA counts must not be negative")
+            raise BadDeployConfig("k8s GPU and RDMA counts must not be negative")
         if self.proxy_replicas < 1:
-            raise ValueError("k8s.proxy_replicas must be at least 1")
+            raise BadDeployConfig("k8s.proxy_replicas must be at least 1")

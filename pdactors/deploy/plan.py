@@ -1,0 +1,215 @@
+"""What ``pdactors launch`` starts: :func:`plan_deployment` turns a
+:class:`~pdactors.deploy.launch_config.LaunchConfig` into a :class:`Plan`, the child processes
+(argv, environment, health URL) of P and D vLLM servers with PdActorsConnector and the proxy.
+
+Pure but for picking free ports; it starts vLLM only as a subprocess (``python -m
+vllm.entrypoints.openai.api_server``) and imports neither vllm nor torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdactors.deploy.credentials import RunSecrets
+from pdactors.deploy.errors import BadDeployConfig
+from pdactors.deploy.launch_config import LaunchConfig
+
+__all__ = ["Child", "Plan", "free_port", "plan_deployment"]
+
+
+@dataclass(frozen=True)
+class Child:
+    """One process of the deployment."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    health_url: str
+
+    @property
+    def base_url(self) -> str:
+        """Where it serves (its health URL without ``/health``)."""
+        return self.health_url.removesuffix("/health")
+
+
+@dataclass
+class Plan:
+    """The processes to start, and where the proxy will answer. ``engine_key``: the vLLM
+    servers' API key in a secure run ("" otherwise), for a client that asks them directly."""
+
+    children: list[Child]
+    proxy_url: str
+    model_name: str
+    engine_key: str = field(default="", repr=False)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _port(port: int, host: str) -> int:
+    return port or free_port(host)
+
+
+def _vllm_server(
+    name: str,
+    model: str,
+    host: str,
+    port: int,
+    *,
+    kv_transfer_config: dict[str, Any] | None,
+    env: dict[str, str],
+    max_model_len: int,
+    vllm_args: Sequence[str],
+) -> Child:
+    """One vLLM OpenAI server (with PdActorsConnector when ``kv_transfer_config`` is given)."""
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--host", host, "--port", str(port),
+        "--max-model-len", str(max_model_len), *vllm_args,
+    ]  # fmt: skip
+    if kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    return Child(name, argv, env, f"http://{host}:{port}/health")
+
+
+def plan_deployment(
+    config: LaunchConfig,
+    model: str,
+    *,
+    env: Mapping[str, str],
+    served_name: str | None = None,
+    single: bool = False,
+    run_secrets: RunSecrets | None = None,
+) -> Plan:
+    """Turn ``config`` into the child processes to start (ports picked here), each with ``env``
+    (the launching process's environment) and what it needs on top.
+
+    With ``single``, a non-disaggregated server is added (``single``), for smoke checks.
+    With ``run_secrets`` (required when ``config.secure``), every P and D gets the
+    side-channel secret and the bootstrap token, and the proxy the token and its API key.
+    Raises :class:`~pdactors.deploy.errors.BadDeployConfig` when they are missing.
+    """
+    if config.secure and run_secrets is None:
+        raise BadDeployConfig("a secure deployment needs its secrets (make_secrets)")
+    host = config.host
+    on_gpu = bool(config.prefill_gpus or config.decode_gpus)
+    base_env = {
+        **env,
+        "HF_HUB_OFFLINE": "1",
+        "MC_LOG_LEVEL": "ERROR",
+        "PYTHONUNBUFFERED": "1",
+    }
+    cpu_args = () if on_gpu else ("--enforce-eager", "--dtype", "float32")
+    name_args = ("--served-model-name", served_name) if served_name else ()
+    vllm_args = (*cpu_args, *name_args, *config.vllm_args)
+    cores = os.cpu_count() or 1
+    servers: list[Child] = []
+    prefills: list[tuple[str, str]] = []
+    decodes: list[str] = []
+
+    # vLLM reads its --api-key from VLLM_API_KEY: the key stays out of argv (ps).
+    server_env = {**base_env, "VLLM_API_KEY": run_secrets.engine_key} if run_secrets else base_env
+
+    def env_for(index: int, gpus: tuple[str, ...], slot: int) -> dict[str, str]:
+        if gpus:
+            return {**server_env, "CUDA_VISIBLE_DEVICES": gpus[index]}
+        return {
+            **server_env,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": str(slot % cores),
+        }
+
+    extra: dict[str, Any] = {
+        "protocol": config.protocol,
+        "device_name": config.device_name,
+        "host": host,
+    }
+    if run_secrets is not None:
+        extra["side_channel_secret_file"] = str(run_secrets.side_channel)
+        extra["bootstrap_token_file"] = str(run_secrets.bootstrap_token)
+    for i in range(config.prefill):
+        port, bootstrap = _port(0, host), _port(config.bootstrap_port if i == 0 else 0, host)
+        kv = {
+            "kv_connector": "PdActorsConnector",
+            "kv_role": "kv_producer",
+            "engine_id": f"prefill-{i}",
+            "kv_connector_extra_config": {
+                **extra,
+                "bootstrap_host": host,
+                "bootstrap_port": bootstrap,
+            },
+        }
+        servers.append(
+            _vllm_server(
+                f"prefill-{i}", model, host, port, kv_transfer_config=kv,
+                env=env_for(i, config.prefill_gpus, i), max_model_len=config.max_model_len,
+                vllm_args=vllm_args,
+            )
+        )  # fmt: skip
+        prefills.append((f"http://{host}:{port}", f"http://{host}:{bootstrap}"))
+    for j in range(config.decode):
+        port = _port(0, host)
+        d_extra = dict(extra)
+        if run_secrets is not None:  # D sends the bootstrap token to these only
+            d_extra["trusted_bootstraps"] = [boot for _, boot in prefills]
+        kv = {
+            "kv_connector": "PdActorsConnector",
+            "kv_role": "kv_consumer",
+            "engine_id": f"decode-{j}",
+            "kv_connector_extra_config": d_extra,
+        }
+        servers.append(
+            _vllm_server(
+                f"decode-{j}", model, host, port, kv_transfer_config=kv,
+                env=env_for(j, config.decode_gpus, config.prefill + j),
+                max_model_len=config.max_model_len, vllm_args=vllm_args,
+            )
+        )  # fmt: skip
+        decodes.append(f"http://{host}:{port}")
+    if single:
+        port = _port(0, host)
+        servers.append(
+            _vllm_server(
+                "single", model, host, port, kv_transfer_config=None,
+                env=env_for(0, config.decode_gpus or config.prefill_gpus, 0),
+                max_model_len=config.max_model_len, vllm_args=vllm_args,
+            )
+        )  # fmt: skip
+    proxy_port = _port(config.proxy_port, host)
+    argv = [
+        sys.executable,
+        "-m",
+        "pdactors.cli",
+        "proxy",
+        "--host",
+        host,
+        "--port",
+        str(proxy_port),
+    ]
+    for p_url, p_bootstrap in prefills:
+        argv += ["--prefill", f"{p_url}@{p_bootstrap}"]
+    for d_url in decodes:
+        argv += ["--decode", d_url]
+    argv += ["--routing", config.routing]
+    proxy_env = base_env
+    if run_secrets is not None:
+        argv += ["--bootstrap-token-file", str(run_secrets.bootstrap_token)]
+        proxy_env = {  # not in argv
+            **base_env,
+            "PDACTORS_PROXY_API_KEY": run_secrets.api_key,
+            "PDACTORS_ENGINE_API_KEY": run_secrets.engine_key,
+        }
+    proxy_url = f"http://{host}:{proxy_port}"
+    proxy = Child("proxy", argv, proxy_env, f"{proxy_url}/health")
+    engine_key = run_secrets.engine_key if run_secrets is not None else ""
+    return Plan([*servers, proxy], proxy_url, served_name or model, engine_key)

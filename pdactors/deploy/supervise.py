@@ -1,0 +1,164 @@
+"""Running a :class:`~pdactors.deploy.plan.Plan`: :func:`launch` starts every child in one trio
+nursery, each in its own process group with its output in ``<log_dir>/<name>.log`` (and, when
+asked, line by line with a ``[name]`` prefix to ``out``); it waits for every child to be healthy
+(reporting progress), then serves until cancelled (Ctrl-C) or until any child dies. Either way
+every child is stopped (SIGTERM, then SIGKILL after ``shutdown_timeout``), so no process is left
+behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Awaitable, Callable
+from functools import partial
+from pathlib import Path
+from typing import BinaryIO
+
+import httpx
+import trio
+
+from pdactors.deploy.errors import ChildDied, NotHealthy
+from pdactors.deploy.plan import Child, Plan
+
+__all__ = ["launch", "log_tail"]
+
+
+def log_tail(path: Path, lines: int = 20) -> list[str]:
+    """The last ``lines`` lines of the log file ``path`` (read from its end; [] if missing)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 256 * lines))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return text.splitlines()[-lines:]
+
+
+async def _forward(
+    name: str, stream: trio.abc.ReceiveStream, log: BinaryIO, out: Callable[[str], None] | None
+) -> None:
+    """Copy the child's output into its log file as it comes, and lines to ``out`` if given."""
+    buffer = b""
+    async for chunk in stream:
+        log.write(chunk)
+        log.flush()
+        if out is None:
+            continue
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            out(f"[{name}] {line.decode(errors='replace')}")
+    if buffer and out is not None:
+        out(f"[{name}] {buffer.decode(errors='replace')}")
+
+
+async def _stop(process: trio.Process, grace: float) -> None:
+    """SIGTERM the child's process group, then SIGKILL after ``grace`` seconds. Shielded."""
+    with trio.CancelScope(shield=True):
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            if process.returncode is not None:
+                break
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            with trio.move_on_after(wait):
+                await process.wait()
+        try:  # stragglers in the group (vLLM's engine core and workers)
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+async def _supervise(
+    child: Child,
+    grace: float,
+    log_dir: Path,
+    out: Callable[[str], None] | None,
+    *,
+    task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    path = log_dir / f"{child.name}.log"
+    with path.open("ab") as log:
+        process = await trio.lowlevel.open_process(
+            child.argv, env=child.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            async with trio.open_nursery() as nursery:
+                assert process.stdout is not None
+                nursery.start_soon(_forward, child.name, process.stdout, log, out)
+                task_status.started(process)
+                await process.wait()
+                # Its own children may hold the pipe open; what they print after this is lost.
+                nursery.cancel_scope.cancel()
+            raise ChildDied(child.name, process.returncode, path)
+        finally:
+            await _stop(process, grace)
+
+
+async def _wait_healthy(
+    children: list[Child],
+    processes: dict[str, trio.Process],
+    limit: float,
+    progress: Callable[[str, float, bool], None],
+    log_dir: Path,
+) -> None:
+    """Poll each child's ``/health`` until all answer; :class:`ChildDied` if one exits first,
+    :class:`NotHealthy` (naming the others) after ``limit`` seconds."""
+    start = trio.current_time()
+    pending = {c.name: c for c in children}
+    async with httpx.AsyncClient(trust_env=False, timeout=2) as http:
+        with trio.move_on_after(limit):
+            while pending:
+                for name, child in list(pending.items()):
+                    if processes[name].returncode is not None:
+                        code = processes[name].returncode
+                        raise ChildDied(name, code, log_dir / f"{name}.log")
+                    try:
+                        ok = (await http.get(child.health_url)).is_success
+                    except httpx.HTTPError:
+                        ok = False
+                    progress(name, trio.current_time() - start, ok)
+                    if ok:
+                        del pending[name]
+                await trio.sleep(0.5)
+    if pending:
+        raise NotHealthy(list(pending), limit)
+
+
+async def launch(
+    plan: Plan,
+    *,
+    startup_timeout: float,
+    shutdown_timeout: float,
+    log_dir: Path,
+    progress: Callable[[str, float, bool], None],
+    when_ready: Callable[[Plan], Awaitable[None]],
+    out: Callable[[str], None] | None = None,
+) -> None:
+    """Start ``plan``'s children, wait until all are healthy, then run ``when_ready``.
+
+    Each child's output goes to ``log_dir/<name>.log`` (``log_dir`` must exist), and with
+    ``out`` also line by line, prefixed ``[name]``. Returns when ``when_ready`` returns;
+    raises (in an exception group) :class:`~pdactors.deploy.errors.ChildDied` if a child exits
+    first, and :class:`~pdactors.deploy.errors.NotHealthy` if they are not healthy within
+    ``startup_timeout``. The proxy (the child named ``proxy``) starts once the others are
+    healthy. Every child is stopped on the way out, whatever happened.
+    """
+    processes: dict[str, trio.Process] = {}
+    start = partial(_supervise, grace=shutdown_timeout, log_dir=log_dir, out=out)
+    async with trio.open_nursery() as nursery:
+        servers = [c for c in plan.children if c.name != "proxy"]
+        proxy = [c for c in plan.children if c.name == "proxy"]
+        for child in servers:
+            processes[child.name] = await nursery.start(start, child)
+        await _wait_healthy(servers, processes, startup_timeout, progress, log_dir)
+        for child in proxy:  # the proxy's /health needs its backends up
+            processes[child.name] = await nursery.start(start, child)
+        await _wait_healthy(proxy, processes, startup_timeout, progress, log_dir)
+        await when_ready(plan)
+        nursery.cancel_scope.cancel()
