@@ -432,7 +432,7 @@ async def test_bad_bodies_get_400_and_reach_no_engine() -> None:
 
 
 def test_one_prompt_in_any_shape_is_valid() -> None:
-    from pdactors.actors._proxy_wire import COMPLETIONS, validate
+    from pdactors.actors._openai import COMPLETIONS, validate
 
     for prompt in ("hi", ["hi"], [1, 2, 3], [[1, 2, 3]]):
         raw = msgspec.json.encode({"model": "tiny", "prompt": prompt, "n": 1})

@@ -112,9 +112,10 @@ class BootstrapRegistry:
         ``"unchanged"`` for a repeat (a renewal), ``"engine_replaced"`` when a new engine id
         took over the DP rank.
 
-        Raises :class:`BadRegistration` (a :class:`ValueError`) for a field beyond its limit and :class:`RegistryFull` when
-        the worker is new and the registry holds ``max_workers`` (a registration that replaces
-        a DP rank's engine frees that rank's workers first); nothing changes then.
+        Raises :class:`BadRegistration` (a :class:`ValueError`) for a field beyond its limit
+        and :class:`RegistryFull` when the worker is new and the registry holds
+        ``max_workers`` (a registration that replaces a DP rank's engine frees that rank's
+        workers first); nothing changes then.
         """
         _check_fields(worker)
         self.expire(now)
