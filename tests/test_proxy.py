@@ -1049,3 +1049,32 @@ async def test_fuzzed_requests_never_hurt_the_proxy() -> None:
             assert resp.status_code == 200
             after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             assert after - before < 100
+
+
+# --------------------------------------------------------------------------- counts
+
+
+async def test_a_failure_after_the_counts_are_raised_gives_them_all_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug between raising a request's counts and the code that gives them back (here:
+    building the engines' bodies) must not leave them raised: a D that looks busy for ever
+    draws no more requests under least_outstanding, and the in-flight gauge never drops."""
+    from pdactors.actors import _bodies
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("a bug while building the bodies")
+
+    monkeypatch.setattr(_bodies, "concurrent_bodies", broken)
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            resp = await s.client.post("/v1/completions", json=completion_body())
+            assert resp.status_code == 500
+            # The 500 is answered once the request's tasks have all ended: nothing is left
+            # to give a count back later.
+            _, report = await s.health()
+            for backend in (*report["prefill"], *report["decode"]):
+                held = {k: backend.get(k, 0) for k in ("outstanding", "waiting_tokens",
+                                                       "prefills", "incoming")}  # fmt: skip
+                assert held == dict.fromkeys(held, 0), backend
+            assert (await s.metrics())["pdactors_proxy_requests_in_flight", ()] == 0
