@@ -101,10 +101,11 @@ def test_concurrent_flow_effects() -> None:
     assert ex.prefilling == "p"
     assert ex.d_answered() == []
     assert ex.d_chunk(11.0) == [FirstChunk(1.0)]
-    assert ex.d_chunk(11.5) == [Step(0.5)]
-    assert ex.d_chunk(None) == []  # not timed: no step learnt
+    assert ex.d_chunk(None) == []  # only counted: no clock read per chunk
+    assert ex.d_chunk(None) == []
     assert ex.prefill_ended(12.0, answered=True) == [Unhold("p", TOKENS, 25, 2.0), Release("p")]
-    assert ex.end("ok", 13.0) == [Release("d"), Ended("ok", 3.0)]
+    # D's step is learnt from the stream's span: 3 chunks, 2 gaps in 2 s.
+    assert ex.end("ok", 13.0) == [Release("d"), Step(1.0, 2), Ended("ok", 3.0)]
     assert ex.over and ex.outcome == "ok"
     assert ex.prefill_ended(13.1, answered=False) == []  # P's leg in its grace: nothing left
     assert ex.end("cancelled", 13.2) == []  # an echo
@@ -210,3 +211,11 @@ def test_every_count_is_given_back_exactly_once(with_p: bool, events: list[Event
             apply(FIRE[event](ex))
     apply(ex.end("cancelled", 100.0))
     assert counts == {"p": 0, "d": 0, "in_flight": 0, "queue_p": 0, "queue_d": 0, "ended": 1}
+
+
+def test_a_stream_that_did_not_end_well_teaches_no_step() -> None:
+    ex = in_phase(Phase.D_ANSWERING)
+    ex.d_chunk(1.0)
+    ex.d_chunk(None)
+    effects = ex.end("decode_error", 9.0)  # its last gap may be a stall
+    assert not any(isinstance(e, Step) for e in effects)

@@ -69,9 +69,6 @@ class Legs:
         self.metrics = metrics
         self.placer = placer
         self.watch = watch
-        # D's step time (the gap between its chunks) is only used by auto placement: other
-        # placements read no clock per chunk.
-        self._time_steps = config.placement == "auto"
 
     # ------------------------------------------------------------------ the record's effects
 
@@ -108,8 +105,8 @@ class Legs:
                     self.metrics.second_chunk.labels(ex.p.url, ex.d.url).observe(since)
                     if caught_up is not None:
                         self.placer.caught_up(ex.d.url, tokens, caught_up)
-                case Step(seconds=seconds):
-                    self.placer.step(ex.d.url, seconds)
+                case Step(seconds=seconds, gaps=gaps):
+                    self.placer.steps(ex.d.url, seconds, gaps)
 
     @staticmethod
     def _queue(ex: Exchange, engine: Backend, tokens: int, requests: int) -> None:
@@ -279,9 +276,10 @@ class Legs:
         with ex.decode_scope(), trio.move_on_at(ex.deadline):
             try:
                 async for chunk in resp.chunks():
-                    now = trio.current_time() if first or self._time_steps else None
+                    # Only D's first chunk is timed (TTFT); D's step is learnt from the
+                    # stream's span when it ends.
+                    self.apply(ex, ex.state.d_chunk(trio.current_time() if first else None))
                     first = False
-                    self.apply(ex, ex.state.d_chunk(now))
                     if _ERROR_EVENT in chunk:  # D reports a failure in a stream it began (200)
                         outcome = "decode_error"
                     data = transform(chunk) if transform is not None else chunk

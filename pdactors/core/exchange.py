@@ -190,9 +190,11 @@ class SecondChunk:
 
 @dataclass(frozen=True)
 class Step:
-    """A gap of ``seconds`` between two of D's chunks (one of D's decode steps)."""
+    """D's stream ended well after ``gaps`` gaps between its chunks, ``seconds`` each on
+    average (D's decode step, as the client sees it)."""
 
     seconds: float
+    gaps: int
 
 
 Effect = Admit | Hold | Unhold | Release | CancelLegs | Ended | FirstChunk | SecondChunk | Step
@@ -221,7 +223,7 @@ class ExchangeState:
         self._d_chunks = 0
         self.first_sent: float | None = None  # when the client's first chunk went out
         self.d_sent: float | None = None  # P-first: when D was asked, after P's token
-        self._last_chunk: float | None = None
+        self._d_first: float | None = None  # when D's first chunk went out
 
     def _move(self, event: Event) -> Phase:
         try:
@@ -271,7 +273,7 @@ class ExchangeState:
     def p_token_sent(self, now: float) -> list[Effect]:
         """P-first: P's token went to the client at ``now``: its first chunk."""
         self._move(Event.P_TOKEN_SENT)
-        self.first_sent = self._last_chunk = now
+        self.first_sent = now
         return [FirstChunk(now - self.arrived)]
 
     def d_answered(self) -> list[Effect]:
@@ -280,26 +282,22 @@ class ExchangeState:
         return []
 
     def d_chunk(self, now: float | None) -> list[Effect]:
-        """One chunk of D's stream went to the client at ``now``. ``now`` may be None (the
-        caller did not read its clock) for any chunk but D's first: its gap to the previous
-        one is then not measured."""
+        """One chunk of D's stream went to the client; ``now`` is needed for D's first only
+        (the others are only counted: D's step is learnt at the end from the stream's span,
+        so no clock is read per chunk)."""
         if self._move(Event.D_CHUNK) is Phase.FAILED:
             return []
         self._d_chunks += 1
         if self._d_chunks > 1:
-            effects: list[Effect] = []
-            if now is not None and self._last_chunk is not None:
-                effects.append(Step(now - self._last_chunk))
-            self._last_chunk = now
-            return effects
+            return []
         if now is None:
             raise IllegalTransition("exchange: D's first chunk needs its time")
-        self._last_chunk = now
+        self._d_first = now
         if self.first_sent is not None:  # P's token went first
             caught_up = None if self.d_sent is None else now - self.d_sent
             return [SecondChunk(now - self.arrived, caught_up, self.prompt_tokens)]
         self.first_sent = now
-        effects = [FirstChunk(now - self.arrived)]
+        effects: list[Effect] = [FirstChunk(now - self.arrived)]
         if self.prefilling == "d":  # local: D's first token ends its prefill
             effects.insert(0, self._unhold(now))
         return effects
@@ -317,7 +315,7 @@ class ExchangeState:
         """P-first: P failed before its token and D now serves the request alone."""
         self._move(Event.FALL_BACK)
         self.cause = None
-        self._d_chunks = 0
+        self._d_chunks, self._d_first = 0, None
         return []
 
     def end(self, outcome: str, now: float) -> list[Effect]:
@@ -336,6 +334,9 @@ class ExchangeState:
         effects.append(Release("d"))
         if outcome != "ok":  # else P's leg gets its moment to end (its connection is reused)
             effects.append(CancelLegs())
+        if outcome == "ok" and self._d_first is not None and self._d_chunks > 1:
+            gaps = self._d_chunks - 1  # (a failed stream's last gap may be a stall: not learnt)
+            effects.append(Step((now - self._d_first) / gaps, gaps))
         effects.append(Ended(outcome, now - self.arrived if outcome == "ok" else None))
         return effects
 
