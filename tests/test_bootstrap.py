@@ -527,3 +527,72 @@ async def test_a_renewing_sender_puts_its_entry_back_after_a_bogus_registration(
             # P is gone: its lease lapses (5 s) and it leaves /query by itself
             while await client.query(url, timeout=5):
                 await trio.sleep(0.2)
+
+
+def test_next_expiry_skips_renewed_and_replaced_leases() -> None:
+    reg = BootstrapRegistry()
+    assert reg.next_expiry() is None
+    reg.register(worker("forever", dp=1, port=6000), now=0.0)
+    assert reg.next_expiry() is None  # an unleased entry never lapses
+    reg.register(worker("p", tp=0), now=0.0, lease=5.0)
+    reg.register(worker("p", tp=1, port=5556), now=1.0, lease=5.0)
+    assert reg.next_expiry() == 5.0
+    reg.register(worker("p", tp=0), now=3.0, lease=5.0)  # renewed: its old time is stale
+    assert reg.next_expiry() == 6.0
+    reg.register(worker("q", tp=0), now=4.0, lease=1.0)  # a new engine on dp 0: p's are gone
+    assert reg.next_expiry() == 5.0
+    assert reg.expire(now=5.0) == ["'q' dp=0 tp=0 pp=0 at 'tcp://127.0.0.1:5555'"]
+    assert reg.next_expiry() is None
+
+
+class _Lapses(logging.Handler):
+    """Each "lease lapsed" line, with the trio time it was logged at."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[float, str]] = []
+        self.changed = trio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "lease lapsed" in record.getMessage():
+            self.seen.append((trio.current_time(), record.getMessage()))
+            self.changed.set()
+            self.changed = trio.Event()
+
+
+async def test_the_expiry_task_sleeps_until_the_next_lease_lapses(autojump_clock: Any) -> None:
+    from pdactors.actors.bootstrap import _Expiry
+
+    reg = BootstrapRegistry()
+    expiry = _Expiry(reg)
+    wakes = 0
+    expire = reg.expire
+
+    def counted(now: float) -> list[str]:
+        nonlocal wakes
+        wakes += 1
+        return expire(now)
+
+    reg.expire = counted  # type: ignore[method-assign]
+    lapses = _Lapses()
+    logger = logging.getLogger("pdactors.bootstrap")
+    logger.addHandler(lapses)
+    try:
+        async with trio.open_nursery() as nursery:
+            start = trio.current_time()
+            reg.register(worker("late", dp=0), now=start, lease=100.0)
+            nursery.start_soon(expiry.serve)
+            await trio.testing.wait_all_tasks_blocked()
+            # A registration with an earlier expiry re-arms the sleeping task.
+            reg.register(worker("early", dp=1, port=6000), now=start, lease=1.0)
+            expiry.leased_until(start + 1.0)
+            wakes = 0  # (each registration expires what lapsed too)
+            await lapses.changed.wait()
+            await lapses.changed.wait()
+            nursery.cancel_scope.cancel()
+    finally:
+        logger.removeHandler(lapses)
+    lapsed = [(t - start, m.split("'")[1]) for t, m in lapses.seen]
+    assert lapsed == [(1.0, "early"), (100.0, "late")]
+    # Woken for each lapse only: a fixed tick would have woken hundreds of times in 100 s.
+    assert wakes == 2

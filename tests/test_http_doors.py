@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdactors import PrefillBackend, ProxyConfig, serve_proxy
-from pdactors.actors._proxy_wire import MAX_JSON_DEPTH
+from pdactors.actors._openai import MAX_JSON_DEPTH
 from pdactors.actors._refusals import RefusalLog
 from pdactors.actors.bootstrap import (
     MAX_ADDR_CHARS,

@@ -234,3 +234,15 @@ async def test_a_request_header_overrides_the_placement_and_a_bad_one_is_refused
             resp = await s.client.post("/v1/completions", json=body)  # the operator's pin
             assert resp.headers["x-pdactors-placement"] == "disaggregated"
             assert len(s.p[0].received) == 1
+
+
+def test_a_streams_mean_gap_counts_as_that_many_gaps() -> None:
+    one_by_one, at_once = Placer(0.25), Placer(0.25)
+    for placer in (one_by_one, at_once):
+        placer.steps("d", 0.010)
+    for _ in range(5):
+        one_by_one.steps("d", 0.030)
+    at_once.steps("d", 0.030, gaps=5)
+    by_one, by_five = one_by_one.describe()["step_ms"]["d"], at_once.describe()["step_ms"]["d"]
+    assert by_one == pytest.approx(by_five, abs=0.01)
+    assert 10 < by_five < 30

@@ -432,7 +432,7 @@ async def test_bad_bodies_get_400_and_reach_no_engine() -> None:
 
 
 def test_one_prompt_in_any_shape_is_valid() -> None:
-    from pdactors.actors._proxy_wire import COMPLETIONS, validate
+    from pdactors.actors._openai import COMPLETIONS, validate
 
     for prompt in ("hi", ["hi"], [1, 2, 3], [[1, 2, 3]]):
         raw = msgspec.json.encode({"model": "tiny", "prompt": prompt, "n": 1})
@@ -1049,3 +1049,66 @@ async def test_fuzzed_requests_never_hurt_the_proxy() -> None:
             assert resp.status_code == 200
             after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             assert after - before < 100
+
+
+# --------------------------------------------------------------------------- counts
+
+
+async def test_a_failure_after_the_counts_are_raised_gives_them_all_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug between raising a request's counts and the code that gives them back (here:
+    building the engines' bodies) must not leave them raised: a D that looks busy for ever
+    draws no more requests under least_outstanding, and the in-flight gauge never drops."""
+    from pdactors.actors import _bodies
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("a bug while building the bodies")
+
+    monkeypatch.setattr(_bodies, "concurrent_bodies", broken)
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            resp = await s.client.post("/v1/completions", json=completion_body())
+            assert resp.status_code == 500
+            # The 500 is answered once the request's tasks have all ended: nothing is left
+            # to give a count back later.
+            _, report = await s.health()
+            for backend in (*report["prefill"], *report["decode"]):
+                held = {k: backend.get(k, 0) for k in ("outstanding", "waiting_tokens",
+                                                       "prefills", "incoming")}  # fmt: skip
+                assert held == dict.fromkeys(held, 0), backend
+            assert (await s.metrics())["pdactors_proxy_requests_in_flight", ()] == 0
+
+
+def test_the_proxys_modules_import_no_cycle() -> None:
+    """No proxy module imports one that imports it back, not even for type checking only."""
+    import ast
+    import pathlib
+
+    import pdactors
+
+    root = pathlib.Path(pdactors.__file__).parent
+    modules = [
+        "proxy", "_completions", "_legs", "_exchange", "_p_first", "_bodies", "_openai", "_asgi",
+        "_proxy_app", "_proxy_state", "_proxy_health", "_placement", "_engine_http", "_http",
+        "_http_app", "_auth", "bootstrap",
+    ]  # fmt: skip
+    graph: dict[str, set[str]] = {}
+    for name in modules:
+        tree = ast.parse((root / "actors" / f"{name}.py").read_text())
+        imported: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "pdactors.actors":
+                imported |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module.removeprefix("pdactors.actors."))
+        graph[name] = imported & set(modules)
+    assert graph["proxy"] >= {"_completions", "_proxy_app"}  # (the walk reads imports)
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, " → ".join((*path, name))
+        for other in graph[name]:
+            visit(other, (*path, name))
+
+    for name in modules:
+        visit(name, ())

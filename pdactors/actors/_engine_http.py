@@ -31,14 +31,14 @@ from typing import Final
 import h11
 import trio
 
-from pdactors.errors import describe
+from pdactors.errors import PdError, describe
 
 __all__ = ["ConnectFailed", "EngineClient", "EngineError", "EngineResponse"]
 
 _READ_SIZE: Final = 65536
 
 
-class EngineError(Exception):
+class EngineError(PdError):
     """The engine could not be reached, or broke the HTTP exchange."""
 
 

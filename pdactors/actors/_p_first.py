@@ -14,66 +14,55 @@ ends the stream with an error event.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import trio
 
 from pdactors.actors import _bodies as ft
-from pdactors.actors._engine_http import EngineError
-from pdactors.actors._proxy_wire import COMPLETIONS, Exchange, Failure, Reply
+from pdactors.actors._asgi import PLACEMENT_HEADER, Reply
+from pdactors.actors._exchange import Exchange
+from pdactors.actors._legs import Legs
+from pdactors.actors._openai import COMPLETIONS, Failure
 from pdactors.messages import KVTransferParams
-
-if TYPE_CHECKING:
-    from pdactors.actors.proxy import Proxy
 
 __all__ = ["complete_p_first"]
 
 log = logging.getLogger("pdactors.proxy")
 
 
-async def complete_p_first(proxy: Proxy, ex: Exchange, body: dict[str, Any], reply: Reply) -> None:
-    """Serve ``ex`` P first; ends it (its counters and metrics) on every path."""
-    try:
-        await _serve(proxy, ex, body, reply)
-    except BaseException:
-        ex.p_scope.cancel()
-        proxy._end(ex, "cancelled")
-        raise
-
-
-async def _serve(proxy: Proxy, ex: Exchange, body: dict[str, Any], reply: Reply) -> None:
+async def complete_p_first(legs: Legs, ex: Exchange, body: dict[str, Any], reply: Reply) -> None:
+    """Serve ``ex`` (admitted, its prompt sent to P) P first; ends it on every path but an
+    exception (which the caller's :meth:`~pdactors.actors._legs.Legs.admitted` ends)."""
     chat = ex.endpoint.chat
     p_body = msgspec.json.encode(ft.prefill_body(body, chat, ex.transfer_id))
-    answer = await proxy._prefill_leg(ex, p_body)
+    answer = await legs.prefill_leg(ex, p_body)
     first = ft.read_first(answer, chat) if answer is not None else None
     if isinstance(first, str):
         message = f"prefill engine {ex.p.url}: {first}"
-        ex.fail(Failure.of(502, message, "upstream_error", "prefill_error"))
-    if (first is None or isinstance(first, str)) and proxy.may_fall_back(ex, reply):
-        await proxy.fall_back_to_d(ex, body, reply)
-        return
+        legs.fail(ex, Failure.of(502, message, "upstream_error", "prefill_error"))
     if first is None or isinstance(first, str):
-        assert ex.failure is not None
-        log.warning("proxy: request %s failed: %s", ex.transfer_id, ex.failure.body[:300])
-        proxy._end(ex, ex.failure.outcome)
-        await reply.failure(ex.failure)
+        if _may_fall_back(legs, ex, reply):
+            await _fall_back_to_d(legs, ex, body, reply)
+        else:
+            await legs.answer_failure(ex, reply)
         return
     if ex.prompt_chars:  # a text prompt: its characters per token, for the placer
-        proxy.placer.count.observe(ex.prompt_chars, len(first.prompt_ids))
-    ex.prompt_tokens = len(first.prompt_ids)
+        legs.placer.count.observe(ex.prompt_chars, len(first.prompt_ids))
+    ex.state.prompt_tokens = len(first.prompt_ids)
     if ft.ends_at_p(first, body, chat):
-        proxy.metrics.p_first.labels("ended_at_p").inc()
-        proxy._end(ex, "ok")
+        legs.metrics.p_first.labels("ended_at_p").inc()
         if ex.stream:
             await _start(reply, ex)
             await reply.chunk(ft.first_event(first, body, chat, last=True))
-            proxy._first_chunk(ex)
+            legs.apply(ex, ex.state.p_token_sent(trio.current_time()))
+            legs.end(ex, "ok")
             await reply.chunk(b"", more=False)
         else:
+            legs.end(ex, "ok")
             await reply.whole(200, msgspec.json.encode(ft.ended_at_p(first, body)), ex.transfer_id)
         return
-    proxy.metrics.p_first.labels("continued_on_d").inc()
+    legs.metrics.p_first.labels("continued_on_d").inc()
     params = KVTransferParams(
         do_remote_prefill=True,
         remote_engine_id=ex.p_engine_id,
@@ -85,55 +74,68 @@ async def _serve(proxy: Proxy, ex: Exchange, body: dict[str, Any], reply: Reply)
     if ex.stream:
         await _start(reply, ex)
         await reply.chunk(ft.first_event(first, body, chat, last=False))
-        proxy._first_chunk(ex)
-        ex.d_sent = trio.current_time()
-        resp = await proxy._open_decode(ex, d_body, COMPLETIONS.path)
+        now = trio.current_time()
+        legs.apply(ex, ex.state.p_token_sent(now))
+        ex.state.d_sent = now
+        resp = await legs.open_decode(ex, d_body, COMPLETIONS.path)
         if resp is None:
-            await proxy._stream_failure(ex, reply)
+            await legs.stream_failure(ex, reply)
             await reply.chunk(b"", more=False)
-            proxy._end(ex, ex.failure.outcome if ex.failure else "decode_error")
+            legs.end(ex, ex.failure.outcome if ex.failure else "decode_error")
             return
         stream = ft.ClientStream(first, chat) if ft.wants_events(body, chat) else None
-        await proxy._relay(ex, resp, reply, transform=stream.feed if stream else None)
+        await legs.relay(ex, resp, reply, transform=stream.feed if stream else None)
         return
-    resp = await proxy._open_decode(ex, d_body, COMPLETIONS.path)
-    if resp is None:
-        assert ex.failure is not None
-        proxy._end(ex, ex.failure.outcome)
-        await reply.failure(ex.failure)
-        return
-    raw = await _read_whole(proxy, ex, resp)
+    resp = await legs.open_decode(ex, d_body, COMPLETIONS.path)
+    raw = None if resp is None else await legs.read_whole(ex, resp)
     if raw is None:
-        assert ex.failure is not None
-        proxy._end(ex, ex.failure.outcome)
-        await reply.failure(ex.failure)
+        await legs.answer_failure(ex, reply)
         return
     try:
         merged = ft.merge_whole(first, msgspec.json.decode(raw), body, chat)
     except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
         message = f"decode engine {ex.d.url}: unreadable answer ({type(exc).__name__})"
         failure = Failure.of(502, message, "upstream_error", "decode_error")
-        proxy._end(ex, failure.outcome)
+        legs.end(ex, failure.outcome)
         await reply.failure(failure)
         return
-    proxy._end(ex, "ok")
+    legs.end(ex, "ok")
     await reply.whole(200, merged, ex.transfer_id)
+
+
+def _may_fall_back(legs: Legs, ex: Exchange, reply: Reply) -> bool:
+    """Whether a P-first request whose P failed before its token can go to D alone: P's
+    failure was P's (a 5xx, a broken connection, an unreadable answer; not the request's
+    4xx), nothing reached the client yet, time is left, and the operator allows it."""
+    failure = ex.failure
+    return (
+        legs.config.fall_back_to_d
+        and failure is not None
+        and failure.outcome == "prefill_error"
+        and failure.status >= 500
+        and not reply.started
+        and trio.current_time() < ex.deadline
+    )
+
+
+async def _fall_back_to_d(legs: Legs, ex: Exchange, body: dict[str, Any], reply: Reply) -> None:
+    """Serve ``ex`` on D alone (the client's body as it came), after P failed before its
+    first token: counted, and logged once with why."""
+    assert ex.failure is not None
+    log.warning(
+        "proxy: request %s: prefill engine failed before its first token (%s); decode "
+        "engine %s serves it alone",
+        ex.transfer_id, ex.failure.message[:300], ex.d.url,
+    )  # fmt: skip
+    legs.metrics.fallbacks.labels("prefill_failed").inc()
+    legs.apply(ex, ex.state.fall_back())
+    ex.d_scopes = []
+    ex.placement = "local"
+    reply.headers[:] = [(k, v) for k, v in reply.headers if k != PLACEMENT_HEADER]
+    reply.headers.append((PLACEMENT_HEADER, b"local"))
+    legs.prefill_sent(ex, "d")
+    await legs.answer_from_decode(ex, msgspec.json.encode(body), reply)
 
 
 async def _start(reply: Reply, ex: Exchange) -> None:
     await reply.start(200, b"text/event-stream", ex.transfer_id, (b"cache-control", b"no-cache"))
-
-
-async def _read_whole(proxy: Proxy, ex: Exchange, resp: Any) -> bytes | None:
-    """D's whole answer, or None with ``ex.failure`` set."""
-    try:
-        with ex.decode_scope(), trio.move_on_at(ex.deadline) as timer:
-            try:
-                return bytes(await resp.read())
-            except EngineError as exc:
-                ex.fail(proxy._transport_failure(ex.d, exc))
-        if timer.cancelled_caught and ex.failure is None:
-            ex.fail(proxy._timeout_failure("D did not finish"))
-        return None
-    finally:
-        await resp.aclose()

@@ -203,11 +203,13 @@ class Placer:
         model = self._catch_up.setdefault(d_url, CostModel(*_PRIOR_CATCH_UP))
         model.observe(tokens, seconds * 1e3)
 
-    def step(self, d_url: str, seconds: float) -> None:
-        """A gap between two chunks of one of D's streams."""
+    def steps(self, d_url: str, seconds: float, gaps: int = 1) -> None:
+        """One of D's streams had ``gaps`` gaps between its chunks, ``seconds`` each on
+        average: as many updates of the running mean (each keeps 0.9 of the mean before)."""
         ms = seconds * 1e3
         old = self._step_ms.get(d_url)
-        self._step_ms[d_url] = ms if old is None else 0.9 * old + 0.1 * ms
+        keep = 0.9**gaps
+        self._step_ms[d_url] = ms if old is None else keep * old + (1 - keep) * ms
 
     def describe(self) -> dict[str, Any]:
         """The fitted models, for ``GET /health``'s detail and the logs."""

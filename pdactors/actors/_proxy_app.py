@@ -1,37 +1,34 @@
-"""The proxy's HTTP face: the Quart app around the exchange (:mod:`pdactors.actors.proxy`).
+"""The proxy's Quart app around :class:`~pdactors.actors._completions.Proxy`.
 
 Completions are served on raw ASGI (``ProxyApp.fast``, the hot path); the other routes
-(``/v1/models``, ``/health``, ``/metrics``), the bearer check and the error shapes are
-Quart's.
+(``/v1/models``, ``/health``, ``/metrics``) are Quart's, behind the bearer gate and error
+handlers shared with the bootstrap (:mod:`pdactors.actors._http_app`), in OpenAI's error shape.
 """
 
 from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import TYPE_CHECKING
 
-import msgspec
+import httpx
+import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from pdactors.actors._proxy_wire import CHAT, COMPLETIONS, Failure, ProxyApp
-
-if TYPE_CHECKING:
-    from pdactors.actors.proxy import Proxy
+from pdactors.actors._asgi import ProxyApp
+from pdactors.actors._completions import Proxy
+from pdactors.actors._http_app import guard, json_response
+from pdactors.actors._openai import CHAT, COMPLETIONS, Failure
 
 __all__ = ["make_app"]
 
 log = logging.getLogger("pdactors.proxy")
 
 
-def _json(body: object, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(body), status=status, content_type="application/json")
-
-
 def make_app(proxy: Proxy) -> QuartTrio:
+    """The app serving ``proxy``'s routes."""
     app = ProxyApp(__name__, static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = proxy.config.max_body_bytes
     app.config["BODY_TIMEOUT"] = proxy.config.body_timeout  # (no route here reads a body)
@@ -43,56 +40,69 @@ def make_app(proxy: Proxy) -> QuartTrio:
         e.path: partial(proxy.serve_completion, e) for e in (COMPLETIONS, CHAT)
     }  # POST only; other methods on these paths reach Quart's routing (405)
 
+    def unauthorized(client: str, reason: str) -> Response:
+        proxy.refusals.refused(client, 401, reason)
+        proxy.metrics.requests.labels(_endpoint(request.path), "unauthorized").inc()
+        return Failure.unauthorized(reason).response()
+
+    def http_error(exc: HTTPException, client: str) -> Response:
+        # 404, 405, 408, 413, ...: OpenAI's error shape.
+        code = exc.code or 500
+        proxy.refusals.refused(client, code, exc.name)
+        proxy.metrics.requests.labels(_endpoint(request.path), "invalid").inc()
+        return Failure.of(code, exc.description or exc.name, "invalid_request_error", "").response()
+
+    guard(
+        app,
+        check=proxy.auth,
+        open_paths=("/health", "/metrics"),
+        unauthorized=unauthorized,
+        http_error=http_error,
+        internal_error=lambda message: Failure.of(500, message, "internal_error", "").response(),
+        log=log,
+        who="proxy",
+    )
+
     @app.route("/v1/completions", methods=["PUT"])
     @app.route("/v1/chat/completions", methods=["PUT"])
     async def completions_put() -> Response:  # never POST: served on raw ASGI (app.fast)
         return Failure.of(405, "use POST", "invalid_request_error", "").response()
 
-    @app.before_request
-    async def authenticate() -> Response | None:
-        if request.path in ("/health", "/metrics"):
-            return None  # open: load balancers and Prometheus
-        client = request.remote_addr or "unknown client"
-        refused = proxy.auth.refusal(request.headers.get("authorization"), client)
-        if refused is None:
-            return None
-        proxy.refusals.refused(client, 401, refused)
-        proxy.metrics.requests.labels(_endpoint(request.path), "unauthorized").inc()
-        return Failure.unauthorized(refused).response()
-
     @app.get("/v1/models")
     async def models() -> Response:
         incoming = request.headers.get("authorization")
-        return await proxy.models(incoming.encode("latin-1") if incoming else None)
+        return await _models(proxy, incoming.encode("latin-1") if incoming else None)
 
     @app.get("/health")
     async def health() -> Response:
         status, report = proxy.watch.report()
         if proxy.config.placement == "auto":
             report["placement"] = proxy.placer.describe()
-        return _json(report, status)
+        return json_response(report, status)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(proxy.metrics.registry), content_type=CONTENT_TYPE_LATEST)
 
-    @app.errorhandler(HTTPException)
-    async def http_error(exc: HTTPException) -> Response:
-        # 404, 405, 408, 413, ...: OpenAI's error shape.
-        code = exc.code or 500
-        proxy.refusals.refused(request.remote_addr or "unknown client", code, exc.name)
-        proxy.metrics.requests.labels(_endpoint(request.path), "invalid").inc()
-        return Failure.of(code, exc.description or exc.name, "invalid_request_error", "").response()
-
-    @app.errorhandler(Exception)
-    async def internal_error(exc: Exception) -> Response:
-        # Handled here so that Quart never builds its own logger (it would start a queue
-        # listener thread); the bug is logged with its traceback and the server keeps going.
-        log.error("proxy: internal error on %s %r", request.method, request.path, exc_info=exc)
-        message = f"internal error: {type(exc).__name__}"
-        return Failure.of(500, message, "internal_error", "").response()
-
     return app
+
+
+async def _models(proxy: Proxy, incoming: bytes | None) -> Response:
+    """A healthy D's model list (its answer as it came), with the engines' authorization."""
+    d = next((b for b in proxy.decode.backends if b.up), None)
+    if d is None:
+        return Failure.of(503, proxy.decode.why_none(), "service_unavailable", "").response()
+    timeout = proxy.config.health_timeout
+    with trio.move_on_after(timeout):
+        try:
+            auth = dict(proxy.engine_auth([(b"authorization", incoming)] if incoming else []))
+            resp = await proxy.probe_http.get(f"{d.url}/v1/models", headers=auth)
+        except httpx.HTTPError as exc:
+            return proxy.legs.transport_failure(d, exc).response()
+        content_type = resp.headers.get("content-type", "application/json")
+        return Response(resp.content, status=resp.status_code, content_type=content_type)
+    message = f"decode engine {d.url} sent no model list within {timeout:g} s"
+    return Failure.of(504, message, "timeout", "").response()
 
 
 def _endpoint(path: str) -> str:

@@ -1,0 +1,234 @@
+"""The proxy's completion requests, from arrival to their engines: the client's key, its body
+and its placement header checked, P and D picked, where the prompt is computed decided, and
+the exchange started in the concurrent flow (P's leg beside D's answer), the P-first flow
+(:mod:`pdactors.actors._p_first`) or on D alone (placement ``local``).
+
+:class:`Proxy` also holds the proxy's state (engines, pools, metrics, placer, health loop) for
+:mod:`pdactors.actors._proxy_app` and :func:`pdactors.actors.proxy.serve_proxy`.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import uuid
+from collections.abc import Iterable
+from typing import Any, Final, get_args
+
+import httpx
+import msgspec
+import trio
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope
+
+from pdactors.actors import _bodies
+from pdactors.actors._asgi import (
+    PLACEMENT_HEADER,
+    ClientGone,
+    Reply,
+    cancel_on_disconnect,
+    header,
+    receive_body,
+)
+from pdactors.actors._auth import BearerCheck
+from pdactors.actors._engine_http import EngineClient
+from pdactors.actors._exchange import Exchange
+from pdactors.actors._legs import Legs
+from pdactors.actors._openai import Endpoint, Failure, validate
+from pdactors.actors._p_first import complete_p_first
+from pdactors.actors._placement import EngineLoad, Placer, prompt_size
+from pdactors.actors._proxy_health import HealthWatch
+from pdactors.actors._proxy_state import Backend, Metrics, Pool
+from pdactors.actors._refusals import RefusalLog
+from pdactors.bootstrap_client import BootstrapClient, tls_verify
+from pdactors.config import Placement, ProxyConfig
+from pdactors.core.exchange import ExchangeState
+from pdactors.messages import KVTransferParams
+
+__all__ = ["Proxy"]
+
+log = logging.getLogger("pdactors.proxy")
+
+#: How long P's leg may go on once the client's answer is complete, before it is cancelled.
+_PREFILL_GRACE: Final = 0.25
+
+
+class Proxy:
+    """The proxy's state and its completion requests; :func:`~pdactors.actors.proxy.serve_proxy`
+    runs it."""
+
+    def __init__(self, config: ProxyConfig, probe_http: httpx.AsyncClient) -> None:
+        self.config = config
+        self.probe_http = probe_http  # httpx, its own pool: request traffic never delays probes
+        self.bootstrap = BootstrapClient(probe_http, config.bootstrap_token)
+        self.refusals = RefusalLog(log, "the proxy")  # 4xx answers to clients
+        self.auth = BearerCheck(config.api_key, "the proxy")  # refusals logged by the caller
+        prefill = [Backend("prefill", p.url.rstrip("/"), p.bootstrap_url) for p in config.prefill]
+        decode = [Backend("decode", url.rstrip("/")) for url in config.decode]
+        self.prefill = Pool("prefill", prefill, config.routing)
+        self.decode = Pool("decode", decode, config.routing)
+        slots = trio.Semaphore(config.max_connections)
+        verify = tls_verify(config.ca_file)
+        tls = verify if isinstance(verify, ssl.SSLContext) else None  # None: the system's CAs
+        timeout = config.connect_timeout
+        self.engines = {
+            b.url: EngineClient(b.url, connect_timeout=timeout, slots=slots, tls=tls)
+            for b in (*prefill, *decode)
+        }
+        self.metrics = Metrics()
+        self.placer = Placer(config.placement_stall_weight)
+        #: Stands for P in a request D serves alone because no P is in rotation.
+        self._no_prefill = Backend("prefill", "none")
+        for b in (*prefill, *decode):
+            self.metrics.backend_up.labels(b.role, b.url).set(0)
+        pools = (self.prefill, self.decode)
+        self.watch = HealthWatch(config, probe_http, self.bootstrap, pools, self.metrics)
+        self.legs = Legs(config, self.engines, self.metrics, self.placer, self.watch)
+
+    async def serve_completion(
+        self,
+        endpoint: Endpoint,
+        scope: HTTPScope,
+        receive: ASGIReceiveCallable,
+        send: ASGISendCallable,
+    ) -> None:
+        """One completion request (raw ASGI). A client that goes away cancels it; a bug is
+        logged with its traceback and answered 500 when nothing was sent yet. Refusals (401,
+        408, 413, 400) are counted and logged once per client per interval."""
+        reply = Reply(send)
+        arrived = trio.current_time()
+        peer = scope.get("client")
+        client = peer[0] if peer else "unknown client"
+        refused = self.auth.refusal(header(scope["headers"], b"authorization"), client)
+        if refused is not None:  # before reading a byte of the body
+            await self._refuse(endpoint, client, Failure.unauthorized(refused), reply)
+            return
+        try:
+            raw = await receive_body(scope["headers"], receive, self.config)
+        except ClientGone:
+            return  # it went away before its body was in: nothing started, nobody to answer
+        body = raw if isinstance(raw, Failure) else validate(raw, endpoint)
+        if isinstance(body, Failure):
+            await self._refuse(endpoint, client, body, reply)
+            return
+        asked = header(scope["headers"], PLACEMENT_HEADER)
+        pin = self.config.placement if asked is None else asked.strip().lower()
+        if pin not in get_args(Placement):
+            allowed = ", ".join(get_args(Placement))
+            message = f"the {PLACEMENT_HEADER.decode()} header must be one of {allowed}"
+            no = Failure.of(400, message, "invalid_request_error", "invalid")
+            await self._refuse(endpoint, client, no, reply)
+            return
+        try:
+            async with trio.open_nursery() as nursery:
+                watch = trio.CancelScope()
+                nursery.start_soon(
+                    cancel_on_disconnect, receive, nursery.cancel_scope, reply, watch
+                )
+                await self._complete(endpoint, scope, body, pin, reply, nursery, arrived)
+                # Answered. P's leg, if still open, gets a moment to end (its connection is
+                # then reused: cancelled, it is closed and the next request dials anew), then
+                # it is cancelled; the client hanging up from now on changes nothing.
+                watch.cancel()
+                nursery.cancel_scope.deadline = trio.current_time() + _PREFILL_GRACE
+        except Exception as exc:
+            log.error("proxy: internal error on POST %s", endpoint.path, exc_info=exc)
+            if not reply.started:
+                message = f"internal error: {type(exc).__name__}"
+                await reply.failure(Failure.of(500, message, "internal_error", ""))
+
+    async def _complete(
+        self,
+        endpoint: Endpoint,
+        scope: HTTPScope,
+        body: dict[str, Any],
+        pin: str,
+        reply: Reply,
+        nursery: trio.Nursery,
+        arrived: float,
+    ) -> None:
+        p, d = self.prefill.pick(), self.decode.pick()
+        if d is None or (p is None and not self.config.fall_back_to_d):
+            why = (self.decode if d is None else self.prefill).why_none()
+            self.metrics.requests.labels(endpoint.name, "unavailable").inc()
+            await reply.failure(Failure.of(503, why, "service_unavailable", "unavailable"))
+            return
+        if p is None:  # no P in rotation: D serves the request alone
+            p = self._no_prefill
+        tid = uuid.uuid4().hex
+        headers = [(b"content-type", b"application/json"), (b"x-request-id", tid.encode())]
+        headers += self.engine_auth(scope["headers"])
+        dp_rank, p_engine_id = p.pick_dp()
+        p_headers = headers
+        if dp_rank is not None:  # vLLM's API server sends the request to that DP engine
+            p_headers = [*headers, (b"x-data-parallel-rank", str(dp_rank).encode())]
+        ids, chars = prompt_size(body, endpoint.chat)
+        state = ExchangeState(arrived, self.placer.count.tokens((ids, chars)))
+        ex = Exchange(
+            endpoint, body.get("stream") is True, p, d, tid, arrived + self.config.request_timeout,
+            headers, p_headers, p_engine_id, state, prompt_chars=chars,
+        )  # fmt: skip
+        ex.placement = self._place(ex, pin)
+        reply.headers.append((PLACEMENT_HEADER, ex.placement.encode()))
+        local = ex.placement == "local"  # D prefills it itself: P takes no part
+        with self.legs.admitted(ex, with_p=not local):
+            self.legs.prefill_sent(ex, "d" if local else "p")
+            if local:
+                await self.legs.answer_from_decode(ex, msgspec.json.encode(body), reply)
+            elif self.config.first_token == "p" and _bodies.applies(body, endpoint.chat):
+                await complete_p_first(self.legs, ex, body, reply)
+            else:
+                p_params = KVTransferParams(do_remote_decode=True, transfer_id=tid)
+                d_params = KVTransferParams(
+                    do_remote_prefill=True,
+                    remote_engine_id=p_engine_id,
+                    remote_bootstrap_addr=p.bootstrap_url,
+                    transfer_id=tid,
+                )
+                p_body, d_body = _bodies.concurrent_bodies(body, endpoint.chat, p_params, d_params)
+                # P's leg runs beside D's for as long as the request does: it is cancelled
+                # when the client's answer is complete (D no longer needs P) or when D fails.
+                nursery.start_soon(self.legs.prefill_leg, ex, p_body)
+                await self.legs.answer_from_decode(ex, d_body, reply)
+
+    def _place(self, ex: Exchange, pinned: str) -> str:
+        """Where ``ex``'s prompt is computed: ``pinned`` (the operator's ``--placement`` or
+        the request's header), or for ``auto`` the placer's estimate (counted, and logged at
+        DEBUG with the figures behind it)."""
+        if ex.p is self._no_prefill:
+            self.metrics.placement.labels("local", "no_prefill").inc()
+            self.metrics.fallbacks.labels("no_prefill").inc()
+            return "local"
+        if pinned != "auto":
+            where = "local" if pinned == "local" else "disaggregated"
+            self.metrics.placement.labels(where, "pinned").inc()
+            return where
+        p_load = EngineLoad(ex.p.waiting_tokens, 0)
+        decoding = ex.d.outstanding - ex.d.prefills - ex.d.incoming
+        d_load = EngineLoad(ex.d.waiting_tokens, decoding)
+        tokens = ex.state.prompt_tokens
+        decision = self.placer.decide(tokens, ex.p.url, p_load, ex.d.url, d_load)
+        self.metrics.placement.labels(decision.where, decision.reason).inc()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "proxy: request %s placed %s (%s): ~%d prompt tokens, P waiting on %d, "
+                "D waiting on %d and decoding %d; estimates local %.1f ms, disaggregated "
+                "%.1f ms",
+                ex.transfer_id, decision.where, decision.reason, decision.tokens,
+                p_load.waiting_tokens, d_load.waiting_tokens, d_load.decoding,
+                decision.local_ms, decision.disaggregated_ms,
+            )  # fmt: skip
+        return decision.where
+
+    async def _refuse(self, endpoint: Endpoint, client: str, no: Failure, reply: Reply) -> None:
+        self.metrics.requests.labels(endpoint.name, no.outcome).inc()
+        self.refusals.refused(client, no.status, no.message)
+        await reply.failure(no)
+
+    def engine_auth(self, incoming: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """The ``Authorization`` header for the engines: their own key when configured, none
+        when only the proxy has a key (it is the proxy's, not theirs), else the client's."""
+        if self.config.engine_api_key:
+            return [(b"authorization", f"Bearer {self.config.engine_api_key}".encode())]
+        if self.config.api_key:
+            return []
+        return [(k, v) for k, v in incoming if k == b"authorization"]

@@ -1,0 +1,344 @@
+"""The proxy's calls to its engines for one exchange — P's leg, D's answer whole or streamed —
+and the one place where the exchange record's effects are carried out.
+
+Every count an exchange holds is raised by :meth:`Legs.admitted` and given back by the
+record's end, which the same context manager reaches on every path out (a failure, a bug, a
+cancellation): the raise and the ``finally`` that releases it have no checkpoint between them.
+A leg's failure becomes a :class:`~pdactors.actors._openai.Failure` (a 4xx passes through,
+anything else is a 502 naming the engine, no answer in time a 504) and is fed to the record,
+whose first failure cancels both legs. A stream already begun ends with an error event.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Final
+
+import httpx
+import msgspec
+import trio
+
+from pdactors.actors._asgi import Reply
+from pdactors.actors._engine_http import ConnectFailed, EngineClient, EngineError, EngineResponse
+from pdactors.actors._exchange import Exchange
+from pdactors.actors._openai import Failure
+from pdactors.actors._placement import Placer
+from pdactors.actors._proxy_health import HealthWatch
+from pdactors.actors._proxy_state import Backend, Metrics
+from pdactors.config import ProxyConfig
+from pdactors.core.exchange import (
+    Admit,
+    CancelLegs,
+    Effect,
+    Ended,
+    FirstChunk,
+    Hold,
+    Leg,
+    Release,
+    SecondChunk,
+    Step,
+    Unhold,
+)
+from pdactors.errors import describe
+
+__all__ = ["Legs"]
+
+log = logging.getLogger("pdactors.proxy")
+
+#: How long a relay waits to hand a final error event to a slow client.
+_LAST_EVENT_TIMEOUT: Final = 1.0
+#: An SSE event in which an engine reports a failure of a stream it already answered 200 to.
+_ERROR_EVENT: Final = b'data: {"error"'
+
+
+class Legs:
+    """The engine calls of every exchange, and their bookkeeping (counts, metrics, placer)."""
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        engines: dict[str, EngineClient],
+        metrics: Metrics,
+        placer: Placer,
+        watch: HealthWatch,
+    ) -> None:
+        self.config = config
+        self.engines = engines
+        self.metrics = metrics
+        self.placer = placer
+        self.watch = watch
+
+    # ------------------------------------------------------------------ the record's effects
+
+    def apply(self, ex: Exchange, effects: Sequence[Effect]) -> None:
+        """Carry out ``effects`` of ``ex``'s record, in order. Not a checkpoint."""
+        for effect in effects:
+            match effect:
+                case Admit(p=with_p):
+                    if with_p:
+                        ex.p.outstanding += 1
+                    ex.d.outstanding += 1
+                    self.metrics.in_flight.inc()
+                case Hold(engine=leg, tokens=tokens):
+                    self._queue(ex, ex.backend(leg), tokens, 1)
+                case Unhold(engine=leg, tokens=tokens, tokens_ahead=ahead, seconds=seconds):
+                    engine = ex.backend(leg)
+                    self._queue(ex, engine, -tokens, -1)
+                    if seconds is not None:
+                        self.placer.first_token(engine.url, ahead, seconds)
+                case Release(engine=leg):
+                    ex.backend(leg).outstanding -= 1
+                case CancelLegs():
+                    ex.cancel_legs()
+                case Ended(outcome=outcome, latency=latency):
+                    self.metrics.in_flight.dec()
+                    self.metrics.requests.labels(ex.endpoint.name, outcome).inc()
+                    if latency is not None:
+                        self.metrics.latency.labels(ex.p.url, ex.d.url).observe(latency)
+                case FirstChunk(ttft=ttft):
+                    self.metrics.ttft.labels(ex.p.url, ex.d.url).observe(ttft)
+                    if log.isEnabledFor(logging.DEBUG):
+                        _log_timeline(ex, ttft)
+                case SecondChunk(since_arrival=since, caught_up=caught_up, tokens=tokens):
+                    self.metrics.second_chunk.labels(ex.p.url, ex.d.url).observe(since)
+                    if caught_up is not None:
+                        self.placer.caught_up(ex.d.url, tokens, caught_up)
+                case Step(seconds=seconds, gaps=gaps):
+                    self.placer.steps(ex.d.url, seconds, gaps)
+
+    @staticmethod
+    def _queue(ex: Exchange, engine: Backend, tokens: int, requests: int) -> None:
+        engine.waiting_tokens += tokens
+        engine.prefills += requests
+        if engine is not ex.d:  # D waits for this prompt's KV
+            ex.d.incoming += requests
+
+    @contextmanager
+    def admitted(self, ex: Exchange, *, with_p: bool) -> Iterator[None]:
+        """Raise ``ex``'s counts for the block's life; they are given back however it is left
+        (an exchange not ended by then ends ``cancelled``)."""
+        self.apply(ex, ex.state.admit(with_p=with_p))
+        try:
+            yield
+        finally:
+            self.end(ex, "cancelled")  # (nothing when it ended already)
+
+    def prefill_sent(self, ex: Exchange, leg: Leg) -> None:
+        """``ex``'s prompt goes to ``leg``'s engine now: it waits in its prefill queue."""
+        engine = ex.backend(leg)
+        ahead = engine.waiting_tokens + ex.state.prompt_tokens
+        self.apply(ex, ex.state.prefill_sent(leg, trio.current_time(), ahead))
+
+    def fail(self, ex: Exchange, failure: Failure) -> None:
+        self.apply(ex, ex.state.fail(failure))
+
+    def end(self, ex: Exchange, outcome: str) -> None:
+        self.apply(ex, ex.state.end(outcome, trio.current_time()))
+
+    # ------------------------------------------------------------------ P's leg
+
+    async def prefill_leg(self, ex: Exchange, body: bytes) -> bytes | None:
+        """P's whole answer; a failure (or no answer by the deadline) fails the request
+        (and None is returned)."""
+        failure: Failure | None = None
+        answer: bytes | None = None
+        answered = False
+        with ex.p_scope, trio.move_on_at(ex.deadline) as timer:
+            try:
+                resp = await self.engines[ex.p.url].request(
+                    "POST", ex.endpoint.path, body, ex.p_headers
+                )
+                answer = await resp.read()
+            except EngineError as exc:
+                failure = self.transport_failure(ex.p, exc)
+            else:
+                ex.p_answered = trio.current_time()
+                answered = resp.status == 200
+                if resp.status != 200:
+                    failure = self.status_failure(ex.p, resp.status, answer)
+            finally:
+                now = ex.p_answered if answered else trio.current_time()
+                assert now is not None
+                self.apply(ex, ex.state.prefill_ended(now, answered=answered))
+        if timer.cancelled_caught:
+            failure = self.timeout_failure("no answer from P")
+        if failure is not None:
+            self.fail(ex, failure)  # (after the answer ended: nothing)
+        return answer if failure is None else None
+
+    # ------------------------------------------------------------------ D's leg
+
+    async def answer_from_decode(self, ex: Exchange, body: bytes, reply: Reply) -> None:
+        """Ask D with ``body`` and answer the client with D's answer, as it comes."""
+        d_resp = await self.open_decode(ex, body)
+        if d_resp is None:  # a failure before D's answer began: an HTTP status
+            await self.answer_failure(ex, reply)
+        elif not ex.stream:
+            await self._whole_answer(ex, d_resp, reply)
+        else:
+            await self.relay(ex, d_resp, reply)
+
+    async def answer_failure(self, ex: Exchange, reply: Reply) -> None:
+        """End ``ex`` with its failure, answered as an HTTP status."""
+        failure = ex.failure
+        assert failure is not None
+        log.warning("proxy: request %s failed: %s", ex.transfer_id, failure.body[:300])
+        self.end(ex, failure.outcome)
+        await reply.failure(failure)
+
+    async def open_decode(
+        self, ex: Exchange, body: bytes, path: str | None = None
+    ) -> EngineResponse | None:
+        """D's open answer (status 200) on ``path`` (default: the client's), or None with
+        ``ex.failure`` set: D failed, P failed first, or nothing came by the deadline. The
+        caller owns the answer."""
+        resp: EngineResponse | None = None
+        try:
+            with ex.decode_scope(), trio.move_on_at(ex.deadline) as timer:
+                try:
+                    resp = await self.engines[ex.d.url].request(
+                        "POST", path or ex.endpoint.path, body, ex.headers
+                    )
+                    if resp.status != 200:
+                        answer = await resp.read()
+                        self.fail(ex, self.status_failure(ex.d, resp.status, answer))
+                except EngineError as exc:
+                    self.fail(ex, self.transport_failure(ex.d, exc))
+            if timer.cancelled_caught and ex.failure is None:
+                self.fail(ex, self.timeout_failure("no answer from D"))
+            if ex.failure is not None:  # D's answer (if any) is of no use: close it
+                if resp is not None:
+                    await resp.aclose()
+                return None
+            ex.d_answered = trio.current_time()
+            self.apply(ex, ex.state.d_answered())
+            return resp
+        except BaseException:
+            if resp is not None:
+                await resp.aclose()
+            raise
+
+    async def read_whole(self, ex: Exchange, resp: EngineResponse) -> bytes | None:
+        """D's whole answer, or None with ``ex.failure`` set; closes ``resp``."""
+        try:
+            with ex.decode_scope(), trio.move_on_at(ex.deadline) as timer:
+                try:
+                    return await resp.read()
+                except EngineError as exc:
+                    self.fail(ex, self.transport_failure(ex.d, exc))
+            if timer.cancelled_caught and ex.failure is None:
+                self.fail(ex, self.timeout_failure("D did not finish"))
+            return None
+        finally:
+            await resp.aclose()
+
+    async def _whole_answer(self, ex: Exchange, resp: EngineResponse, reply: Reply) -> None:
+        """Not streamed: D's whole body, unless P fails first."""
+        body = await self.read_whole(ex, resp)
+        if body is None:
+            await self.answer_failure(ex, reply)
+            return
+        self.end(ex, "ok")
+        await reply.whole(200, body, ex.transfer_id)
+
+    async def relay(
+        self,
+        ex: Exchange,
+        resp: EngineResponse,
+        reply: Reply,
+        *,
+        transform: Callable[[bytes], bytes] | None = None,
+    ) -> None:
+        """Hand D's streamed answer to the client as it comes (``transform``ed: P-first);
+        owns ``resp``."""
+        outcome = "cancelled"
+        try:
+            if not reply.started:
+                await reply.start(
+                    200, b"text/event-stream", ex.transfer_id, (b"cache-control", b"no-cache")
+                )
+            outcome = await self._forward(ex, resp, reply, transform)
+            await reply.chunk(b"", more=False)
+        finally:
+            self.end(ex, outcome)  # not ok: P's leg is cancelled now
+            await resp.aclose()
+
+    async def _forward(
+        self,
+        ex: Exchange,
+        resp: EngineResponse,
+        reply: Reply,
+        transform: Callable[[bytes], bytes] | None,
+    ) -> str:
+        first, outcome = True, "ok"
+        with ex.decode_scope(), trio.move_on_at(ex.deadline):
+            try:
+                async for chunk in resp.chunks():
+                    # Only D's first chunk is timed (TTFT); D's step is learnt from the
+                    # stream's span when it ends.
+                    self.apply(ex, ex.state.d_chunk(trio.current_time() if first else None))
+                    first = False
+                    if _ERROR_EVENT in chunk:  # D reports a failure in a stream it began (200)
+                        outcome = "decode_error"
+                    data = transform(chunk) if transform is not None else chunk
+                    if data:
+                        await reply.chunk(data)
+                return outcome
+            except EngineError as exc:
+                self.fail(ex, self.transport_failure(ex.d, exc))
+        await self.stream_failure(ex, reply)
+        assert ex.failure is not None
+        return ex.failure.outcome
+
+    async def stream_failure(self, ex: Exchange, reply: Reply) -> None:
+        """End a begun stream with the request's failure (or D's timeout) as an event."""
+        if ex.failure is None:
+            self.fail(ex, self.timeout_failure("D did not finish"))
+        failure = ex.failure
+        assert failure is not None
+        log.warning("proxy: request %s failed mid-stream: %s", ex.transfer_id, failure.body[:300])
+        with trio.move_on_after(_LAST_EVENT_TIMEOUT):
+            await reply.chunk(failure.sse_event())
+
+    # ------------------------------------------------------------------ failures
+
+    def timeout_failure(self, what: str) -> Failure:
+        message = f"{what} within the request timeout ({self.config.request_timeout:g} s)"
+        return Failure.of(504, message, "timeout", "timeout")
+
+    def transport_failure(self, b: Backend, exc: EngineError | httpx.HTTPError) -> Failure:
+        """A broken call: a 502; a refused connection also takes the engine out of rotation."""
+        self.metrics.backend_errors.labels(b.role, b.url).inc()
+        if isinstance(exc, ConnectFailed | httpx.ConnectError):  # gone: out of rotation now
+            self.watch.set(b, f"connection failed: {describe(exc)}", None)
+        message = f"{b.role} engine {b.url} failed: {describe(exc)}"
+        return Failure.of(502, message, "upstream_error", f"{b.role}_error")
+
+    def status_failure(self, b: Backend, status: int, body: bytes) -> Failure:
+        """A 4xx passes through (vLLM's own error body); anything else becomes a 502."""
+        outcome = f"{b.role}_error"
+        text = body[:500].decode(errors="replace")
+        if 400 <= status < 500:  # the request's fault, not the engine's
+            try:
+                passed = msgspec.json.decode(body)
+            except msgspec.DecodeError:
+                passed = None
+            if isinstance(passed, dict) and "error" in passed:
+                return Failure(status, body, outcome)
+            message = f"{b.role} engine {b.url}: {text}"
+            return Failure.of(status, message, "invalid_request_error", outcome)
+        self.metrics.backend_errors.labels(b.role, b.url).inc()
+        message = f"{b.role} engine {b.url} answered HTTP {status}: {text}"
+        return Failure.of(502, message, "upstream_error", outcome)
+
+
+def _log_timeline(ex: Exchange, ttft: float) -> None:
+    def ms(t: float | None) -> str:
+        return "-" if t is None else f"{(t - ex.arrived) * 1e3:.1f}"
+
+    log.debug(
+        "proxy: request %s timeline ms: D answered %s, first chunk %.1f, P answered %s",
+        ex.transfer_id, ms(ex.d_answered), ttft * 1e3, ms(ex.p_answered),
+    )  # fmt: skip

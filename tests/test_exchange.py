@@ -1,0 +1,221 @@
+"""The proxy exchange's sans-IO record (pdactors/core/exchange.py): every (phase, event) pair of
+its transition table, and the effects that give back what an exchange holds, exactly once."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdactors.core.exchange import (
+    TRANSITIONS,
+    Admit,
+    CancelLegs,
+    Effect,
+    Ended,
+    Event,
+    ExchangeState,
+    FirstChunk,
+    Hold,
+    Phase,
+    Release,
+    SecondChunk,
+    Step,
+    Unhold,
+)
+from pdactors.errors import IllegalTransition
+
+
+@dataclass(frozen=True)
+class Cause:
+    outcome: str
+
+
+TOKENS = 10
+
+
+def in_phase(phase: Phase) -> ExchangeState:
+    """A record brought to ``phase`` by a legal path."""
+    ex = ExchangeState(0.0, TOKENS)
+    steps: dict[Phase, list[Callable[[], object]]] = {
+        Phase.NEW: [],
+        Phase.OPEN: [lambda: ex.admit(with_p=True)],
+        Phase.D_ANSWERING: [lambda: ex.admit(with_p=True), ex.d_answered],
+        Phase.FAILED: [lambda: ex.admit(with_p=True), lambda: ex.fail(Cause("prefill_error"))],
+        Phase.DONE: [lambda: ex.admit(with_p=True), lambda: ex.end("ok", 1.0)],
+    }
+    for step in steps[phase]:
+        step()
+    assert ex.phase is phase
+    return ex
+
+
+FIRE: dict[Event, Callable[[ExchangeState], list[Effect]]] = {
+    Event.ADMIT: lambda ex: ex.admit(with_p=True),
+    Event.PREFILL_SENT: lambda ex: ex.prefill_sent("p", 1.0, TOKENS),
+    Event.PREFILL_ENDED: lambda ex: ex.prefill_ended(1.0, answered=True),
+    Event.P_TOKEN_SENT: lambda ex: ex.p_token_sent(1.0),
+    Event.D_ANSWERED: lambda ex: ex.d_answered(),
+    Event.D_CHUNK: lambda ex: ex.d_chunk(1.0),
+    Event.FAIL: lambda ex: ex.fail(Cause("decode_error")),
+    Event.FALL_BACK: lambda ex: ex.fall_back(),
+    Event.END: lambda ex: ex.end("ok", 1.0),
+}
+
+
+def test_every_event_has_a_method() -> None:
+    assert set(FIRE) == set(Event)
+
+
+@pytest.mark.parametrize(
+    ("phase", "event"), list(itertools.product(Phase, Event)), ids=lambda x: x.value
+)
+def test_every_pair_moves_as_the_table_says_or_raises(phase: Phase, event: Event) -> None:
+    ex = in_phase(phase)
+    after = TRANSITIONS.get((phase, event))
+    if after is None:
+        with pytest.raises(IllegalTransition):
+            FIRE[event](ex)
+        assert ex.phase is phase  # an illegal event changes nothing
+    else:
+        FIRE[event](ex)
+        assert ex.phase is after
+
+
+def test_the_table_names_only_real_phases_and_events_and_done_is_final() -> None:
+    for (phase, event), after in TRANSITIONS.items():
+        assert isinstance(phase, Phase) and isinstance(event, Event) and isinstance(after, Phase)
+        if phase is Phase.DONE:
+            assert after is Phase.DONE
+    assert all(after is not Phase.NEW for after in TRANSITIONS.values())
+
+
+def test_concurrent_flow_effects() -> None:
+    ex = ExchangeState(10.0, TOKENS)
+    assert ex.admit(with_p=True) == [Admit(p=True)]
+    assert ex.prefill_sent("p", 10.0, 25) == [Hold("p", TOKENS)]
+    assert ex.prefilling == "p"
+    assert ex.d_answered() == []
+    assert ex.d_chunk(11.0) == [FirstChunk(1.0)]
+    assert ex.d_chunk(None) == []  # only counted: no clock read per chunk
+    assert ex.d_chunk(None) == []
+    assert ex.prefill_ended(12.0, answered=True) == [Unhold("p", TOKENS, 25, 2.0), Release("p")]
+    # D's step is learnt from the stream's span: 3 chunks, 2 gaps in 2 s.
+    assert ex.end("ok", 13.0) == [Release("d"), Step(1.0, 2), Ended("ok", 3.0)]
+    assert ex.over and ex.outcome == "ok"
+    assert ex.prefill_ended(13.1, answered=False) == []  # P's leg in its grace: nothing left
+    assert ex.end("cancelled", 13.2) == []  # an echo
+
+
+def test_the_first_failure_is_the_cause_and_a_late_one_changes_nothing() -> None:
+    ex = in_phase(Phase.D_ANSWERING)
+    first, second = Cause("prefill_error"), Cause("decode_error")
+    assert ex.fail(first) == [CancelLegs()]
+    assert ex.fail(second) == [CancelLegs()]
+    assert ex.cause is first
+    assert ex.d_chunk(2.0) == []  # a chunk in hand when the failure came teaches nothing
+    effects = ex.end("prefill_error", 3.0)
+    assert effects == [Release("p"), Release("d"), CancelLegs(), Ended("prefill_error", None)]
+    assert ex.fail(second) == [] and ex.cause is first
+
+
+def test_local_prefill_ends_at_ds_first_chunk() -> None:
+    ex = ExchangeState(0.0, TOKENS)
+    assert ex.admit(with_p=False) == [Admit(p=False)]
+    assert ex.prefill_sent("d", 0.0, TOKENS) == [Hold("d", TOKENS)]
+    ex.d_answered()
+    assert ex.d_chunk(0.5) == [Unhold("d", TOKENS, TOKENS, 0.5), FirstChunk(0.5)]
+    assert ex.end("ok", 1.0) == [Release("d"), Ended("ok", 1.0)]  # no P to give back
+
+
+def test_p_first_token_then_ds_second_chunk() -> None:
+    ex = ExchangeState(0.0, TOKENS)
+    ex.admit(with_p=True)
+    ex.prefill_sent("p", 0.0, TOKENS)
+    assert ex.prefill_ended(0.2, answered=True) == [Unhold("p", TOKENS, TOKENS, 0.2), Release("p")]
+    assert ex.p_token_sent(0.3) == [FirstChunk(0.3)]
+    ex.prompt_tokens = 12  # P said how many
+    ex.d_sent = 0.3
+    ex.d_answered()
+    assert ex.d_chunk(0.5) == [SecondChunk(0.5, pytest.approx(0.2), 12)]
+
+
+def test_p_first_falls_back_to_d() -> None:
+    ex = ExchangeState(0.0, TOKENS)
+    ex.admit(with_p=True)
+    ex.prefill_sent("p", 0.0, TOKENS)
+    assert ex.prefill_ended(0.2, answered=False) == [
+        Unhold("p", TOKENS, TOKENS, None),
+        Release("p"),
+    ]
+    ex.fail(Cause("prefill_error"))
+    assert ex.fall_back() == []
+    assert ex.phase is Phase.OPEN and ex.cause is None
+    assert ex.prefill_sent("d", 0.3, TOKENS) == [Hold("d", TOKENS)]
+    assert ex.end("cancelled", 0.4) == [
+        Unhold("d", TOKENS, TOKENS, None), Release("d"), CancelLegs(), Ended("cancelled", None)
+    ]  # fmt: skip
+
+
+def test_ds_first_chunk_needs_its_time_and_a_prompt_sits_in_one_queue() -> None:
+    ex = in_phase(Phase.D_ANSWERING)
+    with pytest.raises(IllegalTransition):
+        ex.d_chunk(None)
+    ex = in_phase(Phase.OPEN)
+    ex.prefill_sent("p", 0.0, TOKENS)
+    with pytest.raises(IllegalTransition):
+        ex.prefill_sent("d", 0.0, TOKENS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.booleans(), st.lists(st.sampled_from(list(Event)), max_size=12))
+def test_every_count_is_given_back_exactly_once(with_p: bool, events: list[Event]) -> None:
+    """Whatever legal events come in whatever order, the counts the effects raise never go
+    below zero and are all back at zero once the exchange ended."""
+    ex = ExchangeState(0.0, TOKENS)
+    counts = {"p": 0, "d": 0, "in_flight": 0, "queue_p": 0, "queue_d": 0, "ended": 0}
+
+    def apply(effects: list[Effect]) -> None:
+        for effect in effects:
+            match effect:
+                case Admit(p=p):
+                    counts["p"] += p
+                    counts["d"] += 1
+                    counts["in_flight"] += 1
+                case Hold(engine=leg, tokens=t):
+                    counts[f"queue_{leg}"] += t
+                case Unhold(engine=leg, tokens=t):
+                    counts[f"queue_{leg}"] -= t
+                case Release(engine=leg):
+                    counts[leg] -= 1
+                case Ended():
+                    counts["in_flight"] -= 1
+                    counts["ended"] += 1
+        assert min(counts.values()) >= 0
+
+    apply(ex.admit(with_p=with_p))
+    for i, event in enumerate(events):
+        if (ex.phase, event) not in TRANSITIONS or event is Event.ADMIT:
+            continue
+        if event is Event.PREFILL_SENT:
+            if ex.prefilling is not None:
+                continue
+            apply(ex.prefill_sent("p" if with_p else "d", float(i), TOKENS))
+        elif event is Event.D_CHUNK:
+            apply(ex.d_chunk(float(i)))
+        else:
+            apply(FIRE[event](ex))
+    apply(ex.end("cancelled", 100.0))
+    assert counts == {"p": 0, "d": 0, "in_flight": 0, "queue_p": 0, "queue_d": 0, "ended": 1}
+
+
+def test_a_stream_that_did_not_end_well_teaches_no_step() -> None:
+    ex = in_phase(Phase.D_ANSWERING)
+    ex.d_chunk(1.0)
+    ex.d_chunk(None)
+    effects = ex.end("decode_error", 9.0)  # its last gap may be a stall
+    assert not any(isinstance(e, Step) for e in effects)
