@@ -10,9 +10,11 @@ written as it comes, and D is answered once, after the last.
 
 The actor is a thin trio shell around :class:`~pdactors.core.send_table.SendTable`: a receive
 loop feeds D's messages in, a loss loop feeds in the D workers whose side channel closed or
-went silent (ZMQ heartbeats and the ROUTER's monitor), a tick loop feeds the clock in, and the
-effects come out as replies (through one outbox task), writes (one task per transfer) and
-released ids. A lease loop renews the worker's bootstrap registration.
+went silent (ZMQ heartbeats and the ROUTER's monitor), a tick loop feeds the clock in when the
+table's next deadline comes, and the effects come out as replies (through one outbox task),
+writes (one task per transfer, :mod:`pdactors.actors._kv_writes`) and released ids. Every
+transfer's state, a streamed one's included, lives in the table's record of it. A lease loop
+renews the worker's bootstrap registration (:mod:`pdactors.actors._sender_lease`).
 
 Nothing a peer sends can stop the actor: a frame is decoded within the wire's limits
 (:data:`~pdactors.messages.LIMITS`) before any work, an error from one message or one write
@@ -37,7 +39,8 @@ from pdactors.actors._kv_writes import PULL_ERRORS, KvWriter, Written
 from pdactors.actors._layouts import LayoutCache
 from pdactors.actors._outbox import Outbox, Refusals, SideChannelStats
 from pdactors.actors._pull_check import StaleView, WaitingPulls, expected_pulls, pull_heads
-from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
+from pdactors.actors._sender_lease import register_sender
+from pdactors.bootstrap_client import open_bootstrap_client
 from pdactors.config import SenderConfig
 from pdactors.core.plan import check_layout
 from pdactors.core.send_stream import Complete
@@ -52,7 +55,7 @@ from pdactors.core.send_table import (
     Wake,
 )
 from pdactors.dataplane.base import DataPlane
-from pdactors.errors import BootstrapError, PlanError
+from pdactors.errors import PlanError
 from pdactors.messages import (
     BlockIdsLike,
     CancelPull,
@@ -62,7 +65,6 @@ from pdactors.messages import (
     LayoutUnknown,
     PullFailed,
     PullRequest,
-    RegisterWorker,
     block_groups,
     decode_frames,
 )
@@ -375,46 +377,10 @@ async def serve_sender(
     ):
         sender = Sender(config, dataplane, layout, router, nursery)
         if config.bootstrap_url is not None:
-            ranks = config.ranks
-            worker = RegisterWorker(
-                engine_id=config.engine_id,
-                dp_rank=ranks.dp_rank,
-                tp_rank=ranks.tp_rank,
-                pp_rank=ranks.pp_rank,
-                addr=router.address,
-                curve_key=getattr(router, "curve_key", ""),  # transports before it had none
-            )
-            lease = config.lease_ttl if config.lease_interval > 0 else None
-            url, timeout = config.bootstrap_url, config.register_timeout
-            await client.register(url, worker, timeout=timeout, lease=lease)
-            if lease is not None:
-                nursery.start_soon(_renew_lease, client, url, worker, config)
+            await register_sender(client, config, router, nursery)
         nursery.start_soon(sender._receive_loop)
         nursery.start_soon(sender._loss_loop)
         nursery.start_soon(sender._outbox.serve)
         nursery.start_soon(sender._tick_loop)
         log.info("sender %s rank %s serving on %s", config.engine_id, config.ranks, router.address)
         task_status.started(sender)
-
-
-async def _renew_lease(
-    client: BootstrapClient, url: str, worker: RegisterWorker, config: SenderConfig
-) -> None:
-    """Re-register every ``lease_interval``, forever: the registration is a lease that lapses
-    when P dies, and a renewal puts P's entry back if someone replaced it. A failed renewal is
-    logged once per outage and retried; it never stops the sender."""
-    failing = False
-    while True:
-        await trio.sleep(config.lease_interval)
-        try:
-            await client.register(
-                url, worker, timeout=config.lease_interval, lease=config.lease_ttl
-            )
-        except BootstrapError as exc:
-            if not failing:
-                log.warning("sender %s: lease renewal failing: %s", worker.engine_id, exc)
-            failing = True
-            continue
-        if failing:
-            log.info("sender %s: lease renewed again at %s", worker.engine_id, url)
-        failing = False
