@@ -16,7 +16,16 @@ from pdactors.core.send_rules import SendEvent, SendState
 from pdactors.core.send_stream import Complete, Stream, Wake
 from pdactors.messages import BlockIds, Msg, PullRequest
 
-__all__ = ["Effect", "Release", "Reply", "SendTableStats", "StartSend", "refusal"]
+__all__ = [
+    "Effect",
+    "Release",
+    "Reply",
+    "SendTableStats",
+    "StartSend",
+    "has_claim_from",
+    "refusal",
+    "same_pull",
+]
 
 END_REASONS = {
     SendState.DONE: "already delivered",
@@ -100,6 +109,9 @@ class Entry:
 
 @dataclass(frozen=True, slots=True)
 class SendTableStats:
+    """What a send table holds (``live`` transfers, ``tombstones`` of ended ones) and how many
+    transfers ended each way since it started."""
+
     live: int
     tombstones: int
     sent: int
@@ -119,3 +131,13 @@ def refusal(entry: Entry, pull: PullRequest, expected: int) -> str | None:
     if entry.expected and expected != entry.expected:
         return f"D's pulls disagree on its shape ({entry.expected} vs {expected} pullers)"
     return None
+
+
+def same_pull(a: PullRequest, b: PullRequest) -> bool:
+    """The same request, whether or not one of them carried D's layout."""
+    return (a.session, a.block_ids, a.layout_id) == (b.session, b.block_ids, b.layout_id)
+
+
+def has_claim_from(entry: Entry, identity: bytes) -> bool:
+    """Whether a pull of the D worker behind ``identity`` waits in ``entry``."""
+    return any(c.identity == identity for c in entry.claims)

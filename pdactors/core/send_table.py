@@ -44,7 +44,9 @@ from pdactors.core.send_records import (
     Reply,
     SendTableStats,
     StartSend,
+    has_claim_from,
     refusal,
+    same_pull,
 )
 from pdactors.core.send_rules import Do, SendEvent, SendState, StreamEvent, next_state
 from pdactors.core.send_stream import Complete, Layer, Stream, Wake, stream_event, take_layers
@@ -77,7 +79,6 @@ class SendTable:
         self.tombstone_ttl = tombstone_ttl
         self._entries: dict[str, Entry] = {}
         self._counts = {s: 0 for s in SendState}
-        # Deadline queues, transfer id -> deadline, each in deadline order (see the module doc).
         self._timers = Timers(
             ready_timeout=ready_timeout, unclaimed_ttl=unclaimed_ttl, tombstone_ttl=tombstone_ttl
         )
@@ -95,11 +96,11 @@ class SendTable:
         return entry.stream if entry else None
 
     def next_deadline(self) -> float:
-        """The earliest deadline of any transfer (``inf`` when none): :meth:`tick` has nothing
-        to do before it."""
+        """When :meth:`tick` next has something to do (``inf``: never, until something moves)."""
         return self._timers.next_deadline()
 
     def statistics(self) -> SendTableStats:
+        """Transfers held now, and how many ended each way so far."""
         return SendTableStats(
             live=len(self._entries) - len(self._timers.tombstones),
             tombstones=len(self._timers.tombstones),
@@ -212,7 +213,7 @@ class SendTable:
             reason = entry.reason or END_REASONS[entry.state]
             return [Reply(identity, PullFailed(transfer_id, reason))]
         if entry is not None:  # a live one: is this pull one it can take?
-            if any(c.identity == identity and _same_pull(pull, c.pull) for c in entry.claims):
+            if any(c.identity == identity and same_pull(pull, c.pull) for c in entry.claims):
                 return []  # the same request again (a resend): the first one is answered
             if (refused := refusal(entry, pull, expected)) is not None:
                 return [Reply(identity, PullFailed(transfer_id, refused))]
@@ -235,7 +236,7 @@ class SendTable:
         reason = "the pulling D worker is gone" + (f": {reason}" if reason else "")
         effects: list[Effect] = []
         # Only PENDING entries have waiting pulls: they are all in the pull queue.
-        for tid in [t for t in self._timers.pulls if _has_claim_from(self._entries[t], identity)]:
+        for tid in [t for t in self._timers.pulls if has_claim_from(self._entries[t], identity)]:
             entry = self._entries[tid]
             entry.claims = [c for c in entry.claims if c.identity != identity]  # no answer
             effects += self._end(tid, SendEvent.PEER_GONE, now, reason)
@@ -389,12 +390,3 @@ class SendTable:
                 )
                 effects.append(job)
         return effects
-
-
-def _same_pull(a: PullRequest, b: PullRequest) -> bool:
-    """The same request, whether or not one of them carried D's layout."""
-    return (a.session, a.block_ids, a.layout_id) == (b.session, b.block_ids, b.layout_id)
-
-
-def _has_claim_from(entry: Entry, identity: bytes) -> bool:
-    return any(c.identity == identity for c in entry.claims)
