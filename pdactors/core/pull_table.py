@@ -21,7 +21,8 @@ The rules are data: :data:`~pdactors.core.pull_rules.PULL_TRANSITIONS`. In short
 a refusal, a lost P worker or D's abort → ABORTING (the others are told to stop) → ended once
 no P worker may still write; the deadline ends any of them.
 
-A second ``start`` for a transfer id in flight raises :class:`DuplicateTransfer` and changes
+A second ``start`` for a transfer id in flight raises
+:class:`~pdactors.errors.DuplicateTransfer` and changes
 nothing. Ended pulls are forgotten at once; a late answer from P, or one from a peer the pull
 was not sent to (or that answered already), is ignored.
 """
@@ -162,7 +163,8 @@ class PullTable:
     ) -> Pull:
         """A new pull; it must end within ``timeout`` seconds from ``now``.
 
-        Raises :class:`DuplicateTransfer` (and changes nothing) when ``transfer_id`` is in flight.
+        Raises :class:`~pdactors.errors.DuplicateTransfer` (and changes nothing) when
+        ``transfer_id`` is in flight.
         """
         state, _ = self._rule(transfer_id, PullEvent.START)
         assert state is not None

@@ -1,8 +1,9 @@
 """P side: the rendezvous of D's pull and P's finished prefill, by ``transfer_id``.
 
 Sans-IO: every method takes the current time, changes state, and returns the effects the
-actor must carry out (:class:`Reply`, :class:`StartSend`, :class:`Release`). Nothing here
-blocks, sleeps or talks to the network.
+actor must carry out (:class:`Reply`, :class:`StartSend`, :class:`Release`, :class:`Wake`).
+Nothing here blocks, sleeps or talks to the network. The deadlines are kept by
+:mod:`pdactors.core.send_timers`; :meth:`SendTable.next_deadline` says when to tick next.
 
 The rules — which event moves a transfer from which state to which, and what the move does —
 are data: :data:`~pdactors.core.send_rules.TRANSITIONS`. In short: PENDING (P's prefill
