@@ -93,7 +93,6 @@ class Sender:
         check_layout(layout)
         self.config = config
         self.layout = layout
-        self._dataplane = dataplane
         self._router = router
         self._nursery = nursery
         self._table = SendTable(
