@@ -175,13 +175,15 @@ class StreamEvent(enum.Enum):
 SS, SE = StreamState, StreamEvent
 
 #: (stream state, event) -> next stream state (None: closed, the record is dropped). A word
-#: from P after its KV is complete changes nothing: the blocks hold the KV either way.
+#: from P after its KV is complete changes nothing: the blocks hold the KV either way (and
+#: refusing it would make the vLLM adapter free blocks the write still reads).
 STREAM_TRANSITIONS: dict[tuple[StreamState, StreamEvent], StreamState | None] = {
     (SS.COMPUTING, SE.LAYER): SS.COMPUTING,
     (SS.COMPUTING, SE.P_READY): SS.FINISHING,
     (SS.COMPUTING, SE.P_DROPPED): SS.DROPPED,
     (SS.COMPUTING, SE.WRITER_ENDED): SS.ORPHANED,
     (SS.FINISHING, SE.LAYER): SS.FINISHING,
+    (SS.FINISHING, SE.P_READY): SS.FINISHING,
     (SS.FINISHING, SE.P_DROPPED): SS.FINISHING,
     (SS.FINISHING, SE.WRITER_ENDED): None,
     (SS.DROPPED, SE.LAYER): SS.DROPPED,
