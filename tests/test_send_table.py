@@ -361,10 +361,10 @@ def _writing(t: SendTable, tid: str, identity: bytes) -> bool:
 
 def _check_deadlines(t: SendTable, now: float) -> None:
     queues = {
-        "no_pull": t._no_pull,
-        "pulls": t._pulls,
-        "unclaimed": t._unclaimed,
-        "tombstones": t._tombstones,
+        "no_pull": t._timers.no_pull,
+        "pulls": t._timers.pulls,
+        "unclaimed": t._timers.unclaimed,
+        "tombstones": t._timers.tombstones,
     }
     for name, queue in queues.items():
         deadlines = list(queue.values())

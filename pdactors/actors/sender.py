@@ -10,9 +10,11 @@ written as it comes, and D is answered once, after the last.
 
 The actor is a thin trio shell around :class:`~pdactors.core.send_table.SendTable`: a receive
 loop feeds D's messages in, a loss loop feeds in the D workers whose side channel closed or
-went silent (ZMQ heartbeats and the ROUTER's monitor), a tick loop feeds the clock in, and the
-effects come out as replies (through one outbox task), writes (one task per transfer) and
-released ids. A lease loop renews the worker's bootstrap registration.
+went silent (ZMQ heartbeats and the ROUTER's monitor), a tick loop feeds the clock in when the
+table's next deadline comes, and the effects come out as replies (through one outbox task),
+writes (one task per transfer, :mod:`pdactors.actors._kv_writes`) and released ids. Every
+transfer's state, a streamed one's included, lives in the table's record of it. A lease loop
+renews the worker's bootstrap registration (:mod:`pdactors.actors._sender_lease`).
 
 Nothing a peer sends can stop the actor: a frame is decoded within the wire's limits
 (:data:`~pdactors.messages.LIMITS`) before any work, an error from one message or one write
@@ -26,21 +28,22 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import msgspec
-import numpy as np
 import trio
 
 from pdactors import timeline
 from pdactors._pulse import Pulse
+from pdactors.actors._kv_writes import PULL_ERRORS, KvWriter, Written
 from pdactors.actors._layouts import LayoutCache
 from pdactors.actors._outbox import Outbox, Refusals, SideChannelStats
 from pdactors.actors._pull_check import StaleView, WaitingPulls, expected_pulls, pull_heads
-from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
+from pdactors.actors._sender_lease import register_sender
+from pdactors.bootstrap_client import open_bootstrap_client
 from pdactors.config import SenderConfig
-from pdactors.core.plan import check_layout, matching_regions, plan_transfer
+from pdactors.core.plan import check_layout
+from pdactors.core.send_stream import Complete
 from pdactors.core.send_table import (
     Effect,
     Release,
@@ -49,9 +52,10 @@ from pdactors.core.send_table import (
     SendTable,
     SendTableStats,
     StartSend,
+    Wake,
 )
 from pdactors.dataplane.base import DataPlane
-from pdactors.errors import BootstrapError, DataPlaneError, PlanError
+from pdactors.errors import PlanError
 from pdactors.messages import (
     BlockIdsLike,
     CancelPull,
@@ -61,7 +65,6 @@ from pdactors.messages import (
     LayoutUnknown,
     PullFailed,
     PullRequest,
-    RegisterWorker,
     block_groups,
     decode_frames,
 )
@@ -70,35 +73,6 @@ from pdactors.transport import ZMQ, Router, Transport
 __all__ = ["Sender", "SideChannelStats", "serve_sender"]
 
 log = logging.getLogger("pdactors.sender")
-
-_NO_ADDRS = np.empty(0, dtype=np.uint64)
-#: What one pull's message or write may raise besides our own errors: numbers numpy or the
-#: engine cannot take. It fails that pull, never the actor.
-_PULL_ERRORS = (PlanError, DataPlaneError, ArithmeticError, ValueError)
-
-
-#: A blocking wait for KV to be complete in memory (e.g. a CUDA event's ``synchronize``).
-Complete = Callable[[], object]
-#: Regions of a streamed transfer whose KV P computed, and the wait for it (None: in memory).
-_Layer = tuple[tuple[int, ...], Complete | None]
-
-
-@dataclass(eq=False)
-class _Stream:
-    """A transfer written while P computes it: the layers P has reported complete."""
-
-    layers: trio.MemorySendChannel[_Layer]
-    wanted: trio.MemoryReceiveChannel[_Layer]
-    complete: bool = False  # P said it is done (ready or dropped)
-    rest_complete: Complete | None = None  # the wait for the KV not streamed yet
-    failed: str | None = None  # P dropped it
-    done: bool = False  # the write task ended
-
-
-@dataclass(eq=False)
-class _Written:
-    nbytes: int = 0
-    descriptors: int = 0
 
 
 class Sender:
@@ -119,7 +93,6 @@ class Sender:
         check_layout(layout)
         self.config = config
         self.layout = layout
-        self._dataplane = dataplane
         self._router = router
         self._nursery = nursery
         self._table = SendTable(
@@ -134,8 +107,10 @@ class Sender:
         self._waiting = WaitingPulls()
         self._finished: set[str] = set()
         self._finished_changed = Pulse()
-        self._streams: dict[str, _Stream] = {}  # transfers written while P computes them
-        self._complete: dict[str, Complete] = {}  # ready KV a GPU may still be computing
+        self._writer = KvWriter(config, layout, dataplane)
+        # The tick loop's wait for the table's next deadline (see _tick_loop).
+        self._ticker: trio.CancelScope | None = None
+        self._last_tick = -math.inf
         self.bytes_sent = 0
         self.descriptors_sent = 0
         self.streamed_sent = 0  # transfers written layer by layer while P computed them
@@ -169,14 +144,9 @@ class Sender:
         engine call, so no hop is spent on the wait; if it raises, the transfer fails.
         """
         timeline.mark(transfer_id, "ready")
-        if (stream := self._streams.get(transfer_id)) is not None:
-            self._end_stream(transfer_id, stream, complete)  # the rest of the KV goes out now
-            return
         blocks = block_groups(block_ids)
-        effects = self._table.prefill_ready(transfer_id, blocks, trio.current_time())
-        if complete is not None:  # once the table took it; a Release below forgets it again
-            self._complete[transfer_id] = complete
-        self._apply(effects)
+        now = trio.current_time()
+        self._apply(self._table.prefill_ready(transfer_id, blocks, now, complete=complete))
 
     def transfer_streaming(self, transfer_id: str, block_ids: BlockIdsLike) -> None:
         """P begins computing the KV of ``transfer_id`` into ``block_ids``, layer by layer
@@ -185,11 +155,7 @@ class Sender:
         as soon as it is complete and D is answered once after the last; otherwise nothing
         happens before :meth:`transfer_ready`, which sends the whole KV as usual."""
         blocks = block_groups(block_ids)
-        effects = self._table.prefill_streaming(transfer_id, blocks, trio.current_time())
-        if effects:
-            send, recv = trio.open_memory_channel[_Layer](math.inf)
-            self._streams[transfer_id] = _Stream(send, recv)
-        self._apply(effects)
+        self._apply(self._table.prefill_streaming(transfer_id, blocks, trio.current_time()))
 
     def layer_ready(
         self, transfer_id: str, regions: Sequence[int], *, complete: Complete | None = None
@@ -197,16 +163,10 @@ class Sender:
         """The KV of these layout regions (a layer's) is complete in the streamed blocks (or
         will be once ``complete()`` returns, as in :meth:`transfer_ready`); ignored unless
         ``transfer_id`` is being streamed."""
-        stream = self._streams.get(transfer_id)
-        if stream is not None and not (stream.complete or stream.done):
-            stream.layers.send_nowait((tuple(regions), complete))
+        self._apply(self._table.layer_ready(transfer_id, regions, complete))
 
     def transfer_dropped(self, transfer_id: str, reason: str = "") -> None:
         """P will not finish ``transfer_id``; a waiting D is told at once."""
-        if (stream := self._streams.get(transfer_id)) is not None:
-            stream.failed = f"P dropped the prefill: {reason}" if reason else "P dropped it"
-            self._end_stream(transfer_id, stream, None)
-            return
         self._apply(self._table.prefill_dropped(transfer_id, trio.current_time(), reason))
 
     def take_finished(self) -> set[str]:
@@ -310,7 +270,7 @@ class Sender:
         try:
             pull_heads(self.config, pull)
             expected = expected_pulls(self.config, pull)
-        except _PULL_ERRORS as exc:
+        except PULL_ERRORS as exc:
             stale = isinstance(exc, StaleView)
             return [Reply(identity, PullFailed(tid, str(exc), lookup_again=stale))]
         if (too_many := self._waiting.refusal(identity, pull)) is not None:
@@ -321,30 +281,39 @@ class Sender:
         return effects
 
     async def _tick_loop(self) -> None:
+        """Tick the table when its next deadline comes, re-armed by every operation that
+        adds an earlier one (:meth:`_rearm`). Deadlines due within ``tick_interval`` of the
+        last tick share the next one: at thousands of transfers a second each end's tombstone
+        would otherwise wake the loop on its own."""
         while True:
-            await trio.sleep(self.config.tick_interval)
-            self._apply(self._table.tick(trio.current_time()))
+            with trio.CancelScope() as self._ticker:
+                self._rearm(force=True)
+                await trio.sleep_forever()
+            self._ticker = None
+            self._last_tick = trio.current_time()
+            self._apply(self._table.tick(self._last_tick))
+
+    def _rearm(self, *, force: bool = False) -> None:
+        """Move the tick loop's wake-up to the table's next deadline, if that is earlier."""
+        if self._ticker is None:
+            return
+        at = max(self._table.next_deadline(), self._last_tick + self.config.tick_interval)
+        if force or at < self._ticker.deadline:
+            self._ticker.deadline = at
 
     async def _send(self, job: StartSend) -> None:
         pull = job.pull
         error: str | None = None
         start = trio.current_time()
         timeline.mark(job.transfer_id, "write_start")
-        assert pull.layout is not None  # attached when the pull arrived
-        written = _Written()
-        stream = self._streams[job.transfer_id] if job.streamed else None
+        written = Written()
         try:
-            if stream is not None:
-                error = await self._stream(job, stream, written)
+            if job.streamed:
+                error = await self._writer.stream(job, self._table, written)
             else:
-                await self._write(job, written, before=self._complete.get(job.transfer_id))
-        except _PULL_ERRORS as exc:
+                await self._writer.write(job, written, before=job.before)
+        except PULL_ERRORS as exc:
             error = str(exc) or type(exc).__name__
-        finally:
-            if stream is not None:
-                stream.done = True
-                if stream.complete:
-                    del self._streams[job.transfer_id]
         if error is not None:
             log.warning("transfer %r to %r failed: %s", job.transfer_id, pull.session, error)
         now = trio.current_time()
@@ -365,71 +334,6 @@ class Sender:
             )
         )
 
-    async def _write(
-        self,
-        job: StartSend,
-        written: _Written,
-        regions: Sequence[int] | None = None,
-        before: Complete | None = None,
-    ) -> None:
-        """Write ``regions`` (default all) of the job's blocks into D's, once ``before()``
-        (in the engine's worker thread) says they are complete."""
-        pull = job.pull
-        assert pull.layout is not None
-        d_layout = matching_regions(self.layout, pull.layout)  # P's layers in D's memory
-        plans = [
-            plan_transfer(self.layout, job.src_blocks, d_layout, pull.block_ids, regions, h)
-            for h in pull_heads(self.config, pull)
-        ]
-        if len(plans) == 1:
-            src, dst, lengths = plans[0].src, plans[0].dst, plans[0].lengths
-        else:  # several head slices (or none: this worker only frees its blocks)
-            src, dst, lengths = (
-                np.concatenate([getattr(p, a) for p in plans] or [_NO_ADDRS])
-                for a in ("src", "dst", "lengths")
-            )
-        await self._dataplane.write(pull.session, src, dst, lengths, before=before)
-        written.nbytes += sum(p.nbytes for p in plans)
-        written.descriptors += sum(p.descriptors for p in plans)
-
-    async def _stream(self, job: StartSend, stream: _Stream, written: _Written) -> str | None:
-        """Write each layer as P reports it complete, then the rest; the error, if any.
-
-        Ends only once P said it is done with its blocks (``transfer_ready`` or ``_dropped``),
-        even after a failed write: the blocks are released when this task ends, and P may be
-        computing into them until then. ``ready_timeout`` is the last resort for a P whose
-        step never ends.
-        """
-        done: set[int] = set()
-        error: str | None = None
-        with trio.move_on_after(self.config.ready_timeout):
-            async with stream.wanted:
-                async for regions, complete in stream.wanted:
-                    todo = [r for r in regions if r not in done]
-                    if error is not None or not todo:
-                        continue
-                    try:
-                        await self._write(job, written, todo, complete)
-                    except _PULL_ERRORS as exc:
-                        error = str(exc) or type(exc).__name__  # no more writes; wait for P
-                    done.update(todo)
-        if not stream.complete:
-            return f"P's streamed prefill did not finish within {self.config.ready_timeout:g} s"
-        if error is not None or stream.failed is not None:
-            return error or stream.failed
-        rest = [r for r in range(len(self.layout.regions)) if r not in done]
-        if rest:
-            await self._write(job, written, rest, stream.rest_complete)
-        return None
-
-    def _end_stream(self, transfer_id: str, stream: _Stream, complete: Complete | None) -> None:
-        """P is done with a streamed transfer: the write task sends the rest and ends it."""
-        stream.complete = True
-        stream.rest_complete = complete
-        stream.layers.close()
-        if stream.done:  # the write already ended (it failed): nothing waits for this any more
-            del self._streams[transfer_id]
-
     def _apply(self, effects: list[Effect]) -> None:
         for effect in effects:
             match effect:
@@ -440,9 +344,12 @@ class Sender:
                     self._nursery.start_soon(self._send, effect)
                 case Release(transfer_id=tid, state=state):
                     log.debug("transfer %s released (%s)", tid, state.value)
-                    self._complete.pop(tid, None)
                     self._finished.add(tid)
                     self._finished_changed.fire()
+                case Wake(waiter=waiter):
+                    assert isinstance(waiter, trio.Event)  # the streamed write's, _kv_writes
+                    waiter.set()
+        self._rearm()  # the operation may have added an earlier deadline
 
 
 async def serve_sender(
@@ -469,46 +376,10 @@ async def serve_sender(
     ):
         sender = Sender(config, dataplane, layout, router, nursery)
         if config.bootstrap_url is not None:
-            ranks = config.ranks
-            worker = RegisterWorker(
-                engine_id=config.engine_id,
-                dp_rank=ranks.dp_rank,
-                tp_rank=ranks.tp_rank,
-                pp_rank=ranks.pp_rank,
-                addr=router.address,
-                curve_key=getattr(router, "curve_key", ""),  # transports before it had none
-            )
-            lease = config.lease_ttl if config.lease_interval > 0 else None
-            url, timeout = config.bootstrap_url, config.register_timeout
-            await client.register(url, worker, timeout=timeout, lease=lease)
-            if lease is not None:
-                nursery.start_soon(_renew_lease, client, url, worker, config)
+            await register_sender(client, config, router, nursery)
         nursery.start_soon(sender._receive_loop)
         nursery.start_soon(sender._loss_loop)
         nursery.start_soon(sender._outbox.serve)
         nursery.start_soon(sender._tick_loop)
         log.info("sender %s rank %s serving on %s", config.engine_id, config.ranks, router.address)
         task_status.started(sender)
-
-
-async def _renew_lease(
-    client: BootstrapClient, url: str, worker: RegisterWorker, config: SenderConfig
-) -> None:
-    """Re-register every ``lease_interval``, forever: the registration is a lease that lapses
-    when P dies, and a renewal puts P's entry back if someone replaced it. A failed renewal is
-    logged once per outage and retried; it never stops the sender."""
-    failing = False
-    while True:
-        await trio.sleep(config.lease_interval)
-        try:
-            await client.register(
-                url, worker, timeout=config.lease_interval, lease=config.lease_ttl
-            )
-        except BootstrapError as exc:
-            if not failing:
-                log.warning("sender %s: lease renewal failing: %s", worker.engine_id, exc)
-            failing = True
-            continue
-        if failing:
-            log.info("sender %s: lease renewed again at %s", worker.engine_id, url)
-        failing = False

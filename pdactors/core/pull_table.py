@@ -16,23 +16,13 @@ blocks. When one of several P workers refuses or is lost, the others are told to
 (:class:`SendCancel`) and the pull ends, with the first failure, once they have all answered
 or are gone.
 
-============  ===========================  ===============================================
-state         entered when                 leaves when
-============  ===========================  ===============================================
-LOOKING_UP    ``start``                    ``sent`` → SENT; ``fail`` / ``abort`` / the
-                                           deadline → ended
-SENT          the pull went out to P       every P worker answered → ended; one refuses or
-              (one or more workers)        is lost → ended when it was the last one asked,
-                                           else ABORTING (+ SendCancel to the others);
-                                           ``fail`` or the deadline → ended (+ SendCancel
-                                           to those not answered); ``abort`` → ABORTING
-                                           (+ SendCancel)
-ABORTING      D gave up on a pull P has,   every P worker asked answered (whatever it
-              or a part of it failed       says) or is lost, ``fail``, or the deadline →
-                                           ended (ABORTED, or the part's failure)
-============  ===========================  ===============================================
+The rules are data: :data:`~pdactors.core.pull_rules.PULL_TRANSITIONS`. In short: LOOKING_UP
+(``start``) → SENT (the pull went out to its P workers) → ended once every P worker answered;
+a refusal, a lost P worker or D's abort → ABORTING (the others are told to stop) → ended once
+no P worker may still write; the deadline ends any of them.
 
-A second ``start`` for a transfer id in flight raises :class:`DuplicateTransfer` and changes
+A second ``start`` for a transfer id in flight raises
+:class:`~pdactors.errors.DuplicateTransfer` and changes
 nothing. Ended pulls are forgotten at once; a late answer from P, or one from a peer the pull
 was not sent to (or that answered already), is ignored.
 """
@@ -43,16 +33,19 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdactors.errors import DuplicateTransfer, IllegalTransition
+from pdactors.core.pull_rules import PeerMismatch, PullDo, PullEvent, PullState, next_pull_state
+from pdactors.errors import IllegalTransition
 from pdactors.messages import BlockIds, PullRequest
 
-__all__ = ["Completed", "Pull", "PullEnd", "PullState", "PullTable", "SendCancel"]
-
-
-class PullState(enum.Enum):
-    LOOKING_UP = "looking_up"
-    SENT = "sent"
-    ABORTING = "aborting"
+__all__ = [
+    "Completed",
+    "PeerMismatch",
+    "Pull",
+    "PullEnd",
+    "PullState",
+    "PullTable",
+    "SendCancel",
+]
 
 
 class PullEnd(enum.Enum):
@@ -170,12 +163,20 @@ class PullTable:
     ) -> Pull:
         """A new pull; it must end within ``timeout`` seconds from ``now``.
 
-        Raises :class:`DuplicateTransfer` (and changes nothing) when ``transfer_id`` is in flight.
+        Raises :class:`~pdactors.errors.DuplicateTransfer` (and changes nothing) when
+        ``transfer_id`` is in flight.
         """
-        if transfer_id in self._pulls:
-            raise DuplicateTransfer(transfer_id)
+        state, _ = self._rule(transfer_id, PullEvent.START)
+        assert state is not None
         pull = Pull(
-            transfer_id, bootstrap_url, engine_id, block_ids, now, now + self.timeout, waiter=waiter
+            transfer_id,
+            bootstrap_url,
+            engine_id,
+            block_ids,
+            now,
+            now + self.timeout,
+            state,
+            waiter=waiter,
         )
         self._pulls[transfer_id] = pull
         return pull
@@ -186,13 +187,11 @@ class PullTable:
         Ends at once when P was not asked yet; otherwise P is told and the pull ends when P
         answers (or is gone, or at the deadline), so D's blocks are not reused under a write.
         """
-        pull = self._pulls.get(transfer_id)
-        if pull is None or pull.state is PullState.ABORTING:
-            return []
-        if pull.state is PullState.LOOKING_UP:
-            return [self._end(pull, PullEnd.ABORTED, reason)]
-        pull.state, pull.abort_reason = PullState.ABORTING, reason
-        return self._cancels(pull, reason)
+        pull, do = self._fire(transfer_id, PullEvent.ABORT)
+        if do is PullDo.CANCEL:
+            assert pull is not None
+            pull.abort_reason = reason
+        return self._carry_out(pull, do, reason, PullEnd.ABORTED)
 
     # ------------------------------------------------------------------ the actor's work
 
@@ -200,17 +199,16 @@ class PullTable:
         self, transfer_id: str, peers: str | Sequence[str], request: PullRequest | None = None
     ) -> list[PullEffect]:
         """The pull ``request`` went out to ``peers`` (one P worker's address, or several).
-        If the pull ended meanwhile, cancel it there."""
+        If the pull ended meanwhile, cancel it there. Raises :class:`PeerMismatch` (a
+        ``ValueError``) unless ``peers`` are distinct and at least one."""
         peers = (peers,) if isinstance(peers, str) else tuple(peers)
         if not peers or len(set(peers)) != len(peers):
-            raise ValueError(f"{transfer_id}: a pull goes to distinct P workers, got {peers}")
-        pull = self._pulls.get(transfer_id)
-        if pull is None:
+            raise PeerMismatch(f"{transfer_id}: a pull goes to distinct P workers, got {peers}")
+        pull, do = self._fire(transfer_id, PullEvent.SENT)
+        if do is PullDo.CANCEL_UNSENT:
             return [SendCancel(p, transfer_id, "pull ended before it was sent") for p in peers]
-        if pull.state is not PullState.LOOKING_UP:
-            raise IllegalTransition(f"{transfer_id}: sent while {pull.state.value}")
-        pull.state, pull.peers, pull.request = PullState.SENT, peers, request
-        pull.waiting = set(peers)
+        assert pull is not None
+        pull.peers, pull.request, pull.waiting = peers, request, set(peers)
         return []
 
     def answered(
@@ -218,35 +216,32 @@ class PullTable:
     ) -> list[PullEffect]:
         """P answered (``PullDone`` → ok, ``PullFailed`` → not ok). Late answers, and answers
         from a ``peer`` that was not asked or answered already, are ignored. ``peer`` may be
-        left out for a pull sent to one P worker."""
+        left out for a pull sent to one P worker (else :class:`PeerMismatch`)."""
+        event = PullEvent.ANSWER if ok else PullEvent.REFUSED
         pull = self._pulls.get(transfer_id)
-        if pull is None or pull.state is PullState.LOOKING_UP:
-            return []
+        if self._rule(transfer_id, event)[1] is PullDo.NOTHING or pull is None:
+            return []  # not in flight, or P was not asked yet: a late or stray answer
         if peer is None:
             if len(pull.peers) != 1:
-                raise ValueError(f"{transfer_id}: went to {len(pull.peers)} P workers; say which")
+                raise PeerMismatch(f"{transfer_id}: went to {len(pull.peers)} P workers; say which")
             peer = pull.peers[0]
         if peer not in pull.waiting:
             return []
         pull.waiting.discard(peer)
-        if not ok and pull.state is not PullState.ABORTING:
-            return self._part_failed(pull, PullEnd.REFUSED, reason)
-        return self._settled(pull)  # aborting: P's answer, whatever it says, is its "stopped"
+        pull, do = self._fire(transfer_id, event)
+        return self._carry_out(pull, do, reason, PullEnd.REFUSED, why="")
 
     def fail(self, transfer_id: str, reason: str, peer: str | None = None) -> list[PullEffect]:
         """D could not find or reach P for this pull (``peer``: one of the P workers it was
         sent to; None: all of them); ignored if already ended."""
         pull = self._pulls.get(transfer_id)
-        if pull is None:
-            return []
-        if pull.state is PullState.LOOKING_UP:
-            return [self._end(pull, PullEnd.UNREACHABLE, reason)]
-        if peer is not None:
+        if pull is not None and pull.state is not PullState.LOOKING_UP and peer is not None:
             if peer not in pull.waiting:
                 return []
             pull.waiting.discard(peer)
         # The P workers still waiting may be writing: stop them, end once they are done.
-        return self._part_failed(pull, PullEnd.UNREACHABLE, reason)
+        pull, do = self._fire(transfer_id, PullEvent.FAIL)
+        return self._carry_out(pull, do, reason, PullEnd.UNREACHABLE)
 
     def peer_lost(self, peer: str, reason: str) -> list[PullEffect]:
         """P's side channel at ``peer`` is gone (process died, heartbeats stopped): every pull
@@ -254,9 +249,9 @@ class PullTable:
         blocks), and an aborting one frees D's blocks as soon as nothing else may write."""
         effects: list[PullEffect] = []
         for tid in self.on_peer(peer):
-            pull = self._pulls[tid]
-            pull.waiting.discard(peer)
-            effects += self._part_failed(pull, PullEnd.P_GONE, reason)
+            self._pulls[tid].waiting.discard(peer)
+            pull, do = self._fire(tid, PullEvent.PEER_LOST)
+            effects += self._carry_out(pull, do, reason, PullEnd.P_GONE)
         return effects
 
     # ------------------------------------------------------------------ time
@@ -264,14 +259,13 @@ class PullTable:
     def tick(self, now: float) -> list[PullEffect]:
         """End every pull whose deadline has passed."""
         effects: list[PullEffect] = []
-        for pull in [p for p in self._pulls.values() if now >= p.deadline]:
-            if pull.state is PullState.ABORTING:
-                unconfirmed = f"P did not confirm within {self.timeout:g} s"
-                effects.append(self._end(pull, *self._abort_end(pull, unconfirmed)))
-                continue
-            reason = f"no answer from a live P within the pull deadline ({self.timeout:g} s)"
-            effects.append(self._end(pull, PullEnd.DEADLINE, reason))
-            effects += self._cancels(pull, reason)
+        for tid in [t for t, p in self._pulls.items() if now >= p.deadline]:
+            pull, do = self._fire(tid, PullEvent.DEADLINE)
+            if do is PullDo.END_ABORTING:
+                reason = f"P did not confirm within {self.timeout:g} s"
+            else:
+                reason = f"no answer from a live P within the pull deadline ({self.timeout:g} s)"
+            effects += self._carry_out(pull, do, reason, PullEnd.DEADLINE)
         return effects
 
     def next_deadline(self) -> float:
@@ -280,21 +274,51 @@ class PullTable:
 
     # ------------------------------------------------------------------ internals
 
-    def _part_failed(self, pull: Pull, end: PullEnd, reason: str) -> list[PullEffect]:
-        """One P worker of ``pull`` refused or is gone: the pull fails, once the others are
-        done with D's blocks (they are asked to stop)."""
-        if pull.state is PullState.ABORTING:  # the first failure, or D's abort, stands
-            return self._settled(pull, reason)
-        pull.state, pull.failure = PullState.ABORTING, (end, reason)
-        return [*self._cancels(pull, reason), *self._settled(pull)]
+    def _rule(self, transfer_id: str, event: PullEvent) -> tuple[PullState | None, PullDo]:
+        """What :data:`~pdactors.core.pull_rules.PULL_TRANSITIONS` says ``event`` does."""
+        pull = self._pulls.get(transfer_id)
+        return next_pull_state(transfer_id, pull.state if pull else None, event)
+
+    def _fire(self, transfer_id: str, event: PullEvent) -> tuple[Pull | None, PullDo]:
+        """Move the pull as the rules say (a move to None is ended by :meth:`_carry_out`)."""
+        state, do = self._rule(transfer_id, event)
+        pull = self._pulls.get(transfer_id)
+        if pull is not None and state is not None:
+            pull.state = state
+        return pull, do
+
+    def _carry_out(
+        self, pull: Pull | None, do: PullDo, reason: str, end: PullEnd, *, why: str | None = None
+    ) -> list[PullEffect]:
+        """The effects of a move: ``end`` and ``reason`` are how a part failed (or the pull
+        ended); ``why`` what an aborting pull's end adds (default ``reason``)."""
+        if do is PullDo.NOTHING or pull is None:
+            return []
+        why = reason if why is None else why
+        match do:
+            case PullDo.CANCEL:
+                return self._cancels(pull, reason)
+            case PullDo.PART_FAILED:
+                pull.failure = (end, reason)
+                return [*self._cancels(pull, reason), *self._settled(pull)]
+            case PullDo.SETTLE:
+                return self._settled(pull, why)
+            case PullDo.END_DEADLINE:
+                return [self._end(pull, PullEnd.DEADLINE, reason), *self._cancels(pull, reason)]
+            case PullDo.END_ABORTING:
+                return [self._end(pull, *self._abort_end(pull, why))]
+            case PullDo.END_ABORTED | PullDo.END_UNREACHABLE:
+                return [self._end(pull, end, reason)]
+        raise IllegalTransition(f"{pull.transfer_id}: {do.value} is not carried out here")
 
     def _settled(self, pull: Pull, why: str = "") -> list[PullEffect]:
         """End ``pull`` if no P worker may still write into its blocks."""
         if pull.waiting:
             return []
-        if pull.state is PullState.ABORTING:
-            return [self._end(pull, *self._abort_end(pull, why))]
-        return [self._end(pull, PullEnd.DELIVERED, "")]
+        _, do = self._fire(pull.transfer_id, PullEvent.SETTLED)
+        if do is PullDo.END_DELIVERED:
+            return [self._end(pull, PullEnd.DELIVERED, "")]
+        return [self._end(pull, *self._abort_end(pull, why))]
 
     @staticmethod
     def _abort_end(pull: Pull, why: str) -> tuple[PullEnd, str]:

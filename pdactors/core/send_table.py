@@ -1,43 +1,16 @@
 """P side: the rendezvous of D's pull and P's finished prefill, by ``transfer_id``.
 
 Sans-IO: every method takes the current time, changes state, and returns the effects the
-actor must carry out (:class:`Reply`, :class:`StartSend`, :class:`Release`). Nothing here
-blocks, sleeps or talks to the network.
+actor must carry out (:class:`Reply`, :class:`StartSend`, :class:`Release`, :class:`Wake`).
+Nothing here blocks, sleeps or talks to the network. The deadlines are kept by
+:mod:`pdactors.core.send_timers`; :meth:`SendTable.next_deadline` says when to tick next.
 
-Rules (``state`` of one transfer id):
-
-============  ==============================  ==============================================
-state         entered when                    leaves when
-============  ==============================  ==============================================
-PENDING       P's prefill started, or D's     P: ready → SENDING if pulls wait, else READY;
-              pull came first                 P: streaming with a pull waiting → SENDING
-                                              (streamed: written layer by layer while P
-                                              computes it; otherwise no change);
-                                              P: dropped → DROPPED (waiting pull failed now);
-                                              D cancels, or the pulling D is gone →
-                                              CANCELLED; the waiting pull passes
-                                              ``ready_timeout`` → TIMED_OUT; no pull and no
-                                              ready within ``ready_timeout`` → EXPIRED
-READY         P finished: its block ids       pull arrives → SENDING; ``unclaimed_ttl``
-              are known, no pull (or not      passes → EXPIRED (+Release); D cancels or P
-              every expected pull) yet        drops → CANCELLED / DROPPED (+Release)
-SENDING       a pull met P's blocks; more     the last write in flight ends → DONE, or
-              pulls may join while writing    FAILED when a write failed (+Reply, +Release),
-                                              or READY while expected pulls are still to
-                                              come; cancels and drops wait for the writes
-                                              (they cannot be stopped), then end it
-DONE, FAILED, an end                          ``tombstone_ttl`` passes → forgotten
-TIMED_OUT,
-EXPIRED,
-DROPPED,
-CANCELLED
-============  ==============================  ==============================================
-
-Every deadline is ``now`` plus a constant of the table, so each kind of deadline comes due in
-the order it was set: the table keeps one insertion-ordered queue per kind (waiting for a pull,
-a pull waiting, unclaimed KV, tombstones), and :meth:`tick` looks only at the heads that are
-due. A tick costs what it ends, not what the table holds: at thousands of transfers per second
-the tombstones alone are hundreds of thousands of entries. ``now`` must never go backwards.
+The rules — which event moves a transfer from which state to which, and what the move does —
+are data: :data:`~pdactors.core.send_rules.TRANSITIONS`. In short: PENDING (P's prefill
+started, or D's pull came first) → READY (P's KV is here, no pull yet) or SENDING (a pull met
+P's KV; more pulls may join while writing) → DONE or FAILED; a pull that waits too long ends
+TIMED_OUT, KV nobody pulls EXPIRED, P's drop DROPPED, D's cancel CANCELLED. Cancels and drops
+wait for writes in flight (they cannot be stopped), then end the transfer.
 
 One transfer may be pulled by several D workers (heterogeneous tensor parallelism: D ranks
 that take different heads of one P rank). The first pull says how many will come
@@ -49,17 +22,40 @@ An ended transfer stays as a *tombstone* for ``tombstone_ttl`` so that a late pu
 at once (no long waits), and a late "ready" for a transfer D gave up on is released at once.
 P's blocks are released (``Release``) exactly once for every transfer that was READY.
 Anything else — a second "ready", a send result for a transfer not being sent — raises
-:class:`IllegalTransition`.
+:class:`IllegalTransition`: every change of state is looked up in
+:data:`~pdactors.core.send_rules.TRANSITIONS`, the rules above as data.
+
+Layer-wise streaming is a state of the transfer's record too (:class:`Stream`, its rules in
+:data:`~pdactors.core.send_rules.STREAM_TRANSITIONS`): the layers P reports complete queue
+here until the actor's write task takes them, and P's last word (ready or dropped) is kept
+here, so the actor keeps no map of its own.
 """
 
 from __future__ import annotations
 
-import enum
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
+from pdactors.core.send_records import (
+    END_REASONS,
+    WRITES_GIVEN_UP,
+    Claim,
+    Effect,
+    Entry,
+    Release,
+    Reply,
+    SendTableStats,
+    StartSend,
+    has_claim_from,
+    refusal,
+    same_pull,
+)
+from pdactors.core.send_rules import Do, SendEvent, SendState, StreamEvent, next_state
+from pdactors.core.send_stream import Complete, Layer, Stream, Wake, stream_event, take_layers
+from pdactors.core.send_timers import Timers, due
 from pdactors.errors import IllegalTransition
 from pdactors.messages import BlockIds, Msg, PullDone, PullFailed, PullRequest
+
+_LAYER, _READY, _DROP = StreamEvent.LAYER, StreamEvent.P_READY, StreamEvent.P_DROPPED
 
 __all__ = [
     "Effect",
@@ -68,109 +64,11 @@ __all__ = [
     "Reply",
     "SendState",
     "SendTable",
+    "SendTableStats",
     "StartSend",
+    "Stream",
+    "Wake",
 ]
-
-
-class SendState(enum.Enum):
-    PENDING = "pending"
-    READY = "ready"
-    SENDING = "sending"
-    DONE = "done"
-    FAILED = "failed"
-    TIMED_OUT = "timed_out"
-    EXPIRED = "expired"
-    DROPPED = "dropped"
-    CANCELLED = "cancelled"
-
-    @property
-    def ended(self) -> bool:
-        return self not in _LIVE
-
-
-_LIVE = frozenset({SendState.PENDING, SendState.READY, SendState.SENDING})
-
-_END_REASONS = {
-    SendState.DONE: "already delivered",
-    SendState.FAILED: "the transfer failed",
-    SendState.TIMED_OUT: "P's prefill was not ready in time",
-    SendState.EXPIRED: "P's KV expired before the pull arrived",
-    SendState.DROPPED: "P dropped the request (aborted or failed)",
-    SendState.CANCELLED: "the transfer was cancelled by D",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """Send ``msg`` to the D worker behind ROUTER identity ``identity``."""
-
-    identity: bytes
-    msg: Msg
-
-
-@dataclass(frozen=True, slots=True)
-class StartSend:
-    """Write P's ``src_blocks`` into the blocks named by ``pull`` (from the D worker behind
-    ``identity``); then call ``send_finished``.
-
-    ``streamed``: P is still computing the KV; the actor writes it layer by layer as P reports
-    each one complete, and the rest once P says the prefill is done.
-    """
-
-    transfer_id: str
-    pull: PullRequest
-    src_blocks: BlockIds
-    streamed: bool = False
-    identity: bytes = b""
-
-
-@dataclass(frozen=True, slots=True)
-class Release:
-    """P may free the blocks of ``transfer_id`` (reported as ``finished_sending``)."""
-
-    transfer_id: str
-    state: SendState
-
-
-Effect = Reply | StartSend | Release
-
-
-@dataclass(slots=True)
-class _Claim:
-    """One D worker's pull of a transfer, not answered yet."""
-
-    identity: bytes
-    pull: PullRequest
-    writing: bool = False
-
-
-@dataclass(slots=True)
-class _Entry:
-    state: SendState
-    since: float
-    blocks: BlockIds | None = None
-    #: Pulls not answered yet: all waiting while PENDING, all being written while SENDING.
-    claims: list[_Claim] = field(default_factory=list)
-    expected: int = 0  # pulls this transfer gets in all (0: none arrived yet)
-    answered: int = 0  # pulls answered by a write
-    pulled_by: set[int] = field(default_factory=set)  # D tp ranks whose pull arrived
-    error: str = ""  # the first failed write's
-    #: P dropped it or D cancelled while writes were in flight: how it ends after them.
-    giving_up: SendState | None = None
-    reason: str = ""
-    had_blocks: bool = False
-    #: The deadline queue this entry is in (None: SENDING has no deadline).
-    timer: OrderedDict[str, float] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SendTableStats:
-    live: int
-    tombstones: int
-    sent: int
-    failed: int
-    expired: int
-    timed_out: int
 
 
 class SendTable:
@@ -180,13 +78,11 @@ class SendTable:
         self.ready_timeout = ready_timeout
         self.unclaimed_ttl = unclaimed_ttl
         self.tombstone_ttl = tombstone_ttl
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, Entry] = {}
         self._counts = {s: 0 for s in SendState}
-        # Deadline queues, transfer id -> deadline, each in deadline order (see the module doc).
-        self._no_pull: OrderedDict[str, float] = OrderedDict()  # PENDING, no pull yet
-        self._pulls: OrderedDict[str, float] = OrderedDict()  # PENDING, D's pull waits
-        self._unclaimed: OrderedDict[str, float] = OrderedDict()  # READY
-        self._tombstones: OrderedDict[str, float] = OrderedDict()  # ended
+        self._timers = Timers(
+            ready_timeout=ready_timeout, unclaimed_ttl=unclaimed_ttl, tombstone_ttl=tombstone_ttl
+        )
 
     # ------------------------------------------------------------------ queries
 
@@ -195,10 +91,20 @@ class SendTable:
         entry = self._entries.get(transfer_id)
         return entry.state if entry else None
 
+    def stream(self, transfer_id: str) -> Stream | None:
+        """The streamed write of ``transfer_id`` (None: not streamed, or closed)."""
+        entry = self._entries.get(transfer_id)
+        return entry.stream if entry else None
+
+    def next_deadline(self) -> float:
+        """When :meth:`tick` next has something to do (``inf``: never, until something moves)."""
+        return self._timers.next_deadline()
+
     def statistics(self) -> SendTableStats:
+        """Transfers held now, and how many ended each way so far."""
         return SendTableStats(
-            live=len(self._entries) - len(self._tombstones),
-            tombstones=len(self._tombstones),
+            live=len(self._entries) - len(self._timers.tombstones),
+            tombstones=len(self._timers.tombstones),
             sent=self._counts[SendState.DONE],
             failed=self._counts[SendState.FAILED],
             expired=self._counts[SendState.EXPIRED],
@@ -209,52 +115,82 @@ class SendTable:
 
     def prefill_started(self, transfer_id: str, now: float) -> list[Effect]:
         """P scheduled the prefill of ``transfer_id``."""
-        entry = self._entries.get(transfer_id)
-        if entry is None:
-            self._new_pending(transfer_id, now)
-        elif entry.state in (SendState.READY, SendState.SENDING):
-            raise IllegalTransition(f"{transfer_id}: started again while {entry.state.value}")
+        self._fire(transfer_id, SendEvent.STARTED, now)
         return []
 
-    def prefill_ready(self, transfer_id: str, blocks: BlockIds, now: float) -> list[Effect]:
-        """P finished the prefill; its KV is in ``blocks`` until a :class:`Release`."""
+    def prefill_ready(
+        self, transfer_id: str, blocks: BlockIds, now: float, *, complete: Complete | None = None
+    ) -> list[Effect]:
+        """P finished the prefill; its KV is in ``blocks`` until a :class:`Release`
+        (``complete``: the wait for it to be in memory, handed to the write). A streamed
+        transfer's write sends the rest of its KV."""
         entry = self._entries.get(transfer_id)
-        if entry is None:
-            entry = self._new_pending(transfer_id, now)
-        if entry.had_blocks:
-            raise IllegalTransition(f"{transfer_id}: ready again ({entry.state.value})")
+        if entry is not None and entry.stream is not None:
+            entry.stream, wakes = stream_event(transfer_id, entry.stream, _READY, complete=complete)
+            return list(wakes)
+        event = SendEvent.READY
+        if entry is not None and entry.had_blocks:
+            event = SendEvent.READY_AGAIN
+        elif entry is not None and entry.claims:
+            event = SendEvent.READY_PULLED
+        entry, do = self._fire(transfer_id, event, now)
+        assert entry is not None
         entry.had_blocks = True
-        if entry.state.ended:
+        if do is Do.RELEASE:
             # D gave up (or P dropped it) before the KV was ready: nobody will pull it.
             return [Release(transfer_id, entry.state)]
-        entry.blocks = blocks
-        if entry.claims:
-            return self._start_sends(transfer_id, entry, now)
-        self._move(transfer_id, entry, SendState.READY, now)
-        return []
+        entry.blocks, entry.complete = blocks, complete
+        return self._start_sends(transfer_id, entry) if do is Do.START else []
 
     def prefill_streaming(self, transfer_id: str, blocks: BlockIds, now: float) -> list[Effect]:
         """P begins computing the KV of ``transfer_id`` into ``blocks`` now, layer by layer.
 
         If D's pull is waiting (and it is the only one the transfer gets), the write starts at
-        once, streamed (SENDING; the actor then takes P's word that the prefill is done
-        itself, not through :meth:`prefill_ready`). Otherwise nothing changes:
-        :meth:`prefill_ready` sends the whole KV as usual.
+        once, streamed (SENDING; P's layers then go to :meth:`layer_ready`, and its last word
+        to :meth:`prefill_ready` or :meth:`prefill_dropped` as usual). Otherwise nothing
+        changes: :meth:`prefill_ready` sends the whole KV as usual.
         """
         entry = self._entries.get(transfer_id)
-        if entry is None or entry.state is not SendState.PENDING or entry.expected != 1:
+        event = SendEvent.STREAM_UNPULLED
+        if entry is not None and entry.claims and not entry.had_blocks and entry.expected == 1:
+            event = SendEvent.STREAMING
+        entry, do = self._fire(transfer_id, event, now)
+        if do is not Do.START_STREAM:
             return []
-        if not entry.claims:
+        assert entry is not None
+        entry.had_blocks, entry.blocks, entry.stream = True, blocks, Stream()
+        return self._start_sends(transfer_id, entry, streamed=True)
+
+    def layer_ready(
+        self, transfer_id: str, regions: Sequence[int], complete: Complete | None = None
+    ) -> list[Effect]:
+        """P reports these layout regions complete (or once ``complete()`` returns); queued
+        for the streamed write, ignored unless ``transfer_id`` is being streamed."""
+        entry = self._entries.get(transfer_id)
+        if entry is None or entry.stream is None:
             return []
-        if entry.had_blocks:
-            raise IllegalTransition(f"{transfer_id}: streaming after its KV was ready")
-        entry.had_blocks = True
-        entry.blocks = blocks
-        return self._start_sends(transfer_id, entry, now, streamed=True)
+        layer = (tuple(regions), complete)
+        entry.stream, wakes = stream_event(
+            transfer_id, entry.stream, StreamEvent.LAYER, layer=layer
+        )
+        return list(wakes)
+
+    def take_layers(self, transfer_id: str, waiter: object) -> tuple[list[Layer], Stream]:
+        """The streamed write takes the layers queued for it, and its record
+        (:func:`~pdactors.core.send_stream.take_layers`)."""
+        stream = self.stream(transfer_id)
+        if stream is None:
+            raise IllegalTransition(f"{transfer_id}: layers taken while not streamed")
+        return take_layers(stream, waiter), stream
 
     def prefill_dropped(self, transfer_id: str, now: float, reason: str = "") -> list[Effect]:
         """P will not finish ``transfer_id`` (aborted, failed); a waiting D hears at once."""
-        return self._give_up(transfer_id, SendState.DROPPED, now, reason)
+        entry = self._entries.get(transfer_id)
+        if entry is not None and entry.stream is not None:
+            dropped = f"P dropped the prefill: {reason}" if reason else "P dropped it"
+            entry.stream, wakes = stream_event(transfer_id, entry.stream, _DROP, failed=dropped)
+            return list(wakes)
+        return self._give_up(transfer_id, SendEvent.DROPPED, now, reason)
 
     # ------------------------------------------------------------------ D's side channel
 
@@ -273,30 +209,23 @@ class SendTable:
         says; each D tp rank once).
         """
         entry = self._entries.get(transfer_id)
-        if entry is None:
-            entry = self._new_pending(transfer_id, now)
-        if entry.state.ended or entry.giving_up is not None:
-            reason = entry.reason or _END_REASONS[entry.giving_up or entry.state]
+        if entry is not None and entry.state.ended:
+            self._fire(transfer_id, SendEvent.PULL, now)  # REFUSE: an end answers at once
+            reason = entry.reason or END_REASONS[entry.state]
             return [Reply(identity, PullFailed(transfer_id, reason))]
-        if entry.error:  # a write failed: it ends FAILED once the others are done
-            return [Reply(identity, PullFailed(transfer_id, entry.error))]
-        for claim in entry.claims:
-            if claim.identity == identity and _same_pull(pull, claim.pull):
+        if entry is not None:  # a live one: is this pull one it can take?
+            if any(c.identity == identity and same_pull(pull, c.pull) for c in entry.claims):
                 return []  # the same request again (a resend): the first one is answered
-        if pull.tp_rank in entry.pulled_by:
-            return [Reply(identity, PullFailed(transfer_id, "duplicate pull for this transfer"))]
-        if entry.expected and expected != entry.expected:
-            reason = f"D's pulls disagree on its shape ({entry.expected} vs {expected} pullers)"
-            return [Reply(identity, PullFailed(transfer_id, reason))]
+            if (refused := refusal(entry, pull, expected)) is not None:
+                return [Reply(identity, PullFailed(transfer_id, refused))]
+        blocks_here = entry is not None and entry.blocks is not None
+        event = SendEvent.PULL_BLOCKS if blocks_here else SendEvent.PULL
+        entry, do = self._fire(transfer_id, event, now)
+        assert entry is not None
         entry.expected = expected
         entry.pulled_by.add(pull.tp_rank)
-        claim = _Claim(identity, pull)
-        entry.claims.append(claim)
-        if entry.blocks is not None:  # READY, or SENDING another D's pull
-            return self._start_sends(transfer_id, entry, now)
-        if entry.timer is not self._pulls:
-            self._arm(transfer_id, entry, self._pulls, now + self.ready_timeout)
-        return []
+        entry.claims.append(Claim(identity, pull))
+        return self._start_sends(transfer_id, entry) if do is Do.START else []
 
     def peer_gone(self, identity: bytes, now: float, reason: str = "") -> list[Effect]:
         """The D worker behind ``identity`` is gone (its side channel closed or went silent).
@@ -308,10 +237,10 @@ class SendTable:
         reason = "the pulling D worker is gone" + (f": {reason}" if reason else "")
         effects: list[Effect] = []
         # Only PENDING entries have waiting pulls: they are all in the pull queue.
-        for tid in [t for t in self._pulls if _has_claim_from(self._entries[t], identity)]:
+        for tid in [t for t in self._timers.pulls if has_claim_from(self._entries[t], identity)]:
             entry = self._entries[tid]
             entry.claims = [c for c in entry.claims if c.identity != identity]  # no answer
-            effects += self._end(tid, entry, SendState.CANCELLED, now, reason)
+            effects += self._end(tid, SendEvent.PEER_GONE, now, reason)
         return effects
 
     def pull_cancelled(
@@ -327,7 +256,7 @@ class SendTable:
         if entry is not None:
             writing = any(c.writing and c.identity == identity for c in entry.claims)
             entry.claims = [c for c in entry.claims if c.writing or c.identity != identity]
-        effects = self._give_up(transfer_id, SendState.CANCELLED, now, reason)
+        effects = self._give_up(transfer_id, SendEvent.CANCELLED, now, reason)
         if not writing:
             effects.append(Reply(identity, PullFailed(transfer_id, "cancelled")))
         return effects
@@ -349,12 +278,11 @@ class SendTable:
         flight."""
         entry = self._entries.get(transfer_id)
         writes = [c for c in entry.claims if c.writing] if entry is not None else []
-        if entry is None or entry.state is not SendState.SENDING:
-            state = entry.state.value if entry else "unknown"
-            raise IllegalTransition(f"{transfer_id}: send finished while {state}")
         if identity is not None:
             writes = [c for c in writes if c.identity == identity]
-        if len(writes) != 1:
+        if entry is None or entry.state is not SendState.SENDING or len(writes) != 1:
+            # Which pair was illegal: the write's end in this state, or this write.
+            next_state(transfer_id, entry.state if entry else None, SendEvent.WRITE_ENDED)
             raise IllegalTransition(f"{transfer_id}: {len(writes)} writes match this end")
         claim = writes[0]
         entry.claims.remove(claim)
@@ -365,16 +293,19 @@ class SendTable:
             reply = PullFailed(transfer_id, error)
             entry.error = entry.error or error
         effects: list[Effect] = [Reply(claim.identity, reply)]
+        if entry.stream is not None:
+            entry.stream, _ = stream_event(transfer_id, entry.stream, StreamEvent.WRITER_ENDED)
         if entry.claims:  # other D workers' writes are in flight
-            return effects
-        if entry.error:
-            return effects + self._end(transfer_id, entry, SendState.FAILED, now, entry.error)
-        if entry.answered >= entry.expected:
-            return effects + self._end(transfer_id, entry, SendState.DONE, now, "")
-        if entry.giving_up is not None:
-            return effects + self._end(transfer_id, entry, entry.giving_up, now, entry.reason)
-        self._move(transfer_id, entry, SendState.READY, now)  # more D workers will pull it
-        return effects
+            event, reason = SendEvent.WRITE_ENDED, ""
+        elif entry.error:
+            event, reason = SendEvent.WRITES_FAILED, entry.error
+        elif entry.answered >= entry.expected:
+            event, reason = SendEvent.WRITES_DONE, ""
+        elif entry.giving_up is not None:
+            event, reason = WRITES_GIVEN_UP[entry.giving_up], entry.reason
+        else:
+            event, reason = SendEvent.WRITES_PAUSED, ""  # more D workers will pull it
+        return effects + self._end(transfer_id, event, now, reason)
 
     # ------------------------------------------------------------------ time
 
@@ -382,110 +313,81 @@ class SendTable:
         """Time out waiting pulls, expire unclaimed KV, forget old tombstones."""
         effects: list[Effect] = []
         ready_timeout = f"{self.ready_timeout:g} s"
-        for tid in _due(self._pulls, now):
+        for tid in due(self._timers.pulls, now):
             reason = f"P's prefill was not ready within {ready_timeout}"
-            effects += self._end(tid, self._entries[tid], SendState.TIMED_OUT, now, reason)
-        for tid in _due(self._no_pull, now):
+            effects += self._end(tid, SendEvent.PULL_DUE, now, reason)
+        for tid in due(self._timers.no_pull, now):
             reason = f"no pull and no ready KV within {ready_timeout}"
-            effects += self._end(tid, self._entries[tid], SendState.EXPIRED, now, reason)
-        for tid in _due(self._unclaimed, now):
+            effects += self._end(tid, SendEvent.NO_PULL_DUE, now, reason)
+        for tid in due(self._timers.unclaimed, now):
             reason = f"P's KV expired: no pull within {self.unclaimed_ttl:g} s"
-            effects += self._end(tid, self._entries[tid], SendState.EXPIRED, now, reason)
-        for tid in _due(self._tombstones, now):
-            del self._tombstones[tid]
-            del self._entries[tid]
+            effects += self._end(tid, SendEvent.UNCLAIMED_DUE, now, reason)
+        for tid in due(self._timers.tombstones, now):
+            self._fire(tid, SendEvent.FORGET, now)
         return effects
 
     # ------------------------------------------------------------------ internals
 
-    def _give_up(self, transfer_id: str, state: SendState, now: float, reason: str) -> list[Effect]:
-        """P (DROPPED) or D (CANCELLED) gave up: end a live transfer, or leave a tombstone."""
-        reason = _END_REASONS[state] + (f": {reason}" if reason else "")
+    def _fire(self, transfer_id: str, event: SendEvent, now: float) -> tuple[Entry | None, Do]:
+        """Move ``transfer_id`` as :data:`~pdactors.core.send_rules.TRANSITIONS` says (a new
+        state starts its own deadline); the entry after the move, and what the move does."""
         entry = self._entries.get(transfer_id)
+        state, do = next_state(transfer_id, entry.state if entry else None, event)
+        if state is None:  # forgotten
+            if entry is not None:
+                self._timers.arm(transfer_id, entry, None, 0.0)
+                del self._entries[transfer_id]
+            return None, do
         if entry is None:
-            entry = self._entries[transfer_id] = _Entry(state, now, reason=reason)
-            self._arm(transfer_id, entry, self._tombstones, now + self.tombstone_ttl)
-            self._counts[state] += 1
-            return []
-        if entry.state.ended:
-            return []
-        if entry.state is SendState.SENDING:
-            # A write in flight cannot be stopped; its end ends the transfer and frees blocks.
+            entry = self._entries[transfer_id] = Entry(state)
+            self._timers.enter(transfer_id, entry, now)
+        elif state is not entry.state:
+            entry.state = state
+            self._timers.enter(transfer_id, entry, now)
+        if do is Do.WAIT:
+            self._timers.pull_waits(transfer_id, entry, now)
+        return entry, do
+
+    def _give_up(self, transfer_id: str, event: SendEvent, now: float, reason: str) -> list[Effect]:
+        """P (DROPPED) or D (CANCELLED) gave up: end a live transfer, or leave a tombstone; a
+        write in flight cannot be stopped: its end ends the transfer and frees blocks."""
+        gives_up = SendState.DROPPED if event is SendEvent.DROPPED else SendState.CANCELLED
+        reason = END_REASONS[gives_up] + (f": {reason}" if reason else "")
+        entry = self._entries.get(transfer_id)
+        if entry is not None and entry.state is SendState.SENDING:
+            self._fire(transfer_id, event, now)  # DEFER
             if entry.giving_up is None:
-                entry.giving_up, entry.reason = state, reason
+                entry.giving_up, entry.reason = gives_up, reason
             return []
-        return self._end(transfer_id, entry, state, now, reason)
+        return self._end(transfer_id, event, now, reason)
 
-    def _new_pending(self, transfer_id: str, now: float) -> _Entry:
-        entry = self._entries[transfer_id] = _Entry(SendState.PENDING, now)
-        self._arm(transfer_id, entry, self._no_pull, now + self.ready_timeout)
-        return entry
-
-    def _move(self, transfer_id: str, entry: _Entry, state: SendState, now: float) -> None:
-        """Leave PENDING or READY for ``state``, with the deadline that state has."""
-        entry.state, entry.since = state, now
-        if state is SendState.READY:
-            self._arm(transfer_id, entry, self._unclaimed, now + self.unclaimed_ttl)
-        elif state is SendState.SENDING:
-            self._arm(transfer_id, entry, None, 0.0)
-        else:
-            self._arm(transfer_id, entry, self._tombstones, now + self.tombstone_ttl)
-
-    @staticmethod
-    def _arm(
-        transfer_id: str, entry: _Entry, queue: OrderedDict[str, float] | None, deadline: float
-    ) -> None:
-        """Move the entry's deadline to ``queue`` (None: no deadline)."""
-        if entry.timer is not None:
-            del entry.timer[transfer_id]
-        entry.timer = queue
-        if queue is not None:
-            queue[transfer_id] = deadline
-
-    def _start_sends(
-        self, transfer_id: str, entry: _Entry, now: float, *, streamed: bool = False
-    ) -> list[Effect]:
-        """Write every pull that waits (P's blocks are known)."""
-        assert entry.blocks is not None
-        self._move(transfer_id, entry, SendState.SENDING, now)
-        effects: list[Effect] = []
-        for claim in entry.claims:
-            if not claim.writing:
-                claim.writing = True
-                effects.append(
-                    StartSend(transfer_id, claim.pull, entry.blocks, streamed, claim.identity)
-                )
-        return effects
-
-    def _end(
-        self, transfer_id: str, entry: _Entry, state: SendState, now: float, reason: str
-    ) -> list[Effect]:
-        """Move a live entry to the end ``state``: answer waiting pulls, release blocks."""
-        reply = PullFailed(transfer_id, reason or _END_REASONS[state])
+    def _end(self, transfer_id: str, event: SendEvent, now: float, reason: str) -> list[Effect]:
+        """Fire ``event``; when it ends the transfer, answer waiting pulls, release blocks."""
+        entry, do = self._fire(transfer_id, event, now)
+        if do is not Do.END:
+            return []
+        assert entry is not None
+        state = entry.state
+        reply = PullFailed(transfer_id, reason or END_REASONS[state])
         effects: list[Effect] = [Reply(c.identity, reply) for c in entry.claims if not c.writing]
         if entry.blocks is not None:
             effects.append(Release(transfer_id, state))
-        self._move(transfer_id, entry, state, now)
-        entry.reason, entry.blocks, entry.claims = reason, None, []
+        entry.reason, entry.blocks, entry.complete, entry.claims = reason, None, None, []
         entry.pulled_by = set()
         self._counts[state] += 1
         return effects
 
-
-def _same_pull(a: PullRequest, b: PullRequest) -> bool:
-    """The same request, whether or not one of them carried D's layout."""
-    return (a.session, a.block_ids, a.layout_id) == (b.session, b.block_ids, b.layout_id)
-
-
-def _has_claim_from(entry: _Entry, identity: bytes) -> bool:
-    return any(c.identity == identity for c in entry.claims)
-
-
-def _due(queue: OrderedDict[str, float], now: float) -> list[str]:
-    """The ids at the head of a deadline-ordered queue whose deadline has come."""
-    due = []
-    for tid, deadline in queue.items():
-        if deadline > now:
-            break
-        due.append(tid)
-    return due
+    def _start_sends(
+        self, transfer_id: str, entry: Entry, *, streamed: bool = False
+    ) -> list[Effect]:
+        """Write every pull that waits (P's blocks are known; the entry is SENDING)."""
+        assert entry.blocks is not None
+        effects: list[Effect] = []
+        for claim in entry.claims:
+            if not claim.writing:
+                claim.writing = True
+                job = StartSend(
+                    transfer_id, claim.pull, entry.blocks, streamed, claim.identity, entry.complete
+                )
+                effects.append(job)
+        return effects

@@ -1,0 +1,116 @@
+"""P's writes into D's memory: one whole transfer, or a streamed one layer by layer.
+
+The IO half of a :class:`~pdactors.core.send_table.StartSend`: plan the transfer from P's
+layout to D's, hand the descriptors to the data plane, count what went out. The streamed write
+takes its layers from the send table's record of the transfer
+(:meth:`~pdactors.core.send_table.SendTable.take_layers`), which also says when P is done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import trio
+
+from pdactors.actors._pull_check import pull_heads
+from pdactors.config import SenderConfig
+from pdactors.core.plan import matching_regions, plan_transfer
+from pdactors.core.send_rules import StreamState
+from pdactors.core.send_stream import Complete
+from pdactors.core.send_table import SendTable, StartSend
+from pdactors.dataplane.base import DataPlane
+from pdactors.errors import DataPlaneError, PlanError
+from pdactors.messages import Layout
+
+__all__ = ["PULL_ERRORS", "KvWriter", "Written"]
+
+_NO_ADDRS = np.empty(0, dtype=np.uint64)
+#: What one pull's message or write may raise besides our own errors: numbers numpy or the
+#: engine cannot take. It fails that pull, never the actor.
+PULL_ERRORS = (PlanError, DataPlaneError, ArithmeticError, ValueError)
+
+
+@dataclass(eq=False)
+class Written:
+    """What one transfer's writes moved so far."""
+
+    nbytes: int = 0
+    descriptors: int = 0
+
+
+@dataclass(eq=False)
+class KvWriter:
+    """Writes P's blocks (laid out as ``layout``) into D's through ``dataplane``."""
+
+    config: SenderConfig
+    layout: Layout
+    dataplane: DataPlane
+
+    async def write(
+        self,
+        job: StartSend,
+        written: Written,
+        regions: Sequence[int] | None = None,
+        before: Complete | None = None,
+    ) -> None:
+        """Write ``regions`` (default all) of the job's blocks into D's, once ``before()``
+        (in the engine's worker thread) says they are complete. Raises what the plan or the
+        data plane raise (:data:`PULL_ERRORS`)."""
+        pull = job.pull
+        assert pull.layout is not None  # attached when the pull arrived
+        d_layout = matching_regions(self.layout, pull.layout)  # P's layers in D's memory
+        plans = [
+            plan_transfer(self.layout, job.src_blocks, d_layout, pull.block_ids, regions, h)
+            for h in pull_heads(self.config, pull)
+        ]
+        if len(plans) == 1:
+            src, dst, lengths = plans[0].src, plans[0].dst, plans[0].lengths
+        else:  # several head slices (or none: this worker only frees its blocks)
+            src, dst, lengths = (
+                np.concatenate([getattr(p, a) for p in plans] or [_NO_ADDRS])
+                for a in ("src", "dst", "lengths")
+            )
+        await self.dataplane.write(pull.session, src, dst, lengths, before=before)
+        written.nbytes += sum(p.nbytes for p in plans)
+        written.descriptors += sum(p.descriptors for p in plans)
+
+    async def stream(self, job: StartSend, table: SendTable, written: Written) -> str | None:
+        """Write each layer as P reports it complete, then the rest; the error, if any.
+
+        Ends only once P said it is done with its blocks (ready or dropped), even after a
+        failed write: the blocks are released when this write ends, and P may be computing
+        into them until then. ``ready_timeout`` is the last resort for a P whose step never
+        ends.
+        """
+        tid = job.transfer_id
+        done: set[int] = set()
+        error: str | None = None
+        with trio.move_on_after(self.config.ready_timeout):
+            while True:
+                wake = trio.Event()
+                layers, record = table.take_layers(tid, wake)
+                for regions, complete in layers:
+                    todo = [r for r in regions if r not in done]
+                    if error is not None or not todo:
+                        continue
+                    try:
+                        await self.write(job, written, todo, complete)
+                    except PULL_ERRORS as exc:
+                        error = str(exc) or type(exc).__name__  # no more writes; wait for P
+                    done.update(todo)
+                if not layers:
+                    if record.state is not StreamState.COMPUTING:
+                        break
+                    await wake.wait()  # a Wake from the table: P reported more, or is done
+        stream = table.stream(tid)
+        assert stream is not None  # closed only once this write ended
+        if stream.state is StreamState.COMPUTING:
+            return f"P's streamed prefill did not finish within {self.config.ready_timeout:g} s"
+        if error is not None or stream.state is StreamState.DROPPED:
+            return error or stream.failed
+        rest = [r for r in range(len(self.layout.regions)) if r not in done]
+        if rest:
+            await self.write(job, written, rest, stream.rest_complete)
+        return None

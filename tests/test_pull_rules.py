@@ -1,0 +1,120 @@
+"""The pull table's rules as data: every (state, event) pair, enumerated.
+
+As for the send table: the rules themselves (through ``PullTable._fire``, which every method
+goes through), and every public call from every state against an oracle written out by hand.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import pytest
+
+from pdactors.core.pull_rules import PULL_TRANSITIONS, PullEvent, PullState
+from pdactors.core.pull_table import Completed, PullEnd, PullTable
+from pdactors.errors import DuplicateTransfer, IllegalTransition
+
+S = PullState
+
+
+def table() -> PullTable:
+    return PullTable(timeout=10.0)
+
+
+#: How to bring transfer "t" into each state (a pull sent to two P workers, or to one).
+RECIPES: dict[str, Callable[[PullTable], object]] = {
+    "none": lambda t: None,
+    "looking_up": lambda t: t.start("t", 0.0),
+    "sent": lambda t: (t.start("t", 0.0), t.sent("t", ["p1", "p2"])),
+    "sent_to_one": lambda t: (t.start("t", 0.0), t.sent("t", "p1")),
+    "aborting": lambda t: (t.start("t", 0.0), t.sent("t", ["p1", "p2"]), t.abort("t")),
+}
+RECIPE_STATE = {
+    "none": None,
+    "looking_up": S.LOOKING_UP,
+    "sent": S.SENT,
+    "sent_to_one": S.SENT,
+    "aborting": S.ABORTING,
+}
+CALLS: dict[str, Callable[[PullTable], list[object] | object]] = {
+    "start": lambda t: t.start("t", 1.0),
+    "sent": lambda t: t.sent("t", "p3"),
+    "abort": lambda t: t.abort("t"),
+    "answer": lambda t: t.answered("t", ok=True, peer="p1"),
+    "refused": lambda t: t.answered("t", ok=False, reason="no", peer="p1"),
+    "fail": lambda t: t.fail("t", "unreachable"),
+    "lost": lambda t: t.peer_lost("p1", "gone"),
+    "deadline": lambda t: t.tick(10.0),
+}
+Dup, X = DuplicateTransfer, IllegalTransition
+Outcome = PullState | type[IllegalTransition] | None
+
+
+def row(*outcomes: Outcome) -> dict[str, Outcome]:
+    return dict(zip(CALLS, outcomes, strict=True))
+
+
+#: The state after each call (None: not in flight), or the error. From the module docstring.
+ORACLE: dict[str, dict[str, Outcome]] = {
+    # start, sent, abort, answer, refused, fail, lost, deadline
+    "none": row(S.LOOKING_UP, None, None, None, None, None, None, None),
+    "looking_up": row(Dup, S.SENT, None, S.LOOKING_UP, S.LOOKING_UP, None, S.LOOKING_UP, None),
+    "sent": row(Dup, X, S.ABORTING, S.SENT, S.ABORTING, S.ABORTING, S.ABORTING, None),
+    # fail names no P worker: the one asked may be writing, so the pull waits for it
+    "sent_to_one": row(Dup, X, S.ABORTING, None, None, S.ABORTING, None, None),
+    "aborting": row(Dup, X, S.ABORTING, S.ABORTING, S.ABORTING, S.ABORTING, S.ABORTING, None),
+}
+
+
+@pytest.mark.parametrize(("start", "event"), list(itertools.product(RECIPES, PullEvent)))
+def test_every_pair_of_the_rules_moves_or_raises(start: str, event: PullEvent) -> None:
+    t = table()
+    RECIPES[start](t)
+    state = RECIPE_STATE[start]
+    assert t.state("t") is state
+    if (state, event) in PULL_TRANSITIONS:
+        nxt, do = PULL_TRANSITIONS[state, event]
+        assert t._fire("t", event)[1] is do
+        if state is not None and nxt is not None:
+            assert t.state("t") is nxt
+    else:
+        error = DuplicateTransfer if event is PullEvent.START else IllegalTransition
+        with pytest.raises(error):
+            t._fire("t", event)
+        assert t.state("t") is state
+
+
+@pytest.mark.parametrize(("start", "call"), list(itertools.product(RECIPES, CALLS)))
+def test_every_public_call_from_every_state_agrees_with_the_oracle(start: str, call: str) -> None:
+    t = table()
+    RECIPES[start](t)
+    expected = ORACLE[start][call]
+    if expected is Dup or expected is X:
+        with pytest.raises(expected):
+            CALLS[call](t)
+        assert t.state("t") is RECIPE_STATE[start]
+        return
+    effects = CALLS[call](t)
+    assert t.state("t") is expected
+    if expected is None and RECIPE_STATE[start] is not None:  # it ended: exactly once
+        assert isinstance(effects, list)
+        assert len([e for e in effects if isinstance(e, Completed)]) == 1
+
+
+def test_how_each_end_is_named() -> None:
+    ends = {}
+    for call in ["answer", "refused", "fail", "lost", "deadline"]:
+        t = table()
+        RECIPES["sent_to_one"](t)
+        effects = t.fail("t", "unreachable", peer="p1") if call == "fail" else CALLS[call](t)
+        assert isinstance(effects, list)
+        [done] = [e for e in effects if isinstance(e, Completed)]
+        ends[call] = done.end
+    assert ends == {
+        "answer": PullEnd.DELIVERED,
+        "refused": PullEnd.REFUSED,
+        "fail": PullEnd.UNREACHABLE,
+        "lost": PullEnd.P_GONE,
+        "deadline": PullEnd.DEADLINE,
+    }
