@@ -4,7 +4,6 @@ This module only re-exports the public API; the code lives in the submodules.
 """
 
 from pdactors.actors.bootstrap import serve_bootstrap as serve_bootstrap
-from pdactors.actors.proxy import serve_proxy as serve_proxy
 from pdactors.actors.receiver import PullResults as PullResults
 from pdactors.actors.receiver import Receiver as Receiver
 from pdactors.actors.receiver import serve_receiver as serve_receiver
@@ -39,5 +38,6 @@ from pdactors.errors import TransferError as TransferError
 from pdactors.messages import BlockLayout as BlockLayout
 from pdactors.messages import KVTransferParams as KVTransferParams
 from pdactors.messages import Layout as Layout
+from pdactors.proxy import serve_proxy as serve_proxy
 
 __version__ = "0.1.0"

@@ -393,8 +393,8 @@ def proxy(
     logging.getLogger("httpx").setLevel(logging.WARNING)  # else a line per engine call
     import trio
 
-    from pdactors.actors.proxy import serve_proxy
     from pdactors.config import PrefillBackend, ProxyConfig, Secret
+    from pdactors.proxy import serve_proxy
 
     backends = tuple(PrefillBackend(*_prefill_backend(p)) for p in prefill)
     try:

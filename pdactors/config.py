@@ -249,7 +249,7 @@ class PrefillBackend(msgspec.Struct, frozen=True):
 
 
 class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """The proxy actor (:func:`pdactors.actors.proxy.serve_proxy`).
+    """The proxy actor (:func:`pdactors.proxy.serve_proxy`).
 
     * ``prefill`` / ``decode``: the engines, base URLs such as ``"http://127.0.0.1:8100"``.
     * ``routing``: ``"round_robin"`` over the healthy engines of each role, or
@@ -273,7 +273,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
       ``https://`` engines (a private CA); the system's CAs otherwise.
     * ``placement``: ``"auto"`` (the default): per request, P computes the prompt or D
       computes the request whole, whichever the proxy's estimates say costs less
-      (:mod:`pdactors.actors._placement`); ``"disaggregate"``: P computes every prompt;
+      (:mod:`pdactors.core.placement`); ``"disaggregate"``: P computes every prompt;
       ``"local"``: D computes each request whole (an ordinary request to D; P takes no part).
     * ``placement_stall_weight``: for ``"auto"``, what a millisecond of pause to a request D
       is decoding counts for against a millisecond of the new request's time to first token.
@@ -281,7 +281,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
       P-first flow, nothing sent to the client yet), D serves the request alone instead of
       the client getting a 503 or 502; default true.
     * ``first_token``: ``"p"`` (the default): the client's first token is P's answer, D
-      continues after it (:mod:`pdactors.actors._p_first`); ``"d"``: upstream's flow, P and D
+      continues after it (:mod:`pdactors.proxy._p_first`); ``"d"``: upstream's flow, P and D
       asked at once and D computing every token the client gets.
     * ``engine_api_key``: the key the engines were started with (vLLM's ``--api-key``), sent
       to them instead of the client's. With neither key set, the client's ``Authorization``

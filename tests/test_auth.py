@@ -16,13 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdactors import PullFailedError, ReceiverConfig, SenderConfig
-from pdactors.actors._auth import BearerCheck
 from pdactors.actors.bootstrap import serve_bootstrap
 from pdactors.bootstrap_client import open_bootstrap_client
 from pdactors.config import BootstrapConfig, Secret, read_token_file
 from pdactors.errors import BootstrapError
 from pdactors.messages import RegisterWorker
 from pdactors.testing import open_cluster, run_transfer
+from pdactors.web._auth import BearerCheck
 
 TOKEN = "s3cret-token-for-the-tests"
 WORKER = RegisterWorker("prefill-0", 0, 0, 0, "tcp://127.0.0.1:5555")
@@ -157,7 +157,7 @@ async def test_d_sends_its_token_only_to_trusted_bootstraps() -> None:
     from quart import request
     from quart_trio import QuartTrio
 
-    from pdactors.actors._http import bind_listener, serve_http
+    from pdactors.web._server import bind_listener, serve_http
 
     collector = QuartTrio("collector")
 

@@ -1,4 +1,4 @@
-"""The proxy's OpenAI bodies and answers, P-first flow (pdactors.actors._bodies): plain
+"""The proxy's OpenAI bodies and answers, P-first flow (pdactors.proxy._bodies): plain
 synchronous tests on vLLM-shaped answers."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from pdactors.actors import _bodies as b
 from pdactors.messages import KVTransferParams
+from pdactors.proxy import _bodies as b
 
 PROMPT = [1, 17, 99, 5]
 

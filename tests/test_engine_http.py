@@ -10,7 +10,7 @@ import h11
 import pytest
 import trio
 
-from pdactors.actors._engine_http import ConnectFailed, EngineClient, EngineError
+from pdactors.proxy._engine_http import ConnectFailed, EngineClient, EngineError
 
 Handler = Callable[[trio.SocketStream, h11.Connection, h11.Request], Awaitable[bool]]
 

@@ -26,8 +26,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdactors import PrefillBackend, ProxyConfig, serve_proxy
-from pdactors.actors._openai import MAX_JSON_DEPTH
-from pdactors.actors._refusals import RefusalLog
 from pdactors.actors.bootstrap import (
     MAX_ADDR_CHARS,
     MAX_ENGINE_ID_CHARS,
@@ -37,6 +35,8 @@ from pdactors.actors.bootstrap import (
 )
 from pdactors.config import BootstrapConfig
 from pdactors.messages import RegisterWorker
+from pdactors.proxy._openai import MAX_JSON_DEPTH
+from pdactors.web._refusals import RefusalLog
 
 TOKEN = "door-token"
 TIMEOUT = 10.0

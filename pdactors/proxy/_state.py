@@ -30,7 +30,7 @@ class Backend:
     problem: str = "not checked yet"
     outstanding: int = 0
     #: Prompt tokens sent to it whose first token has not come back yet (its prefill queue,
-    #: as the proxy sees it: :mod:`pdactors.actors._placement`).
+    #: as the proxy sees it: :mod:`pdactors.core.placement`).
     waiting_tokens: int = 0
     prefills: int = 0  # requests whose prompt it computes now (their first token not back)
     incoming: int = 0  # D only: requests it continues whose prompt is still at a P

@@ -7,7 +7,7 @@ A completion's body is refused before any work it could cause: from its ``Conten
 when that is over the limit (413, nothing read), when more of it arrives than the limit (413),
 when it takes longer than the body timeout to arrive (408), and when it comes in too many small
 pieces (400). Refusals that leave a body unread close the connection
-(:mod:`pdactors.actors._http`).
+(:mod:`pdactors.web._server`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 from quart_trio import QuartTrio
 
-from pdactors.actors._openai import Failure
 from pdactors.config import ProxyConfig
 from pdactors.errors import PdError
+from pdactors.proxy._openai import Failure
 
 __all__ = [
     "MAX_SMALL_PIECES",

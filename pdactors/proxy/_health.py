@@ -9,10 +9,10 @@ from typing import Any
 import httpx
 import trio
 
-from pdactors.actors._proxy_state import Backend, Metrics, Pool
 from pdactors.bootstrap_client import BootstrapClient
 from pdactors.config import ProxyConfig
 from pdactors.errors import BootstrapError, BootstrapTimeout, describe
+from pdactors.proxy._state import Backend, Metrics, Pool
 
 __all__ = ["HealthWatch"]
 

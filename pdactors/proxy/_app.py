@@ -1,8 +1,8 @@
-"""The proxy's Quart app around :class:`~pdactors.actors._completions.Proxy`.
+"""The proxy's Quart app around :class:`~pdactors.proxy._completions.Proxy`.
 
 Completions are served on raw ASGI (``ProxyApp.fast``, the hot path); the other routes
 (``/v1/models``, ``/health``, ``/metrics``) are Quart's, behind the bearer gate and error
-handlers shared with the bootstrap (:mod:`pdactors.actors._http_app`), in OpenAI's error shape.
+handlers shared with the bootstrap (:mod:`pdactors.web._app`), in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from pdactors.actors._asgi import ProxyApp
-from pdactors.actors._completions import Proxy
-from pdactors.actors._http_app import guard, json_response
-from pdactors.actors._openai import CHAT, COMPLETIONS, Failure
+from pdactors.proxy._asgi import ProxyApp
+from pdactors.proxy._completions import Proxy
+from pdactors.proxy._openai import CHAT, COMPLETIONS, Failure
+from pdactors.web._app import guard, json_response
 
 __all__ = ["make_app"]
 

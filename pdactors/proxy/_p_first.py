@@ -5,7 +5,7 @@ client gets that token; when it ends the answer (EOS, a stop string, or the clie
 one token) the request is complete and no D is asked (P kept no KV: it frees it at once).
 Otherwise D gets a completion of the prompt's ids and P's token (``first_token_from_p``: it
 pulls the prompt's KV from P and computes P's token), and its answer follows P's token.
-The bodies and answers: :mod:`pdactors.actors._bodies`. A P that fails before its token
+The bodies and answers: :mod:`pdactors.proxy._bodies`. A P that fails before its token
 is served by D alone (the client's body as it came; ``fall_back_to_d``), or with that off fails
 the request as in the concurrent flow (an HTTP status); D failing after P's token was streamed
 ends the stream with an error event.
@@ -19,12 +19,12 @@ from typing import Any
 import msgspec
 import trio
 
-from pdactors.actors import _bodies as ft
-from pdactors.actors._asgi import PLACEMENT_HEADER, Reply
-from pdactors.actors._exchange import Exchange
-from pdactors.actors._legs import Legs
-from pdactors.actors._openai import COMPLETIONS, Failure
 from pdactors.messages import KVTransferParams
+from pdactors.proxy import _bodies as ft
+from pdactors.proxy._asgi import PLACEMENT_HEADER, Reply
+from pdactors.proxy._exchange import Exchange
+from pdactors.proxy._legs import Legs
+from pdactors.proxy._openai import COMPLETIONS, Failure
 
 __all__ = ["complete_p_first"]
 
@@ -33,7 +33,7 @@ log = logging.getLogger("pdactors.proxy")
 
 async def complete_p_first(legs: Legs, ex: Exchange, body: dict[str, Any], reply: Reply) -> None:
     """Serve ``ex`` (admitted, its prompt sent to P) P first; ends it on every path but an
-    exception (which the caller's :meth:`~pdactors.actors._legs.Legs.admitted` ends)."""
+    exception (which the caller's :meth:`~pdactors.proxy._legs.Legs.admitted` ends)."""
     chat = ex.endpoint.chat
     p_body = msgspec.json.encode(ft.prefill_body(body, chat, ex.transfer_id))
     answer = await legs.prefill_leg(ex, p_body)

@@ -1,7 +1,7 @@
 """One client request's exchange as the proxy's IO code holds it: its engines, its transfer id,
 its deadline and headers, the cancel scopes of its legs, and its sans-IO record
 (:class:`~pdactors.core.exchange.ExchangeState`: the phase, the first failure, the counts it
-holds). The effects of the record are carried out by :class:`pdactors.actors._legs.Legs`.
+holds). The effects of the record are carried out by :class:`pdactors.proxy._legs.Legs`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import trio
 
-from pdactors.actors._openai import Endpoint, Failure
-from pdactors.actors._proxy_state import Backend
 from pdactors.core.exchange import ExchangeState, Leg
+from pdactors.proxy._openai import Endpoint, Failure
+from pdactors.proxy._state import Backend
 
 __all__ = ["Exchange"]
 

@@ -1,10 +1,10 @@
 """The proxy's completion requests, from arrival to their engines: the client's key, its body
 and its placement header checked, P and D picked, where the prompt is computed decided, and
 the exchange started in the concurrent flow (P's leg beside D's answer), the P-first flow
-(:mod:`pdactors.actors._p_first`) or on D alone (placement ``local``).
+(:mod:`pdactors.proxy._p_first`) or on D alone (placement ``local``).
 
 :class:`Proxy` also holds the proxy's state (engines, pools, metrics, placer, health loop) for
-:mod:`pdactors.actors._proxy_app` and :func:`pdactors.actors.proxy.serve_proxy`.
+:mod:`pdactors.proxy._app` and :func:`pdactors.proxy._serve.serve_proxy`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,13 @@ import msgspec
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope
 
-from pdactors.actors import _bodies
-from pdactors.actors._asgi import (
+from pdactors.bootstrap_client import BootstrapClient, tls_verify
+from pdactors.config import Placement, ProxyConfig
+from pdactors.core.exchange import ExchangeState
+from pdactors.core.placement import EngineLoad, Placer, prompt_size
+from pdactors.messages import KVTransferParams
+from pdactors.proxy import _bodies
+from pdactors.proxy._asgi import (
     PLACEMENT_HEADER,
     ClientGone,
     Reply,
@@ -29,20 +34,15 @@ from pdactors.actors._asgi import (
     header,
     receive_body,
 )
-from pdactors.actors._auth import BearerCheck
-from pdactors.actors._engine_http import EngineClient
-from pdactors.actors._exchange import Exchange
-from pdactors.actors._legs import Legs
-from pdactors.actors._openai import Endpoint, Failure, validate
-from pdactors.actors._p_first import complete_p_first
-from pdactors.actors._placement import EngineLoad, Placer, prompt_size
-from pdactors.actors._proxy_health import HealthWatch
-from pdactors.actors._proxy_state import Backend, Metrics, Pool
-from pdactors.actors._refusals import RefusalLog
-from pdactors.bootstrap_client import BootstrapClient, tls_verify
-from pdactors.config import Placement, ProxyConfig
-from pdactors.core.exchange import ExchangeState
-from pdactors.messages import KVTransferParams
+from pdactors.proxy._engine_http import EngineClient
+from pdactors.proxy._exchange import Exchange
+from pdactors.proxy._health import HealthWatch
+from pdactors.proxy._legs import Legs
+from pdactors.proxy._openai import Endpoint, Failure, validate
+from pdactors.proxy._p_first import complete_p_first
+from pdactors.proxy._state import Backend, Metrics, Pool
+from pdactors.web._auth import BearerCheck
+from pdactors.web._refusals import RefusalLog
 
 __all__ = ["Proxy"]
 
@@ -53,7 +53,7 @@ _PREFILL_GRACE: Final = 0.25
 
 
 class Proxy:
-    """The proxy's state and its completion requests; :func:`~pdactors.actors.proxy.serve_proxy`
+    """The proxy's state and its completion requests; :func:`~pdactors.proxy._serve.serve_proxy`
     runs it."""
 
     def __init__(self, config: ProxyConfig, probe_http: httpx.AsyncClient) -> None:

@@ -4,7 +4,7 @@ and the one place where the exchange record's effects are carried out.
 Every count an exchange holds is raised by :meth:`Legs.admitted` and given back by the
 record's end, which the same context manager reaches on every path out (a failure, a bug, a
 cancellation): the raise and the ``finally`` that releases it have no checkpoint between them.
-A leg's failure becomes a :class:`~pdactors.actors._openai.Failure` (a 4xx passes through,
+A leg's failure becomes a :class:`~pdactors.proxy._openai.Failure` (a 4xx passes through,
 anything else is a 502 naming the engine, no answer in time a 504) and is fed to the record,
 whose first failure cancels both legs. A stream already begun ends with an error event.
 """
@@ -20,13 +20,6 @@ import httpx
 import msgspec
 import trio
 
-from pdactors.actors._asgi import Reply
-from pdactors.actors._engine_http import ConnectFailed, EngineClient, EngineError, EngineResponse
-from pdactors.actors._exchange import Exchange
-from pdactors.actors._openai import Failure
-from pdactors.actors._placement import Placer
-from pdactors.actors._proxy_health import HealthWatch
-from pdactors.actors._proxy_state import Backend, Metrics
 from pdactors.config import ProxyConfig
 from pdactors.core.exchange import (
     Admit,
@@ -41,7 +34,14 @@ from pdactors.core.exchange import (
     Step,
     Unhold,
 )
+from pdactors.core.placement import Placer
 from pdactors.errors import describe
+from pdactors.proxy._asgi import Reply
+from pdactors.proxy._engine_http import ConnectFailed, EngineClient, EngineError, EngineResponse
+from pdactors.proxy._exchange import Exchange
+from pdactors.proxy._health import HealthWatch
+from pdactors.proxy._openai import Failure
+from pdactors.proxy._state import Backend, Metrics
 
 __all__ = ["Legs"]
 

@@ -29,16 +29,16 @@ A health loop checks every engine's ``GET /health`` and every P's bootstrap ``GE
 again, and P's engine id (DP rank 0 of its bootstrap entry) is re-read every round, so a
 restarted P is used under its new id (a bootstrap that gives no answer in time keeps a healthy
 P in rotation under the id it had). A connection refused by an engine also takes it out at
-once. Engine calls go through :mod:`pdactors.actors._engine_http` (h11); the completion routes
+once. Engine calls go through :mod:`pdactors.proxy._engine_http` (h11); the completion routes
 are served on raw ASGI, every other route by Quart.
 
 Where each step lives: the request's arrival, checks and routing in
-:mod:`~pdactors.actors._completions`; its exchange's life (phase, first failure, the counts it
-holds) in :mod:`pdactors.core.exchange`; the calls to P and D in :mod:`~pdactors.actors._legs`;
-the P-first flow in :mod:`~pdactors.actors._p_first` (its bodies in
-:mod:`~pdactors.actors._bodies`); the OpenAI body rules in :mod:`~pdactors.actors._openai`; the
-raw ASGI plumbing in :mod:`~pdactors.actors._asgi`; the Quart routes in
-:mod:`~pdactors.actors._proxy_app`; health in :mod:`~pdactors.actors._proxy_health`.
+:mod:`~pdactors.proxy._completions`; its exchange's life (phase, first failure, the counts it
+holds) in :mod:`pdactors.core.exchange`; the calls to P and D in :mod:`~pdactors.proxy._legs`;
+the P-first flow in :mod:`~pdactors.proxy._p_first` (its bodies in
+:mod:`~pdactors.proxy._bodies`); the OpenAI body rules in :mod:`~pdactors.proxy._openai`; the
+raw ASGI plumbing in :mod:`~pdactors.proxy._asgi`; the Quart routes in
+:mod:`~pdactors.proxy._app`; health in :mod:`~pdactors.proxy._health`.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ from typing import Final
 import httpx
 import trio
 
-from pdactors.actors._completions import Proxy
-from pdactors.actors._http import bind_listener, serve_http
-from pdactors.actors._proxy_app import make_app
 from pdactors.bootstrap_client import tls_verify
 from pdactors.config import ProxyConfig
+from pdactors.proxy._app import make_app
+from pdactors.proxy._completions import Proxy
+from pdactors.web._server import bind_listener, serve_http
 
 __all__ = ["serve_proxy"]
 

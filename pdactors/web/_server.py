@@ -30,6 +30,8 @@ from hypercorn.typing import (
 )
 from hypercorn.utils import repr_socket_addr, wrap_app
 
+from pdactors.errors import ConfigError
+
 __all__ = ["CLOSING_STATUSES", "bind_listener", "ends_cleanly", "serve_http"]
 
 #: Refusals that may come before the request's body was read: HTTP/1 answers with these
@@ -185,7 +187,7 @@ async def serve_http(
     """
     hconfig = HypercornConfig()
     if (certfile is None) != (keyfile is None):
-        raise ValueError("TLS needs both a certificate file and a key file")
+        raise ConfigError("TLS needs both a certificate file and a key file")
     hconfig.certfile, hconfig.keyfile = certfile, keyfile
     hconfig.accesslog = None
     hconfig.errorlog = errorlog

@@ -2,7 +2,7 @@
 
 ``Authorization: Bearer <token>`` (RFC 6750; the scheme is case-insensitive), compared in
 constant time. A refused client is answered every time and logged through a
-:class:`~pdactors.actors._refusals.RefusalLog` (once per client per interval: a scanner must
+:class:`~pdactors.web._refusals.RefusalLog` (once per client per interval: a scanner must
 not flood the log).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hmac
 
-from pdactors.actors._refusals import RefusalLog
+from pdactors.web._refusals import RefusalLog
 
 __all__ = ["BearerCheck"]
 
