@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -77,6 +78,9 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
             block_size = vllm_config.cache_config.block_size
             self.scheduler_side = SchedulerSide(self.settings, self.engine_id, block_size, groups)
         else:
+            # The edge: before this worker's Trio thread (and Mooncake's) exists.
+            for key, value in self.settings.mooncake_environment().items():
+                os.environ.setdefault(key, value)
             self.worker_side = WorkerSide(self.settings, _place(vllm_config, self.engine_id))
 
     # ------------------------------------------------------------------ scheduler side

@@ -156,6 +156,16 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
             return ZmqTransport()
         return ZmqTransport(*curve_from_secret(read_token_file(self.side_channel_secret_file)))
 
+    def mooncake_environment(self) -> dict[str, str]:
+        """The environment variables the Mooncake engine reads (it takes no other way in),
+        as defaults: the connector sets those not set yet once, before its worker starts any
+        thread. ``MC_INTRANODE_NVLINK``: Mooncake installs its intra-node NVLink transport
+        only when it is set (``nvlink_intra``); ``MC_LOG_LEVEL``: Mooncake is chatty at INFO."""
+        env = {"MC_LOG_LEVEL": "ERROR"}
+        if self.protocol == "nvlink_intra":
+            env["MC_INTRANODE_NVLINK"] = "1"
+        return env
+
     @property
     def external_bootstrap(self) -> bool:
         return self.bootstrap_server_address is not None
