@@ -54,10 +54,6 @@ class Supervisor:
         with self._lock:
             return self._host
 
-    @property
-    def closed(self) -> bool:
-        return self._closed.is_set()
-
     def start(self) -> None:
         """Start the first host (blocks until it runs). Raises whatever ``start`` raises, and
         :class:`PdError` once closed."""
