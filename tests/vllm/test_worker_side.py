@@ -425,3 +425,9 @@ def test_no_restart_after_shutdown() -> None:
         thread.join(timeout=15)
         assert not thread.is_alive()
     assert _threads("pdactors-decode-restart") == [], "the actors restarted after shutdown"
+
+
+def test_mooncakes_environment_follows_the_settings() -> None:
+    assert ConnectorSettings().mooncake_environment() == {"MC_LOG_LEVEL": "ERROR"}
+    nvlink = ConnectorSettings(protocol="nvlink_intra").mooncake_environment()
+    assert nvlink == {"MC_LOG_LEVEL": "ERROR", "MC_INTRANODE_NVLINK": "1"}
