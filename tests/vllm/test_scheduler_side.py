@@ -693,14 +693,15 @@ def test_the_connector_only_reads_vllms_kv_transfer_params_and_forgets_ended_req
     params: dict[str, object] = {"do_remote_decode": True} if p_side else d_params("t-ro")
     sent = dict(params)
     sched.add_request(make_request("r-ro", 40, max_tokens=1, kv_transfer_params=params))
+    request = sched.requests["r-ro"]  # vLLM's own request, with vLLM's own dict
     step(sched)
     step(sched)  # allocated again, or still waiting: marks are not made twice
-    assert params == sent
+    assert request.kv_transfer_params == sent
     if p_side:
         step(sched, finished_sending={"r-ro"})
     else:
         step(sched, finished_recving={"r-ro"})
     while request_status(sched, "r-ro") is not None:
         step(sched)
-    assert params == sent
+    assert request.kv_transfer_params == sent
     assert connector_of(sched).scheduler_side._marks == {}
