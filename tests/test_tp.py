@@ -54,7 +54,7 @@ async def test_every_head_lands_on_the_right_d_worker(p_tp: int, d_tp: int, head
             for i, (count, d_blocks) in enumerate([(5, None), (8, None), (6, 2)]):
                 outcome = await run_transfer(cluster, f"t{i}", count, d_blocks=d_blocks)
                 assert outcome.ok and outcome.verified, outcome.reason
-            landed = sum(n.receiver.pull_seconds.__len__() for n in cluster.decode)
+            landed = sum(n.receiver.pull_statistics().count for n in cluster.decode)
             assert landed == 3 * d_tp
             await settled(cluster)
 

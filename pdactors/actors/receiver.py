@@ -18,7 +18,7 @@ lost.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import msgspec
@@ -27,6 +27,7 @@ import trio
 from pdactors import timeline
 from pdactors._once import Every
 from pdactors._pulse import Pulse
+from pdactors.actors._durations import Durations, DurationStatistics
 from pdactors.actors._lookups import Lookups
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import ReceiverConfig
@@ -123,8 +124,7 @@ class Receiver:
         self._results_changed = Pulse()
         self._ended = Pulse()  # fired whenever any pull ends
         self._down: set[str] = set()  # P workers lost and not heard from since (log once)
-        #: Seconds each delivered pull took (start to P's answer), newest last; readers drain it.
-        self.pull_seconds: deque[float] = deque(maxlen=10_000)
+        self._pull_seconds = Durations()  # each delivered pull, start to P's answer
         self.protocol_errors = 0  #: ErrorReplies and bad frames from P (logged once a minute)
         self._every = Every(60.0)
 
@@ -170,6 +170,11 @@ class Receiver:
         results = PullResults(frozenset(self._finished), self._failed)
         self._finished, self._failed = set(), {}
         return results
+
+    def pull_statistics(self) -> DurationStatistics:
+        """How many pulls were delivered, and how long the recent ones took (start to P's
+        answer, P's prefill included)."""
+        return self._pull_seconds.statistics()
 
     async def wait_results(self) -> PullResults:
         """Wait until some pull started with :meth:`start_pull` ends, then take the results.
@@ -446,7 +451,7 @@ class Receiver:
         assert pull is not None
         self._ended.fire()
         if done.ok:
-            self.pull_seconds.append(trio.current_time() - pull.started)
+            self._pull_seconds.add(trio.current_time() - pull.started)
         else:
             log.info("pull %s failed (%s): %r", tid, done.end.value, done.reason)  # P's text
             if done.end.p_may_have_moved:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
 from collections.abc import Sequence
 
 import msgspec
@@ -35,6 +34,7 @@ import trio
 
 from pdactors import timeline
 from pdactors._pulse import Pulse
+from pdactors.actors._durations import Durations, DurationStatistics
 from pdactors.actors._kv_writes import PULL_ERRORS, KvWriter, Written
 from pdactors.actors._layouts import LayoutCache
 from pdactors.actors._outbox import Outbox, Refusals, SideChannelStats
@@ -114,8 +114,7 @@ class Sender:
         self.bytes_sent = 0
         self.descriptors_sent = 0
         self.streamed_sent = 0  # transfers written layer by layer while P computed them
-        #: Seconds each successful write took (plan + engine), newest last; readers drain it.
-        self.write_seconds: deque[float] = deque(maxlen=10_000)
+        self._write_seconds = Durations()  # each successful write, plan + engine
 
     @property
     def address(self) -> str:
@@ -187,6 +186,10 @@ class Sender:
 
     def statistics(self) -> SendTableStats:
         return self._table.statistics()
+
+    def write_statistics(self) -> DurationStatistics:
+        """How many writes succeeded, and how long the recent ones took (plan + engine)."""
+        return self._write_seconds.statistics()
 
     def side_channel_statistics(self) -> SideChannelStats:
         """What the side channel refused: bad frames, unanswered ones, peers cut off."""
@@ -322,7 +325,7 @@ class Sender:
             self.bytes_sent += written.nbytes
             self.descriptors_sent += written.descriptors
             self.streamed_sent += job.streamed
-            self.write_seconds.append(now - start)
+            self._write_seconds.add(now - start)
         self._apply(
             self._table.send_finished(
                 job.transfer_id,

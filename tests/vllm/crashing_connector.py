@@ -21,12 +21,12 @@ class CrashingConnector(PdActorsConnector):
         meta = self._get_connector_metadata()
         assert isinstance(meta, PdActorsMetadata)
         worker = self.worker_side
-        if worker is None or worker._host is None or not worker._host.alive:
+        if worker is None or worker.host is None or not worker.host.alive:
             return
         doomed = {p.transfer_id for p in meta.pulls.values() if p.transfer_id.startswith("crash-")}
         if doomed - self._crashed:
             self._crashed |= doomed
-            host = worker._host
+            host = worker.host
 
             async def crash() -> None:
                 raise RuntimeError("injected by the test: the connector's Trio thread dies")

@@ -679,3 +679,29 @@ def test_unreadable_params_are_served_without_a_transfer_and_named_once(
     sched.add_request(make_request("good", 20, max_tokens=1, kv_transfer_params=d_params("g")))
     if role == "kv_consumer":
         assert meta_of(step(sched)).pulls["good"].transfer_id == "g"
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_the_connector_only_reads_vllms_kv_transfer_params_and_forgets_ended_requests(
+    role: str,
+) -> None:
+    """The connector's marks (pulled once, announced, the transfer id it made up) are its own
+    records: the request's dict, which vLLM owns, is the one the router sent, and nothing of a
+    request is kept once it ended."""
+    sched = make_scheduler(kv_role=role, block_size=BS)
+    p_side = role == "kv_producer"
+    params: dict[str, object] = {"do_remote_decode": True} if p_side else d_params("t-ro")
+    sent = dict(params)
+    sched.add_request(make_request("r-ro", 40, max_tokens=1, kv_transfer_params=params))
+    request = sched.requests["r-ro"]  # vLLM's own request, with vLLM's own dict
+    step(sched)
+    step(sched)  # allocated again, or still waiting: marks are not made twice
+    assert request.kv_transfer_params == sent
+    if p_side:
+        step(sched, finished_sending={"r-ro"})
+    else:
+        step(sched, finished_recving={"r-ro"})
+    while request_status(sched, "r-ro") is not None:
+        step(sched)
+    assert request.kv_transfer_params == sent
+    assert connector_of(sched).scheduler_side._marks == {}

@@ -4,6 +4,7 @@ through the same calls vLLM makes (register_kv_caches, start_load_kv, get_transf
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -243,7 +244,7 @@ def test_counters_reach_connector_stats(pair: Pair) -> None:
 def test_a_bug_in_posted_work_is_logged_and_the_thread_lives(
     pair: Pair, caplog: pytest.LogCaptureFixture
 ) -> None:
-    host = pair.d._host
+    host = pair.d.host
     assert host is not None
 
     def buggy() -> None:
@@ -258,14 +259,14 @@ def test_a_bug_in_posted_work_is_logged_and_the_thread_lives(
     pair.pull("dreq7", "t7", (13,))
     run_step(pair.p, PdActorsMetadata(ready={"preq7": SendSpec("t7", (14,))}))
     assert "dreq7" not in wait_for(pair.d, "recved", "dreq7")["failed"]
-    assert pair.d._host is not None and pair.d._host.alive
+    assert pair.d.host is not None and pair.d.host.alive
 
 
 def test_a_dead_trio_thread_fails_its_pulls_then_the_actors_come_back(pair: Pair) -> None:
     run_step(pair.p, PdActorsMetadata(pending=["t8"]))
     pair.pull("dreq8", "t8", (15,))  # waits at P
     time.sleep(0.3)
-    host = pair.d._host
+    host = pair.d.host
     assert host is not None
 
     async def crash() -> None:
@@ -278,7 +279,7 @@ def test_a_dead_trio_thread_fails_its_pulls_then_the_actors_come_back(pair: Pair
     wait_for(pair.d, "failed", "dreq9")
     # the actors restart in the background, and pulls work again
     deadline = time.monotonic() + 20
-    while pair.d._host is host or not pair.d._host.alive or pair.d._down is not None:
+    while (now := pair.d.host) is None or now is host or not now.alive or pair.d.down:
         assert time.monotonic() < deadline, "the actors did not restart"
         time.sleep(0.05)
     run_step(pair.p, PdActorsMetadata(pending=["t10"]))
@@ -395,3 +396,38 @@ def test_a_shared_secret_and_bootstrap_token_secure_the_worker_sides(tmp_path: P
     finally:
         pair.p.shutdown()
         pair.d.shutdown()
+
+
+def _threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == name and t.is_alive()]
+
+
+def test_no_restart_after_shutdown() -> None:
+    """The Trio thread dies, and the connector shuts down before the restart's first attempt:
+    the restart must not start the actors again (a leaked thread and Mooncake engine)."""
+    settings = ConnectorSettings(bootstrap_port=free_port())
+    worker = WorkerSide(settings, WorkerPlace("decode-restart", False, True, RankInfo(), False))
+    worker.register_kv_caches(kv_caches(), BLOCKS)
+    host = worker.host
+    assert host is not None
+    restarts_before = set(_threads("pdactors-restart"))
+
+    async def crash() -> None:
+        raise RuntimeError("injected: the Trio thread dies")
+
+    host.run_sync(host.nursery.start_soon, crash)
+    deadline = time.monotonic() + 10
+    while not (restarter := set(_threads("pdactors-restart")) - restarts_before):
+        assert time.monotonic() < deadline, "the death started no restart"
+        time.sleep(0.005)
+    worker.shutdown()  # the first restart attempt waits 1 s: this comes first
+    for thread in restarter:  # the restart's end, whatever it did
+        thread.join(timeout=15)
+        assert not thread.is_alive()
+    assert _threads("pdactors-decode-restart") == [], "the actors restarted after shutdown"
+
+
+def test_mooncakes_environment_follows_the_settings() -> None:
+    assert ConnectorSettings().mooncake_environment() == {"MC_LOG_LEVEL": "ERROR"}
+    nvlink = ConnectorSettings(protocol="nvlink_intra").mooncake_environment()
+    assert nvlink == {"MC_LOG_LEVEL": "ERROR", "MC_INTRANODE_NVLINK": "1"}

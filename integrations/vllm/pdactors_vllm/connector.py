@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -23,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pdactors import RankInfo
+from pdactors_vllm.errors import ConnectorConfigError, WrongRoleError
 from pdactors_vllm.kv_report import PREFIX, kv_layout_report, show_with_vllm_logs
 from pdactors_vllm.metrics import PdActorsPromMetrics, PdActorsStats
 from pdactors_vllm.scheduler_side import KVGroup, PdActorsMetadata, SchedulerSide
@@ -77,13 +79,16 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
             block_size = vllm_config.cache_config.block_size
             self.scheduler_side = SchedulerSide(self.settings, self.engine_id, block_size, groups)
         else:
+            # The edge: before this worker's Trio thread (and Mooncake's) exists.
+            for key, value in self.settings.mooncake_environment().items():
+                os.environ.setdefault(key, value)
             self.worker_side = WorkerSide(self.settings, _place(vllm_config, self.engine_id))
 
     # ------------------------------------------------------------------ scheduler side
 
     def _scheduler(self) -> SchedulerSide:
         if self.scheduler_side is None:
-            raise RuntimeError("PdActorsConnector: scheduler hook called on a worker")
+            raise WrongRoleError("PdActorsConnector: scheduler hook called on a worker")
         return self.scheduler_side
 
     def get_num_new_matched_tokens(
@@ -128,7 +133,7 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _worker(self) -> WorkerSide:
         if self.worker_side is None:
-            raise RuntimeError("PdActorsConnector: worker hook called on the scheduler")
+            raise WrongRoleError("PdActorsConnector: worker hook called on the scheduler")
         return self.worker_side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -256,15 +261,15 @@ _STATE_MODES = ("none", "align")
 
 
 def refuse_unserved(vllm_config: Any) -> None:
-    """Raise :class:`ValueError` naming the model's family and what is missing when
-    PdActorsConnector cannot serve it in this configuration: a model with recurrent state
-    (Mamba, gated delta-net) whose state vLLM keeps in a way the connector does not know (it
-    moves the live state pages of ``mamba_cache_mode`` "none", one per request, and
-    "align", one per prefix-cache block; vLLM 0.32 has no other)."""
+    """Raise :class:`ConnectorConfigError` (a ``ValueError``) naming the model's family and
+    what is missing when PdActorsConnector cannot serve it in this configuration: a model
+    with recurrent state (Mamba, gated delta-net) whose state vLLM keeps in a way the
+    connector does not know (it moves the live state pages of ``mamba_cache_mode`` "none",
+    one per request, and "align", one per prefix-cache block; vLLM 0.32 has no other)."""
     model_config = vllm_config.model_config
     mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none")
     if _has_state(model_config) and mode not in _STATE_MODES:
-        raise ValueError(
+        raise ConnectorConfigError(
             f"PdActorsConnector cannot serve {architecture_of(model_config)} with "
             f"mamba_cache_mode {mode!r}: it moves recurrent state kept as "
             f"{' or '.join(map(repr, _STATE_MODES))} only"
@@ -286,9 +291,9 @@ def kv_groups(
     """vLLM's KV-cache groups as the connector moves them (none without a config). Full
     attention (MLA's latent cache included) moves every block of the prompt, a sliding window
     the blocks it keeps, recurrent state (Mamba, GDN) its live state pages. Raises
-    :class:`ValueError` naming ``model`` and a group of another kind (chunked local
-    attention, R-SWA, recurrent state with speculative slots …), which the
-    connector does not move."""
+    :class:`ConnectorConfigError` (a ``ValueError``) naming ``model`` and a group of another
+    kind (chunked local attention, R-SWA, recurrent state with speculative slots …), which
+    the connector does not move."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         MambaSpec,
@@ -323,7 +328,7 @@ def kv_groups(
             window, retained = specs[0].sliding_window, specs[0].extra_retained_tokens  # type: ignore[attr-defined]
         else:
             names = ", ".join(sorted(k.__name__ for k in kinds))
-            raise ValueError(
+            raise ConnectorConfigError(
                 f"PdActorsConnector cannot serve {model}: its KV-cache group {g} "
                 f"({len(group.layer_names)} layers, e.g. {group.layer_names[0]}) is {names}; "
                 "it moves full-attention, MLA and sliding-window KV, and recurrent state of "

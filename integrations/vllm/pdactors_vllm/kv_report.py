@@ -21,7 +21,7 @@ from pdactors import Layout, RankInfo
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from pdactors_vllm.scheduler_side import KVGroup
+    from pdactors_vllm.metadata import KVGroup
 
 __all__ = ["PREFIX", "kv_layout_report", "parse_kv_layout", "show_with_vllm_logs"]
 

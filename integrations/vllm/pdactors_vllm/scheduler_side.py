@@ -20,6 +20,11 @@ every worker. Observable behaviour follows upstream's MooncakeConnector (the sam
   before scheduling still tells P to free its blocks (an empty pull); an abort while the KV is
   in flight aborts the pull (vLLM keeps D's blocks until the worker reports it ended).
 
+The connector's marks on a request (the pull made once, the pending announcement, the eager
+send, the transfer id it made up, the held-back token) are one :class:`Marks` record per
+request with its own transition table (:mod:`pdactors_vllm.request_marks`); vLLM's
+``kv_transfer_params`` dict is only read.
+
 Block ids travel per KV-cache group (vLLM's hybrid KV cache manager: ``SupportsHMA``). A
 full-attention group moves the prompt's blocks; a sliding-window group only those its window
 keeps (:meth:`KVGroup.kept`: what vLLM's ``remove_skipped_blocks`` leaves, on both sides);
@@ -40,18 +45,17 @@ and computes it itself, whatever the model.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.request import RequestStatus
 
 from pdactors import timeline
 from pdactors.errors import BadTransferParams
 from pdactors.messages import BlockIds, KVTransferParams
 from pdactors_vllm import idle
+from pdactors_vllm.metadata import NULL_BLOCK, KVGroup, PdActorsMetadata, PullSpec, SendSpec
+from pdactors_vllm.request_marks import Event, Marks, State
 from pdactors_vllm.settings import ConnectorSettings
 
 if TYPE_CHECKING:
@@ -60,89 +64,12 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["KVGroup", "PdActorsMetadata", "PullSpec", "SchedulerSide", "SendSpec"]
+__all__ = ["NULL_BLOCK", "KVGroup", "PdActorsMetadata", "PullSpec", "SchedulerSide", "SendSpec"]
 
 log = logging.getLogger("pdactors.vllm")
 
 # P ends that still deliver the KV: the prompt was computed in full.
 _DELIVER = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-#: vLLM's null block: a placeholder in block tables (out of a window, padding), never moved.
-NULL_BLOCK = 0
-
-
-@dataclass(frozen=True, slots=True)
-class KVGroup:
-    """One of vLLM's KV-cache groups as the connector moves it: its ``block_size``, its
-    sliding ``window`` in tokens (0: full attention), the ``retained`` tokens vLLM keeps past
-    the window (speculative decoding's), and whether it is transferred at all."""
-
-    block_size: int
-    window: int = 0
-    retained: int = 0
-    transfer: bool = True
-    state: bool = False  # recurrent state pages (Mamba / GDN), not per-token KV
-
-    def kept(self, num_tokens: int) -> range:
-        """The blocks (by position in the request's block table) holding KV of a
-        ``num_tokens`` prompt that vLLM still keeps once the prompt is computed: all of them
-        for full attention; for a sliding window, those from the first block the window
-        reaches (vLLM's ``get_num_skipped_tokens``: blocks before it are freed, null)."""
-        end = math.ceil(num_tokens / self.block_size)
-        if not self.window:
-            return range(end)
-        skipped = max(0, num_tokens - self.window + 1 - self.retained)
-        return range(min(skipped // self.block_size, end), end)
-
-    def moved(self, table: Sequence[int], num_tokens: int, first: int = 0) -> tuple[int, ...]:
-        """The block ids of ``table`` (a group's block table) that hold the KV of a
-        ``num_tokens`` prompt, from position ``first`` on, without null blocks."""
-        if not self.transfer:
-            return ()
-        if self.state:  # state pages (one, or per prefix block: the live ones are not null)
-            start, stop = first, len(table)
-        else:
-            kept = self.kept(num_tokens)
-            start, stop = max(kept.start, first), min(kept.stop, len(table))
-        return tuple(b for b in table[start:stop] if b != NULL_BLOCK)
-
-
-@dataclass(frozen=True, slots=True)
-class SendSpec:
-    """P: the KV of ``transfer_id`` sits in ``block_ids`` until the worker reports it sent."""
-
-    transfer_id: str
-    block_ids: BlockIds  # per KV-cache group
-
-
-@dataclass(frozen=True, slots=True)
-class PullSpec:
-    """D: pull ``transfer_id`` from ``engine_id`` (found at ``bootstrap_url``) into ``block_ids``.
-
-    ``notify_only`` pulls carry no blocks: they only tell P to free its KV, and their end is not
-    reported to vLLM (the request is not waiting for them).
-    """
-
-    transfer_id: str
-    engine_id: str
-    bootstrap_url: str
-    block_ids: BlockIds  # per KV-cache group
-    notify_only: bool = False
-
-
-@dataclass
-class PdActorsMetadata(KVConnectorMetadata):
-    """What the workers must do this step (request ids are vLLM's)."""
-
-    pending: list[str] = field(default_factory=list)  # P: transfer ids whose prefill started
-    ready: dict[str, SendSpec] = field(default_factory=dict)  # P: req id -> KV to send
-    #: P: req id -> KV to send once this step's forward is done (eager send)
-    eager: dict[str, SendSpec] = field(default_factory=dict)
-    #: worker-local (never set by the scheduler): eager sends streamed layer by layer
-    streams: dict[str, SendSpec] = field(default_factory=dict)
-    dropped: list[str] = field(default_factory=list)  # P: transfer ids that will never be ready
-    pulls: dict[str, PullSpec] = field(default_factory=dict)  # D: req id -> what to pull
-    aborts: dict[str, str] = field(default_factory=dict)  # D: req id -> transfer id to abort
-    idle: bool = False  # the step computes nothing: the worker may wait for transfer results
 
 
 class SchedulerSide:
@@ -163,11 +90,8 @@ class SchedulerSide:
         #: P computes, and D pulls, the prompt but its last token (recurrent state)
         self.holds_back_last = any(g.state and g.transfer for g in self.groups)
         self._meta = PdActorsMetadata()
-        self._pulling: dict[str, str] = {}  # D req id -> transfer id, while the KV is in flight
-        #: P req id -> its request and block table per group so far (eager send), from
-        #: allocation to finish
-        self._prefilling: dict[str, tuple[Request, list[list[int]]]] = {}
-        self._eager: set[str] = set()  # P req ids whose KV went out eagerly, until finished
+        #: req id -> the connector's marks on it, from its first hook to request_finished
+        self._marks: dict[str, Marks] = {}
         if settings.timeline:
             timeline.enable()
         if settings.idle_wait_ms > 0 or settings.quiet_busy_waits:
@@ -178,9 +102,9 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        params = _params(request)
-        if params is None or not params.do_remote_prefill:
-            return 0, False
+        params = self._params(request)
+        if params is None or not params.do_remote_prefill or self._moved(request):
+            return 0, False  # after the first allocation: one transfer per request
         if not params.remote_complete:
             return 0, False  # warned in update_state_after_alloc
         remote = self._pulled(request, params) - num_computed_tokens
@@ -197,12 +121,13 @@ class SchedulerSide:
         """P, a model with recurrent state: drop the prompt's last token (D computes it from
         the state after the others) and produce one token, once per request (upstream's
         ``_truncate_mamba_request_for_prefill``)."""
-        params = _params(request) if self.holds_back_last else None
+        params = self._params(request) if self.holds_back_last else None
+        marks = self._marks.get(request.request_id)
         if (
             params is None
             or not params.do_remote_decode
             or params.first_token_from_p  # D continues after P's token: the state covers all
-            or _raw(request).get("_pdactors_held_back")
+            or (marks is not None and marks.held_back)
             or request.num_prompt_tokens < 2
         ):
             return
@@ -215,26 +140,33 @@ class SchedulerSide:
         request._all_token_ids.pop()
         request.num_prompt_tokens -= 1
         request.max_tokens = 1
-        _raw(request)["_pdactors_held_back"] = True
+        self._marks.setdefault(request.request_id, Marks()).held_back = True
+
+    def _moved(self, request: Request) -> bool:
+        """The request's marks have left ``NEW`` (its blocks were allocated once)."""
+        marks = self._marks.get(request.request_id)
+        return marks is not None and marks.state is not State.NEW
 
     # ------------------------------------------------------------------ blocks were allocated
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        params = _params(request)
-        if params is None:
+        params = self._params(request)
+        if params is None or not (params.do_remote_prefill or params.do_remote_decode):
             return
-        raw = _raw(request)
+        marks = self._marks.setdefault(request.request_id, Marks())
+        if marks.state is not State.NEW:
+            return  # allocated again after preemption: one transfer per request
         if params.do_remote_prefill:
-            raw["do_remote_prefill"] = False  # one transfer per request
             if not params.remote_complete:
                 log.warning(
                     "request %s: kv_transfer_params %s lack remote_engine_id, "
                     "remote_bootstrap_addr or transfer_id; computing the prompt locally",
                     request.request_id,
-                    raw,
+                    request.kv_transfer_params,
                 )
+                marks.move(Event.SETTLE)
                 return
             if num_external_tokens > 0:
                 # The uncached tail of the prompt: the blocks vLLM just allocated for it
@@ -247,20 +179,41 @@ class SchedulerSide:
                     for group, table in zip(self.groups, tables, strict=True)
                 )
                 self._pull(request.request_id, params, wanted)
-                self._pulling[request.request_id] = _tid(params)
+                marks.transfer_id = _tid(params)
+                marks.move(Event.PULL)
             else:
                 # Everything was in D's prefix cache: P only needs to free its KV.
                 self._pull(request.request_id, params, (), notify_only=True)
-        elif params.do_remote_decode:
+                marks.move(Event.SETTLE)
+        else:
             # Routers that call P first may send no transfer id: make one, return it at finish.
-            transfer_id = raw.setdefault("transfer_id", request.request_id)
-            if raw.get("_pdactors_pending"):
-                return  # allocated again after preemption: already announced
-            raw["_pdactors_pending"] = True
+            transfer_id = params.transfer_id or request.request_id
+            marks.transfer_id = transfer_id
             self._meta.pending.append(transfer_id)
             timeline.mark(transfer_id, "p_scheduled")
             if self.settings.eager_send:
-                self._prefilling[request.request_id] = (request, [[] for _ in self.groups])
+                marks.move(Event.TRACK)
+                marks.request, marks.tables = request, [[] for _ in self.groups]
+            else:
+                marks.move(Event.ANNOUNCE)
+
+    def _params(self, request: Request) -> KVTransferParams | None:
+        """The request's ``kv_transfer_params`` read as upstream's keys; None when it has
+        none, or when they cannot be read: then the request is served as if it had none (P
+        computes and keeps nothing for a D, D computes the prompt itself), with one warning
+        naming it."""
+        raw = request.kv_transfer_params
+        if not raw:
+            return None
+        try:
+            return KVTransferParams.from_dict(raw)
+        except BadTransferParams as exc:
+            marks = self._marks.setdefault(request.request_id, Marks())
+            if not marks.warned:
+                marks.warned = True
+                log.warning("request %s: %s; served without a KV transfer", request.request_id,
+                            exc)  # fmt: skip
+            return None
 
     def _pull(
         self,
@@ -285,7 +238,7 @@ class SchedulerSide:
         """This step's metadata. A step that schedules no token (every request waits for KV)
         is marked ``idle`` when quiet idle steps are on."""
         meta, self._meta = self._meta, PdActorsMetadata()
-        if scheduler_output is not None and self._prefilling:
+        if scheduler_output is not None and self._marks:
             self._plan_eager(scheduler_output, meta)
         scheduled = getattr(scheduler_output, "total_num_scheduled_tokens", None)
         meta.idle = scheduled == 0 and self.settings.idle_wait_ms > 0
@@ -298,37 +251,41 @@ class SchedulerSide:
     def _plan_eager(self, out: SchedulerOutput, meta: PdActorsMetadata) -> None:
         """Follow the block ids of P's prefills; send those whose prompt completes this step
         when the step also ends them (their one output token is sampled in it)."""
-        done: list[tuple[str, int]] = []  # (req id, tokens computed after this step)
+        done: list[tuple[Marks, str, int]] = []  # (marks, req id, tokens computed after)
         for new in out.scheduled_new_reqs:
-            if (entry := self._prefilling.get(new.req_id)) is not None:
-                entry[1][:] = [list(table) for table in new.block_ids]
-                done.append((new.req_id, new.num_computed_tokens))
+            if (marks := self._prefilling(new.req_id)) is not None:
+                marks.tables = [list(table) for table in new.block_ids]
+                done.append((marks, new.req_id, new.num_computed_tokens))
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            if (entry := self._prefilling.get(req_id)) is None:
+            if (marks := self._prefilling(req_id)) is None:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 tables = new_ids if new_ids is not None else [[] for _ in self.groups]
-                entry[1][:] = [list(table) for table in tables]
+                marks.tables = [list(table) for table in tables]
             elif new_ids is not None:
-                for table, more in zip(entry[1], new_ids, strict=True):
+                for table, more in zip(marks.tables, new_ids, strict=True):
                     table.extend(more)
-            done.append((req_id, cached.num_computed_tokens[i]))
-        for req_id, computed in done:
-            request, blocks = self._prefilling[req_id]
+            done.append((marks, req_id, cached.num_computed_tokens[i]))
+        for entry, req_id, computed in done:
+            request, blocks, transfer_id = entry.request, entry.tables, entry.transfer_id
             after = computed + out.num_scheduled_tokens.get(req_id, 0)
             if after < request.num_prompt_tokens:
                 continue  # a chunk of the prompt: more to come
-            del self._prefilling[req_id]  # the prompt completes in this step
             if request.num_output_tokens + 1 < request.max_tokens:
-                continue  # it decodes on (and may be preempted): sent when it finishes
+                entry.move(Event.UNTRACK)  # it decodes on (and may be preempted): sent when
+                continue  # it finishes
             # Only blocks vLLM keeps once the request ends: a sliding window's older blocks
-            # are freed then, while the write may still be reading. (The transfer id was
-            # set when the blocks were allocated.)
-            transfer_id = _raw(request)["transfer_id"]
+            # are freed then, while the write may still be reading.
+            assert transfer_id is not None  # set when the blocks were allocated
             meta.eager[req_id] = SendSpec(transfer_id, self._sent(request, blocks))
-            self._eager.add(req_id)
+            entry.move(Event.SEND_EAGER)
+
+    def _prefilling(self, req_id: str) -> Marks | None:
+        """P: the marks of a prefill followed for an eager send (None: not followed)."""
+        marks = self._marks.get(req_id)
+        return marks if marks is not None and marks.state is State.PREFILLING else None
 
     def has_pending_block_frees(self) -> bool:
         """While a prompt whose KV went out eagerly has not been seen finished, vLLM must not
@@ -336,12 +293,14 @@ class SchedulerSide:
         its write ends). Under async scheduling vLLM plans step N + 1 before it processes
         step N's output, when the request that ended in step N still looks running: a
         preemption then would free blocks the write is reading."""
-        return bool(self._eager)
+        return any(marks.state is State.EAGER for marks in self._marks.values())
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         idle.end()
         for req_id in output.finished_recving or ():
-            self._pulling.pop(req_id, None)
+            marks = self._marks.get(req_id)
+            if marks is not None and marks.state is State.PULLING:
+                marks.move(Event.LAND)
 
     # ------------------------------------------------------------------ the end of a request
 
@@ -366,35 +325,33 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         """``block_ids``: the request's block table per KV-cache group (vLLM's
         ``request_finished_all_groups``)."""
-        params = _params(request)
+        req_id = request.request_id
+        params = self._params(request)
+        marks = self._marks.pop(req_id, None) or Marks()  # the request's end: forgotten
         if params is None:
             return False, None
-        req_id = request.request_id
         if params.do_remote_prefill:
-            # D: finished before it was ever scheduled (aborted): P only needs to free its KV.
-            _raw(request)["do_remote_prefill"] = False
-            if params.remote_complete:
+            if marks.state is State.NEW and params.remote_complete:
+                # D: finished before it was ever scheduled (aborted): P only needs to free
+                # its KV.
                 self._pull(req_id, params, (), notify_only=True)
+            elif marks.state is State.PULLING and request.status not in _DELIVER:
+                # D: the KV is still in flight. vLLM keeps the blocks until the worker reports
+                # the pull ended; abort it so that happens now, not at the timeout.
+                assert marks.transfer_id is not None
+                self._meta.aborts[req_id] = marks.transfer_id
             return False, None
-        if req_id in self._pulling:
-            # D: the KV is still in flight. vLLM keeps the blocks until the worker reports the
-            # pull ended; abort it so that happens now, not at the timeout.
-            if request.status not in _DELIVER:
-                self._meta.aborts[req_id] = self._pulling[req_id]
+        transfer_id = marks.transfer_id or params.transfer_id
+        if not params.do_remote_decode or transfer_id is None:
             return False, None
-        if not params.do_remote_decode or params.transfer_id is None:
-            return False, None
-        self._prefilling.pop(req_id, None)
-        transfer_id = params.transfer_id
         # A request whose first token ends it (EOS, a stop string) when that token is the
         # client's (first_token_from_p): the proxy asks no D, nothing will pull the KV.
         delivers = request.status in _DELIVER and not (
             params.first_token_from_p and request.status == RequestStatus.FINISHED_STOPPED
         )
-        if req_id in self._eager:
+        if marks.state is State.EAGER:
             # The KV went to the worker with this step's forward: the blocks stay until it
             # reports the write ended (an abort's drop waits for a write in flight).
-            self._eager.discard(req_id)
             if not delivers:
                 self._meta.dropped.append(transfer_id)
                 return True, None
@@ -422,30 +379,6 @@ class SchedulerSide:
             transfer_id=transfer_id,
         )
         return True, for_d.to_dict()
-
-
-def _params(request: Request) -> KVTransferParams | None:
-    """The request's ``kv_transfer_params`` read as upstream's keys; None when it has none, or
-    when they cannot be read: then the request is served as if it had none (P computes and
-    keeps nothing for a D, D computes the prompt itself), with one warning naming it."""
-    raw = request.kv_transfer_params
-    if not raw:
-        return None
-    try:
-        return KVTransferParams.from_dict(raw)
-    except BadTransferParams as exc:
-        if not raw.get("_pdactors_unreadable"):
-            raw["_pdactors_unreadable"] = True
-            log.warning("request %s: %s; served without a KV transfer", request.request_id, exc)
-        return None
-
-
-def _raw(request: Request) -> dict[str, Any]:
-    """The dict itself, where the connector keeps its marks (only when :func:`_params` read
-    it)."""
-    raw = request.kv_transfer_params
-    assert raw is not None
-    return raw
 
 
 def _tid(params: KVTransferParams) -> str:

@@ -24,6 +24,7 @@ from pdactors.config import (
 )
 from pdactors.transport import ZmqTransport
 from pdactors.transport.curve import curve_from_files, curve_from_secret
+from pdactors_vllm.errors import ConnectorConfigError
 
 __all__ = ["ConnectorSettings", "settings_from_extra_config"]
 
@@ -135,9 +136,13 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         own, peers = self.side_channel_key_file, self.side_channel_peer_keys
         if (own is None) != (peers is None):
-            raise ValueError("side_channel_key_file and side_channel_peer_keys go together")
+            raise ConnectorConfigError(
+                "side_channel_key_file and side_channel_peer_keys go together"
+            )
         if own is not None and self.side_channel_secret_file is not None:
-            raise ValueError("side_channel_secret_file or side_channel_key_file, not both")
+            raise ConnectorConfigError(
+                "side_channel_secret_file or side_channel_key_file, not both"
+            )
 
     def side_channel(self, *, producer: bool, consumer: bool) -> ZmqTransport:
         """The side channel's transport of a P (``producer``) and/or D (``consumer``) worker:
@@ -156,6 +161,16 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
             return ZmqTransport()
         return ZmqTransport(*curve_from_secret(read_token_file(self.side_channel_secret_file)))
 
+    def mooncake_environment(self) -> dict[str, str]:
+        """The environment variables the Mooncake engine reads (it takes no other way in),
+        as defaults: the connector sets those not set yet once, before its worker starts any
+        thread. ``MC_INTRANODE_NVLINK``: Mooncake installs its intra-node NVLink transport
+        only when it is set (``nvlink_intra``); ``MC_LOG_LEVEL``: Mooncake is chatty at INFO."""
+        env = {"MC_LOG_LEVEL": "ERROR"}
+        if self.protocol == "nvlink_intra":
+            env["MC_INTRANODE_NVLINK"] = "1"
+        return env
+
     @property
     def external_bootstrap(self) -> bool:
         return self.bootstrap_server_address is not None
@@ -171,12 +186,14 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def settings_from_extra_config(extra: dict[str, Any]) -> ConnectorSettings:
-    """Validate ``kv_connector_extra_config``; bad values raise ValueError, unknown keys are
-    logged (other tools share the dict)."""
+    """Validate ``kv_connector_extra_config``; bad values raise :class:`ConnectorConfigError`
+    (a ``ValueError``), unknown keys are logged (other tools share the dict)."""
     unknown = sorted(set(extra) - set(ConnectorSettings.__struct_fields__))
     if unknown:
         log.warning("PdActorsConnector ignores kv_connector_extra_config keys %s", unknown)
     try:
         return msgspec.convert(extra, ConnectorSettings)
     except msgspec.ValidationError as exc:
-        raise ValueError(f"bad kv_connector_extra_config for PdActorsConnector: {exc}") from None
+        raise ConnectorConfigError(
+            f"bad kv_connector_extra_config for PdActorsConnector: {exc}"
+        ) from None

@@ -1,0 +1,89 @@
+"""Where a worker sits, and the configs of the actors it runs, built from the connector's
+settings in one place (before any thread starts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdactors import (
+    BootstrapConfig,
+    DataPlaneConfig,
+    Liveness,
+    RankInfo,
+    ReceiverConfig,
+    SenderConfig,
+)
+from pdactors_vllm.settings import ConnectorSettings
+
+__all__ = ["ActorConfigs", "WorkerPlace", "actor_configs"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerPlace:
+    """Where this worker sits: engine, role and parallel ranks."""
+
+    engine_id: str
+    is_producer: bool
+    is_consumer: bool
+    ranks: RankInfo
+    runs_bootstrap: bool
+    kv_heads: int = 0  # the model's KV heads in all (heterogeneous TP needs them)
+
+
+@dataclass(frozen=True, slots=True)
+class ActorConfigs:
+    """What one worker starts: the data plane, and the bootstrap, sender and receiver its role
+    needs (None: not run here)."""
+
+    plane: DataPlaneConfig
+    bootstrap: BootstrapConfig | None
+    sender: SenderConfig | None
+    receiver: ReceiverConfig | None
+
+
+def actor_configs(s: ConnectorSettings, place: WorkerPlace) -> ActorConfigs:
+    """The configs of ``place``'s actors from settings ``s``. Reads the bootstrap token file:
+    raises :class:`OSError` or :class:`ValueError` (empty file)."""
+    token = s.bootstrap_token()
+    # A handshake a starved peer cannot answer is a heartbeat it cannot answer: one bound.
+    hung = s.heartbeat_timeout
+    liveness = Liveness(heartbeat_timeout=hung, connect_timeout=hung)
+    plane = DataPlaneConfig(
+        protocol=s.protocol, device_name=s.device_name, hostname=s.host, workers=s.sender_workers
+    )
+    bootstrap = sender = receiver = None
+    if place.runs_bootstrap:
+        bootstrap = BootstrapConfig(
+            host=s.bootstrap_host,
+            port=s.bootstrap_port,
+            token=token,
+            certfile=s.bootstrap_certfile,
+            keyfile=s.bootstrap_keyfile,
+        )
+    if place.is_producer:
+        sender = SenderConfig(
+            engine_id=place.engine_id,
+            ranks=place.ranks,
+            host=s.host,
+            bootstrap_url=s.bootstrap_url,
+            ready_timeout=s.ready_timeout,
+            unclaimed_ttl=s.unclaimed_ttl,
+            register_timeout=s.register_timeout,
+            liveness=liveness,
+            kv_heads=place.kv_heads,
+            bootstrap_token=token,
+            bootstrap_ca_file=s.bootstrap_ca_file,
+        )
+    if place.is_consumer:
+        receiver = ReceiverConfig(
+            engine_id=place.engine_id,
+            ranks=place.ranks,
+            pull_timeout=s.pull_timeout,
+            lookup_timeout=s.lookup_timeout,
+            liveness=liveness,
+            kv_heads=place.kv_heads,
+            bootstrap_token=token,
+            bootstrap_ca_file=s.bootstrap_ca_file,
+            trusted_bootstraps=(*s.trusted_bootstraps, s.bootstrap_url),
+        )
+    return ActorConfigs(plane, bootstrap, sender, receiver)

@@ -1,0 +1,201 @@
+"""The worker's actors in its Trio thread: they start there, take each step's work, and put
+their results into the :class:`~pdactors_vllm.mailbox.Mailbox` for vLLM's thread.
+
+Everything here runs in the Trio thread (``release_all`` once it has died).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import trio
+
+from pdactors import (
+    Layout,
+    Receiver,
+    Sender,
+    open_mooncake,
+    serve_bootstrap,
+    serve_receiver,
+    serve_sender,
+    timeline,
+)
+from pdactors.errors import PdError
+from pdactors_vllm.actor_configs import ActorConfigs, WorkerPlace
+from pdactors_vllm.counters import ReceiverReadings, SenderReadings, TransferCounters
+from pdactors_vllm.mailbox import Mailbox, StepWork
+from pdactors_vllm.scheduler_side import PullSpec, SendSpec
+from pdactors_vllm.settings import ConnectorSettings
+
+__all__ = ["WorkerActors"]
+
+log = logging.getLogger("pdactors.vllm")
+
+
+class WorkerActors:
+    """The data plane, bootstrap, sender and receiver of one worker, and the requests their
+    transfers belong to."""
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        place: WorkerPlace,
+        configs: ActorConfigs,
+        layout: Layout,
+        memory: list[tuple[int, int]],
+        mailbox: Mailbox,
+    ) -> None:
+        self._settings = settings
+        self._place = place
+        self._configs = configs
+        self._layout = layout
+        self._memory = memory
+        self._mailbox = mailbox
+        self._sender: Sender | None = None
+        self._receiver: Receiver | None = None
+        self._send_req: dict[str, str] = {}  # transfer id -> P request id
+        self._recv_req: dict[str, str] = {}  # transfer id -> D request id
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the data plane and the actors this role needs; run until cancelled. A new
+        call (a restart) starts them anew."""
+        c, place = self._configs, self._place
+        self._sender = self._receiver = None
+        async with open_mooncake(c.plane) as plane, trio.open_nursery() as nursery:
+            plane.register(self._memory)
+            transport = self._settings.side_channel(
+                producer=place.is_producer, consumer=place.is_consumer
+            )
+            if c.bootstrap is not None:
+                await nursery.start(serve_bootstrap, c.bootstrap)
+            if c.sender is not None:
+                self._sender = await nursery.start(
+                    partial(serve_sender, transport=transport), c.sender, plane, self._layout
+                )
+                nursery.start_soon(self._collect_sent, self._sender)
+            if c.receiver is not None:
+                self._receiver = await nursery.start(
+                    partial(serve_receiver, transport=transport), c.receiver, plane, self._layout
+                )
+                nursery.start_soon(self._collect_received, self._receiver)
+            task_status.started()
+
+    def release_all(self) -> tuple[set[str], set[str]]:
+        """After the Trio thread died: (P requests whose blocks may be freed, D requests whose
+        pull failed), forgotten here."""
+        sends, self._send_req = set(self._send_req.values()), {}
+        pulls, self._recv_req = set(self._recv_req.values()), {}
+        return sends, pulls
+
+    def apply(self, work: StepWork, event: torch.cuda.Event | None = None) -> None:
+        """Hand ``work`` to the actors (``event``: the forward's, for ready KV on a GPU)."""
+        self._mailbox.applied(work)
+        sender, receiver = self._sender, self._receiver
+        if sender is not None:
+            for tid in work.pending:
+                _logged(sender.transfer_pending, tid)
+            for req_id, send in work.streams.items():
+                self._send_req[send.transfer_id] = req_id  # a death releases it from now on
+                _logged(sender.transfer_streaming, send.transfer_id, send.block_ids)
+            if work.ready:
+                self._ready(sender, work.ready, _waiter(event))
+            for tid in work.dropped:
+                _logged(sender.transfer_dropped, tid, "the prefill ended without its KV")
+        if receiver is not None:
+            for req_id, pull in work.pulls.items():
+                self._start_pull(receiver, req_id, pull)
+            for tid in work.aborts.values():
+                _logged(receiver.abort, tid, "the request was aborted on D")
+
+    def layer_done(
+        self, tids: list[str], regions: tuple[int, ...], event: torch.cuda.Event | None
+    ) -> None:
+        """Layer-wise: ``regions`` of the streamed transfers ``tids`` are computed."""
+        if (sender := self._sender) is not None:
+            complete = _waiter(event)
+            for tid in tids:
+                sender.layer_ready(tid, regions, complete=complete)
+
+    def _ready(
+        self, sender: Sender, sends: dict[str, SendSpec], complete: Callable[[], object] | None
+    ) -> None:
+        # Each is known here before the sender has it, so that a death of this thread
+        # releases it too.
+        self._send_req |= {send.transfer_id: r for r, send in sends.items()}
+        for req_id, send in sends.items():
+            ready = _logged(
+                sender.transfer_ready, send.transfer_id, send.block_ids, complete=complete
+            )
+            if not ready:
+                del self._send_req[send.transfer_id]  # never sent: P may free the blocks
+                self._mailbox.add(sent={req_id})
+
+    def _start_pull(self, receiver: Receiver, req_id: str, pull: PullSpec) -> None:
+        started = _logged(
+            receiver.start_pull,
+            pull.transfer_id,
+            bootstrap_url=pull.bootstrap_url,
+            engine_id=pull.engine_id,
+            block_ids=pull.block_ids,
+        )
+        if pull.notify_only:
+            return
+        if started:
+            self._recv_req[pull.transfer_id] = req_id
+        else:  # e.g. a pull for this transfer id is in flight: it goes on, this one fails
+            self._mailbox.add(failed={req_id})
+
+    async def _collect_sent(self, sender: Sender) -> None:
+        readings = SenderReadings()
+        while True:
+            released = await sender.wait_finished()
+            reqs = {self._send_req.pop(tid) for tid in released if tid in self._send_req}
+            self._mailbox.add(sent=reqs, count=partial(readings.add_new, sender))
+
+    async def _collect_received(self, receiver: Receiver) -> None:
+        readings = ReceiverReadings()
+        while True:
+            results = await receiver.wait_results()
+            for tid, reason in results.failed.items():
+                if tid in self._recv_req:
+                    log.warning("KV pull %s failed: %s", tid, reason)
+                else:  # a notify-only pull (P just frees its KV): nobody waits for it
+                    log.info("KV release notice %s to P failed: %s", tid, reason)
+            ok_tids = {t: self._recv_req.pop(t) for t in results.finished if t in self._recv_req}
+            failed = {self._recv_req.pop(t) for t in results.failed if t in self._recv_req}
+
+            def count(
+                c: TransferCounters, landed: int = len(ok_tids), lost: int = len(failed)
+            ) -> None:
+                c.received += landed
+                c.failed += lost
+                readings.add_new(receiver, c)
+
+            landed = {r: t for t, r in ok_tids.items()} if timeline.enabled() else None
+            self._mailbox.add(recved=ok_tids.values(), failed=failed, landed=landed, count=count)
+
+
+def _waiter(event: torch.cuda.Event | None) -> Callable[[], object] | None:
+    """What the sender's write thread calls to wait for the forward's kernels up to ``event``
+    (None on a CPU, where the forward is synchronous). The wait happens in the thread that
+    then makes the engine call: no hop between the GPU finishing and the write starting."""
+    return None if event is None else event.synchronize
+
+
+def _logged(fn: Callable[..., None], *args: Any, **kwargs: Any) -> bool:
+    """Call ``fn``; say whether it worked. Engine-reported events the actors refuse
+    (IllegalTransition, a duplicate transfer id) are logged; anything else is logged with its
+    traceback. Neither is fatal: the caller fails that one transfer."""
+    try:
+        fn(*args, **kwargs)
+    except PdError as exc:
+        log.warning("%s%r refused: %s", fn.__name__, args, exc)
+        return False
+    except Exception as exc:  # a bug: this transfer fails, the others go on
+        log.error("%s%r failed: %s", fn.__name__, args, exc, exc_info=exc)
+        return False
+    return True
