@@ -18,7 +18,7 @@ lost.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -59,6 +59,9 @@ __all__ = ["PullResults", "Receiver", "serve_receiver"]
 
 log = logging.getLogger("pdactors.receiver")
 
+#: Seconds a lost P worker is remembered as down: a loss again within them logs at INFO.
+DOWN_MEMORY = 60.0
+
 
 @dataclass(frozen=True, slots=True)
 class PullResults:
@@ -83,6 +86,14 @@ class _Peer:
         if not self.gone.is_set():
             self.gone_reason, self.broken = reason, broken
             self.gone.set()
+
+
+@dataclass(slots=True)
+class _Connecting:
+    """The tasks that want a connection to one P worker: one of them makes it."""
+
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    tasks: int = 0
 
 
 class _Waiter:
@@ -117,12 +128,14 @@ class Receiver:
         self._table = PullTable(timeout=config.pull_timeout)
         self._lookups = Lookups(client, config.lookup_timeout)
         self._peers: dict[str, _Peer] = {}
-        self._peer_locks: defaultdict[str, trio.Lock] = defaultdict(trio.Lock)
+        self._connecting: dict[str, _Connecting] = {}  # address -> tasks dialling it now
         self._finished: set[str] = set()
         self._failed: dict[str, str] = {}
         self._results_changed = Pulse()
         self._ended = Pulse()  # fired whenever any pull ends
-        self._down: set[str] = set()  # P workers lost and not heard from since (log once)
+        # P workers lost and not heard from since, and when (a repeat loss logs at INFO); kept
+        # DOWN_MEMORY seconds, about as long as a dead P's registration lingers.
+        self._down: dict[str, float] = {}
         #: Seconds each delivered pull took (start to P's answer), newest last; readers drain it.
         self.pull_seconds: deque[float] = deque(maxlen=10_000)
         self.protocol_errors = 0  #: ErrorReplies and bad frames from P (logged once a minute)
@@ -289,11 +302,18 @@ class Receiver:
         peer = self._peers.get(address)
         if peer is not None:
             return peer
-        async with self._peer_locks[address]:
-            peer = self._peers.get(address)
-            if peer is None:
-                peer = await self._nursery.start(self._serve_peer, address, curve_key)
-            return peer
+        connecting = self._connecting.setdefault(address, _Connecting())
+        connecting.tasks += 1
+        try:
+            async with connecting.lock:  # one connection per P worker
+                peer = self._peers.get(address)
+                if peer is None:
+                    peer = await self._nursery.start(self._serve_peer, address, curve_key)
+                return peer
+        finally:
+            connecting.tasks -= 1
+            if not connecting.tasks:
+                del self._connecting[address]
 
     async def _serve_peer(
         self,
@@ -328,9 +348,12 @@ class Receiver:
         address = peer.address
         self._lookups.forget_address(address)
         pulls = self._table.on_peer(address)
+        now = trio.current_time()
+        for old in [a for a, since in self._down.items() if now - since >= DOWN_MEMORY]:
+            del self._down[old]
         level = logging.INFO if address in self._down or not pulls else logging.WARNING
         log.log(level, "P worker %s gone (%r): %d pulls end", address, reason, len(pulls))
-        self._down.add(address)
+        self._down.setdefault(address, now)
         self._apply(self._table.peer_lost(address, f"P gone: {reason}"))
         if pulls and not peer.broken:
             self._nursery.start_soon(self._parting_cancels, address, peer.curve_key, pulls)
@@ -387,7 +410,7 @@ class Receiver:
             log.warning("P worker %s: %r (%d such in 60 s)", peer.address, reason, n)
 
     def _on_answer(self, peer: _Peer, msg: Msg) -> None:
-        self._down.discard(peer.address)
+        self._down.pop(peer.address, None)
         match msg:
             case PullDone(transfer_id=tid):
                 timeline.mark(tid, "landed")

@@ -210,10 +210,28 @@ class MooncakeDataPlane:
         if count == 0:
             await trio.lowlevel.checkpoint()
             return
-        step = self._config.max_descriptors_per_call
         queue = self._per_peer.get(peer)
         if queue is None:
             queue = self._per_peer[peer] = _PeerQueue(self._config.max_calls_per_peer)
+        queue.writes += 1
+        try:
+            await self._write(peer, queue, src, dst, lengths, before)
+        finally:
+            queue.writes -= 1
+            if not queue.writes:  # no write left to queue behind: a restarted D is a new peer
+                del self._per_peer[peer]
+
+    async def _write(
+        self,
+        peer: str,
+        queue: _PeerQueue,
+        src: Addrs,
+        dst: Addrs,
+        lengths: Addrs,
+        before: Callable[[], object] | None,
+    ) -> None:
+        count = len(lengths)
+        step = self._config.max_descriptors_per_call
         job = _Write(int(lengths.sum()), pending=-(-count // step), before=before)
         for start in range(0, count, step):
             stop = start + step
@@ -340,11 +358,13 @@ class _Piece:
 
 
 class _PeerQueue:
-    """The pieces waiting for an engine call to one peer, and that peer's free calls."""
+    """The pieces waiting for an engine call to one peer, and that peer's free calls; kept
+    while writes to that peer are in progress (a call in flight belongs to one of them)."""
 
     def __init__(self, calls: int) -> None:
         self.pieces: deque[_Piece] = deque()
         self.free_calls = calls
+        self.writes = 0
 
     def take(self, limit: int) -> list[_Piece]:
         """Pieces from the head while their descriptors fit in ``limit`` (at least one). A
