@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import trio
@@ -41,7 +41,7 @@ async def open_receiver(
     client = cast(BootstrapClient, _Bootstrap())
     async with trio.open_nursery() as nursery:
         receiver = Receiver(config, plane, LAYOUT, client, nursery, transport)
-        nursery.start_soon(receiver._tick_loop)
+        nursery.start_soon(receiver._serve_deadlines)
         yield receiver
         nursery.cancel_scope.cancel()
 
@@ -58,9 +58,12 @@ def sizes(receiver: Receiver) -> dict[str, int]:
     }
 
 
-async def pull_fails(receiver: Receiver, n: int) -> str:
+async def pull_fails(receiver: Receiver, n: int, tid: str = "") -> str:
+    """Pull ``tid`` from P ``p{n}``, which must fail; why it did."""
     with pytest.raises(PullFailedError) as info:
-        await receiver.pull(f"t{n}", bootstrap_url=f"http://b{n}", engine_id=f"p{n}", block_ids=[0])
+        await receiver.pull(
+            tid or f"t{n}", bootstrap_url=f"http://b{n}", engine_id=f"p{n}", block_ids=[0]
+        )
     return info.value.reason
 
 
@@ -79,3 +82,54 @@ async def test_maps_return_to_their_size_after_p_workers_come_and_go(
         await trio.testing.wait_all_tasks_blocked()
         # ...and forgotten after it: only the one just lost is left.
         assert sizes(receiver) == {**before, "_down": 1}
+
+
+class _CountingTicks:
+    """Counts how often the receiver's loop asks its pull table for expired pulls."""
+
+    def __init__(self, receiver: Receiver) -> None:
+        self.calls = 0
+        table = receiver._table
+        tick = table.tick
+
+        def counted(now: float) -> Any:
+            self.calls += 1
+            return tick(now)
+
+        table.tick = counted  # type: ignore[method-assign]
+
+
+async def silent_p_fails_after(receiver: Receiver, tid: str) -> float:
+    """Pull ``tid`` from P ``p1`` (which never answers); how long the pull took to fail."""
+    start = trio.current_time()
+    assert "within the pull deadline" in await pull_fails(receiver, 1, tid)
+    return trio.current_time() - start
+
+
+async def test_the_receiver_sleeps_until_the_next_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """No wake-up every tick: the loop runs when a pull's deadline comes, exactly then. An idle
+    receiver's first pull re-arms the sleep at once; later pulls keep their own deadlines."""
+    memory = MemoryTransport()
+    config = ReceiverConfig(pull_timeout=480, liveness=Liveness(connect_timeout=1e6))
+    async with (
+        memory.open_router("p", 1),  # a P worker that never answers
+        open_receiver(memory, config) as receiver,
+    ):
+        ticks = _CountingTicks(receiver)
+        await trio.sleep(1000)  # idle: no pull, no deadline
+        assert ticks.calls == 0
+        assert await silent_p_fails_after(receiver, "a") == 480
+        assert ticks.calls == 1
+        took: list[float] = []
+
+        async def timed(tid: str) -> None:
+            took.append(await silent_p_fails_after(receiver, tid))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(timed, "b")
+            await trio.sleep(100)
+            nursery.start_soon(timed, "c")
+        assert took == [480, 480]  # ended at t+480 and t+580
+        assert ticks.calls == 3

@@ -140,6 +140,8 @@ class Receiver:
         self.pull_seconds: deque[float] = deque(maxlen=10_000)
         self.protocol_errors = 0  #: ErrorReplies and bad frames from P (logged once a minute)
         self._every = Every(60.0)
+        # The sleep of _serve_deadlines, until the earliest deadline; a new pull moves it.
+        self._sleep = trio.CancelScope()
 
     # ------------------------------------------------------------------ engine side (sync)
 
@@ -172,6 +174,9 @@ class Receiver:
             block_ids=block_ids,
             waiter=waiter,
         )
+        pull = self._table.get(tid)
+        assert pull is not None
+        self._sleep.deadline = min(self._sleep.deadline, pull.deadline)
         self._nursery.start_soon(self._run_pull, tid)
 
     def abort(self, transfer_id: str, reason: str = "aborted by D") -> None:
@@ -445,9 +450,13 @@ class Receiver:
         except trio.ClosedResourceError:
             pass  # P was lost: its pulls end through peer_lost
 
-    async def _tick_loop(self) -> None:
+    async def _serve_deadlines(self) -> None:
+        """End pulls at their deadlines: sleep until the earliest one, which :meth:`_start`
+        moves earlier when a new pull's comes first (a waiting D does not wake for nothing)."""
         while True:
-            await trio.sleep(self.config.tick_interval)
+            # No checkpoint between reading the deadline and sleeping: no pull starts unseen.
+            with trio.CancelScope(deadline=self._table.next_deadline()) as self._sleep:
+                await trio.sleep_forever()
             self._apply(self._table.tick(trio.current_time()))
 
     async def _send_cancel(self, cancel: SendCancel) -> None:
@@ -507,6 +516,6 @@ async def serve_receiver(
         trio.open_nursery() as nursery,
     ):
         receiver = Receiver(config, dataplane, layout, client, nursery, transport)
-        nursery.start_soon(receiver._tick_loop)
+        nursery.start_soon(receiver._serve_deadlines)
         log.info("receiver %s rank %s ready", config.engine_id, config.ranks)
         task_status.started(receiver)
