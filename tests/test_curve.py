@@ -5,6 +5,7 @@ the actors move and verify KV with CURVE on."""
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -286,3 +287,25 @@ async def test_per_engine_keys_travel_with_the_bootstrap_entry(tmp_path: Path) -
                         raise AssertionError(f"the impostor heard D: {await fake.receive()}")
             again = await run_transfer(cluster, "p0-untouched", 2, p=0)
             assert again.ok and again.verified, again.reason
+
+
+def _zap_threads() -> int:
+    from zmq.auth.thread import AuthenticationThread
+
+    return sum(isinstance(t, AuthenticationThread) and t.is_alive() for t in threading.enumerate())
+
+
+async def test_the_zap_thread_lives_while_curve_routers_do() -> None:
+    """The ZAP handler starts with the first CURVE router and stops with the last; a router
+    opened after that starts a fresh one, which lets the right D in again."""
+    p_keys, d_keys = curve_from_secret(SECRET)
+    before = _zap_threads()
+    with trio.fail_after(10):
+        for _ in range(2):
+            async with open_router("127.0.0.1", curve=p_keys) as router:
+                async with open_router("127.0.0.1", curve=p_keys):
+                    assert _zap_threads() == before + 1  # one per ZMQ context
+                async with open_dealer(router.address, curve=d_keys) as dealer:
+                    await dealer.send([b"hello"])
+                    assert (await router.receive())[1] == [b"hello"]
+            assert _zap_threads() == before

@@ -153,8 +153,17 @@ class _Allowed:
         return False
 
 
+class _Zap:
+    """The ZAP handler of one ZMQ context, owned by its CURVE routers: started for the first,
+    stopped when the last one closes (no thread outlives the sockets it answers for)."""
+
+    def __init__(self, context: zmq.Context[Any]) -> None:
+        self.auth = ThreadAuthenticator(context, log=log)
+        self.domains: set[str] = set()
+
+
 _lock = threading.Lock()
-_authenticators: dict[int, ThreadAuthenticator] = {}  # per ZMQ context
+_zaps: dict[int, _Zap] = {}  # per ZMQ context, while it has CURVE routers
 _domains = itertools.count()
 
 
@@ -166,11 +175,13 @@ def serve_curve(socket: zmq.Socket[Any], curve: Curve) -> str:
     context = socket.context
     domain = f"pdactors-{next(_domains)}"
     with _lock:
-        auth = _authenticators.get(id(context))
-        if auth is None:
-            auth = _authenticators[id(context)] = ThreadAuthenticator(context, log=log)
-            auth.start()
-        auth.configure_curve_callback(domain, _Allowed(curve.clients))
+        zap = _zaps.get(id(context))
+        if zap is None:
+            zap = _Zap(context)
+            zap.auth.start()
+            _zaps[id(context)] = zap
+        zap.domains.add(domain)
+        zap.auth.configure_curve_callback(domain, _Allowed(curve.clients))
     try:
         socket.curve_secretkey = curve.secret.encode()
         socket.curve_publickey = curve.public.encode()
@@ -185,11 +196,17 @@ def serve_curve(socket: zmq.Socket[Any], curve: Curve) -> str:
 
 
 def stop_curve(context: zmq.Context[Any], domain: str) -> None:
-    """Forget a closed ROUTER's ZAP domain."""
+    """Forget a closed ROUTER's ZAP domain; the last one of ``context`` stops its ZAP thread
+    (blocking for as long as that thread takes to end: milliseconds)."""
     with _lock:
-        auth = _authenticators.get(id(context))
-        if auth is not None:
-            auth.credentials_providers.pop(domain, None)
+        zap = _zaps.get(id(context))
+        if zap is None or domain not in zap.domains:
+            return
+        zap.auth.credentials_providers.pop(domain, None)
+        zap.domains.discard(domain)
+        if not zap.domains:
+            del _zaps[id(context)]
+            zap.auth.stop()
 
 
 def connect_curve(socket: zmq.Socket[Any], curve: Curve, server_key: str) -> None:
