@@ -236,11 +236,6 @@ class DealerSocket(_TrioSocket):
                 continue
             self._changed.fire()
 
-    @property
-    def up(self) -> bool:
-        """The handshake with the peer completed and the connection has not been lost since."""
-        return self._up and self._lost is None
-
     async def wait_lost(self, connect_timeout: float) -> str:
         """Wait until the peer is known to be gone, and say why. Checkpoint.
 
