@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from pdactors import Liveness, PullFailedError, ReceiverConfig
-from pdactors.actors import receiver as receiver_module
+from pdactors.actors._p_connections import DOWN_MEMORY
 from pdactors.actors.receiver import Receiver
 from pdactors.bootstrap_client import BootstrapClient
 from pdactors.dataplane import DataPlane
@@ -49,7 +49,11 @@ async def open_receiver(
 def sizes(receiver: Receiver) -> dict[str, int]:
     """How many entries each map and set of ``receiver`` and its look-ups holds (the answers'
     cache aside: it is bounded by the bootstraps D trusts)."""
-    owners = {"": vars(receiver), "lookups.": vars(receiver._lookups)}
+    owners = {
+        "": vars(receiver),
+        "lookups.": vars(receiver._lookups),
+        "links.": vars(receiver._links),
+    }
     return {
         prefix + name: len(value)
         for prefix, attributes in owners.items()
@@ -76,12 +80,12 @@ async def test_maps_return_to_their_size_after_p_workers_come_and_go(
             for n in range(20):
                 nursery.start_soon(pull_fails, receiver, n)
         await trio.testing.wait_all_tasks_blocked()
-        assert len(receiver._down) == 20  # remembered as down for a while (INFO next time)...
-        await trio.sleep(receiver_module.DOWN_MEMORY)
+        assert len(receiver._links._down) == 20  # remembered as down a while (INFO next time)
+        await trio.sleep(DOWN_MEMORY)
         assert "P gone" in await pull_fails(receiver, 99)
         await trio.testing.wait_all_tasks_blocked()
         # ...and forgotten after it: only the one just lost is left.
-        assert sizes(receiver) == {**before, "_down": 1}
+        assert sizes(receiver) == {**before, "links._down": 1}
 
 
 class _CountingTicks:
