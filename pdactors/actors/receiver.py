@@ -89,7 +89,6 @@ class Receiver:
     ) -> None:
         check_layout(layout)
         self.config = config
-        self._transport = transport
         self.layout = layout
         self._session = dataplane.session
         self._layout_id = layout_id(dataplane.session, layout)
