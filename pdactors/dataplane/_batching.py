@@ -7,16 +7,26 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from pdactors._pulse import Pulse
-
-if TYPE_CHECKING:
-    from pdactors.dataplane.mooncake import Addrs, MooncakeEngine
+from pdactors.dataplane.base import Addrs
 
 __all__ = ["BEFORE_FAILED", "RAISED", "PeerQueue", "Piece", "Write", "batch_call", "descriptors"]
+
+
+class _Writer(Protocol):
+    """The engine call a batch makes (a ``MooncakeEngine`` has it)."""
+
+    def batch_transfer_sync_write(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+    ) -> int: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -91,7 +101,7 @@ RAISED = -10_001
 
 
 def batch_call(
-    engine: MooncakeEngine, peer: str, batch: list[Piece]
+    engine: _Writer, peer: str, batch: list[Piece]
 ) -> Callable[[], tuple[int, dict[int, str]]]:
     """The worker thread's work: run the writes' ``before`` waits, then one engine call for
     the pieces whose wait succeeded. Returns the engine's code and, by ``id`` of the write,
