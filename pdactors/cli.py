@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from pdactors import timeline
 from pdactors.config import (
     DEFAULT_BOOTSTRAP_PORT,
     PROTOCOLS,
@@ -38,6 +39,8 @@ def _setup(verbose: bool) -> None:
         level=logging.INFO if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if sink := os.environ.get(timeline.ENV):  # where the transfers' timelines go (bench)
+        timeline.enable(sink)
 
 
 def _native_log_aside(verbose: bool) -> Path | None:

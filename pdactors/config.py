@@ -202,6 +202,8 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
     * ``bootstrap_token`` / ``bootstrap_ca_file``: the bootstraps' bearer token and CA bundle.
       With a token, D looks P up only at ``trusted_bootstraps`` (a request names its
       bootstrap, and must not be able to collect the token); a pull naming another fails.
+    * ``tick_interval``: not used (the receiver sleeps until its next pull deadline); kept so
+      that configurations which set it still load.
     """
 
     engine_id: str = "decode"

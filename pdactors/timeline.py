@@ -5,13 +5,15 @@ Every actor (and the vLLM connector) marks what happens to a transfer as it happ
 it is on, each mark is
 
 * a DEBUG line on the ``pdactors.timeline`` logger (``transfer T: write_start``), and
-* with a sink file (``$PDACTORS_TIMELINE``, or :func:`enable`'s ``path``), one JSON line
+* with a sink file (:func:`enable`'s ``path``), one JSON line
   ``{"tid": T, "event": E, "t": wall-clock seconds, "pid": P}`` appended to it. Processes on
   one machine share the file: lines are written whole with ``O_APPEND``, and wall-clock times
   of different processes compare.
 
-The timeline is on when :func:`enable` was called, when ``$PDACTORS_TIMELINE`` is set, or when
-``pdactors.timeline`` logs at DEBUG. :func:`read_timelines` joins a sink file per transfer.
+The timeline is on when :func:`enable` was called, or when ``pdactors.timeline`` logs at DEBUG.
+This module reads no environment: the edges do, and call :func:`enable` with the file that
+``$PDACTORS_TIMELINE`` (:data:`ENV`) names: the ``pdactors`` commands and the vLLM connector's
+settings parsing. :func:`read_timelines` joins a sink file per transfer.
 
 The events, in the order of one PD request (see ``bench/vllm_pd.py`` for the segments):
 
@@ -43,7 +45,7 @@ import msgspec
 
 __all__ = ["ENV", "disable", "enable", "enabled", "mark", "read_timelines"]
 
-#: The environment variable naming the sink file.
+#: The environment variable naming the sink file (read by the CLI and the vLLM adapter).
 ENV = "PDACTORS_TIMELINE"
 
 log = logging.getLogger("pdactors.timeline")
@@ -111,7 +113,3 @@ def read_timelines(path: str | os.PathLike[str]) -> dict[str, dict[str, float]]:
             m = decoder.decode(line)
             out[m.tid].setdefault(m.event, m.t)
     return dict(out)
-
-
-if os.environ.get(ENV):
-    enable(os.environ[ENV])

@@ -5,6 +5,7 @@ the actors move and verify KV with CURVE on."""
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,13 @@ from pdactors.config import Liveness, SenderConfig
 from pdactors.testing import open_cluster, run_transfer
 from pdactors.testing.cluster import DecodeNode
 from pdactors.transport import ZmqTransport, open_dealer, open_router
-from pdactors.transport.curve import Curve, UntrustedServer, curve_from_files, curve_from_secret
+from pdactors.transport.curve import (
+    Curve,
+    CurveError,
+    UntrustedServer,
+    curve_from_files,
+    curve_from_secret,
+)
 
 SECRET = "the deployment secret, long enough"
 LIVE = Liveness(connect_timeout=2.0)
@@ -101,7 +108,7 @@ def test_keys_from_a_secret_and_from_certificate_files(tmp_path: Path) -> None:
     assert p.clients == (d.public,) and d.servers == (p.public,)
     assert curve_from_secret(SECRET + "!")[0].public != p.public
     assert SECRET not in repr(p) and p.secret not in repr(p)
-    with pytest.raises(ValueError, match="at least 16"):
+    with pytest.raises(CurveError, match="at least 16"):
         curve_from_secret("short")
     for name in ("p", "d1", "d2"):
         zmq.auth.create_certificates(tmp_path, name)
@@ -113,10 +120,10 @@ def test_keys_from_a_secret_and_from_certificate_files(tmp_path: Path) -> None:
     assert len(server.clients) == 2
     client = curve_from_files(tmp_path / "d1.key_secret", tmp_path / "p.key", server=False)
     assert client.servers == (server.public,) and client.public in server.clients
-    with pytest.raises(ValueError, match="no secret key"):
+    with pytest.raises(CurveError, match="no secret key"):
         curve_from_files(tmp_path / "p.key", d_keys, server=True)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="no public keys"):
+    with pytest.raises(CurveError, match="no public keys"):
         curve_from_files(tmp_path / "d1.key_secret", tmp_path / "empty", server=False)
     # the key D demands of a P worker: the one it registered, if D trusts it
     trusting_two = curve_from_files(tmp_path / "d1.key_secret", d_keys, server=False)
@@ -127,7 +134,7 @@ def test_keys_from_a_secret_and_from_certificate_files(tmp_path: Path) -> None:
     with pytest.raises(UntrustedServer, match="registered no CURVE key"):
         trusting_two.server_key("", "tcp://p:1")
     assert client.server_key("", "tcp://p:1") == server.public  # the only key D trusts
-    with pytest.raises(ValueError, match="Z85"):
+    with pytest.raises(CurveError, match="Z85"):
         Curve(public="~" * 40, secret=client.secret)
 
 
@@ -154,9 +161,9 @@ async def test_actors_move_kv_with_curve_on_and_a_d_without_the_keys_fails_fast(
 
 def test_a_transport_with_one_role_refuses_the_other() -> None:
     p, d = curve_from_secret(SECRET)
-    with pytest.raises(ValueError, match="P needs server keys"):
+    with pytest.raises(CurveError, match="P needs server keys"):
         ZmqTransport(client=d).open_router("127.0.0.1")
-    with pytest.raises(ValueError, match="D needs client keys"):
+    with pytest.raises(CurveError, match="D needs client keys"):
         ZmqTransport(server=p).open_dealer("tcp://127.0.0.1:1")
 
 
@@ -286,3 +293,25 @@ async def test_per_engine_keys_travel_with_the_bootstrap_entry(tmp_path: Path) -
                         raise AssertionError(f"the impostor heard D: {await fake.receive()}")
             again = await run_transfer(cluster, "p0-untouched", 2, p=0)
             assert again.ok and again.verified, again.reason
+
+
+def _zap_threads() -> int:
+    from zmq.auth.thread import AuthenticationThread
+
+    return sum(isinstance(t, AuthenticationThread) and t.is_alive() for t in threading.enumerate())
+
+
+async def test_the_zap_thread_lives_while_curve_routers_do() -> None:
+    """The ZAP handler starts with the first CURVE router and stops with the last; a router
+    opened after that starts a fresh one, which lets the right D in again."""
+    p_keys, d_keys = curve_from_secret(SECRET)
+    before = _zap_threads()
+    with trio.fail_after(10):
+        for _ in range(2):
+            async with open_router("127.0.0.1", curve=p_keys) as router:
+                async with open_router("127.0.0.1", curve=p_keys):
+                    assert _zap_threads() == before + 1  # one per ZMQ context
+                async with open_dealer(router.address, curve=d_keys) as dealer:
+                    await dealer.send([b"hello"])
+                    assert (await router.receive())[1] == [b"hello"]
+            assert _zap_threads() == before

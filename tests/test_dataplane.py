@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -520,3 +521,34 @@ async def test_an_engine_call_that_raises_fails_its_writes_with_a_transfer_error
     with trio.fail_after(TIMEOUT):
         await write(1)  # the data plane goes on
     np.testing.assert_array_equal(dst[1], src[1])
+
+
+class _NullEngine:
+    """An engine whose writes land at once, wherever they point (no bytes move)."""
+
+    def register_memory(self, addr: int, length: int) -> int:
+        return 0
+
+    def unregister_memory(self, addr: int) -> int:
+        return 0
+
+    def batch_transfer_sync_write(
+        self, target: str, src: list[int], dst: list[int], lengths: list[int]
+    ) -> int:
+        return 0
+
+
+async def test_nothing_is_kept_per_peer_once_its_writes_end() -> None:
+    """Every D restart is a new peer (a new session): what the data plane keeps per peer must
+    go when the writes to it end, or it grows for as long as P lives."""
+    config = DataPlaneConfig(max_descriptors_per_call=2, max_calls_per_peer=1)
+    plane = MooncakeDataPlane(_NullEngine(), config, "p:1")
+    one = u64([1, 2, 3])
+    async with trio.open_nursery() as nursery:
+        for n in range(20):  # several writes to each peer at once, sharing its queue
+            for _ in range(3):
+                nursery.start_soon(partial(plane.write, f"d:{n}", one, one, one))
+    with trio.move_on_after(0):  # cancelled before its first call
+        await plane.write("d:gone", one, one, one)
+    assert plane.statistics().writes == 60
+    assert plane._per_peer == {}

@@ -2,12 +2,14 @@
 which of P's workers a D rank pulls from.
 
 One query in flight per bootstrap; tasks queued behind a query that fails share its failure
-instead of asking again; an answer is dropped when a pull finds P moved or gone.
+instead of asking again (each gets an exception of its own, chained to the query's); an answer
+is dropped when a pull finds P moved or gone. What is kept per bootstrap to queue tasks lives
+only while some task asks it.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from dataclasses import dataclass, field
 
 import trio
 
@@ -20,6 +22,16 @@ from pdactors.messages import BootstrapAnswer, BootstrapEntry
 __all__ = ["Lookups"]
 
 
+@dataclass(slots=True)
+class _Asking:
+    """The tasks asking one bootstrap now: one query at a time, and the last one's failure."""
+
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    tasks: int = 0
+    failed_at: float = float("-inf")
+    failure: BootstrapError | None = None
+
+
 class Lookups:
     """Where each engine's workers listen, as the bootstraps last said."""
 
@@ -27,8 +39,7 @@ class Lookups:
         self._client = client
         self._timeout = timeout
         self._answers: dict[str, BootstrapAnswer] = {}
-        self._failures: dict[str, tuple[float, BootstrapError]] = {}  # url -> the last one
-        self._locks: defaultdict[str, trio.Lock] = defaultdict(trio.Lock)
+        self._asking: dict[str, _Asking] = {}  # url -> its askers, while there are some
 
     async def resolve(self, url: str, engine_id: str) -> BootstrapEntry:
         """``engine_id``'s registration: its workers' side-channel addresses, ``worker_addr``
@@ -43,13 +54,28 @@ class Lookups:
         if entry is not None:
             return entry
         asked = trio.current_time()
-        async with self._locks[url]:  # one query in flight per bootstrap
-            entry = self._find(url, engine_id)  # another task may have just refreshed it
-            if entry is not None:
-                return entry
-            failed = self._failures.get(url)
-            if failed is not None and failed[0] >= asked:
-                raise failed[1]  # the query we queued behind just failed: no second one
+        asking = self._asking.setdefault(url, _Asking())
+        asking.tasks += 1
+        try:
+            await self._query(url, engine_id, asked, asking)
+        finally:
+            asking.tasks -= 1
+            if not asking.tasks:  # the last asker: nobody is queued behind a failure any more
+                del self._asking[url]
+        entry = self._find(url, engine_id)
+        if entry is None:
+            raise BootstrapError(f"engine {engine_id!r} is not registered at {url}")
+        return entry
+
+    async def _query(self, url: str, engine_id: str, asked: float, asking: _Asking) -> None:
+        """Ask ``url`` unless another task just did; raises what that query raised."""
+        async with asking.lock:  # one query in flight per bootstrap
+            if self._find(url, engine_id) is not None:  # another task may have just asked
+                return
+            if asking.failure is not None and asking.failed_at >= asked:
+                # The query we queued behind just failed: no second one. Each waiter raises an
+                # exception of its own (a shared instance would share one traceback).
+                raise BootstrapError(str(asking.failure)) from asking.failure
             try:
                 with trio.move_on_after(self._timeout) as scope:
                     answer = await self._client.query(url, timeout=self._timeout, retry=False)
@@ -57,14 +83,10 @@ class Lookups:
                     what = f"no answer from the bootstrap at {url} in {self._timeout:g} s"
                     raise BootstrapError(what)
             except BootstrapError as exc:
-                self._failures[url] = (trio.current_time(), exc)
+                asking.failed_at, asking.failure = trio.current_time(), exc
                 raise
-            self._failures.pop(url, None)
+            asking.failure = None
             self._answers[url] = answer
-        entry = self._find(url, engine_id)
-        if entry is None:
-            raise BootstrapError(f"engine {engine_id!r} is not registered at {url}")
-        return entry
 
     async def p_workers(
         self, url: str, engine_id: str, ranks: RankInfo, kv_heads: int

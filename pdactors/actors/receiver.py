@@ -7,28 +7,27 @@ aborts them with :meth:`Receiver.abort`, and collects ends with :meth:`Receiver.
 
 The actor is a thin trio shell around :class:`~pdactors.core.pull_table.PullTable`, which holds
 every pull's record. Per P worker, one DEALER socket is opened on first use and kept while P is
-alive (ZMQ heartbeats and the socket's monitor tell): when P's side channel is lost, every pull
-sent there ends at once as ``P_GONE``, the socket is closed, and the next pull looks P up
-again; so it does when P answers what D cannot use (another protocol version, garbage). D's
-layout travels with the first pull to each P worker only. Bootstrap answers are cached per
-bootstrap address and re-read when an engine id is not in them (P restarted) or after P was
-lost.
+alive (:mod:`pdactors.actors._p_connections`): when P's side channel is lost, every pull sent
+there ends at once as ``P_GONE``, and the next pull looks P up again; so it does when P answers
+what D cannot use (another protocol version, garbage). D's layout travels with the first pull
+to each P worker only. Bootstrap answers are cached per bootstrap address and re-read when an
+engine id is not in them (P restarted) or after P was lost (:mod:`pdactors.actors._lookups`).
+The actor sleeps until the earliest pull deadline, not on a tick.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import trio
 
 from pdactors import timeline
-from pdactors._once import Every
 from pdactors._pulse import Pulse
 from pdactors.actors._durations import Durations, DurationStatistics
 from pdactors.actors._lookups import Lookups
+from pdactors.actors._p_connections import PConnections, Peer
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import ReceiverConfig
 from pdactors.core.plan import check_layout
@@ -37,12 +36,10 @@ from pdactors.dataplane.base import DataPlane
 from pdactors.errors import PdError, PullFailedError
 from pdactors.messages import (
     MAX_ID,
-    PROTOCOL_VERSION,
     BlockIds,
     BlockIdsLike,
     CancelPull,
     ErrorReply,
-    FrameError,
     Layout,
     LayoutUnknown,
     Msg,
@@ -50,11 +47,10 @@ from pdactors.messages import (
     PullFailed,
     PullRequest,
     block_groups,
-    decode_frames,
     encode_frames,
     layout_id,
 )
-from pdactors.transport import ZMQ, Dealer, Transport
+from pdactors.transport import ZMQ, Transport
 
 __all__ = ["PullResults", "Receiver", "serve_receiver"]
 
@@ -67,23 +63,6 @@ class PullResults:
 
     finished: frozenset[str]
     failed: dict[str, str]
-
-
-@dataclass(slots=True)
-class _Peer:
-    address: str
-    dealer: Dealer
-    curve_key: str  # the CURVE key the P worker registered ("": none)
-    knows_layout: bool = False
-    lost: bool = False
-    gone: trio.Event = field(default_factory=trio.Event)  # lost, or P broke the protocol
-    gone_reason: str = ""
-    broken: bool = False  # P broke the protocol: it cannot read a parting cancel either
-
-    def end(self, reason: str, *, broken: bool = False) -> None:  # the first reason stands
-        if not self.gone.is_set():
-            self.gone_reason, self.broken = reason, broken
-            self.gone.set()
 
 
 class _Waiter:
@@ -110,23 +89,20 @@ class Receiver:
     ) -> None:
         check_layout(layout)
         self.config = config
-        self._transport = transport
         self.layout = layout
         self._session = dataplane.session
         self._layout_id = layout_id(dataplane.session, layout)
         self._nursery = nursery
         self._table = PullTable(timeout=config.pull_timeout)
         self._lookups = Lookups(client, config.lookup_timeout)
-        self._peers: dict[str, _Peer] = {}
-        self._peer_locks: defaultdict[str, trio.Lock] = defaultdict(trio.Lock)
+        self._links = PConnections(config, transport, nursery, self._on_answer, self._lost)
         self._finished: set[str] = set()
         self._failed: dict[str, str] = {}
         self._results_changed = Pulse()
         self._ended = Pulse()  # fired whenever any pull ends
-        self._down: set[str] = set()  # P workers lost and not heard from since (log once)
         self._pull_seconds = Durations()  # each delivered pull, start to P's answer
-        self.protocol_errors = 0  #: ErrorReplies and bad frames from P (logged once a minute)
-        self._every = Every(60.0)
+        # The sleep of _serve_deadlines, until the earliest deadline; a new pull moves it.
+        self._sleep = trio.CancelScope()
 
     # ------------------------------------------------------------------ engine side (sync)
 
@@ -159,6 +135,9 @@ class Receiver:
             block_ids=block_ids,
             waiter=waiter,
         )
+        pull = self._table.get(tid)
+        assert pull is not None
+        self._sleep.deadline = min(self._sleep.deadline, pull.deadline)
         self._nursery.start_soon(self._run_pull, tid)
 
     def abort(self, transfer_id: str, reason: str = "aborted by D") -> None:
@@ -242,7 +221,7 @@ class Receiver:
             p_tp, p_pp, workers = await self._lookups.p_workers(
                 pull.bootstrap_url, pull.engine_id, self.config.ranks, self.config.kv_heads
             )
-            peers = [await self._peer(address, key) for address, key in workers]
+            peers = [await self._links.connect(address, key) for address, key in workers]
         except (PdError, OSError) as exc:
             where = f"P {pull.engine_id} via {pull.bootstrap_url}"
             self._apply(self._table.fail(tid, f"cannot reach {where}: {exc}"))
@@ -286,113 +265,19 @@ class Receiver:
     def _with_layout(self, request: PullRequest) -> PullRequest:
         return msgspec.structs.replace(request, layout=self.layout)
 
-    async def _peer(self, address: str, curve_key: str) -> _Peer:
-        """The connection to the P worker at ``address`` (made if there is none), which
-        registered ``curve_key``. A live connection is reused even if the key it demanded is
-        not ``curve_key`` (it is one D trusts; if P restarted there with another key, that
-        connection's handshake fails, it is lost, and P is looked up afresh)."""
-        peer = self._peers.get(address)
-        if peer is not None:
-            return peer
-        async with self._peer_locks[address]:
-            peer = self._peers.get(address)
-            if peer is None:
-                peer = await self._nursery.start(self._serve_peer, address, curve_key)
-            return peer
+    @property
+    def protocol_errors(self) -> int:
+        """ErrorReplies and undecodable frames from P workers so far."""
+        return self._links.protocol_errors
 
-    async def _serve_peer(
-        self,
-        address: str,
-        curve_key: str,
-        *,
-        task_status: trio.TaskStatus[_Peer] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """One P worker's connection: read its answers until it is lost, then end its pulls."""
-        liveness = self.config.liveness
-        # A malformed address or an untrusted key raises TransportError here, before started:
-        # nursery.start re-raises it to the pull that asked, which ends as unreachable.
-        dealing = self._transport.open_dealer(address, liveness=liveness, server_key=curve_key)
-        async with dealing as dealer:
-            peer = self._peers[address] = _Peer(address, dealer, curve_key)
-            task_status.started(peer)
-            try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._read_answers, peer)
-                    nursery.start_soon(_watch_lost, peer, liveness.connect_timeout)
-                    await peer.gone.wait()
-                    nursery.cancel_scope.cancel()
-                # Before the socket closes: a send still in flight on it then fails for a pull
-                # that has already ended here (and gets its parting cancel).
-                peer.lost = True
-                self._lost(peer, peer.gone_reason)
-            finally:
-                peer.lost = True
-                del self._peers[address]
+    def _lost(self, peer: Peer, reason: str) -> list[str]:
+        """``peer``'s connection is gone: its pulls end; returns their transfer ids."""
+        self._lookups.forget_address(peer.address)
+        pulls = self._table.on_peer(peer.address)
+        self._apply(self._table.peer_lost(peer.address, reason))
+        return pulls
 
-    def _lost(self, peer: _Peer, reason: str) -> None:
-        address = peer.address
-        self._lookups.forget_address(address)
-        pulls = self._table.on_peer(address)
-        level = logging.INFO if address in self._down or not pulls else logging.WARNING
-        log.log(level, "P worker %s gone (%r): %d pulls end", address, reason, len(pulls))
-        self._down.add(address)
-        self._apply(self._table.peer_lost(address, f"P gone: {reason}"))
-        if pulls and not peer.broken:
-            self._nursery.start_soon(self._parting_cancels, address, peer.curve_key, pulls)
-
-    async def _parting_cancels(self, address: str, key: str, transfer_ids: list[str]) -> None:
-        """Best effort after a lost connection: if P is in fact alive (only the link broke),
-        tell it on a fresh connection that D gave up on these transfers, so it frees their KV
-        now rather than at its expiry. A dead P never answers; the attempt ends with the
-        connection (refused, or no handshake within ``connect_timeout``), or after one more
-        ``connect_timeout`` for a live P that does not answer every cancel."""
-        liveness = self.config.liveness
-        cancels = [encode_frames(CancelPull(t, "D lost its connection to P")) for t in transfer_ids]
-        with trio.move_on_after(2 * liveness.connect_timeout):
-            try:
-                async with (
-                    self._transport.open_dealer(
-                        address, liveness=liveness, server_key=key
-                    ) as dealer,
-                    trio.open_nursery() as nursery,
-                ):
-
-                    async def answers() -> None:
-                        for _ in cancels:  # P answers each cancel it did not already end
-                            await dealer.receive()
-                        nursery.cancel_scope.cancel()
-
-                    nursery.start_soon(answers)
-                    for frames in cancels:
-                        await dealer.send(frames)
-                    await dealer.wait_lost(liveness.connect_timeout)
-                    nursery.cancel_scope.cancel()
-            except (PdError, trio.ClosedResourceError):
-                pass  # P is gone after all: there is nothing left to free
-
-    async def _read_answers(self, peer: _Peer) -> None:
-        while True:
-            frames = await peer.dealer.receive()
-            try:
-                msg = decode_frames(frames)
-            except FrameError as exc:
-                # Nothing more on this connection can be trusted: its pulls end now.
-                self._protocol_error(peer, str(exc))
-                why = f"sent an undecodable frame: {exc}"
-                if exc.version is not None:
-                    why = (f"speaks side-channel protocol version {exc.version}, this D "
-                           f"speaks {PROTOCOL_VERSION}")  # fmt: skip
-                peer.end(f"P worker {peer.address} {why}", broken=True)
-                return
-            self._on_answer(peer, msg)
-
-    def _protocol_error(self, peer: _Peer, reason: str) -> None:
-        self.protocol_errors += 1
-        if (n := self._every.due(peer.address, trio.current_time())) is not None:
-            log.warning("P worker %s: %r (%d such in 60 s)", peer.address, reason, n)
-
-    def _on_answer(self, peer: _Peer, msg: Msg) -> None:
-        self._down.discard(peer.address)
+    def _on_answer(self, peer: Peer, msg: Msg) -> None:
         match msg:
             case PullDone(transfer_id=tid):
                 timeline.mark(tid, "landed")
@@ -407,10 +292,10 @@ class Receiver:
                 if pull is not None and pull.request is not None and peer.address in pull.waiting:
                     # P forgot us (restart): resend with the layout
                     frames = encode_frames(self._with_layout(pull.request))
-                    self._nursery.start_soon(self._send_quietly, peer, frames)
+                    self._links.send_soon(peer, frames)
             case ErrorReply(reason=reason, transfer_id=tid):
                 # P could not read our message about ``tid``: it is not writing that pull.
-                self._protocol_error(peer, f"could not read our message: {reason}")
+                self._links.protocol_error(peer, f"could not read our message: {reason}")
                 reason = f"P could not read the pull: {reason}"
                 if tid:
                     self._apply(
@@ -421,28 +306,27 @@ class Receiver:
             case _:
                 log.warning("unexpected %s from P worker %s", type(msg).__name__, peer.address)
 
-    async def _send_quietly(self, peer: _Peer, frames: list[bytes]) -> None:
-        try:
-            await peer.dealer.send(frames)
-        except trio.ClosedResourceError:
-            pass  # P was lost: its pulls end through peer_lost
-
-    async def _tick_loop(self) -> None:
+    async def _serve_deadlines(self) -> None:
+        """End pulls at their deadlines: sleep until the earliest one, which :meth:`_start`
+        moves earlier when a new pull's comes first (a waiting D does not wake for nothing)."""
         while True:
-            await trio.sleep(self.config.tick_interval)
+            # No checkpoint between reading the deadline and sleeping: no pull starts unseen.
+            with trio.CancelScope(deadline=self._table.next_deadline()) as self._sleep:
+                await trio.sleep_forever()
             self._apply(self._table.tick(trio.current_time()))
 
-    async def _send_cancel(self, cancel: SendCancel) -> None:
-        peer = self._peers.get(cancel.peer)
+    def _send_cancel(self, cancel: SendCancel) -> None:
+        peer = self._links.live(cancel.peer)
         if peer is not None:
-            frames = encode_frames(CancelPull(cancel.transfer_id, cancel.reason))
-            await self._send_quietly(peer, frames)
+            self._links.send_soon(
+                peer, encode_frames(CancelPull(cancel.transfer_id, cancel.reason))
+            )
 
     def _apply(self, effects: list[PullEffect]) -> None:
         for effect in effects:
             match effect:
                 case SendCancel():
-                    self._nursery.start_soon(self._send_cancel, effect)
+                    self._send_cancel(effect)
                 case Completed():
                     self._completed(effect)
 
@@ -467,10 +351,6 @@ class Receiver:
         self._results_changed.fire()
 
 
-async def _watch_lost(peer: _Peer, connect_timeout: float) -> None:
-    peer.end(await peer.dealer.wait_lost(connect_timeout))
-
-
 async def serve_receiver(
     config: ReceiverConfig,
     dataplane: DataPlane,
@@ -489,6 +369,6 @@ async def serve_receiver(
         trio.open_nursery() as nursery,
     ):
         receiver = Receiver(config, dataplane, layout, client, nursery, transport)
-        nursery.start_soon(receiver._tick_loop)
+        nursery.start_soon(receiver._serve_deadlines)
         log.info("receiver %s rank %s ready", config.engine_id, config.ranks)
         task_status.started(receiver)

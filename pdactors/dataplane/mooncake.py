@@ -22,18 +22,26 @@ without it. Its log level is the user's business (``MC_LOG_LEVEL=ERROR`` in the 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import trio
 
-from pdactors._pulse import Pulse
 from pdactors.config import DataPlaneConfig
+from pdactors.dataplane._batching import (
+    BEFORE_FAILED,
+    RAISED,
+    PeerQueue,
+    Piece,
+    Write,
+    batch_call,
+    descriptors,
+)
+from pdactors.dataplane._intervals import merged, uncovered
 from pdactors.errors import DataPlaneError, TransferError
 
 __all__ = ["DataPlaneStatistics", "MooncakeDataPlane", "MooncakeEngine", "open_mooncake"]
@@ -93,10 +101,10 @@ class MooncakeDataPlane:
         self._config = config
         self._session = session
         self._limiter = trio.CapacityLimiter(config.workers)
-        self._per_peer: dict[str, _PeerQueue] = {}
+        self._per_peer: dict[str, PeerQueue] = {}
         # Sorted, disjoint (addr, length) intervals, one per register_memory call that worked.
         self._registered: list[tuple[int, int]] = []
-        self._writes = self._bytes = self._descriptors = self._failures = self._calls = 0
+        self._writes = self._bytes = self.descriptors = self._failures = self._calls = 0
 
     @property
     def session(self) -> str:
@@ -118,7 +126,7 @@ class MooncakeDataPlane:
         return DataPlaneStatistics(
             writes=self._writes,
             bytes=self._bytes,
-            descriptors=self._descriptors,
+            descriptors=self.descriptors,
             failures=self._failures,
             calls=self._calls,
             registrations=len(self._registered),
@@ -143,19 +151,8 @@ class MooncakeDataPlane:
         failed registration (earlier intervals of the same call stay registered).
         """
         engine = self._live_engine()
-        wanted: list[tuple[int, int]] = []
-        for addr, length in sorted(regions):
-            if addr < 0 or length < 0:
-                raise DataPlaneError(f"cannot register region at {addr:#x} of {length} bytes")
-            if length == 0:
-                continue
-            end = addr + length
-            if wanted and addr <= wanted[-1][1]:
-                wanted[-1] = (wanted[-1][0], max(wanted[-1][1], end))
-            else:
-                wanted.append((addr, end))
-        for start, end in wanted:
-            for addr, length in _uncovered(start, end, self._registered):
+        for start, end in merged(regions):
+            for addr, length in uncovered(start, end, self._registered):
                 rc = engine.register_memory(addr, length)
                 if rc != 0:
                     raise DataPlaneError(
@@ -210,14 +207,32 @@ class MooncakeDataPlane:
         if count == 0:
             await trio.lowlevel.checkpoint()
             return
-        step = self._config.max_descriptors_per_call
         queue = self._per_peer.get(peer)
         if queue is None:
-            queue = self._per_peer[peer] = _PeerQueue(self._config.max_calls_per_peer)
-        job = _Write(int(lengths.sum()), pending=-(-count // step), before=before)
+            queue = self._per_peer[peer] = PeerQueue(self._config.max_calls_per_peer)
+        queue.writes += 1
+        try:
+            await self._write(peer, queue, src, dst, lengths, before)
+        finally:
+            queue.writes -= 1
+            if not queue.writes:  # no write left to queue behind: a restarted D is a new peer
+                del self._per_peer[peer]
+
+    async def _write(
+        self,
+        peer: str,
+        queue: PeerQueue,
+        src: Addrs,
+        dst: Addrs,
+        lengths: Addrs,
+        before: Callable[[], object] | None,
+    ) -> None:
+        count = len(lengths)
+        step = self._config.max_descriptors_per_call
+        job = Write(int(lengths.sum()), pending=-(-count // step), before=before)
         for start in range(0, count, step):
             stop = start + step
-            queue.pieces.append(_Piece(job, src[start:stop], dst[start:stop], lengths[start:stop]))
+            queue.pieces.append(Piece(job, src[start:stop], dst[start:stop], lengths[start:stop]))
         try:
             while job.pending and job.error is None:
                 if queue.free_calls and queue.pieces:
@@ -233,14 +248,14 @@ class MooncakeDataPlane:
                         await job.changed.wait()
         if job.error is not None:
             self._failures += 1
-            if job.code == _BEFORE_FAILED:
+            if job.code == BEFORE_FAILED:
                 raise DataPlaneError(f"write of {job.nbytes} bytes to {peer}: {job.error}")
             raise TransferError(peer, job.nbytes, job.code, job.error)
         self._writes += 1
         self._bytes += job.nbytes
-        self._descriptors += count
+        self.descriptors += count
 
-    async def _call(self, peer: str, queue: _PeerQueue) -> None:
+    async def _call(self, peer: str, queue: PeerQueue) -> None:
         """Make one engine call to ``peer`` carrying the pieces at the head of its queue."""
         engine = self._live_engine()
         batch = queue.take(self._config.max_descriptors_per_call)
@@ -253,29 +268,29 @@ class MooncakeDataPlane:
         failure = ""
         try:
             result = await trio.to_thread.run_sync(
-                _batch_call(engine, peer, batch), limiter=self._limiter, abandon_on_cancel=False
+                batch_call(engine, peer, batch), limiter=self._limiter, abandon_on_cancel=False
             )
         except trio.Cancelled:
             raise  # only while waiting for a worker thread: the call never started
         except Exception as exc:  # the engine call itself raised: each write it carried fails
-            result, failure = (_RAISED, {}), f"the engine call raised {exc!r}"
+            result, failure = (RAISED, {}), f"the engine call raised {exc!r}"
         finally:
             queue.free_calls += 1
             if result is None:  # cancelled before the call started: the pieces wait for another
                 queue.pieces.extendleft(reversed(batch))
             rc, unready = result if result is not None else (0, {})
-            if rc not in (0, _RAISED):
+            if rc not in (0, RAISED):
                 others = len(jobs) - 1
                 plural = "s" if others > 1 else ""
                 carried = f", carrying {others} other write{plural}" if others else ""
-                failure = f"engine call of {_descriptors(batch)} descriptors{carried} failed"
+                failure = f"engine call of {descriptors(batch)} descriptors{carried} failed"
             for piece in batch:
                 job = piece.write
                 job.running -= 1
                 if result is None:
                     continue
                 if id(job) in unready:
-                    code, error = _BEFORE_FAILED, unready[id(job)]
+                    code, error = BEFORE_FAILED, unready[id(job)]
                 elif rc == 0:
                     job.pending -= 1
                     continue
@@ -314,129 +329,6 @@ class MooncakeDataPlane:
         it. :func:`open_mooncake` does this for you.
         """
         self._detach()
-
-
-@dataclass(eq=False, slots=True)
-class _Write:
-    """One :meth:`MooncakeDataPlane.write` in progress."""
-
-    nbytes: int
-    pending: int  # pieces not yet landed
-    before: Callable[[], object] | None = None  # run in the thread before the first call
-    running: int = 0  # pieces in an engine call now
-    code: int = 0
-    error: str | None = None
-    changed: Pulse = field(default_factory=Pulse)
-
-
-@dataclass(eq=False, slots=True)
-class _Piece:
-    """At most ``max_descriptors_per_call`` descriptors of a write."""
-
-    write: _Write
-    src: Addrs
-    dst: Addrs
-    lengths: Addrs
-
-
-class _PeerQueue:
-    """The pieces waiting for an engine call to one peer, and that peer's free calls."""
-
-    def __init__(self, calls: int) -> None:
-        self.pieces: deque[_Piece] = deque()
-        self.free_calls = calls
-
-    def take(self, limit: int) -> list[_Piece]:
-        """Pieces from the head while their descriptors fit in ``limit`` (at least one). A
-        piece whose write still has to wait (``before``) starts a call of its own: joined to
-        the call before it, it would hold that call until its KV is computed (the layers of a
-        streamed prefill each complete at their own time)."""
-        batch = [self.pieces.popleft()]
-        total = len(batch[0].lengths)
-        while (
-            self.pieces
-            and total + len(self.pieces[0].lengths) <= limit
-            and self.pieces[0].write.before is None
-        ):
-            piece = self.pieces.popleft()
-            total += len(piece.lengths)
-            batch.append(piece)
-        return batch
-
-    def drop(self, job: _Write) -> None:
-        """Forget the pieces of ``job`` still waiting."""
-        if any(piece.write is job for piece in self.pieces):
-            self.pieces = deque(piece for piece in self.pieces if piece.write is not job)
-
-    def kick(self) -> None:
-        """Wake the owner of the head piece if a call is free: it makes the next call (an
-        owner busy making another call takes the next one when that call returns)."""
-        if self.free_calls and self.pieces:
-            self.pieces[0].write.changed.fire()
-
-
-def _descriptors(batch: list[_Piece]) -> int:
-    return sum(len(piece.lengths) for piece in batch)
-
-
-#: The code of a write whose ``before`` raised (no engine call was made for it).
-_BEFORE_FAILED = -10_000
-#: The code of a write whose engine call raised instead of returning a code.
-_RAISED = -10_001
-
-
-def _batch_call(
-    engine: MooncakeEngine, peer: str, batch: list[_Piece]
-) -> Callable[[], tuple[int, dict[int, str]]]:
-    """The worker thread's work: run the writes' ``before`` waits, then one engine call for
-    the pieces whose wait succeeded. Returns the engine's code and, by ``id`` of the write,
-    the waits that raised."""
-
-    def call() -> tuple[int, dict[int, str]]:
-        unready: dict[int, str] = {}
-        for piece in batch:
-            job = piece.write
-            if job.before is not None:
-                try:
-                    job.before()
-                except Exception as exc:  # the KV never became complete: that write fails
-                    unready[id(job)] = f"the KV was not complete: {type(exc).__name__}: {exc}"
-                job.before = None  # once per write (a second, concurrent run is harmless)
-        pieces = [piece for piece in batch if id(piece.write) not in unready]
-        if not pieces:
-            return 0, unready
-        # The lists are built here: for a 1024-descriptor call that is ~50 µs the Trio
-        # thread does not spend.
-        if len(pieces) == 1:
-            src, dst, lengths = pieces[0].src, pieces[0].dst, pieces[0].lengths
-        else:
-            src = np.concatenate([piece.src for piece in pieces])
-            dst = np.concatenate([piece.dst for piece in pieces])
-            lengths = np.concatenate([piece.lengths for piece in pieces])
-        rc = engine.batch_transfer_sync_write(peer, src.tolist(), dst.tolist(), lengths.tolist())
-        return int(rc), unready
-
-    return call
-
-
-def _uncovered(start: int, end: int, registered: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Parts of ``[start, end)`` not covered by the sorted, disjoint ``registered`` intervals,
-    as ``(addr, length)``."""
-    parts = []
-    cursor = start
-    for addr, length in registered:
-        if addr + length <= cursor:
-            continue
-        if addr >= end:
-            break
-        if addr > cursor:
-            parts.append((cursor, addr - cursor))
-        cursor = max(cursor, addr + length)
-        if cursor >= end:
-            break
-    if cursor < end:
-        parts.append((cursor, end - cursor))
-    return parts
 
 
 def _start_engine(config: DataPlaneConfig) -> tuple[Any, int]:

@@ -16,7 +16,7 @@ import trio
 
 from pdactors.config import Liveness
 from pdactors.messages import MAX_FRAME_BYTES
-from pdactors.transport.curve import Curve
+from pdactors.transport.curve import Curve, CurveError
 
 __all__ = ["ZMQ", "Dealer", "Router", "Transport", "ZmqTransport"]
 
@@ -96,17 +96,13 @@ class ZmqTransport:
     def __init__(self, server: Curve | None = None, client: Curve | None = None) -> None:
         self.server, self.client = server, client
 
-    @property
-    def secure(self) -> bool:
-        return self.server is not None or self.client is not None
-
     def open_router(
         self, host: str, port: int = 0, *, liveness: Liveness | None = None
     ) -> AbstractAsyncContextManager[Router]:
         from pdactors.transport.zmq import open_router
 
         if self.client is not None and self.server is None:
-            raise ValueError("this transport has CURVE keys for D only; P needs server keys")
+            raise CurveError("this transport has CURVE keys for D only; P needs server keys")
         return open_router(
             host,
             port,
@@ -123,7 +119,7 @@ class ZmqTransport:
         from pdactors.transport.zmq import open_dealer
 
         if self.server is not None and self.client is None:
-            raise ValueError("this transport has CURVE keys for P only; D needs client keys")
+            raise CurveError("this transport has CURVE keys for P only; D needs client keys")
         return open_dealer(
             address,
             liveness=liveness,

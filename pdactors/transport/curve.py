@@ -34,9 +34,10 @@ from zmq.utils import z85
 
 from pdactors._once import Every
 from pdactors.config import Secret
+from pdactors.errors import PdError
 from pdactors.messages import is_curve_key
 
-__all__ = ["Curve", "UntrustedServer", "curve_from_files", "curve_from_secret"]
+__all__ = ["Curve", "CurveError", "UntrustedServer", "curve_from_files", "curve_from_secret"]
 
 log = logging.getLogger("pdactors.transport.curve")
 
@@ -57,7 +58,7 @@ class Curve(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         for key in (self.public, self.secret, *self.servers, *self.clients):
             if not is_curve_key(key):
-                raise ValueError("CURVE keys are 40 characters of Z85 text")
+                raise CurveError("CURVE keys are 40 characters of Z85 text")
 
     def server_key(self, registered: str, address: str) -> str:
         """(D) The key to demand of the P worker at ``address``, which registered the public
@@ -78,14 +79,18 @@ class Curve(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
-class UntrustedServer(ValueError):
+class CurveError(PdError, ValueError):
+    """CURVE keys that cannot be used: malformed, missing, or too short a secret."""
+
+
+class UntrustedServer(CurveError):
     """D was not given the CURVE key a P worker registered (or cannot tell which to demand)."""
 
 
 def check_key(key: str) -> str:
-    """``key`` if it is a CURVE key in Z85 text; raises :class:`ValueError`."""
+    """``key`` if it is a CURVE key in Z85 text; raises :class:`CurveError`."""
     if not is_curve_key(key):
-        raise ValueError("a CURVE key is 40 characters of Z85 text")
+        raise CurveError("a CURVE key is 40 characters of Z85 text")
     return key
 
 
@@ -99,7 +104,7 @@ def curve_from_secret(secret: str) -> tuple[Curve, Curve]:
     """P's and D's CURVE keys, both derived from one deployment ``secret``: ``(prefill,
     decode)``; P allows exactly D's key and D trusts exactly P's."""
     if len(secret) < 16:
-        raise ValueError("a deployment secret needs at least 16 characters")
+        raise CurveError("a deployment secret needs at least 16 characters")
     p_public, p_secret = _derived(secret, b"prefill")
     d_public, d_secret = _derived(secret, b"decode")
     return (
@@ -111,17 +116,17 @@ def curve_from_secret(secret: str) -> tuple[Curve, Curve]:
 def curve_from_files(own: str | Path, peers: str | Path, *, server: bool) -> Curve:
     """Keys from ``zmq.auth.create_certificates`` files: ``own`` is this end's ``.key_secret``
     file; ``peers`` a public ``.key`` file or a directory of them (P: the D keys it lets in;
-    D: the P keys it trusts). Raises :class:`OSError` or :class:`ValueError`."""
+    D: the P keys it trusts). Raises :class:`OSError` or :class:`CurveError`."""
     public, secret = zmq.auth.load_certificate(own)
     if secret is None:
-        raise ValueError(f"{own} holds no secret key (pass the .key_secret file)")
+        raise CurveError(f"{own} holds no secret key (pass the .key_secret file)")
     peer_path = Path(peers)
     if peer_path.is_dir():
         keys = sorted(k.decode() for k in zmq.auth.load_certificates(peer_path))
     else:
         keys = [zmq.auth.load_certificate(peer_path)[0].decode()]
     if not keys:
-        raise ValueError(f"no public keys in {peers}")
+        raise CurveError(f"no public keys in {peers}")
     mine, peer_keys = Curve(public=public.decode(), secret=Secret(secret.decode())), tuple(keys)
     if server:
         return msgspec.structs.replace(mine, clients=peer_keys)
@@ -153,8 +158,17 @@ class _Allowed:
         return False
 
 
+class _Zap:
+    """The ZAP handler of one ZMQ context, owned by its CURVE routers: started for the first,
+    stopped when the last one closes (no thread outlives the sockets it answers for)."""
+
+    def __init__(self, context: zmq.Context[Any]) -> None:
+        self.auth = ThreadAuthenticator(context, log=log)
+        self.domains: set[str] = set()
+
+
 _lock = threading.Lock()
-_authenticators: dict[int, ThreadAuthenticator] = {}  # per ZMQ context
+_zaps: dict[int, _Zap] = {}  # per ZMQ context, while it has CURVE routers
 _domains = itertools.count()
 
 
@@ -162,15 +176,17 @@ def serve_curve(socket: zmq.Socket[Any], curve: Curve) -> str:
     """Make ``socket`` (a ROUTER, not bound yet) a CURVE server that lets in ``curve.clients``
     only; returns its ZAP domain (give it to :func:`stop_curve` when the socket closes)."""
     if not curve.clients:
-        raise ValueError("a CURVE side channel needs the D keys it lets in")
+        raise CurveError("a CURVE side channel needs the D keys it lets in")
     context = socket.context
     domain = f"pdactors-{next(_domains)}"
     with _lock:
-        auth = _authenticators.get(id(context))
-        if auth is None:
-            auth = _authenticators[id(context)] = ThreadAuthenticator(context, log=log)
-            auth.start()
-        auth.configure_curve_callback(domain, _Allowed(curve.clients))
+        zap = _zaps.get(id(context))
+        if zap is None:
+            zap = _Zap(context)
+            zap.auth.start()
+            _zaps[id(context)] = zap
+        zap.domains.add(domain)
+        zap.auth.configure_curve_callback(domain, _Allowed(curve.clients))
     try:
         socket.curve_secretkey = curve.secret.encode()
         socket.curve_publickey = curve.public.encode()
@@ -185,11 +201,17 @@ def serve_curve(socket: zmq.Socket[Any], curve: Curve) -> str:
 
 
 def stop_curve(context: zmq.Context[Any], domain: str) -> None:
-    """Forget a closed ROUTER's ZAP domain."""
+    """Forget a closed ROUTER's ZAP domain; the last one of ``context`` stops its ZAP thread
+    (blocking for as long as that thread takes to end: milliseconds)."""
     with _lock:
-        auth = _authenticators.get(id(context))
-        if auth is not None:
-            auth.credentials_providers.pop(domain, None)
+        zap = _zaps.get(id(context))
+        if zap is None or domain not in zap.domains:
+            return
+        zap.auth.credentials_providers.pop(domain, None)
+        zap.domains.discard(domain)
+        if not zap.domains:
+            del _zaps[id(context)]
+            zap.auth.stop()
 
 
 def connect_curve(socket: zmq.Socket[Any], curve: Curve, server_key: str) -> None:

@@ -7,11 +7,13 @@ Every key lives in ``kv_connector_extra_config``; each has a default so that
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import msgspec
 from msgspec.structs import replace
 
+from pdactors import timeline
 from pdactors.config import (
     DEFAULT_BOOTSTRAP_PORT,
     DataPlaneConfig,
@@ -187,7 +189,11 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 def settings_from_extra_config(extra: dict[str, Any]) -> ConnectorSettings:
     """Validate ``kv_connector_extra_config``; bad values raise :class:`ConnectorConfigError`
-    (a ``ValueError``), unknown keys are logged (other tools share the dict)."""
+    (a ``ValueError``), unknown keys are logged (other tools share the dict). With
+    ``$PDACTORS_TIMELINE`` set, this process's transfer timelines are appended to the file it
+    names (:mod:`pdactors.timeline`)."""
+    if sink := os.environ.get(timeline.ENV):  # the adapter's edge: every vLLM process parses
+        timeline.enable(sink)
     unknown = sorted(set(extra) - set(ConnectorSettings.__struct_fields__))
     if unknown:
         log.warning("PdActorsConnector ignores kv_connector_extra_config keys %s", unknown)

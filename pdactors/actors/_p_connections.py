@@ -1,0 +1,234 @@
+"""D's side-channel connections to P workers: one DEALER per P worker, opened on first use and
+kept while P is alive.
+
+ZMQ heartbeats and the socket's monitor tell when P's side channel is lost; so does an answer
+D cannot use (another protocol version, garbage), after which nothing more on that connection
+is trusted. Either way the connection is closed, its owner (the receiver) ends the pulls sent
+there, and the next pull dials P afresh. A lost connection's pulls get a best-effort parting
+cancel on a fresh connection, in case only the link broke and P still holds their KV.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from pdactors._once import Every
+from pdactors.config import ReceiverConfig
+from pdactors.errors import PdError
+from pdactors.messages import (
+    PROTOCOL_VERSION,
+    CancelPull,
+    FrameError,
+    Msg,
+    decode_frames,
+    encode_frames,
+)
+from pdactors.transport import Dealer, Transport
+
+__all__ = ["DOWN_MEMORY", "PConnections", "Peer"]
+
+log = logging.getLogger("pdactors.receiver")
+
+#: Seconds a lost P worker is remembered as down: a loss again within them logs at INFO.
+DOWN_MEMORY = 60.0
+
+
+@dataclass(slots=True)
+class Peer:
+    """The connection to one P worker."""
+
+    address: str
+    dealer: Dealer
+    curve_key: str  # the CURVE key the P worker registered ("": none)
+    knows_layout: bool = False  # D's layout went with a pull on this connection
+    lost: bool = False
+    gone: trio.Event = field(default_factory=trio.Event)  # lost, or P broke the protocol
+    gone_reason: str = ""
+    broken: bool = False  # P broke the protocol: it cannot read a parting cancel either
+
+    def end(self, reason: str, *, broken: bool = False) -> None:
+        """Close this connection for ``reason`` (the first reason stands); ``broken``: P
+        broke the protocol."""
+        if not self.gone.is_set():
+            self.gone_reason, self.broken = reason, broken
+            self.gone.set()
+
+
+@dataclass(slots=True)
+class _Connecting:
+    """The tasks that want a connection to one P worker: one of them makes it."""
+
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    tasks: int = 0
+
+
+#: What the owner does with each message a P worker sends.
+OnAnswer = Callable[[Peer, Msg], None]
+#: What the owner does when a connection is gone (with why): ends the pulls sent there and
+#: returns their transfer ids.
+OnLost = Callable[[Peer, str], list[str]]
+
+
+class PConnections:
+    """The receiver's connections to P workers; their tasks run in ``nursery``."""
+
+    def __init__(
+        self,
+        config: ReceiverConfig,
+        transport: Transport,
+        nursery: trio.Nursery,
+        on_answer: OnAnswer,
+        on_lost: OnLost,
+    ) -> None:
+        self._config = config
+        self._transport = transport
+        self._nursery = nursery
+        self._on_answer = on_answer
+        self._on_lost = on_lost
+        self._peers: dict[str, Peer] = {}
+        self._connecting: dict[str, _Connecting] = {}  # address -> tasks dialling it now
+        # P workers lost and not heard from since, and when (a repeat loss logs at INFO); kept
+        # DOWN_MEMORY seconds, about as long as a dead P's registration lingers.
+        self._down: dict[str, float] = {}
+        self.protocol_errors = 0  #: ErrorReplies and bad frames from P (logged once a minute)
+        self._every = Every(60.0)
+
+    def live(self, address: str) -> Peer | None:
+        """The open connection to ``address``, if there is one."""
+        return self._peers.get(address)
+
+    async def connect(self, address: str, curve_key: str) -> Peer:
+        """The connection to the P worker at ``address`` (made if there is none), which
+        registered ``curve_key``. A live connection is reused even if the key it demanded is
+        not ``curve_key`` (it is one D trusts; if P restarted there with another key, that
+        connection's handshake fails, it is lost, and P is looked up afresh). Checkpoint.
+
+        Raises :class:`~pdactors.transport.TransportError` for a malformed address or a key
+        D does not trust."""
+        peer = self._peers.get(address)
+        if peer is not None:
+            return peer
+        connecting = self._connecting.setdefault(address, _Connecting())
+        connecting.tasks += 1
+        try:
+            async with connecting.lock:  # one connection per P worker
+                peer = self._peers.get(address)
+                if peer is None:
+                    peer = await self._nursery.start(self._serve, address, curve_key)
+                return peer
+        finally:
+            connecting.tasks -= 1
+            if not connecting.tasks:
+                del self._connecting[address]
+
+    def protocol_error(self, peer: Peer, reason: str) -> None:
+        """Count (and log, once a minute per P worker) what P said or sent that D cannot use."""
+        self.protocol_errors += 1
+        if (n := self._every.due(peer.address, trio.current_time())) is not None:
+            log.warning("P worker %s: %r (%d such in 60 s)", peer.address, reason, n)
+
+    def send_soon(self, peer: Peer, frames: list[bytes]) -> None:
+        """Send ``frames`` to ``peer`` in a task of its own; dropped if P is lost meanwhile."""
+        self._nursery.start_soon(self._send_quietly, peer, frames)
+
+    async def _send_quietly(self, peer: Peer, frames: list[bytes]) -> None:
+        try:
+            await peer.dealer.send(frames)
+        except trio.ClosedResourceError:
+            pass  # P was lost: its pulls end through on_lost
+
+    async def _serve(
+        self,
+        address: str,
+        curve_key: str,
+        *,
+        task_status: trio.TaskStatus[Peer] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """One P worker's connection: read its answers until it is lost, then end its pulls."""
+        liveness = self._config.liveness
+        # A malformed address or an untrusted key raises TransportError here, before started:
+        # nursery.start re-raises it to the pull that asked, which ends as unreachable.
+        dealing = self._transport.open_dealer(address, liveness=liveness, server_key=curve_key)
+        async with dealing as dealer:
+            peer = self._peers[address] = Peer(address, dealer, curve_key)
+            task_status.started(peer)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._read_answers, peer)
+                    nursery.start_soon(_watch_lost, peer, liveness.connect_timeout)
+                    await peer.gone.wait()
+                    nursery.cancel_scope.cancel()
+                # Before the socket closes: a send still in flight on it then fails for a pull
+                # that has already ended here (and gets its parting cancel).
+                peer.lost = True
+                self._lost(peer)
+            finally:
+                peer.lost = True
+                del self._peers[address]
+
+    def _lost(self, peer: Peer) -> None:
+        address, reason = peer.address, peer.gone_reason
+        pulls = self._on_lost(peer, f"P gone: {reason}")
+        now = trio.current_time()
+        for old in [a for a, since in self._down.items() if now - since >= DOWN_MEMORY]:
+            del self._down[old]
+        level = logging.INFO if address in self._down or not pulls else logging.WARNING
+        log.log(level, "P worker %s gone (%r): %d pulls end", address, reason, len(pulls))
+        self._down.setdefault(address, now)
+        if pulls and not peer.broken:
+            self._nursery.start_soon(self._parting_cancels, address, peer.curve_key, pulls)
+
+    async def _parting_cancels(self, address: str, key: str, transfer_ids: list[str]) -> None:
+        """Best effort after a lost connection: if P is in fact alive (only the link broke),
+        tell it on a fresh connection that D gave up on these transfers, so it frees their KV
+        now rather than at its expiry. A dead P never answers; the attempt ends with the
+        connection (refused, or no handshake within ``connect_timeout``), or after one more
+        ``connect_timeout`` for a live P that does not answer every cancel."""
+        liveness = self._config.liveness
+        cancels = [encode_frames(CancelPull(t, "D lost its connection to P")) for t in transfer_ids]
+        with trio.move_on_after(2 * liveness.connect_timeout):
+            try:
+                async with (
+                    self._transport.open_dealer(
+                        address, liveness=liveness, server_key=key
+                    ) as dealer,
+                    trio.open_nursery() as nursery,
+                ):
+
+                    async def answers() -> None:
+                        for _ in cancels:  # P answers each cancel it did not already end
+                            await dealer.receive()
+                        nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(answers)
+                    for frames in cancels:
+                        await dealer.send(frames)
+                    await dealer.wait_lost(liveness.connect_timeout)
+                    nursery.cancel_scope.cancel()
+            except (PdError, trio.ClosedResourceError):
+                pass  # P is gone after all: there is nothing left to free
+
+    async def _read_answers(self, peer: Peer) -> None:
+        while True:
+            frames = await peer.dealer.receive()
+            try:
+                msg = decode_frames(frames)
+            except FrameError as exc:
+                # Nothing more on this connection can be trusted: its pulls end now.
+                self.protocol_error(peer, str(exc))
+                why = f"sent an undecodable frame: {exc}"
+                if exc.version is not None:
+                    why = (f"speaks side-channel protocol version {exc.version}, this D "
+                           f"speaks {PROTOCOL_VERSION}")  # fmt: skip
+                peer.end(f"P worker {peer.address} {why}", broken=True)
+                return
+            self._down.pop(peer.address, None)  # heard from: a loss again is news
+            self._on_answer(peer, msg)
+
+
+async def _watch_lost(peer: Peer, connect_timeout: float) -> None:
+    peer.end(await peer.dealer.wait_lost(connect_timeout))
