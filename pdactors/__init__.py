@@ -35,9 +35,9 @@ from pdactors.errors import PdError as PdError
 from pdactors.errors import PlanError as PlanError
 from pdactors.errors import PullFailedError as PullFailedError
 from pdactors.errors import TransferError as TransferError
-from pdactors.messages import BlockLayout as BlockLayout
-from pdactors.messages import KVTransferParams as KVTransferParams
-from pdactors.messages import Layout as Layout
 from pdactors.proxy import serve_proxy as serve_proxy
+from pdactors.wire import BlockLayout as BlockLayout
+from pdactors.wire import KVTransferParams as KVTransferParams
+from pdactors.wire import Layout as Layout
 
 __version__ = "0.1.0"

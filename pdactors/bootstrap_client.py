@@ -17,7 +17,7 @@ import msgspec
 import trio
 
 from pdactors.errors import BootstrapError, BootstrapTimeout, describe
-from pdactors.messages import BootstrapAnswer, BootstrapEntry, RegisterWorker
+from pdactors.wire import BootstrapAnswer, BootstrapEntry, RegisterWorker
 
 __all__ = ["BootstrapClient", "open_bootstrap_client", "tls_verify"]
 

@@ -249,6 +249,19 @@ class PrefillBackend(msgspec.Struct, frozen=True):
     url: str
     bootstrap_url: str
 
+    @classmethod
+    def parse(cls, value: str) -> PrefillBackend:
+        """``ENGINE_URL@BOOTSTRAP_URL``, or a bare ``ENGINE_URL`` whose bootstrap is on
+        :data:`DEFAULT_BOOTSTRAP_PORT` of the same host. Raises :class:`ConfigError`."""
+        engine, sep, bootstrap = value.partition("@")
+        if not sep:
+            parts = urlsplit(engine)
+            if not parts.hostname:
+                raise ConfigError(f"{value!r} is not a URL")
+            host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+            bootstrap = f"http://{host}:{DEFAULT_BOOTSTRAP_PORT}"
+        return cls(engine, bootstrap)
+
 
 class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The proxy actor (:func:`pdactors.proxy.serve_proxy`).

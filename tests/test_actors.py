@@ -20,7 +20,9 @@ from pdactors import (
     open_bootstrap_client,
 )
 from pdactors.core.send_table import SendState
-from pdactors.messages import (
+from pdactors.testing import Cluster, FaultyDataPlane, open_cluster, run_transfer
+from pdactors.transport import open_dealer, open_router
+from pdactors.wire import (
     CancelPull,
     LayoutUnknown,
     PullRequest,
@@ -28,8 +30,6 @@ from pdactors.messages import (
     decode_frames,
     encode_frames,
 )
-from pdactors.testing import Cluster, FaultyDataPlane, open_cluster, run_transfer
-from pdactors.transport import open_dealer, open_router
 
 SMALL = {"layers": 4, "num_blocks": 64, "block_bytes": 4096}
 

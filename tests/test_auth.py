@@ -20,9 +20,9 @@ from pdactors.actors.bootstrap import serve_bootstrap
 from pdactors.bootstrap_client import open_bootstrap_client
 from pdactors.config import BootstrapConfig, Secret, read_token_file
 from pdactors.errors import BootstrapError
-from pdactors.messages import RegisterWorker
 from pdactors.testing import open_cluster, run_transfer
 from pdactors.web._auth import BearerCheck
+from pdactors.wire import RegisterWorker
 
 TOKEN = "s3cret-token-for-the-tests"
 WORKER = RegisterWorker("prefill-0", 0, 0, 0, "tcp://127.0.0.1:5555")

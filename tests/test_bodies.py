@@ -8,8 +8,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from pdactors.messages import KVTransferParams
 from pdactors.proxy import _bodies as b
+from pdactors.wire import KVTransferParams
 
 PROMPT = [1, 17, 99, 5]
 

@@ -21,7 +21,7 @@ from pdactors.actors.bootstrap import BootstrapRegistry, serve_bootstrap
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import BootstrapConfig
 from pdactors.errors import BootstrapError
-from pdactors.messages import BootstrapEntry, RegisterWorker
+from pdactors.wire import BootstrapEntry, RegisterWorker
 
 VALID: dict[str, Any] = {
     "engine_id": "prefill-0",

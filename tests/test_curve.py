@@ -172,8 +172,8 @@ async def test_a_stranger_cannot_get_bytes_written_and_the_harness_runs_secure()
     transfer straight to P's side channel: nothing is written and the transfer is untouched;
     D of the deployment then pulls it as usual. Then ``pdactors harness --secure``'s run."""
     from pdactors.core.send_table import SendState
-    from pdactors.messages import PullRequest, encode_frames
     from pdactors.testing.harness import run_harness
+    from pdactors.wire import PullRequest, encode_frames
 
     p_keys, _ = curve_from_secret(SECRET)
     with trio.fail_after(60):
@@ -230,7 +230,7 @@ async def test_per_engine_keys_travel_with_the_bootstrap_entry(tmp_path: Path) -
     connecting; a registration under P's engine id with a key D does not trust, or with P's
     real public key at a socket that lacks P's secret, gets no byte of D's request."""
     from pdactors.bootstrap_client import open_bootstrap_client
-    from pdactors.messages import RegisterWorker
+    from pdactors.wire import RegisterWorker
 
     files = _certificates(tmp_path, "p0", "p1", "d0")
     p_curves = [curve_from_files(files[p], tmp_path / "d_keys", server=True) for p in ("p0", "p1")]

@@ -22,7 +22,7 @@ from pdactors.config import DataPlaneConfig
 from pdactors.core.plan import plan_transfer
 from pdactors.dataplane import DataPlane, MooncakeDataPlane, open_mooncake
 from pdactors.errors import DataPlaneError, TransferError
-from pdactors.messages import BlockLayout, Layout
+from pdactors.wire import BlockLayout, Layout
 
 engine_module = pytest.importorskip("mooncake.engine")
 

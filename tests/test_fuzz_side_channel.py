@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdactors.host import TrioHost
-from pdactors.messages import HEADER, MAX_BLOCK_IDS, MAX_REGIONS, decode_frames
 from pdactors.testing import Cluster, TransferOutcome, open_cluster, run_transfer
+from pdactors.wire import HEADER, MAX_BLOCK_IDS, MAX_REGIONS, decode_frames
 
 #: How long a real D's pull may take while P is under attack (about a second: a loaded CI box).
 BEHIND = 1.5

@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pdactors.host import TrioHost
-from pdactors.messages import (
+from pdactors.testing import Cluster, open_cluster, run_transfer
+from pdactors.wire import (
     HEADER,
     CancelPull,
     ErrorReply,
@@ -28,7 +29,6 @@ from pdactors.messages import (
     decode_frames,
     encode_frames,
 )
-from pdactors.testing import Cluster, open_cluster, run_transfer
 
 
 class Running:

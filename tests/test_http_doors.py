@@ -34,9 +34,9 @@ from pdactors.actors.bootstrap import (
     serve_bootstrap,
 )
 from pdactors.config import BootstrapConfig
-from pdactors.messages import RegisterWorker
 from pdactors.proxy._openai import MAX_JSON_DEPTH
 from pdactors.web._refusals import RefusalLog
+from pdactors.wire import RegisterWorker
 
 TOKEN = "door-token"
 TIMEOUT = 10.0

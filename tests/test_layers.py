@@ -74,7 +74,7 @@ SOURCES = sorted(PACKAGE.rglob("*.py"))
 
 def test_the_sources_are_found() -> None:
     names = {_module_name(p) for p in SOURCES}
-    assert {"pdactors.core.send_table", "pdactors.core.pull_table", "pdactors.messages"} <= names
+    assert {"pdactors.core.send_table", "pdactors.core.pull_table", "pdactors.wire"} <= names
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: _module_name(p))

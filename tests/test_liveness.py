@@ -17,10 +17,10 @@ import trio
 from pdactors import DuplicateTransfer, Liveness, PullFailedError, ReceiverConfig, SenderConfig
 from pdactors.bootstrap_client import open_bootstrap_client
 from pdactors.core.send_table import SendState
-from pdactors.messages import PullRequest, RegisterWorker, encode_frames
 from pdactors.testing import Cluster, open_cluster, run_transfer
 from pdactors.testing.prefill_process import PrefillProcess
 from pdactors.transport import open_dealer
+from pdactors.wire import PullRequest, RegisterWorker, encode_frames
 
 SMALL = {"layers": 4, "num_blocks": 64, "block_bytes": 4096}
 

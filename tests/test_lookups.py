@@ -11,7 +11,7 @@ import trio.testing
 from pdactors.actors._lookups import Lookups
 from pdactors.bootstrap_client import BootstrapClient
 from pdactors.errors import BootstrapError
-from pdactors.messages import BootstrapAnswer, BootstrapEntry
+from pdactors.wire import BootstrapAnswer, BootstrapEntry
 
 
 class _Client:

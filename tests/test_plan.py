@@ -22,7 +22,7 @@ from pdactors.core.plan import (
     tp_sources,
 )
 from pdactors.errors import LayoutMismatch, PlanError
-from pdactors.messages import BlockLayout, Layout
+from pdactors.wire import BlockLayout, Layout
 
 KiB = 1024
 

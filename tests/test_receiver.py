@@ -17,8 +17,8 @@ from pdactors.actors._p_connections import DOWN_MEMORY
 from pdactors.actors.receiver import Receiver
 from pdactors.bootstrap_client import BootstrapClient
 from pdactors.dataplane import DataPlane
-from pdactors.messages import BlockLayout, BootstrapAnswer, BootstrapEntry, Layout
 from pdactors.transport import MemoryTransport
+from pdactors.wire import BlockLayout, BootstrapAnswer, BootstrapEntry, Layout
 
 LAYOUT = Layout((BlockLayout(1 << 20, 16, 1024, 1024),))
 

@@ -23,7 +23,7 @@ from pdactors.core.send_rules import (
 from pdactors.core.send_stream import Stream, Wake, stream_event
 from pdactors.core.send_table import SendTable
 from pdactors.errors import IllegalTransition
-from pdactors.messages import PullRequest
+from pdactors.wire import PullRequest
 
 D, D2 = b"d-worker", b"d-worker-rank-1"
 S = SendState

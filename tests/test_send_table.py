@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from pdactors.core.send_table import Effect, Release, Reply, SendState, SendTable, StartSend
 from pdactors.errors import IllegalTransition
-from pdactors.messages import PullDone, PullFailed, PullRequest
+from pdactors.wire import PullDone, PullFailed, PullRequest
 
 D = b"d-worker"
 D2 = b"d-worker-rank-1"

@@ -17,8 +17,8 @@ from pdactors.actors.sender import Sender, serve_sender
 from pdactors.config import SenderConfig
 from pdactors.core.plan import packed_layout
 from pdactors.core.send_table import Effect
-from pdactors.messages import PullFailed, PullRequest, decode_frames, encode_frames
 from pdactors.transport import MemoryTransport
+from pdactors.wire import PullFailed, PullRequest, decode_frames, encode_frames
 
 LAYOUT = packed_layout(1 << 20, 2, 64, 1024)
 

@@ -18,7 +18,9 @@ from pdactors.actors._pull_check import MAX_WAITING_IDS, MAX_WAITING_PULLS
 from pdactors.bootstrap_client import open_bootstrap_client
 from pdactors.config import Liveness
 from pdactors.core.plan import packed_layout
-from pdactors.messages import (
+from pdactors.testing import Cluster, open_cluster, run_transfer
+from pdactors.transport import open_dealer, open_router
+from pdactors.wire import (
     HEADER,
     MAX_BLOCK_IDS,
     MAX_FRAME_BYTES,
@@ -33,8 +35,6 @@ from pdactors.messages import (
     decode_frames,
     encode_frames,
 )
-from pdactors.testing import Cluster, open_cluster, run_transfer
-from pdactors.transport import open_dealer, open_router
 from tests.conftest import wait_until
 
 SMALL = {"layers": 2, "num_blocks": 64, "block_bytes": 1024}

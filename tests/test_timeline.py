@@ -77,12 +77,12 @@ def test_the_adapters_settings_enable_the_sink_the_environment_names(
 def test_the_cli_enables_the_sink_the_environment_names(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pdactors import cli
+    from pdactors._cli_setup import setup
 
     sink = tmp_path / "timeline.jsonl"
     monkeypatch.setenv(timeline.ENV, str(sink))
     try:
-        cli._setup(verbose=False)
+        setup(verbose=False)
         timeline.mark("t6", "ready")
     finally:
         timeline.disable()

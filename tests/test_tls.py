@@ -19,9 +19,9 @@ from pdactors.actors.bootstrap import serve_bootstrap
 from pdactors.bootstrap_client import open_bootstrap_client, tls_verify
 from pdactors.config import BootstrapConfig
 from pdactors.errors import BootstrapError
-from pdactors.messages import RegisterWorker
 from pdactors.proxy._engine_http import ConnectFailed, EngineClient
 from pdactors.testing import open_cluster, run_transfer
+from pdactors.wire import RegisterWorker
 
 
 class Pki:

@@ -16,16 +16,16 @@ import trio
 
 from pdactors import PullFailedError, open_bootstrap_client
 from pdactors.core.pull_table import PullState
-from pdactors.messages import (
+from pdactors.testing import FaultyDataPlane, open_cluster, run_transfer
+from pdactors.testing.cluster import DecodeNode
+from pdactors.transport import open_dealer
+from pdactors.wire import (
     PullFailed,
     PullRequest,
     RegisterWorker,
     decode_frames,
     encode_frames,
 )
-from pdactors.testing import FaultyDataPlane, open_cluster, run_transfer
-from pdactors.testing.cluster import DecodeNode
-from pdactors.transport import open_dealer
 from tests.conftest import settled, wait_until
 
 SHAPE = {"layers": 3, "num_blocks": 32, "block_bytes": 4096}
@@ -229,7 +229,7 @@ async def test_p_pipeline_stages_each_write_their_layers_into_d(
 async def test_a_p_stage_with_a_layer_d_lacks_is_refused() -> None:
     from pdactors.core.plan import matching_regions
     from pdactors.errors import LayoutMismatch
-    from pdactors.messages import Layout
+    from pdactors.wire import Layout
 
     with trio.fail_after(30):
         async with open_cluster(p_pp=2, **{**SHAPE, "layers": 4}) as cluster:

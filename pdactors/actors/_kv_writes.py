@@ -22,7 +22,7 @@ from pdactors.core.send_stream import Complete
 from pdactors.core.send_table import SendTable, StartSend
 from pdactors.dataplane.base import DataPlane
 from pdactors.errors import DataPlaneError, PlanError
-from pdactors.messages import Layout
+from pdactors.wire import Layout
 
 __all__ = ["PULL_ERRORS", "KvWriter", "Written"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from pdactors.messages import Layout
+from pdactors.wire import Layout
 
 __all__ = ["LayoutCache", "layout_bytes"]
 

@@ -17,7 +17,7 @@ from pdactors.bootstrap_client import BootstrapClient
 from pdactors.config import RankInfo
 from pdactors.core.tp import tp_pulls
 from pdactors.errors import BootstrapError
-from pdactors.messages import BootstrapAnswer, BootstrapEntry
+from pdactors.wire import BootstrapAnswer, BootstrapEntry
 
 __all__ = ["Lookups"]
 

@@ -23,8 +23,8 @@ import trio
 
 from pdactors._once import Every
 from pdactors._pulse import Pulse
-from pdactors.messages import ErrorReply, Msg, PullFailed, encode_frames
 from pdactors.transport import PeerUnreachable, Router
+from pdactors.wire import ErrorReply, Msg, PullFailed, encode_frames
 
 __all__ = ["Outbox", "Refusals", "SideChannelStats"]
 

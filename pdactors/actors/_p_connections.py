@@ -19,7 +19,8 @@ import trio
 from pdactors._once import Every
 from pdactors.config import ReceiverConfig
 from pdactors.errors import PdError
-from pdactors.messages import (
+from pdactors.transport import Dealer, Transport
+from pdactors.wire import (
     PROTOCOL_VERSION,
     CancelPull,
     FrameError,
@@ -27,7 +28,6 @@ from pdactors.messages import (
     decode_frames,
     encode_frames,
 )
-from pdactors.transport import Dealer, Transport
 
 __all__ = ["DOWN_MEMORY", "PConnections", "Peer"]
 

@@ -1,7 +1,7 @@
 """Whether a D's pull is this P worker's to answer, and with which heads: checked when the
 pull arrives, before the sender's table sees it (a refusal is that pull's :class:`PlanError`).
 
-The numbers it reads are already within :data:`~pdactors.messages.LIMITS` (the frame would
+The numbers it reads are already within :data:`~pdactors.wire.LIMITS` (the frame would
 not have decoded otherwise), and the TP arithmetic is closed-form, so this costs microseconds
 whatever the pull says.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pdactors.config import SenderConfig
 from pdactors.core.plan import HeadSlice, tp_expected, tp_pulls
 from pdactors.errors import PlanError
-from pdactors.messages import PullRequest
+from pdactors.wire import PullRequest
 
 __all__ = ["StaleView", "expected_pulls", "pull_heads"]
 

@@ -13,8 +13,8 @@ import trio
 from pdactors.bootstrap_client import BootstrapClient
 from pdactors.config import SenderConfig
 from pdactors.errors import BootstrapError
-from pdactors.messages import RegisterWorker
 from pdactors.transport import Router
+from pdactors.wire import RegisterWorker
 
 __all__ = ["register_sender"]
 

@@ -3,8 +3,8 @@
 :func:`serve_bootstrap` serves, with quart-trio under hypercorn, upstream vLLM's Mooncake
 bootstrap routes over a :class:`~pdactors.core.registry.BootstrapRegistry` (the pure
 bookkeeping, re-exported here): ``POST /register`` (a
-:class:`~pdactors.messages.RegisterWorker` body), ``GET /query`` (the
-:data:`~pdactors.messages.BootstrapAnswer` JSON) and ``GET /health``.
+:class:`~pdactors.wire.RegisterWorker` body), ``GET /query`` (the
+:data:`~pdactors.wire.BootstrapAnswer` JSON) and ``GET /health``.
 
 The registry is bounded: at most ``BootstrapConfig.max_workers`` registrations (4,096 by
 default; one more is refused with 429 until some lapse or are replaced), and each field within
@@ -43,11 +43,11 @@ from pdactors.core.registry import (
     Registration,
     RegistryFull,
 )
-from pdactors.messages import RegisterWorker
 from pdactors.web._app import client_address, guard, json_response
 from pdactors.web._auth import BearerCheck
 from pdactors.web._refusals import RefusalLog
 from pdactors.web._server import bind_listener, serve_http
+from pdactors.wire import RegisterWorker
 
 __all__ = [
     "MAX_ADDR_CHARS",

@@ -34,7 +34,8 @@ from pdactors.core.plan import check_layout
 from pdactors.core.pull_table import Completed, PullEffect, PullTable, SendCancel
 from pdactors.dataplane.base import DataPlane
 from pdactors.errors import PdError, PullFailedError
-from pdactors.messages import (
+from pdactors.transport import ZMQ, Transport
+from pdactors.wire import (
     MAX_ID,
     BlockIds,
     BlockIdsLike,
@@ -50,7 +51,6 @@ from pdactors.messages import (
     encode_frames,
     layout_id,
 )
-from pdactors.transport import ZMQ, Transport
 
 __all__ = ["PullResults", "Receiver", "serve_receiver"]
 
@@ -116,7 +116,7 @@ class Receiver:
     ) -> None:
         """Ask P (``engine_id``, found at ``bootstrap_url``) to write ``transfer_id`` into
         ``block_ids`` (a list of ids, or one per KV-cache group:
-        :func:`~pdactors.messages.block_groups`). Never blocks; the end is reported by
+        :func:`~pdactors.wire.block_groups`). Never blocks; the end is reported by
         :meth:`take_results`.
 
         Raises :class:`~pdactors.errors.DuplicateTransfer` when that transfer id is already in

@@ -17,7 +17,7 @@ transfer's state, a streamed one's included, lives in the table's record of it. 
 renews the worker's bootstrap registration (:mod:`pdactors.actors._sender_lease`).
 
 Nothing a peer sends can stop the actor: a frame is decoded within the wire's limits
-(:data:`~pdactors.messages.LIMITS`) before any work, an error from one message or one write
+(:data:`~pdactors.wire.LIMITS`) before any work, an error from one message or one write
 fails that pull only (a typed reply), replies go out through one bounded queue per peer
 (:mod:`pdactors.actors._outbox`: a peer that stops reading is cut off and treated as lost),
 and garbage is answered with no more bytes than it carried.
@@ -56,7 +56,8 @@ from pdactors.core.send_table import (
 )
 from pdactors.dataplane.base import DataPlane
 from pdactors.errors import PlanError
-from pdactors.messages import (
+from pdactors.transport import ZMQ, Router, Transport
+from pdactors.wire import (
     BlockIdsLike,
     CancelPull,
     ErrorReply,
@@ -68,7 +69,6 @@ from pdactors.messages import (
     block_groups,
     decode_frames,
 )
-from pdactors.transport import ZMQ, Router, Transport
 
 __all__ = ["Sender", "SideChannelStats", "serve_sender"]
 
@@ -135,7 +135,7 @@ class Sender:
         complete: Complete | None = None,
     ) -> None:
         """P's prefill finished; its KV sits in ``block_ids`` (a list of ids, or one per
-        KV-cache group: :func:`~pdactors.messages.block_groups`) until the id is released.
+        KV-cache group: :func:`~pdactors.wire.block_groups`) until the id is released.
 
         ``complete``: the KV may still be being computed (a GPU's forward was enqueued, not
         finished) and this blocking callable returns once it is in memory, e.g.

@@ -6,7 +6,7 @@ Pure and sans-IO (numpy only). The rules:
   on both sides must move the same ``block_bytes`` per block.
 * Block ``i`` of region ``r`` lives at ``base + i * stride``; ``block_bytes <= stride`` bytes of
   it are moved.
-* Block ids come per KV-cache group (:data:`~pdactors.messages.BlockIds`; a region moves its
+* Block ids come per KV-cache group (:data:`~pdactors.wire.BlockIds`; a region moves its
   group's ids). Within a group, D may ask for fewer blocks than P holds (D already has a prefix
   of the prompt locally, or keeps only a sliding window's tail); P then sends its *last*
   ``len(dst_blocks)`` blocks of that group.
@@ -36,7 +36,7 @@ import numpy.typing as npt
 
 from pdactors.core.tp import WHOLE_BLOCK, HeadSlice, rank_heads, tp_expected, tp_pulls, tp_sources
 from pdactors.errors import LayoutMismatch, PlanError
-from pdactors.messages import BlockIds, BlockLayout, Layout, block_groups, region_groups
+from pdactors.wire import BlockIds, BlockLayout, Layout, block_groups, region_groups
 
 __all__ = [
     "WHOLE_BLOCK",
@@ -268,7 +268,7 @@ def plan_transfer(
 ) -> TransferPlan:
     """Plan copying P's blocks ``src_blocks`` (in layout ``src``) into D's ``dst_blocks``.
 
-    Blocks are named per KV-cache group (:data:`~pdactors.messages.BlockIds`; a flat sequence
+    Blocks are named per KV-cache group (:data:`~pdactors.wire.BlockIds`; a flat sequence
     is the one group's) and each region moves its group's. In a group where D asks for fewer
     blocks than P has, P's *last* ones are sent (D holds the prefix already, or keeps only a
     sliding window's tail). A group D leaves out or empty moves nothing; no blocks at all give

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from pdactors.core.pull_rules import PeerMismatch, PullDo, PullEvent, PullState, next_pull_state
 from pdactors.errors import IllegalTransition
-from pdactors.messages import BlockIds, PullRequest
+from pdactors.wire import BlockIds, PullRequest
 
 __all__ = [
     "Completed",

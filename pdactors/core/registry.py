@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from pdactors.errors import PdError
-from pdactors.messages import BootstrapAnswer, BootstrapEntry, RegisterWorker
+from pdactors.wire import BootstrapAnswer, BootstrapEntry, RegisterWorker
 
 __all__ = [
     "MAX_ADDR_CHARS",

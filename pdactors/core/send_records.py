@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from pdactors.core.send_rules import SendEvent, SendState
 from pdactors.core.send_stream import Complete, Stream, Wake
-from pdactors.messages import BlockIds, Msg, PullRequest
+from pdactors.wire import BlockIds, Msg, PullRequest
 
 __all__ = [
     "Effect",

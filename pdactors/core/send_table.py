@@ -53,7 +53,7 @@ from pdactors.core.send_rules import Do, SendEvent, SendState, StreamEvent, next
 from pdactors.core.send_stream import Complete, Layer, Stream, Wake, stream_event, take_layers
 from pdactors.core.send_timers import Timers, due
 from pdactors.errors import IllegalTransition
-from pdactors.messages import BlockIds, Msg, PullDone, PullFailed, PullRequest
+from pdactors.wire import BlockIds, Msg, PullDone, PullFailed, PullRequest
 
 _LAYER, _READY, _DROP = StreamEvent.LAYER, StreamEvent.P_READY, StreamEvent.P_DROPPED
 

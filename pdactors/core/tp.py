@@ -1,7 +1,7 @@
 """Heterogeneous tensor parallelism: which P ranks hold which KV heads, and who pulls what.
 
 Pure arithmetic, in closed form: the TP sizes and head counts come off the wire (bounded by
-:data:`~pdactors.messages.LIMITS`), so no function here loops over the ranks of one side
+:data:`~pdactors.wire.LIMITS`), so no function here loops over the ranks of one side
 for each rank of the other. :func:`tp_pulls` costs what it returns (one entry per P rank a D
 rank pulls from), :func:`tp_expected` is constant time.
 

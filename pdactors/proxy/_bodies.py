@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import msgspec
 
-from pdactors.messages import KVTransferParams
+from pdactors.wire import KVTransferParams
 
 __all__ = [
     "ClientStream",

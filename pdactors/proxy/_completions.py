@@ -24,7 +24,6 @@ from pdactors.bootstrap_client import BootstrapClient, tls_verify
 from pdactors.config import Placement, ProxyConfig
 from pdactors.core.exchange import ExchangeState
 from pdactors.core.placement import EngineLoad, Placer, prompt_size
-from pdactors.messages import KVTransferParams
 from pdactors.proxy import _bodies
 from pdactors.proxy._asgi import (
     PLACEMENT_HEADER,
@@ -43,6 +42,7 @@ from pdactors.proxy._p_first import complete_p_first
 from pdactors.proxy._state import Backend, Metrics, Pool
 from pdactors.web._auth import BearerCheck
 from pdactors.web._refusals import RefusalLog
+from pdactors.wire import KVTransferParams
 
 __all__ = ["Proxy"]
 

@@ -19,12 +19,12 @@ from typing import Any
 import msgspec
 import trio
 
-from pdactors.messages import KVTransferParams
 from pdactors.proxy import _bodies as ft
 from pdactors.proxy._asgi import PLACEMENT_HEADER, Reply
 from pdactors.proxy._exchange import Exchange
 from pdactors.proxy._legs import Legs
 from pdactors.proxy._openai import COMPLETIONS, Failure
+from pdactors.wire import KVTransferParams
 
 __all__ = ["complete_p_first"]
 

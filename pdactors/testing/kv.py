@@ -17,7 +17,7 @@ import trio
 from pdactors._pulse import Pulse
 from pdactors.core.plan import packed_layout
 from pdactors.errors import PdError
-from pdactors.messages import Layout
+from pdactors.wire import Layout
 
 __all__ = ["BlockPool", "KVBuffer"]
 

@@ -15,8 +15,8 @@ from typing import Protocol
 import trio
 
 from pdactors.config import Liveness
-from pdactors.messages import MAX_FRAME_BYTES
 from pdactors.transport.curve import Curve, CurveError
+from pdactors.wire import MAX_FRAME_BYTES
 
 __all__ = ["ZMQ", "Dealer", "Router", "Transport", "ZmqTransport"]
 
@@ -89,7 +89,7 @@ class ZmqTransport:
     With ``server`` / ``client`` CURVE keys (:mod:`pdactors.transport.curve`), routers are
     CURVE servers and dealers CURVE clients: ``ZmqTransport(*curve_from_secret(secret))``
     secures both roles of a process that knows the deployment secret. A peer that sends a
-    frame longer than :data:`~pdactors.messages.MAX_FRAME_BYTES` is disconnected; a router
+    frame longer than :data:`~pdactors.wire.MAX_FRAME_BYTES` is disconnected; a router
     queues at most :data:`SEND_HWM` messages and :data:`SEND_BUFFER` bytes per peer.
     """
 

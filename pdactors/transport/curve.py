@@ -35,7 +35,7 @@ from zmq.utils import z85
 from pdactors._once import Every
 from pdactors.config import Secret
 from pdactors.errors import PdError
-from pdactors.messages import is_curve_key
+from pdactors.wire import is_curve_key
 
 __all__ = ["Curve", "CurveError", "UntrustedServer", "curve_from_files", "curve_from_secret"]
 

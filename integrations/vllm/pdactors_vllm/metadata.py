@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from pdactors.messages import BlockIds
+from pdactors.wire import BlockIds
 
 __all__ = ["NULL_BLOCK", "KVGroup", "PdActorsMetadata", "PullSpec", "SendSpec"]
 

@@ -52,7 +52,7 @@ from vllm.v1.request import RequestStatus
 
 from pdactors import timeline
 from pdactors.errors import BadTransferParams
-from pdactors.messages import BlockIds, KVTransferParams
+from pdactors.wire import BlockIds, KVTransferParams
 from pdactors_vllm import idle
 from pdactors_vllm.metadata import NULL_BLOCK, KVGroup, PdActorsMetadata, PullSpec, SendSpec
 from pdactors_vllm.request_marks import Event, Marks, State

@@ -1,0 +1,133 @@
+"""The test tools of the ``pdactors`` command: ``harness`` (real engines, real bytes, verified)
+and ``chaos`` (faults while transfers stream). Registered on the app in :mod:`pdactors.cli`."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from pdactors._cli_setup import native_log_aside, native_log_done, setup
+from pdactors.config import PROTOCOLS, DataPlaneConfig, default_of
+
+if TYPE_CHECKING:
+    from pdactors.testing.harness import HarnessReport
+
+__all__ = ["chaos", "harness"]
+
+
+def harness(
+    requests: Annotated[int, typer.Option(metavar="N", help="Requests to transfer.")] = 8,
+    blocks: Annotated[int, typer.Option(metavar="N", help="KV blocks per request.")] = 63,
+    layers: Annotated[int, typer.Option(metavar="N", help="Layers (one KV region each).")] = 36,
+    block_bytes: Annotated[
+        int, typer.Option(metavar="BYTES", help="Bytes per layer per block.")
+    ] = 64 * 1024,
+    concurrency: Annotated[int, typer.Option(metavar="N", help="Transfers in flight at once.")] = 1,
+    protocol: Annotated[
+        str, typer.Option(metavar="NAME", help=f"Mooncake protocol: {', '.join(PROTOCOLS)}.")
+    ] = default_of(DataPlaneConfig, "protocol"),
+    device: Annotated[
+        str, typer.Option(metavar="NIC", help="Mooncake device name (RDMA NIC).")
+    ] = "",
+    p_tp: Annotated[int, typer.Option(metavar="N", help="P's tensor-parallel workers.")] = 1,
+    d_tp: Annotated[int, typer.Option(metavar="N", help="D's tensor-parallel workers.")] = 1,
+    kv_heads: Annotated[
+        int,
+        typer.Option(
+            metavar="N", help="The model's KV heads (split --block-bytes); 8 when TP sizes differ."
+        ),
+    ] = 0,
+    secure: Annotated[
+        bool, typer.Option("--secure", help="ZMQ CURVE on the side channel (fresh keys).")
+    ] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Log at INFO, and Mooncake's own log too.")
+    ] = False,
+) -> None:
+    """Run P and D actors with real Mooncake engines, move real KV bytes and verify them.
+
+    Defaults are the reference request: 36 layers x 63 blocks x 64 KiB = 141.75 MiB.
+    With --p-tp/--d-tp each engine runs that many workers (one Mooncake engine each), each
+    holding its KV heads, and every head is verified on the D worker that holds it.
+    Exits 1 when any byte is wrong, any transfer fails, or any block is left allocated.
+    """
+    setup(verbose)
+    native_log = native_log_aside(verbose)
+    import trio
+
+    from pdactors.config import DataPlaneConfig
+    from pdactors.testing.harness import run_harness
+
+    if protocol not in PROTOCOLS:
+        raise typer.BadParameter(f"unknown protocol {protocol!r}", param_hint="--protocol")
+    dataplane = DataPlaneConfig(protocol=protocol, device_name=device)  # type: ignore[arg-type]
+    run = partial(
+        run_harness,
+        requests=requests,
+        blocks=blocks,
+        layers=layers,
+        block_bytes=block_bytes,
+        concurrency=concurrency,
+        dataplane=dataplane,
+        progress=True,
+        p_tp=p_tp,
+        d_tp=d_tp,
+        kv_heads=kv_heads or (8 if p_tp != d_tp else 0),
+        secure=secure,
+        on_report=_print_report,  # before the engines' teardown (~1 s each)
+    )
+    report = trio.run(run)
+    native_log_done(native_log, report.passed, typer.echo)
+    raise typer.Exit(0 if report.passed else 1)
+
+
+def _print_report(report: HarnessReport) -> None:
+    typer.echo(report.summary())
+    typer.echo("PASS: every byte verified, no block leaked" if report.passed else "FAIL")
+
+
+def chaos(
+    seconds: Annotated[
+        float, typer.Option(metavar="SECONDS", help="How long to inject faults.")
+    ] = 30.0,
+    seed: Annotated[
+        int, typer.Option(metavar="N", help="Seed of the fault schedule and the transfers.")
+    ] = 0,
+    concurrency: Annotated[int, typer.Option(metavar="N", help="Transfers in flight at once.")] = 8,
+    netns: Annotated[
+        bool,
+        typer.Option(
+            "--netns",
+            help="P in a network namespace of its own, joined by a veth pair (root); adds "
+            "cut links and, where the kernel has netem, packet loss.",
+        ),
+    ] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Log at INFO, and Mooncake's own log too.")
+    ] = False,
+) -> None:
+    """Move transfers through a P process and a D receiver while killing, stopping and
+    restarting P, aborting on D, dropping and delaying messages, failing writes and restarting
+    the bootstrap. Prints per fault kind how fast the transfers it hit ended, then
+    "chaos: N transfers, N ok, N failed, N hung, N leaked blocks". Exits 1 if any transfer
+    hung, any block leaked or any delivered byte was wrong.
+    """
+    setup(verbose)
+    native_log = native_log_aside(verbose)
+    import trio
+
+    from pdactors.testing.chaos import run_chaos
+
+    typer.echo(f"chaos: {seconds:g} s, seed {seed}, concurrency {concurrency}")
+    run = partial(
+        run_chaos, seconds=seconds, seed=seed, concurrency=concurrency, progress=True, netns=netns
+    )
+    report = trio.run(run)
+    typer.echo(report.table())
+    reasons = ", ".join(f"{k}: {v}" for k, v in sorted(report.reasons.items()))
+    typer.echo(f"failures by reason: {reasons or 'none'}")
+    typer.echo(report.last_line())
+    native_log_done(native_log, report.passed, typer.echo)
+    raise typer.Exit(0 if report.passed else 1)

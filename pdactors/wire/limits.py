@@ -1,0 +1,56 @@
+"""The wire's limits: every number a peer puts on the side channel is bounded here, once, and
+checked while the frame is decoded (msgspec ``Meta``), before any work; a message beyond them is a
+:class:`~pdactors.wire.FrameError`. Also the constrained types the wire's Structs are made of."""
+
+from __future__ import annotations
+
+from typing import Annotated, Final
+
+from msgspec import Meta
+
+__all__ = [
+    "LIMITS",
+    "MAX_BLOCK_IDS",
+    "MAX_FRAME_BYTES",
+    "MAX_GROUPS",
+    "MAX_ID",
+    "MAX_KV_HEADS",
+    "MAX_NAME",
+    "MAX_PP_SIZE",
+    "MAX_REASON",
+    "MAX_REGIONS",
+    "MAX_TP_SIZE",
+    "U64",
+    "BlockId",
+    "Id",
+    "PerRegion",
+    "Reason",
+]  # fmt: skip
+
+# Generous: far beyond any deployment vLLM runs (docs/security.md, "Limits on the side channel").
+MAX_TP_SIZE: Final = 1024  #: tensor-parallel ranks (``tp_size``; ranks below it)
+MAX_PP_SIZE: Final = 256  #: pipeline-parallel stages
+MAX_KV_HEADS: Final = 4096  #: the model's KV heads in all
+MAX_GROUPS: Final = 32  #: KV-cache groups (vLLM's hybrid cache); group ids are below it
+MAX_REGIONS: Final = 16384  #: regions (layers, or K and V apart) in one layout
+MAX_NAME: Final = 128  #: characters in a region name
+MAX_ID: Final = 512  #: characters in a transfer id, a data-plane session or a layout id
+MAX_REASON: Final = 2048  #: characters in a reason (longer ones are cut when sent)
+MAX_BLOCK_IDS: Final = 1 << 20  #: block ids in one pull, all groups together
+#: Every limit by name, for docs and tests.
+LIMITS: Final = {
+    "MAX_TP_SIZE": MAX_TP_SIZE, "MAX_PP_SIZE": MAX_PP_SIZE, "MAX_KV_HEADS": MAX_KV_HEADS,
+    "MAX_GROUPS": MAX_GROUPS, "MAX_REGIONS": MAX_REGIONS, "MAX_NAME": MAX_NAME,
+    "MAX_ID": MAX_ID, "MAX_REASON": MAX_REASON, "MAX_BLOCK_IDS": MAX_BLOCK_IDS,
+}  # fmt: skip
+#: The longest frame a peer may send (ZMQ's ``MAXMSGSIZE``: a longer one drops its connection),
+#: derived from the limits: a pull with every limit reached, 9 bytes per integer, 4 per character
+#: (about 19 MB).
+MAX_FRAME_BYTES: Final = (1024 + 3 * (4 * MAX_ID + 5) + MAX_GROUPS * 5 + MAX_BLOCK_IDS * 9
+                           + MAX_REGIONS * (1 + 4 * 9 + 9 + 4 * MAX_NAME + 5))  # fmt: skip
+
+Id = Annotated[str, Meta(max_length=MAX_ID)]
+Reason = Annotated[str, Meta(max_length=MAX_REASON)]
+U64 = Annotated[int, Meta(ge=0)]  # msgpack integers stop at 2**64
+PerRegion = Meta(max_length=MAX_REGIONS)
+BlockId = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]

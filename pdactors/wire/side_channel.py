@@ -1,0 +1,169 @@
+"""The side channel's messages (D ⇄ P over ZMQ ROUTER/DEALER): msgpack-encoded tagged Structs.
+
+A frame on the side channel is a two-part ZMQ message ``[HEADER, payload]``; the header carries
+the protocol version and is checked before the payload is decoded (:func:`decode_frames`).
+Hot-path structs are ``array_like`` (smaller, faster to decode): they are append-only; new
+fields go at the end with a default.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final
+
+import msgspec
+from msgspec import Meta
+
+from pdactors.errors import BadMessage
+from pdactors.wire.layout import Layout, WireBlockIds
+from pdactors.wire.limits import (
+    MAX_BLOCK_IDS,
+    MAX_KV_HEADS,
+    MAX_PP_SIZE,
+    MAX_REASON,
+    MAX_TP_SIZE,
+    U64,
+    Id,
+    Reason,
+)  # fmt: skip
+
+__all__ = [
+    "HEADER", "PROTOCOL_VERSION", "CancelPull", "ErrorReply", "FrameError", "LayoutUnknown",
+    "Msg", "PullDone", "PullFailed", "PullRequest", "decode_frames", "encode_frames",
+]  # fmt: skip
+
+#: 2: block ids per KV-cache group (``PullRequest.block_ids``), regions know their group.
+PROTOCOL_VERSION: Final = 2
+#: First frame of every side-channel message: a magic and the protocol version.
+HEADER: Final = b"PDA" + bytes([PROTOCOL_VERSION])
+
+
+class FrameError(BadMessage):
+    """A side-channel frame could not be decoded (wrong version, malformed, unknown type, or
+    beyond :data:`LIMITS`); its ``tag`` and ``transfer_id`` if still readable (else ""), and
+    the peer's protocol ``version`` if that is what differs (else None)."""
+
+    def __init__(self, reason: str, *, tag: str = "", transfer_id: str = "",
+                 version: int | None = None) -> None:  # fmt: skip
+        super().__init__(reason)
+        self.tag, self.transfer_id, self.version = tag, transfer_id, version
+
+
+class _Msg(msgspec.Struct, frozen=True, array_like=True, tag_field="t"):
+    """Base of side-channel messages (the tag names the type)."""
+
+
+class PullRequest(_Msg, frozen=True, tag="pull"):
+    """D → P: write the KV of ``transfer_id`` into these blocks of mine.
+
+    ``layout`` is sent the first time D talks to this P worker; afterwards only ``layout_id``
+    (P answers :class:`LayoutUnknown` when it has forgotten it, and D resends with the layout).
+    ``block_ids``: D's blocks per KV-cache group. ``tp_rank``/``tp_size`` are D's;
+    ``kv_heads`` is the model's KV head count (0: D did not say; needed when P's and D's TP
+    sizes differ); ``p_tp_size`` / ``p_pp_size`` the TP and PP sizes D took P to have from the
+    bootstrap (0: not said). P refuses a pull planned for
+    another shape, with ``lookup_again`` set.
+    """
+
+    transfer_id: Id
+    session: Id
+    tp_rank: Annotated[int, Meta(ge=0, lt=MAX_TP_SIZE)]
+    tp_size: Annotated[int, Meta(ge=1, le=MAX_TP_SIZE)]
+    pp_rank: Annotated[int, Meta(ge=0, lt=MAX_PP_SIZE)]
+    pp_size: Annotated[int, Meta(ge=1, le=MAX_PP_SIZE)]
+    block_ids: WireBlockIds
+    layout_id: Id
+    layout: Layout | None = None
+    kv_heads: Annotated[int, Meta(ge=0, le=MAX_KV_HEADS)] = 0
+    p_tp_size: Annotated[int, Meta(ge=0, le=MAX_TP_SIZE)] = 0
+    p_pp_size: Annotated[int, Meta(ge=0, le=MAX_PP_SIZE)] = 0
+
+
+class CancelPull(_Msg, frozen=True, tag="cancel"):
+    """D → P: D gave up on ``transfer_id`` (aborted or timed out); P may free its blocks."""
+
+    transfer_id: Id
+    reason: Reason = ""
+
+
+class PullDone(_Msg, frozen=True, tag="done"):
+    """P → D: every block of ``transfer_id`` has landed in D's memory."""
+
+    transfer_id: Id
+    nbytes: U64 = 0
+    descriptors: U64 = 0
+
+
+class PullFailed(_Msg, frozen=True, tag="failed"):
+    """P → D: ``transfer_id`` will not be delivered; ``reason`` says why. ``lookup_again``: D's
+    view of P (from the bootstrap) is stale or partial; D should look P up again."""
+
+    transfer_id: Id
+    reason: Reason
+    lookup_again: bool = False
+
+
+class LayoutUnknown(_Msg, frozen=True, tag="layout?"):
+    """P → D: resend the pull for ``transfer_id`` with the full layout."""
+
+    transfer_id: Id
+    layout_id: Id
+
+
+class ErrorReply(_Msg, frozen=True, tag="error"):
+    """Either way: the frame you sent could not be decoded; ``reason`` says why.
+    ``transfer_id``: the transfer it was about, when that could be read ("" otherwise)."""
+
+    reason: Reason
+    transfer_id: Id = ""
+
+
+Msg = PullRequest | CancelPull | PullDone | PullFailed | LayoutUnknown | ErrorReply
+
+
+class _Head(msgspec.Struct, array_like=True):  # what an undecodable message may still tell
+    t: Annotated[str, Meta(max_length=16)]
+    transfer_id: Id = ""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Msg)
+_head_decoder = msgspec.msgpack.Decoder(_Head)
+
+
+def encode_frames(msg: Msg) -> list[bytes]:
+    """Encode ``msg`` as the two ZMQ frames of the side channel (a reason longer than
+    :data:`MAX_REASON` is cut to it: the peer would refuse the frame)."""
+    if isinstance(msg, PullFailed | ErrorReply | CancelPull) and len(msg.reason) > MAX_REASON:
+        msg = msgspec.structs.replace(msg, reason=msg.reason[: MAX_REASON - 3] + "...")
+    return [HEADER, _encoder.encode(msg)]
+
+
+def decode_frames(frames: list[bytes]) -> Msg:
+    """Check the header, then decode the payload within :data:`LIMITS`. Raises
+    :class:`FrameError`."""
+    if len(frames) != 2:
+        raise FrameError(f"expected 2 frames (header, payload), got {len(frames)}")
+    header, payload = frames
+    if header != HEADER:
+        if header[:3] == HEADER[:3] and len(header) == len(HEADER):
+            raise FrameError(
+                f"protocol version {header[3]} is not supported (this is {PROTOCOL_VERSION})",
+                version=header[3],
+            )
+        raise FrameError(f"bad header {bytes(header[:8])!r}")
+    try:
+        msg = _decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        try:
+            head = _head_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            raise FrameError(f"undecodable payload: {exc}") from None
+        reason = f"undecodable {head.t!r} message: {exc}"
+        raise FrameError(reason, tag=head.t, transfer_id=head.transfer_id) from None
+    if isinstance(msg, PullRequest) and sum(map(len, msg.block_ids)) > MAX_BLOCK_IDS:
+        raise FrameError(
+            f"a pull names more than {MAX_BLOCK_IDS} block ids",
+            tag="pull",
+            transfer_id=msg.transfer_id,
+        )
+    return msg
