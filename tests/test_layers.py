@@ -1,12 +1,13 @@
 """The import rules between the layers, checked on the source (every import, lazy ones too).
 
-* The core (pure state machines and arithmetic) imports no IO: no trio, no sockets, no threads,
-  no environment.
+* The core (pure state machines and arithmetic) and the wire types import no IO: no trio, no
+  sockets, no threads, no environment.
 * Nothing in ``pdactors`` imports vLLM or torch; only ``integrations/vllm`` does.
 * The proxy never touches KV: it imports neither the data plane, nor the block plans, nor the
   side channel's transports.
-* The lower layers never import the ones above them (transport and data plane know no actor,
-  the actors know no deployment tooling).
+* The lower layers never import the ones above them. Bottom up: ``wire`` (the types on every
+  wire), ``core`` (the tables), ``transport`` / ``dataplane`` / ``web`` (side channel, KV bytes,
+  HTTP serving), ``actors`` (sender, receiver, bootstrap), ``proxy``, ``deploy``.
 * The deployment tooling (``pdactors.deploy``) is the top: nothing in the library imports it but
   ``pdactors.cli``, the edge that reads argv.
 """
@@ -29,10 +30,14 @@ NEVER_IN_PDACTORS = frozenset({"vllm", "torch"})
 KV_MODULES = ("pdactors.dataplane", "pdactors.core.plan", "pdactors.core.tp", "pdactors.transport")
 
 # (package prefix, imports it must not make): a prefix matches the module and its submodules.
+_IO_LAYERS = ("pdactors.transport", "pdactors.dataplane", "pdactors.web")
+_TOP = ("pdactors.actors", "pdactors.proxy", "pdactors.deploy", "pdactors.testing")
 UPWARD = {
-    "pdactors.core": ("pdactors.actors", "pdactors.proxy", "pdactors.deploy", "pdactors.testing"),
-    "pdactors.transport": ("pdactors.actors", "pdactors.proxy", "pdactors.dataplane"),
-    "pdactors.dataplane": ("pdactors.actors", "pdactors.proxy", "pdactors.transport"),
+    "pdactors.wire": ("pdactors.core", *_IO_LAYERS, *_TOP),
+    "pdactors.core": (*_IO_LAYERS, *_TOP),
+    "pdactors.transport": ("pdactors.dataplane", "pdactors.web", *_TOP),
+    "pdactors.dataplane": ("pdactors.transport", "pdactors.web", *_TOP),
+    "pdactors.web": ("pdactors.transport", "pdactors.dataplane", *_TOP),
     "pdactors.actors": ("pdactors.deploy", "pdactors.testing", "pdactors.proxy"),
     "pdactors.proxy": ("pdactors.deploy", "pdactors.testing"),
 }
@@ -83,8 +88,8 @@ def test_layer_rules(path: Path) -> None:
     imports = _imports(path)
     roots = {m.split(".")[0] for m in imports}
     assert not roots & NEVER_IN_PDACTORS, f"{name} imports {roots & NEVER_IN_PDACTORS}"
-    if _under(name, "pdactors.core"):
-        assert not roots & IO_MODULES, f"the core does IO: {name} imports {roots & IO_MODULES}"
+    if _under(name, "pdactors.core") or _under(name, "pdactors.wire"):
+        assert not roots & IO_MODULES, f"{name} does IO: it imports {roots & IO_MODULES}"
     if _under(name, "pdactors.proxy"):
         touching = {m for m in imports for kv in KV_MODULES if _under(m, kv)}
         assert not touching, f"the proxy touches KV: {name} imports {touching}"
