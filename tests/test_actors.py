@@ -193,11 +193,7 @@ async def test_dropped_prefill_fails_waiting_pull_at_once() -> None:
 
 async def p_drops_when_pulled(cluster: Cluster, tid: str) -> None:
     sender = cluster.prefill[0].sender
-    await wait_until(
-        lambda: sender.statistics().live == 1 and sender.transfer_state(tid) is not None
-    )
-    # the pull is attached once the sender has processed it; dropping before is also legal
-    await trio.sleep(0.05)
+    await wait_until(lambda: sender.pulls_waiting(tid) == 1)  # D's pull is attached
     sender.transfer_dropped(tid, "aborted on P")
 
 
@@ -272,8 +268,7 @@ async def test_abort_on_d_frees_p_blocks() -> None:
             d.receiver.start_pull(
                 "t8", bootstrap_url=cluster.bootstrap_url, engine_id=p.engine_id, block_ids=dst
             )
-            await wait_until(lambda: p.sender.statistics().live == 1 and d.receiver.in_flight == 1)
-            await trio.sleep(0.05)  # let the pull reach P
+            await wait_until(lambda: p.sender.pulls_waiting("t8") == 1)  # the pull reached P
             d.receiver.abort("t8", "client went away")
             # the pull ends when P confirms it is not writing into D's blocks
             assert d.receiver.take_results().failed == {}

@@ -80,8 +80,7 @@ class Streamed:
 async def pull_waiting(t: Streamed, nursery: trio.Nursery) -> None:
     t.p.sender.transfer_pending(t.tid)
     nursery.start_soon(t.pull)
-    await wait_until(lambda: t.p.sender.statistics().live == 1)
-    await trio.sleep(0.05)  # the pull reaches P
+    await wait_until(lambda: t.p.sender.pulls_waiting(t.tid) == 1)  # the pull reached P
 
 
 async def test_each_layer_lands_on_d_before_the_prefill_ends() -> None:
@@ -162,8 +161,7 @@ async def test_d_abort_mid_stream_is_confirmed_only_once_the_writes_ended() -> N
                 engine_id=t.p.engine_id,
                 block_ids=t.dst,
             )
-            await wait_until(lambda: t.p.sender.statistics().live == 1)
-            await trio.sleep(0.05)
+            await wait_until(lambda: t.p.sender.pulls_waiting(t.tid) == 1)  # the pull reached P
             t.p.sender.transfer_streaming(t.tid, t.src)
             t.compute(0)
             t.p.sender.layer_ready(t.tid, [0])

@@ -184,6 +184,10 @@ class Sender:
         """Where ``transfer_id`` stands (None: unknown or forgotten)."""
         return self._table.state(transfer_id)
 
+    def pulls_waiting(self, transfer_id: str) -> int:
+        """How many D workers' pulls of ``transfer_id`` this sender holds, not answered yet."""
+        return self._table.pulls_waiting(transfer_id)
+
     def statistics(self) -> SendTableStats:
         return self._table.statistics()
 

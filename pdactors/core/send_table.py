@@ -91,6 +91,11 @@ class SendTable:
         entry = self._entries.get(transfer_id)
         return entry.state if entry else None
 
+    def pulls_waiting(self, transfer_id: str) -> int:
+        """How many D workers' pulls of ``transfer_id`` are not answered yet (0 when unknown)."""
+        entry = self._entries.get(transfer_id)
+        return len(entry.claims) if entry else 0
+
     def stream(self, transfer_id: str) -> Stream | None:
         """The streamed write of ``transfer_id`` (None: not streamed, or closed)."""
         entry = self._entries.get(transfer_id)
