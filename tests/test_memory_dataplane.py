@@ -71,10 +71,12 @@ async def test_transfers_through_the_actors_land_the_right_bytes(p_tp: int, d_tp
 
 
 async def test_the_ready_timeout_is_exact_under_the_autojump_clock(
-    autojump_clock: trio.testing.MockClock,
+    mock_clock: trio.testing.MockClock,
 ) -> None:
     """No engine thread and no socket on the side channel: the clock jumps straight to the
-    deadline and the pull fails exactly then (only the bootstrap's HTTP is real IO)."""
+    deadline and the pull fails exactly then. (The bootstrap's HTTP is real IO, hence the
+    clock that jumps only after 10 ms of real idleness: one that jumps at once can fire an
+    HTTP client's timeout while its request is on the wire.)"""
     sender = SenderConfig(engine_id="p", ready_timeout=5, register_timeout=1e6)
     receiver = ReceiverConfig(
         pull_timeout=1000, lookup_timeout=1e6, liveness=Liveness(connect_timeout=1e6)
