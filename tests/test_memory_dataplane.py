@@ -77,7 +77,9 @@ async def test_the_ready_timeout_is_exact_under_the_autojump_clock(
     deadline and the pull fails exactly then. (The bootstrap's HTTP is real IO, hence the
     clock that jumps only after 10 ms of real idleness: one that jumps at once can fire an
     HTTP client's timeout while its request is on the wire.)"""
-    sender = SenderConfig(engine_id="p", ready_timeout=5, register_timeout=1e6)
+    # Registered once (no lease to renew): under a jumping clock a renewal is always in flight,
+    # and one cancelled mid-request at the end leaves httpx's body iterator to the GC.
+    sender = SenderConfig(engine_id="p", ready_timeout=5, register_timeout=1e6, lease_interval=0)
     receiver = ReceiverConfig(
         pull_timeout=1000, lookup_timeout=1e6, liveness=Liveness(connect_timeout=1e6)
     )
