@@ -14,11 +14,21 @@ import numpy as np
 from pdactors._pulse import Pulse
 from pdactors.dataplane.base import Addrs
 
-__all__ = ["BEFORE_FAILED", "RAISED", "PeerQueue", "Piece", "Write", "batch_call", "descriptors"]
+__all__ = [
+    "BEFORE_FAILED",
+    "RAISED",
+    "EngineWriter",
+    "PeerQueue",
+    "Piece",
+    "Write",
+    "batch_call",
+    "descriptors",
+]
 
 
-class _Writer(Protocol):
-    """The engine call a batch makes (a ``MooncakeEngine`` has it)."""
+class EngineWriter(Protocol):
+    """The engine call a batch makes: a part of
+    :class:`~pdactors.dataplane.mooncake.MooncakeEngine`."""
 
     def batch_transfer_sync_write(
         self,
@@ -101,7 +111,7 @@ RAISED = -10_001
 
 
 def batch_call(
-    engine: _Writer, peer: str, batch: list[Piece]
+    engine: EngineWriter, peer: str, batch: list[Piece]
 ) -> Callable[[], tuple[int, dict[int, str]]]:
     """The worker thread's work: run the writes' ``before`` waits, then one engine call for
     the pieces whose wait succeeded. Returns the engine's code and, by ``id`` of the write,

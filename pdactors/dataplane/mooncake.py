@@ -35,6 +35,7 @@ from pdactors.config import DataPlaneConfig
 from pdactors.dataplane._batching import (
     BEFORE_FAILED,
     RAISED,
+    EngineWriter,
     PeerQueue,
     Piece,
     Write,
@@ -54,20 +55,12 @@ Addrs = npt.NDArray[np.uint64]
 CLOSE_TIMEOUT = 5.0
 
 
-class MooncakeEngine(Protocol):
+class MooncakeEngine(EngineWriter, Protocol):
     """The part of ``mooncake.engine.TransferEngine`` this module uses (an initialised one)."""
 
     def register_memory(self, addr: int, length: int) -> int: ...
 
     def unregister_memory(self, addr: int) -> int: ...
-
-    def batch_transfer_sync_write(
-        self,
-        target_hostname: str,
-        buffers: list[int],
-        peer_buffer_addresses: list[int],
-        lengths: list[int],
-    ) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
