@@ -1,6 +1,6 @@
 """The Mooncake Transfer Engine as a :class:`~pdactors.dataplane.base.DataPlane`.
 
-Safety limits this module enforces (measured, see DESIGN.md):
+Safety limits this module enforces (each measured on Mooncake's TCP transport):
 
 * More than 2048 descriptors in flight to one peer over TCP fails and can break the path to
   that peer for good. A write is cut into calls of at most ``max_descriptors_per_call``
