@@ -6,14 +6,12 @@ Every test ends by checking that no KV block is left allocated on P or D.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 import pytest
 import trio
 import trio.testing
 
 from pdactors import (
-    Liveness,
     PullFailedError,
     ReceiverConfig,
     SenderConfig,
@@ -30,31 +28,9 @@ from pdactors.wire import (
     decode_frames,
     encode_frames,
 )
+from tests.conftest import PATIENT, settled, wait_until
 
 SMALL = {"layers": 4, "num_blocks": 64, "block_bytes": 4096}
-
-
-async def wait_until(predicate: Callable[[], bool]) -> None:
-    while not predicate():
-        await trio.sleep(0.005)
-
-
-async def settled(cluster: Cluster) -> None:
-    """Wait until every block is back (P frees when its sender releases)."""
-    with trio.fail_after(5):
-        await cluster.wait_settled()
-
-
-#: Under the autojump clock a handshake slower than the jump threshold must not count as a dead
-#: peer: connection loss is still noticed (refusals, ZMQ heartbeats, which run on real time).
-PATIENT = Liveness(connect_timeout=1e6)
-
-
-@pytest.fixture
-def mock_clock() -> trio.testing.MockClock:
-    # Jumps only after 10 ms of real idleness: loopback I/O always finishes first, so only
-    # the timeouts under test are skipped over.
-    return trio.testing.MockClock(autojump_threshold=0.01)
 
 
 def prepare(cluster: Cluster, tid: str, n: int) -> tuple[list[int], list[int]]:

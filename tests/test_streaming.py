@@ -8,32 +8,18 @@ with every block back in its pool.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 import numpy as np
-import pytest
 import trio
 import trio.testing
 
-from pdactors import Liveness, PullFailedError, ReceiverConfig, SenderConfig
+from pdactors import PullFailedError, ReceiverConfig, SenderConfig
 from pdactors.core.send_table import SendState
 from pdactors.testing import Cluster, FaultyDataPlane, open_cluster
+from tests.conftest import PATIENT, wait_until
 
 LAYERS, N = 4, 6
 SMALL = {"layers": LAYERS, "num_blocks": 64, "block_bytes": 4096}
-#: Under the autojump clock a slow handshake must not count as a dead peer (see test_actors).
-PATIENT = Liveness(connect_timeout=1e6)
-
-
-@pytest.fixture
-def mock_clock() -> trio.testing.MockClock:
-    return trio.testing.MockClock(autojump_threshold=0.01)
-
-
-async def wait_until(predicate: Callable[[], bool]) -> None:
-    with trio.fail_after(5):
-        while not predicate():
-            await trio.sleep(0.005)
 
 
 class Streamed:
