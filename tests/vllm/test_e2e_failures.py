@@ -189,7 +189,12 @@ def test_a_p_killed_before_its_token_leaves_the_requests_to_d(world: World) -> N
 def test_a_p_killed_after_its_token_ends_the_stream_and_d_frees_its_blocks(world: World) -> None:
     """The client has P's token; D is frozen (SIGSTOP) before it can pull, P is killed, D
     resumes: its pull fails, the client's stream ends with an error (never a full answer),
-    D holds no KV after, and D still serves."""
+    D holds no KV after, and D still serves.
+
+    D is frozen before the request is sent: the proxy asks D as soon as it has P's token, and
+    a D that pulled its KV before a freeze placed after the client's first chunk rightly
+    answers in full (P's fate no longer matters to it). Frozen, D's request waits in its
+    socket; the freeze is far shorter than the proxy's health round, so D stays in rotation."""
     p = world.p
     assert p is not None
     body = {
@@ -197,17 +202,16 @@ def test_a_p_killed_after_its_token_ends_the_stream_and_d_frees_its_blocks(world
         "temperature": 0, "stream": True,
     }  # fmt: skip
     d_group = world.d.process.pid
-    frozen = False
+    os.killpg(d_group, signal.SIGSTOP)
+    frozen = True
     try:
         with httpx.stream(
             "POST", f"{world.proxy_url}/v1/completions", json=body, timeout=60, trust_env=False
         ) as resp:
             assert resp.status_code == 200
             events = _events(resp.iter_lines())
-            first = next(events)  # P's token, while D has not been asked to pull yet
+            first = next(events)  # P's token; D cannot have pulled
             assert first["choices"][0]["finish_reason"] is None, first
-            os.killpg(d_group, signal.SIGSTOP)
-            frozen = True
             start = time.monotonic()
             p.kill()
             os.killpg(d_group, signal.SIGCONT)
