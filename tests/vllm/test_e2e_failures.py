@@ -158,11 +158,6 @@ def _events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
             yield json.loads(line[6:])
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="flaky since issue 25's merge: 2 of 7 runs of the killed-before/after pair failed "
-    "here and the failing test was not caught (see the session's note); kept running",
-)
 def test_a_p_killed_before_its_token_leaves_the_requests_to_d(world: World) -> None:
     """P frozen (SIGSTOP) while three requests reach it through the proxy, then killed: P's
     failure is not the client's — D serves each request alone (the proxy's fall-back), with
@@ -193,8 +188,8 @@ def test_a_p_killed_before_its_token_leaves_the_requests_to_d(world: World) -> N
 
 @pytest.mark.xfail(
     strict=False,
-    reason="flaky since issue 25's merge: 2 of 7 runs of the killed-before/after pair failed "
-    "here and the failing test was not caught (see the session's note); kept running",
+    reason="flaky since issue 25's merge: it failed in 3 of 8 runs here (once because D pulled "
+    "before a late freeze, fixed; later failures not yet read); kept running",
 )
 def test_a_p_killed_after_its_token_ends_the_stream_and_d_frees_its_blocks(world: World) -> None:
     """The client has P's token; D is frozen (SIGSTOP) before it can pull, P is killed, D
