@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from pdactors.dataplane._intervals import merged
 from pdactors.dataplane.base import Addrs
 from pdactors.errors import DataPlaneError, TransferError
 
@@ -55,7 +56,7 @@ class MemoryDataPlane:
     def __init__(self, fabric: MemoryFabric, session: str) -> None:
         self._fabric = fabric
         self._session = session
-        self._registered: list[tuple[int, int]] = []  # (start, end), sorted
+        self._registered: list[tuple[int, int]] = []  # (start, end), sorted and disjoint
         self._closed = False
         self.writes = 0
         self.bytes = 0
@@ -65,13 +66,13 @@ class MemoryDataPlane:
         return self._session
 
     def register(self, regions: list[tuple[int, int]]) -> None:
-        """Register ``(address, length)`` regions; repeats are registered once."""
+        """Register ``(address, length)`` regions; overlapping and repeated ones (views of one
+        storage) are joined, as the Mooncake data plane joins them. Raises
+        :class:`DataPlaneError` for a negative address or length, or a closed plane."""
         if self._closed:
             raise DataPlaneError(f"{self._session} is closed")
-        for addr, length in regions:
-            span = (addr, addr + length)
-            if span not in self._registered:
-                bisect.insort(self._registered, span)
+        known = [(start, end - start) for start, end in self._registered]
+        self._registered = merged(known + regions)
 
     def covers(self, addr: int, length: int) -> bool:
         """Whether ``[addr, addr + length)`` lies inside one registered region."""
