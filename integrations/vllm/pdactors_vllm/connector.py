@@ -25,6 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pdactors import RankInfo
 from pdactors_vllm.errors import ConnectorConfigError, WrongRoleError
+from pdactors_vllm.idle_gate import IdleGate
 from pdactors_vllm.kv_report import PREFIX, kv_layout_report, show_with_vllm_logs
 from pdactors_vllm.metrics import PdActorsPromMetrics, PdActorsStats
 from pdactors_vllm.scheduler_side import KVGroup, PdActorsMetadata, SchedulerSide
@@ -77,7 +78,10 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
         self._groups = groups
         if role == KVConnectorRole.SCHEDULER:
             block_size = vllm_config.cache_config.block_size
-            self.scheduler_side = SchedulerSide(self.settings, self.engine_id, block_size, groups)
+            gate = IdleGate.of(self.settings) if transfer.is_kv_consumer else None
+            self.scheduler_side = SchedulerSide(
+                self.settings, self.engine_id, block_size, groups, gate
+            )
         else:
             # The edge: before this worker's Trio thread (and Mooncake's) exists.
             for key, value in self.settings.mooncake_environment().items():
@@ -189,16 +193,24 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         meta = self._connector_metadata
-        idle = isinstance(meta, PdActorsMetadata) and meta.idle
-        sent, recvd, failed = self._worker().get_transfer_results(wait=idle)
+        if not isinstance(meta, PdActorsMetadata):
+            meta = PdActorsMetadata()  # no step bound yet: a busy one
+        sent, recvd, failed = self._worker().get_transfer_results(
+            wait=meta.idle, quiet_after=meta.idle or meta.slept
+        )
         return KVConnectorTransferResults(
             finished_sending=sent, finished_recving=recvd, failed_recving=failed
         )
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self.worker_side is None:
+        if self.worker_side is not None:
+            stats = PdActorsStats(data=self.worker_side.take_counters())
+        elif self.scheduler_side is not None and self.scheduler_side.gate is not None:
+            stats = PdActorsStats(
+                data={"idle_sleep_seconds": self.scheduler_side.gate.take_sleeps()}
+            )
+        else:
             return None
-        stats = PdActorsStats(data=self.worker_side.take_counters())
         return None if stats.is_empty() else stats
 
     @classmethod
@@ -233,6 +245,8 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()
+        if self.scheduler_side is not None and self.scheduler_side.gate is not None:
+            self.scheduler_side.gate.close()  # D's idle gate's socket
 
 
 def _place(vllm_config: VllmConfig, engine_id: str) -> WorkerPlace:

@@ -8,12 +8,18 @@ make such a step quiet:
 * the worker side waits, bounded by ``idle_wait_ms``, for the next transfer result in
   ``get_finished`` on a step with nothing to compute (the scheduler side marks it ``idle``),
   and returns the moment a result arrives;
-* meanwhile the engine core, which spins in vLLM's ``SpinCondition.wait`` for the worker's
-  answer, naps :data:`NAP` seconds per spin instead of yielding: the scheduler side (which
-  lives in the engine core's process) raises :func:`begin` when it hands out an idle step and
-  :func:`end` when the step's output comes back. That is a patch of vLLM's private
-  ``shm_broadcast.sched_yield``, installed once per process by :func:`install` and only where
-  that name exists; without it the worker still waits, and only the engine core spins.
+* meanwhile the engine core, which would spin in vLLM's ``SpinCondition.wait`` for the
+  worker's answer, blocks instead on the socket vLLM's writer already pings after every write
+  (vLLM's own "idle reader" branch, which it takes only after a second without reads), for at
+  most :data:`IDLE_POLL_MS` before it reads the buffer again: the scheduler side (which lives
+  in the engine core's process) raises :func:`begin` when it hands out an idle step and
+  :func:`end` when the step's output comes back. The worker does the same for the next
+  step's input after it answered an idle step (the engine core pauses between idle steps),
+  until the next step's metadata is bound. That is a patch of vLLM's private
+  ``shm_broadcast.SpinCondition.wait``, installed once per process by :func:`install` and only
+  where that name exists; where only ``shm_broadcast.sched_yield`` exists (older vLLM), a
+  spin naps :data:`NAP` seconds instead; without either the worker still waits, and only the
+  engine core spins.
 
 Busy steps (``quiet_busy_waits``, the default): the same spins go on for the whole of every
 step the worker computes — the engine core waits for the worker's output, the worker for the
@@ -33,13 +39,18 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["NAP", "begin", "end", "install"]
+__all__ = ["IDLE_POLL_MS", "NAP", "begin", "end", "install"]
 
 log = logging.getLogger("pdactors.vllm")
 
 #: How long the engine core sleeps per spin while an idle step is in flight (seconds): it adds
 #: at most this to noticing the worker's answer. Busy waits nap at most this long too.
 NAP = 0.0005
+#: While an idle step is in flight, how long a wait blocks on vLLM's write notification before
+#: it reads the shared buffer again (milliseconds). vLLM's own idle mode waits for it without
+#: a bound (its writer notifies after every write, and the reader's subscription keeps the last
+#: notification until read, so none is lost); this bound is only a second line.
+IDLE_POLL_MS = 50
 #: Busy waits: how long a wait spins at full speed before it naps (seconds), and the share of
 #: the time waited so far that each nap lasts.
 SPIN_S = 0.0002
@@ -105,5 +116,33 @@ def install(*, busy: bool = False) -> bool:
                 original()
 
         setattr(shm_broadcast, "sched_yield", quiet_yield)  # noqa: B010 (private name)
+        _install_idle_wait(getattr(shm_broadcast, "SpinCondition", None))
         _installed = True
         return True
+
+
+def _install_idle_wait(condition: type | None) -> bool:
+    """During idle steps, make ``SpinCondition.wait`` take vLLM's own idle branch (a poll of
+    the writer's notify socket) for at most :data:`IDLE_POLL_MS` instead of spinning."""
+    original = getattr(condition, "wait", None)
+    if condition is None or original is None:
+        return False
+
+    def wait(self: object, timeout_ms: int | None = None) -> None:
+        if (
+            not _idle.is_set()
+            or getattr(self, "poller", None) is None
+            or not hasattr(self, "busy_loop_s")
+        ):
+            original(self, timeout_ms)
+            return
+        cap = IDLE_POLL_MS if timeout_ms is None else min(timeout_ms, IDLE_POLL_MS)
+        busy = self.busy_loop_s  # type: ignore[attr-defined]
+        self.busy_loop_s = -1.0  # type: ignore[attr-defined]  # past its busy time: it polls
+        try:
+            original(self, cap)
+        finally:
+            self.busy_loop_s = busy  # type: ignore[attr-defined]
+
+    condition.wait = wait  # type: ignore[attr-defined]
+    return True

@@ -46,7 +46,10 @@ class Mailbox:
     """Results for vLLM's next ``get_finished``, work not yet applied, and why the actors are
     down (None: they run). Every method may be called from any thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_result: Callable[[], object] = lambda: None) -> None:
+        """``on_result``: called (outside the lock, from the adding thread) when results
+        are added."""
+        self._on_result = on_result
         self._lock = threading.Lock()
         self._sent: set[str] = set()
         self._recved: set[str] = set()
@@ -106,8 +109,11 @@ class Mailbox:
                 self._landed.update(landed)
             if count is not None:
                 count(self._counters)
-            if len(self._sent) + len(self._recved) + len(self._failed) > before:
+            grew = len(self._sent) + len(self._recved) + len(self._failed) > before
+            if grew:
                 self._results_ready.set()
+        if grew:
+            self._on_result()
 
     def take(self, wait: float = 0.0) -> Results:
         """(finished_sending, finished_recving, failed_recving) since the last call; failed

@@ -88,3 +88,11 @@ class PdActorsMetadata(KVConnectorMetadata):
     pulls: dict[str, PullSpec] = field(default_factory=dict)  # D: req id -> what to pull
     aborts: dict[str, str] = field(default_factory=dict)  # D: req id -> transfer id to abort
     idle: bool = False  # the step computes nothing: the worker may wait for transfer results
+    wake: str | None = None  # D: where the worker pings the engine core's idle gate
+    slept: bool = False  # D: the engine core slept in its idle gate before this step
+
+    def has_work(self) -> bool:
+        """Whether the step hands the workers anything to do."""
+        return bool(
+            self.pending or self.ready or self.eager or self.dropped or self.pulls or self.aborts
+        )

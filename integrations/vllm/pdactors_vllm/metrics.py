@@ -1,7 +1,8 @@
 """PdActorsConnector's metrics through vLLM's connector-stats hooks, shown on vLLM's /metrics.
 
-Workers report :class:`PdActorsStats` each step (``get_kv_connector_stats``); vLLM sums them
-across workers and hands the sum to :class:`PdActorsPromMetrics.observe` in the API server.
+Workers report :class:`PdActorsStats` each step (``get_kv_connector_stats``), and so does D's
+scheduler side (its idle gate's sleeps); vLLM sums them across workers and hands the sum to
+:class:`PdActorsPromMetrics.observe` in the API server.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ DURATIONS = {
     "pull_seconds": (
         "vllm:pdactors_pull_seconds",
         "Time from D's pull to P's answer, waiting for P's prefill included (D).",
+    ),
+    "idle_sleep_seconds": (
+        "vllm:pdactors_idle_sleep_seconds",
+        "Time D's engine core slept between steps while every request waited for KV (D).",
     ),
 }
 _BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]

@@ -54,6 +54,7 @@ from pdactors import timeline
 from pdactors.errors import BadTransferParams
 from pdactors.wire import BlockIds, KVTransferParams
 from pdactors_vllm import idle
+from pdactors_vllm.idle_gate import IdleGate
 from pdactors_vllm.metadata import NULL_BLOCK, KVGroup, PdActorsMetadata, PullSpec, SendSpec
 from pdactors_vllm.request_marks import Event, Marks, State
 from pdactors_vllm.settings import ConnectorSettings
@@ -81,15 +82,17 @@ class SchedulerSide:
         engine_id: str,
         block_size: int,
         groups: Sequence[KVGroup] | None = None,
+        gate: IdleGate | None = None,
     ) -> None:
         """``groups``: vLLM's KV-cache groups, in order (default: one full-attention group of
-        ``block_size``)."""
+        ``block_size``); ``gate``: D's sleep between idle steps (:mod:`pdactors_vllm.idle_gate`)."""
         self.settings = settings
         self.engine_id = engine_id
         self.groups = tuple(groups) if groups else (KVGroup(block_size),)
         #: P computes, and D pulls, the prompt but its last token (recurrent state)
         self.holds_back_last = any(g.state and g.transfer for g in self.groups)
         self._meta = PdActorsMetadata()
+        self.gate = gate
         #: req id -> the connector's marks on it, from its first hook to request_finished
         self._marks: dict[str, Marks] = {}
         if settings.timeline:
@@ -242,6 +245,12 @@ class SchedulerSide:
             self._plan_eager(scheduler_output, meta)
         scheduled = getattr(scheduler_output, "total_num_scheduled_tokens", None)
         meta.idle = scheduled == 0 and self.settings.idle_wait_ms > 0
+        if self.gate is not None:
+            quiet = scheduled == 0 and not meta.has_work()
+            if quiet and self.gate.sleep(self._pulling()) is not None:
+                meta.idle = False  # the engine core waited: the worker answers at once,
+                meta.slept = True  # then waits quietly: the next step may be as late
+            meta.wake = self.gate.address
         if meta.idle:
             idle.begin()
         else:
@@ -281,6 +290,10 @@ class SchedulerSide:
             assert transfer_id is not None  # set when the blocks were allocated
             meta.eager[req_id] = SendSpec(transfer_id, self._sent(request, blocks))
             entry.move(Event.SEND_EAGER)
+
+    def _pulling(self) -> int:
+        """D: how many requests wait for their pull."""
+        return sum(marks.state is State.PULLING for marks in self._marks.values())
 
     def _prefilling(self, req_id: str) -> Marks | None:
         """P: the marks of a prefill followed for an eager send (None: not followed)."""

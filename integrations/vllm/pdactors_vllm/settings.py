@@ -82,6 +82,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       worker waits up to this long for the next transfer result instead of returning at once,
       and the engine core naps instead of spinning (see :mod:`pdactors_vllm.idle`);
       default 20, 0 turns it off.
+    * ``idle_sleep_ms``: D only: when a step would compute nothing and every request waits for
+      its pull, the engine core sleeps until a pull ends or new input comes (either wakes it
+      at once) or this long passes, instead of stepping every ``idle_wait_ms`` (see
+      :mod:`pdactors_vllm.idle_gate`); default 500, 0 turns it off.
     * ``quiet_busy_waits``: on every other step too, vLLM's engine core (waiting for the
       worker's output) and worker (waiting for the next step) spin for 0.2 ms, then nap 5 %
       of the time waited so far (at most 0.5 ms) instead of spinning a CPU all along: P and D
@@ -123,6 +127,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     register_timeout: float = default_of(SenderConfig, "register_timeout")
     heartbeat_timeout: float = default_of(Liveness, "heartbeat_timeout")
     idle_wait_ms: float = 20.0
+    idle_sleep_ms: float = 500.0
     quiet_busy_waits: bool = True
     eager_send: bool = True
     layerwise: bool = False

@@ -23,6 +23,7 @@ from pdactors_vllm import idle
 from pdactors_vllm.actor_configs import WorkerPlace, actor_configs
 from pdactors_vllm.actors import WorkerActors
 from pdactors_vllm.counters import TransferCounters
+from pdactors_vllm.idle_gate import Waker
 from pdactors_vllm.kv_layout import KVRegistration, layout_from_kv_caches
 from pdactors_vllm.mailbox import Mailbox, StepWork
 from pdactors_vllm.scheduler_side import PdActorsMetadata
@@ -50,7 +51,8 @@ class WorkerSide:
     def __init__(self, settings: ConnectorSettings, place: WorkerPlace) -> None:
         self.settings = settings
         self.place = place
-        self._mailbox = Mailbox()
+        self._waker = Waker()  # D: pings the engine core's idle gate for each result
+        self._mailbox = Mailbox(on_result=self._waker.wake)
         self._actors: WorkerActors | None = None
         self._supervisor: Supervisor | None = None
         self._cuda = False  # the KV lives on a GPU: a step's forward ends asynchronously
@@ -112,6 +114,7 @@ class WorkerSide:
         self._mailbox.set_down("the connector was shut down")
         if self._supervisor is not None:
             self._supervisor.close(timeout=SHUTDOWN_TIMEOUT)
+        self._waker.close()
 
     def _on_death(self, error: BaseException) -> None:
         """Called in the dead Trio thread (no Trio task runs any more): end every transfer."""
@@ -145,6 +148,9 @@ class WorkerSide:
         """The step's metadata is bound, before its forward: hand P's work to the actors (none
         of it depends on this forward) and, with ``layerwise``, start streaming the prompts
         this forward completes. Returns at once."""
+        idle.end()  # this step's input came: the wait for it is over
+        if meta.wake is not None:
+            self._waker.connect(meta.wake)
         streams = meta.eager if self.settings.layerwise and self.place.is_producer else {}
         self._streaming = [send.transfer_id for send in streams.values()]
         if meta.pending or meta.ready or meta.dropped or streams:
@@ -210,15 +216,22 @@ class WorkerSide:
         except PdError:
             pass  # it died just now: _on_death fails what was not applied, this work included
 
-    def get_transfer_results(self, *, wait: bool = False) -> tuple[set[str], set[str], set[str]]:
+    def get_transfer_results(
+        self, *, wait: bool = False, quiet_after: bool = False
+    ) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call.
 
         Failed pulls are in ``finished_recving`` too: vLLM then applies its
         ``kv_load_failure_policy`` and never leaves the request waiting. With ``wait`` (an
         idle step), waits up to ``idle_wait_ms`` for a result when none is there yet, and
-        returns as soon as one arrives.
+        returns as soon as one arrives. With ``quiet_after`` (an idle step, or one the engine
+        core slept before: the next may come as late), the wait for the next step's input
+        blocks on vLLM's write notification instead of spinning.
         """
-        return self._mailbox.take(self.settings.idle_wait_ms / 1000 if wait else 0.0)
+        results = self._mailbox.take(self.settings.idle_wait_ms / 1000 if wait else 0.0)
+        if quiet_after and self.settings.quiet_busy_waits:
+            idle.begin()  # the engine core pauses before the next step: wait for it quietly
+        return results
 
     def take_counters(self) -> dict[str, Any]:
         """Counters since the last call (any thread)."""
