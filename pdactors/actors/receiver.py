@@ -12,7 +12,9 @@ there ends at once as ``P_GONE``, and the next pull looks P up again; so it does
 what D cannot use (another protocol version, garbage). D's layout travels with the first pull
 to each P worker only. Bootstrap answers are cached per bootstrap address and re-read when an
 engine id is not in them (P restarted) or after P was lost (:mod:`pdactors.actors._lookups`).
-The actor sleeps until the earliest pull deadline, not on a tick.
+The actor sleeps until the earliest pull deadline, not on a tick. A P whose registered
+compatibility description differs from D's is refused before the pull is sent
+(:mod:`pdactors.actors._compat`), and told to free its blocks.
 """
 
 from __future__ import annotations

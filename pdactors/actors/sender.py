@@ -20,7 +20,8 @@ Nothing a peer sends can stop the actor: a frame is decoded within the wire's li
 (:data:`~pdactors.wire.LIMITS`) before any work, an error from one message or one write
 fails that pull only (a typed reply), replies go out through one bounded queue per peer
 (:mod:`pdactors.actors._outbox`: a peer that stops reading is cut off and treated as lost),
-and garbage is answered with no more bytes than it carried.
+and garbage is answered with no more bytes than it carried. A pull whose compatibility
+description differs from P's is refused by name at once (:mod:`pdactors.actors._compat`).
 """
 
 from __future__ import annotations
