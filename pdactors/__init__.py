@@ -37,6 +37,7 @@ from pdactors.errors import PullFailedError as PullFailedError
 from pdactors.errors import TransferError as TransferError
 from pdactors.proxy import serve_proxy as serve_proxy
 from pdactors.wire import BlockLayout as BlockLayout
+from pdactors.wire import Compat as Compat
 from pdactors.wire import KVTransferParams as KVTransferParams
 from pdactors.wire import Layout as Layout
 

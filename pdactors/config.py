@@ -10,7 +10,9 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from pdactors.core.compat import check_relax
 from pdactors.errors import ConfigError
+from pdactors.wire import Compat
 
 __all__ = [
     "DEFAULT_BOOTSTRAP_PORT",
@@ -164,6 +166,10 @@ class SenderConfig(msgspec.Struct, frozen=True, kw_only=True):
     * ``liveness``: heartbeats on the side channel (how fast a dead D is noticed).
     * ``kv_heads``: the model's KV heads in all (vLLM's ``get_total_num_kv_heads()``); needed
       to serve a D whose TP size differs (0: unknown, taken from D's pull).
+    * ``compat``: what a D must match (model, weights, dtypes, block size, layout, wire
+      version), registered with the bootstrap and checked against each pull's; a pull that
+      differs is refused by the name of the first field (None: nothing checked).
+      ``compat_relax``: the fields that may differ (each logged once per peer).
     """
 
     engine_id: str
@@ -182,10 +188,13 @@ class SenderConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_heads: int = 0
     bootstrap_token: str | None = None
     bootstrap_ca_file: str | None = None
+    compat: Compat | None = None
+    compat_relax: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.lease_interval < 0 or self.lease_ttl <= self.lease_interval:
             raise ConfigError("need 0 <= lease_interval < lease_ttl")
+        check_relax(self.compat_relax)
 
 
 class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -204,6 +213,8 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
       bootstrap, and must not be able to collect the token); a pull naming another fails.
     * ``tick_interval``: not used (the receiver sleeps until its next pull deadline); kept so
       that configurations which set it still load.
+    * ``compat`` / ``compat_relax``: as the sender's: sent with each pull, and checked
+      against P's registered description before the pull is sent.
     """
 
     engine_id: str = "decode"
@@ -216,6 +227,11 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
     bootstrap_token: str | None = None
     bootstrap_ca_file: str | None = None
     trusted_bootstraps: tuple[str, ...] = ()
+    compat: Compat | None = None
+    compat_relax: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_relax(self.compat_relax)
 
     def trusts(self, bootstrap_url: str) -> bool:
         """Whether D may send its bootstrap token to ``bootstrap_url``: the bootstrap named by a

@@ -13,7 +13,7 @@ import pdactors.deploy
 
 PUBLIC = {
     "BadBlockIds", "BadMessage", "BadTransferParams", "BlockLayout", "ConfigError",
-    "BootstrapClient", "BootstrapConfig", "BootstrapError",
+    "BootstrapClient", "BootstrapConfig", "BootstrapError", "Compat",
     "DataPlane",
     "DataPlaneConfig", "DataPlaneError", "DuplicateTransfer", "IllegalTransition",
     "KVTransferParams", "Layout", "Liveness",

@@ -17,7 +17,7 @@ from pdactors.bootstrap_client import BootstrapClient
 from pdactors.config import RankInfo
 from pdactors.core.tp import tp_pulls
 from pdactors.errors import BootstrapError
-from pdactors.wire import BootstrapAnswer, BootstrapEntry
+from pdactors.wire import BootstrapAnswer, BootstrapEntry, Compat
 
 __all__ = ["Lookups"]
 
@@ -90,9 +90,9 @@ class Lookups:
 
     async def p_workers(
         self, url: str, engine_id: str, ranks: RankInfo, kv_heads: int
-    ) -> tuple[int, int, list[tuple[str, str]]]:
-        """P's TP and PP sizes (as registered) and the side-channel addresses and CURVE keys
-        of the P workers D rank ``ranks`` pulls from. Checkpoint. Raises
+    ) -> tuple[int, int, list[tuple[str, str, Compat | None]]]:
+        """P's TP and PP sizes (as registered) and the side-channel addresses, CURVE keys and
+        compatibility descriptions of the P workers D rank ``ranks`` pulls from. Checkpoint. Raises
         :class:`~pdactors.errors.PdError` when P's registration does not have them (asked
         twice: a cached answer may predate a P worker's registration)."""
         for fresh in (False, True):
@@ -110,8 +110,9 @@ class Lookups:
                     raise BootstrapError(f"engine {engine_id!r} at {url}: two workers share "
                                          f"one address ({found})")  # fmt: skip
                 keys = [entry.curve_keys.get(tp, {}).get(pp, "") for tp, pp in wanted]
+                compats = [entry.compats.get(tp, {}).get(pp) for tp, pp in wanted]
                 p_pp = max(len(by_pp) for by_pp in workers.values())
-                return p_tp, p_pp, list(zip(found, keys, strict=True))
+                return p_tp, p_pp, list(zip(found, keys, compats, strict=True))
         tp, pp = next(w for w, a in zip(wanted, addresses, strict=True) if a is None)
         raise BootstrapError(
             f"engine {engine_id!r} at {url} has no worker registered for tp rank {tp} "

@@ -39,6 +39,7 @@ async def register_sender(
         pp_rank=ranks.pp_rank,
         addr=router.address,
         curve_key=getattr(router, "curve_key", ""),  # transports before it had none
+        compat=config.compat,
     )
     lease = config.lease_ttl if config.lease_interval > 0 else None
     url, timeout = config.bootstrap_url, config.register_timeout

@@ -12,7 +12,9 @@ there ends at once as ``P_GONE``, and the next pull looks P up again; so it does
 what D cannot use (another protocol version, garbage). D's layout travels with the first pull
 to each P worker only. Bootstrap answers are cached per bootstrap address and re-read when an
 engine id is not in them (P restarted) or after P was lost (:mod:`pdactors.actors._lookups`).
-The actor sleeps until the earliest pull deadline, not on a tick.
+The actor sleeps until the earliest pull deadline, not on a tick. A P whose registered
+compatibility description differs from D's is refused before the pull is sent
+(:mod:`pdactors.actors._compat`), and told to free its blocks.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import trio
 
 from pdactors import timeline
 from pdactors._pulse import Pulse
+from pdactors.actors._compat import PeerCompat
 from pdactors.actors._durations import Durations, DurationStatistics
 from pdactors.actors._lookups import Lookups
 from pdactors.actors._p_connections import PConnections, Peer
@@ -95,6 +98,7 @@ class Receiver:
         self._nursery = nursery
         self._table = PullTable(timeout=config.pull_timeout)
         self._lookups = Lookups(client, config.lookup_timeout)
+        self._compat = PeerCompat(config.compat, config.compat_relax, "D", log)
         self._links = PConnections(config, transport, nursery, self._on_answer, self._lost)
         self._finished: set[str] = set()
         self._failed: dict[str, str] = {}
@@ -221,7 +225,7 @@ class Receiver:
             p_tp, p_pp, workers = await self._lookups.p_workers(
                 pull.bootstrap_url, pull.engine_id, self.config.ranks, self.config.kv_heads
             )
-            peers = [await self._links.connect(address, key) for address, key in workers]
+            peers = [await self._links.connect(address, key) for address, key, _ in workers]
         except (PdError, OSError) as exc:
             where = f"P {pull.engine_id} via {pull.bootstrap_url}"
             self._apply(self._table.fail(tid, f"cannot reach {where}: {exc}"))
@@ -231,6 +235,11 @@ class Receiver:
         if lost := [p.address for p in peers if p.lost]:
             self._apply(self._table.fail(tid, f"P worker {lost[0]} was just lost"))
             return
+        for address, _, compat in workers:  # P's registration: refused before it is asked
+            if (refused := self._compat.refusal(f"P {address}", compat)) is not None:
+                for peer in peers:  # P frees its blocks now, not at their expiry
+                    self._links.send_soon(peer, encode_frames(CancelPull(tid, refused)))
+                return self._apply(self._table.fail(tid, refused))
         ranks = self.config.ranks
         request = PullRequest(
             transfer_id=tid,
@@ -244,6 +253,7 @@ class Receiver:
             kv_heads=self.config.kv_heads,
             p_tp_size=p_tp,
             p_pp_size=p_pp,
+            compat=self.config.compat,
         )
         # Recorded before the send: P's answer may arrive before this task runs again.
         self._apply(self._table.sent(tid, [p.address for p in peers], request))

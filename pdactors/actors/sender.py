@@ -20,7 +20,8 @@ Nothing a peer sends can stop the actor: a frame is decoded within the wire's li
 (:data:`~pdactors.wire.LIMITS`) before any work, an error from one message or one write
 fails that pull only (a typed reply), replies go out through one bounded queue per peer
 (:mod:`pdactors.actors._outbox`: a peer that stops reading is cut off and treated as lost),
-and garbage is answered with no more bytes than it carried.
+and garbage is answered with no more bytes than it carried. A pull whose compatibility
+description differs from P's is refused by name at once (:mod:`pdactors.actors._compat`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import trio
 
 from pdactors import timeline
 from pdactors._pulse import Pulse
+from pdactors.actors._compat import PeerCompat, refuse_pull
 from pdactors.actors._durations import Durations, DurationStatistics
 from pdactors.actors._kv_writes import PULL_ERRORS, KvWriter, Written
 from pdactors.actors._layouts import LayoutCache
@@ -105,6 +107,7 @@ class Sender:
         self._outbox = Outbox(router, self._cut_off, stall_timeout=stall)
         self._refusals = Refusals()
         self._waiting = WaitingPulls()
+        self._compat = PeerCompat(config.compat, config.compat_relax, "P", log)
         self._finished: set[str] = set()
         self._finished_changed = Pulse()
         self._writer = KvWriter(config, layout, dataplane)
@@ -262,6 +265,8 @@ class Sender:
     def _on_pull(self, identity: bytes, pull: PullRequest, now: float) -> list[Effect]:
         tid = pull.transfer_id
         timeline.mark(tid, "pull_at_p")
+        if (refused := self._compat.refusal(f"D {identity.hex()}", pull.compat)) is not None:
+            return refuse_pull(self._table, identity, tid, now, refused)  # frees P's blocks
         if pull.layout is not None:
             try:
                 check_layout(pull.layout)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from pdactors.errors import PdError
-from pdactors.wire import BootstrapAnswer, BootstrapEntry, RegisterWorker
+from pdactors.wire import BootstrapAnswer, BootstrapEntry, Compat, RegisterWorker
 
 __all__ = [
     "MAX_ADDR_CHARS",
@@ -70,6 +70,7 @@ class _DpRank:
     addrs: dict[tuple[int, int], str] = field(default_factory=dict)  # (tp, pp) -> addr
     expires: dict[tuple[int, int], float] = field(default_factory=dict)  # (tp, pp) -> when
     keys: dict[tuple[int, int], str] = field(default_factory=dict)  # (tp, pp) -> CURVE key
+    compats: dict[tuple[int, int], Compat] = field(default_factory=dict)  # (tp, pp) -> its own
 
 
 class BootstrapRegistry:
@@ -155,6 +156,7 @@ class BootstrapRegistry:
             addr = rank.addrs.pop((tp, pp))
             del rank.expires[tp, pp]
             rank.keys.pop((tp, pp), None)
+            rank.compats.pop((tp, pp), None)
             self._workers -= 1
             gone.append(f"{rank.engine_id!r} dp={dp} tp={tp} pp={pp} at {addr!r}")
             if not rank.addrs:
@@ -182,11 +184,14 @@ class BootstrapRegistry:
             rank = self._ranks[dp]
             worker_addr: dict[int, dict[int, str]] = {}
             curve_keys: dict[int, dict[int, str]] = {}
+            compats: dict[int, dict[int, Compat]] = {}
             for tp, pp in sorted(rank.addrs):
                 worker_addr.setdefault(tp, {})[pp] = rank.addrs[tp, pp]
                 if key := rank.keys.get((tp, pp)):
                     curve_keys.setdefault(tp, {})[pp] = key
-            answer[dp] = BootstrapEntry(rank.engine_id, worker_addr, curve_keys)
+                if (compat := rank.compats.get((tp, pp))) is not None:
+                    compats.setdefault(tp, {})[pp] = compat
+            answer[dp] = BootstrapEntry(rank.engine_id, worker_addr, curve_keys, compats)
         return answer
 
     def _record(
@@ -205,3 +210,7 @@ class BootstrapRegistry:
             rank.keys[key] = worker.curve_key
         else:
             rank.keys.pop(key, None)
+        if worker.compat is not None:
+            rank.compats[key] = worker.compat
+        else:
+            rank.compats.pop(key, None)

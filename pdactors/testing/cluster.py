@@ -41,6 +41,7 @@ from pdactors.errors import PdError
 from pdactors.testing.kv import BlockPool, KVBuffer
 from pdactors.testing.memory_dataplane import MemoryFabric
 from pdactors.transport import ZMQ, Transport
+from pdactors.wire import Compat
 
 __all__ = [
     "Cluster",
@@ -146,6 +147,7 @@ async def open_cluster(
     p_pp: int = 1,
     bootstrap_token: str | None = None,
     fabric: MemoryFabric | None = None,
+    compat: Callable[[str, int], Compat | None] | None = None,
 ) -> AsyncIterator[Cluster]:
     """Start a bootstrap, ``prefill`` P engines of ``p_tp`` workers (P engine ``e`` is DP rank
     ``e`` there) and ``decode`` D engines of ``d_tp`` workers, each worker with its own
@@ -163,6 +165,8 @@ async def open_cluster(
     that gives each engine its own (per-engine CURVE keys).
     ``fabric``: every worker's data plane is an in-process one on it instead of a Mooncake
     engine (no engine threads: the autojump clock then sees every wait).
+    ``compat``: each engine's compatibility description, a function of the role and engine
+    index as for ``transport`` (None: the one in ``sender`` / ``receiver``).
     """
     dp_config = dataplane or DataPlaneConfig()
     s_config = sender or SenderConfig(engine_id="prefill")
@@ -188,6 +192,8 @@ async def open_cluster(
             for role, e, tp, pp in shapes:
                 engine_id = f"{role}-{e}"
                 side = transport(role, e) if callable(transport) else transport
+                own = (s_config if role == "prefill" else r_config).compat
+                described = compat(role, e) if compat is not None else own
                 pool, owned, releases = (
                     BlockPool(num_blocks),
                     dict[str, list[int]](),
@@ -221,6 +227,7 @@ async def open_cluster(
                             bootstrap_url=url,
                             ranks=ranks,
                             kv_heads=kv_heads,
+                            compat=described,
                         )
                         wrapped = wrap_prefill(plane) if wrap_prefill else plane
                         snd = await nursery.start(
@@ -240,6 +247,7 @@ async def open_cluster(
                                 ranks=ranks,
                                 kv_heads=kv_heads,
                                 trusted_bootstraps=(*r_config.trusted_bootstraps, url),
+                                compat=described,
                             ),
                             plane,
                             kv.layout,

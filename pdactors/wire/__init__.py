@@ -3,6 +3,8 @@
 * **Side-channel messages** (D ⇄ P over ZMQ ROUTER/DEALER), msgpack-encoded tagged Structs
   (:mod:`~pdactors.wire.side_channel`), within the limits of :mod:`~pdactors.wire.limits`, and
   the KV memory they describe (:mod:`~pdactors.wire.layout`).
+* **Compatibility descriptions** (:class:`~pdactors.wire.Compat`): what must match between P
+  and D, in P's registration and D's pulls (:mod:`~pdactors.wire.compat`).
 * **Bootstrap bodies** (JSON over HTTP), in the same shapes as upstream vLLM's Mooncake
   bootstrap server, so upstream proxies and tools can talk to ours
   (:mod:`~pdactors.wire.bootstrap`).
@@ -14,6 +16,7 @@ from pdactors.wire.bootstrap import BootstrapAnswer as BootstrapAnswer
 from pdactors.wire.bootstrap import BootstrapEntry as BootstrapEntry
 from pdactors.wire.bootstrap import RegisterWorker as RegisterWorker
 from pdactors.wire.bootstrap import is_curve_key as is_curve_key
+from pdactors.wire.compat import Compat as Compat
 from pdactors.wire.kv_params import KVTransferParams as KVTransferParams
 from pdactors.wire.layout import BlockIds as BlockIds
 from pdactors.wire.layout import BlockIdsLike as BlockIdsLike
@@ -25,6 +28,8 @@ from pdactors.wire.layout import layout_id as layout_id
 from pdactors.wire.layout import region_groups as region_groups
 from pdactors.wire.limits import LIMITS as LIMITS
 from pdactors.wire.limits import MAX_BLOCK_IDS as MAX_BLOCK_IDS
+from pdactors.wire.limits import MAX_BLOCK_SIZE as MAX_BLOCK_SIZE
+from pdactors.wire.limits import MAX_COMPAT_FIELD as MAX_COMPAT_FIELD
 from pdactors.wire.limits import MAX_FRAME_BYTES as MAX_FRAME_BYTES
 from pdactors.wire.limits import MAX_GROUPS as MAX_GROUPS
 from pdactors.wire.limits import MAX_ID as MAX_ID

@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from pdactors.errors import BadMessage
+from pdactors.wire.compat import Compat
 
 __all__ = ["BootstrapAnswer", "BootstrapEntry", "RegisterWorker", "is_curve_key"]
 
@@ -25,6 +26,8 @@ class RegisterWorker(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
 
     ``curve_key`` (ours; left out of the JSON when empty, and ignored by upstream's bootstrap)
     is the worker's CURVE public key, which D checks against the keys it trusts.
+    ``compat`` (ours; left out when None) is the worker's description of what a D must match
+    (:class:`~pdactors.wire.Compat`), which D checks before it pulls.
     """
 
     engine_id: str
@@ -33,6 +36,7 @@ class RegisterWorker(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     pp_rank: int
     addr: str
     curve_key: str = ""
+    compat: Compat | None = None
 
     def __post_init__(self) -> None:
         if min(self.dp_rank, self.tp_rank, self.pp_rank) < 0:
@@ -50,12 +54,15 @@ class BootstrapEntry(msgspec.Struct, omit_defaults=True):
 
     The whole answer is ``dict[int, BootstrapEntry]`` keyed by DP rank (JSON object keys are
     strings on the wire; msgspec converts them). ``curve_keys`` (ours, ``{tp: {pp: key}}``,
-    present only when a worker registered a key) are the workers' CURVE public keys.
+    present only when a worker registered a key) are the workers' CURVE public keys;
+    ``compats`` (ours, ``{tp: {pp: Compat}}``, present only when a worker registered one) their
+    compatibility descriptions.
     """
 
     engine_id: str
     worker_addr: dict[int, dict[int, str]]
     curve_keys: dict[int, dict[int, str]] = msgspec.field(default_factory=dict)
+    compats: dict[int, dict[int, Compat]] = msgspec.field(default_factory=dict)
 
 
 BootstrapAnswer = dict[int, BootstrapEntry]

@@ -11,6 +11,8 @@ from msgspec import Meta
 __all__ = [
     "LIMITS",
     "MAX_BLOCK_IDS",
+    "MAX_BLOCK_SIZE",
+    "MAX_COMPAT_FIELD",
     "MAX_FRAME_BYTES",
     "MAX_GROUPS",
     "MAX_ID",
@@ -37,17 +39,21 @@ MAX_NAME: Final = 128  #: characters in a region name
 MAX_ID: Final = 512  #: characters in a transfer id, a data-plane session or a layout id
 MAX_REASON: Final = 2048  #: characters in a reason (longer ones are cut when sent)
 MAX_BLOCK_IDS: Final = 1 << 20  #: block ids in one pull, all groups together
+MAX_COMPAT_FIELD: Final = 256  #: characters in a field of a compatibility description
+MAX_BLOCK_SIZE: Final = 1 << 20  #: tokens per KV block, as a compatibility description says
 #: Every limit by name, for docs and tests.
 LIMITS: Final = {
     "MAX_TP_SIZE": MAX_TP_SIZE, "MAX_PP_SIZE": MAX_PP_SIZE, "MAX_KV_HEADS": MAX_KV_HEADS,
     "MAX_GROUPS": MAX_GROUPS, "MAX_REGIONS": MAX_REGIONS, "MAX_NAME": MAX_NAME,
     "MAX_ID": MAX_ID, "MAX_REASON": MAX_REASON, "MAX_BLOCK_IDS": MAX_BLOCK_IDS,
+    "MAX_COMPAT_FIELD": MAX_COMPAT_FIELD, "MAX_BLOCK_SIZE": MAX_BLOCK_SIZE,
 }  # fmt: skip
 #: The longest frame a peer may send (ZMQ's ``MAXMSGSIZE``: a longer one drops its connection),
 #: derived from the limits: a pull with every limit reached, 9 bytes per integer, 4 per character
-#: (about 19 MB).
+#: (about 19 MB), its compatibility description included (7 named fields).
 MAX_FRAME_BYTES: Final = (1024 + 3 * (4 * MAX_ID + 5) + MAX_GROUPS * 5 + MAX_BLOCK_IDS * 9
-                           + MAX_REGIONS * (1 + 4 * 9 + 9 + 4 * MAX_NAME + 5))  # fmt: skip
+                           + MAX_REGIONS * (1 + 4 * 9 + 9 + 4 * MAX_NAME + 5)
+                           + 7 * (16 + 4 * MAX_COMPAT_FIELD + 5))  # fmt: skip
 
 Id = Annotated[str, Meta(max_length=MAX_ID)]
 Reason = Annotated[str, Meta(max_length=MAX_REASON)]

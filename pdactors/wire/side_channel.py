@@ -14,6 +14,7 @@ import msgspec
 from msgspec import Meta
 
 from pdactors.errors import BadMessage
+from pdactors.wire.compat import Compat
 from pdactors.wire.layout import Layout, WireBlockIds
 from pdactors.wire.limits import (
     MAX_BLOCK_IDS,
@@ -61,7 +62,9 @@ class PullRequest(_Msg, frozen=True, tag="pull"):
     ``kv_heads`` is the model's KV head count (0: D did not say; needed when P's and D's TP
     sizes differ); ``p_tp_size`` / ``p_pp_size`` the TP and PP sizes D took P to have from the
     bootstrap (0: not said). P refuses a pull planned for
-    another shape, with ``lookup_again`` set.
+    another shape, with ``lookup_again`` set. ``compat``: D's description of what must match
+    (None: D did not say; accepted, as before there was one); P refuses a pull whose
+    description differs from its own (:mod:`pdactors.core.compat`).
     """
 
     transfer_id: Id
@@ -76,6 +79,7 @@ class PullRequest(_Msg, frozen=True, tag="pull"):
     kv_heads: Annotated[int, Meta(ge=0, le=MAX_KV_HEADS)] = 0
     p_tp_size: Annotated[int, Meta(ge=0, le=MAX_TP_SIZE)] = 0
     p_pp_size: Annotated[int, Meta(ge=0, le=MAX_PP_SIZE)] = 0
+    compat: Compat | None = None
 
 
 class CancelPull(_Msg, frozen=True, tag="cancel"):

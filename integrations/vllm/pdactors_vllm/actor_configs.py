@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from pdactors import (
     BootstrapConfig,
+    Compat,
     DataPlaneConfig,
     Liveness,
     RankInfo,
@@ -28,6 +29,7 @@ class WorkerPlace:
     ranks: RankInfo
     runs_bootstrap: bool
     kv_heads: int = 0  # the model's KV heads in all (heterogeneous TP needs them)
+    compat: Compat | None = None  # what a peer must match (pdactors_vllm.compat)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,8 @@ def actor_configs(s: ConnectorSettings, place: WorkerPlace) -> ActorConfigs:
             kv_heads=place.kv_heads,
             bootstrap_token=token,
             bootstrap_ca_file=s.bootstrap_ca_file,
+            compat=place.compat,
+            compat_relax=s.compat_relax,
         )
     if place.is_consumer:
         receiver = ReceiverConfig(
@@ -85,5 +89,7 @@ def actor_configs(s: ConnectorSettings, place: WorkerPlace) -> ActorConfigs:
             bootstrap_token=token,
             bootstrap_ca_file=s.bootstrap_ca_file,
             trusted_bootstraps=(*s.trusted_bootstraps, s.bootstrap_url),
+            compat=place.compat,
+            compat_relax=s.compat_relax,
         )
     return ActorConfigs(plane, bootstrap, sender, receiver)

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pdactors import RankInfo
+from pdactors_vllm.compat import engine_compat
 from pdactors_vllm.errors import ConnectorConfigError, WrongRoleError
 from pdactors_vllm.idle_gate import IdleGate
 from pdactors_vllm.kv_report import PREFIX, kv_layout_report, show_with_vllm_logs
@@ -86,7 +87,8 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
             # The edge: before this worker's Trio thread (and Mooncake's) exists.
             for key, value in self.settings.mooncake_environment().items():
                 os.environ.setdefault(key, value)
-            self.worker_side = WorkerSide(self.settings, _place(vllm_config, self.engine_id))
+            place = _place(vllm_config, self.engine_id, self.settings.model_fingerprint)
+            self.worker_side = WorkerSide(self.settings, place)
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -249,7 +251,7 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side.gate.close()  # D's idle gate's socket
 
 
-def _place(vllm_config: VllmConfig, engine_id: str) -> WorkerPlace:
+def _place(vllm_config: VllmConfig, engine_id: str, fingerprint: str) -> WorkerPlace:
     from vllm.distributed.parallel_state import (
         get_pp_group,
         get_tensor_model_parallel_rank,
@@ -268,7 +270,9 @@ def _place(vllm_config: VllmConfig, engine_id: str) -> WorkerPlace:
         pp_rank=pp.rank_in_group,
         pp_size=pp.world_size,
     )
-    return dataclasses.replace(place, kv_heads=kv_heads_of(vllm_config.model_config))
+    kv_heads = kv_heads_of(vllm_config.model_config)
+    compat = engine_compat(vllm_config, fingerprint, kv_heads)  # once per worker, at start
+    return dataclasses.replace(place, kv_heads=kv_heads, compat=compat)
 
 
 _STATE_MODES = ("none", "align")

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 from msgspec.structs import replace
 
 from pdactors import timeline
@@ -24,8 +25,11 @@ from pdactors.config import (
     default_of,
     read_token_file,
 )
+from pdactors.core.compat import check_relax
+from pdactors.errors import ConfigError
 from pdactors.transport import ZmqTransport
 from pdactors.transport.curve import curve_from_files, curve_from_secret
+from pdactors.wire import MAX_COMPAT_FIELD
 from pdactors_vllm.errors import ConnectorConfigError
 
 __all__ = ["ConnectorSettings", "settings_from_extra_config"]
@@ -100,6 +104,15 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       D is told once after the last. Otherwise the eager whole-request send. Needs
       ``eager_send``; with vLLM's FULL CUDA graphs ``save_kv_layer`` does not run per layer, so
       the whole KV goes at the end of the step. Default false.
+    * ``model_fingerprint``: this engine's weights as P and D compare them (e.g. the
+      checkpoint's revision or hash): set it on both, or neither. Default: a fingerprint of
+      the local checkpoint's files (:mod:`pdactors_vllm.compat`); none (not compared) when
+      no local weights are found, which is logged once.
+    * ``compat_relax``: the compatibility fields allowed to differ between P and D (of
+      ``wire``, ``model``, ``weights``, ``dtype``, ``kv_dtype``, ``block_size``, ``layout``;
+      e.g. ``["kv_dtype"]`` for a deliberate cast). Any other difference refuses the pull at
+      once, naming the field (then ``kv_load_failure_policy`` applies); a relaxed one is
+      logged once per peer as a warning. Default none.
     * ``timeline``: log each transfer's timeline at DEBUG on ``pdactors.timeline``, and append
       it as JSON lines to the file named by ``$PDACTORS_TIMELINE`` when that is set (bench);
       default false.
@@ -131,6 +144,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     quiet_busy_waits: bool = True
     eager_send: bool = True
     layerwise: bool = False
+    model_fingerprint: Annotated[str, Meta(max_length=MAX_COMPAT_FIELD)] = ""
+    compat_relax: tuple[str, ...] = ()
     timeline: bool = False
 
     def bootstrap_token(self) -> str | None:
@@ -150,6 +165,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
             raise ConnectorConfigError(
                 "side_channel_secret_file or side_channel_key_file, not both"
             )
+        try:
+            check_relax(self.compat_relax)
+        except ConfigError as exc:
+            raise ConnectorConfigError(str(exc)) from None
 
     def side_channel(self, *, producer: bool, consumer: bool) -> ZmqTransport:
         """The side channel's transport of a P (``producer``) and/or D (``consumer``) worker:

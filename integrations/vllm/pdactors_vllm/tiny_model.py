@@ -175,6 +175,26 @@ def ensure_tiny_model(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def perturbed_copy(model_dir: Path, out: Path, *, seed: int = 1) -> Path:
+    """Copy the model at ``model_dir`` to ``out`` with different weights of the same shape
+    (what a half-finished rolling upgrade serves): seeded noise as large as each weight's own
+    spread is added to every weight but the norms, and rows that are zero (tokens greedy
+    decoding must never pick) stay zero. Returns ``out``. Raises `OSError`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    path = out / "model.safetensors"
+    state = load_file(str(path))
+    gen = torch.Generator().manual_seed(seed)
+    for name in sorted(state):
+        weight = state[name].float()
+        if not name.endswith("norm.weight"):
+            noise = torch.randn(weight.shape, generator=gen) * weight.std()
+            state[name] = (weight + noise * (weight != 0)).to(state[name].dtype)
+    save_file(state, str(path), metadata={"format": "pt"})
+    return out
+
+
 def find_eos_first_prompts(model_dir: Path, n: int = 1, *, seed: int = 0) -> list[str]:
     """Return ``n`` prompts whose greedy first generated token is EOS (checked with HF on CPU).
 
@@ -317,4 +337,5 @@ __all__ = [
     "hf_greedy",
     "load_hf_model",
     "load_tokenizer",
+    "perturbed_copy",
 ]

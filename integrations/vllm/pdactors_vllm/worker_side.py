@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from pdactors.host import TrioHost
 from pdactors_vllm import idle
 from pdactors_vllm.actor_configs import WorkerPlace, actor_configs
 from pdactors_vllm.actors import WorkerActors
+from pdactors_vllm.compat import with_kv_dtype
 from pdactors_vllm.counters import TransferCounters
 from pdactors_vllm.idle_gate import Waker
 from pdactors_vllm.kv_layout import KVRegistration, layout_from_kv_caches
@@ -86,6 +88,7 @@ class WorkerSide:
         group), then the actors this role needs. Returns the layout the actors move."""
         layout, memory, self._layer_regions = layout_from_kv_caches(kv_caches, num_blocks,
                                                                     group_of)  # fmt: skip
+        self.place = replace(self.place, compat=with_kv_dtype(self.place.compat, kv_caches))
         configs = actor_configs(self.settings, self.place)
         self._actors = WorkerActors(self.settings, self.place, configs, layout, memory,
                                     self._mailbox)  # fmt: skip

