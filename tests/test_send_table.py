@@ -295,8 +295,9 @@ def test_deadlines_come_due_in_order_and_every_block_is_released_once(
     ops: list[tuple[str, str, float, int]],
 ) -> None:
     """Whatever happens, each tick ends exactly the transfers whose deadline passed (the
-    deadline queues stay ordered and consistent with the states), and every transfer given
-    blocks is released exactly once, also when two D workers pull one transfer."""
+    deadline queues stay ordered and consistent with the states), the earliest deadline moves
+    earlier only when the table says so, and every transfer given blocks is released exactly
+    once, also when two D workers pull one transfer."""
     t = table()
     now = 0.0
     given_blocks: set[str] = set()
@@ -304,6 +305,7 @@ def test_deadlines_come_due_in_order_and_every_block_is_released_once(
     asked: list[tuple[str, bytes]] = []  # pulls the table took and must answer, once each
     answered: list[tuple[str, bytes]] = []
     gone: set[bytes] = set()  # D workers that went away: nobody to answer
+    earliest = t.next_deadline()
     for op, tid, wait, who in ops:
         now += wait
         expected = _PULLERS[tid]
@@ -339,6 +341,9 @@ def test_deadlines_come_due_in_order_and_every_block_is_released_once(
         released += [e.transfer_id for e in effects if isinstance(e, Release)]
         answered += [(e.msg.transfer_id, e.identity) for e in effects if isinstance(e, Reply)]
         _check_deadlines(t, now)
+        # The sender re-arms its wake-up only when the table says its deadline may be earlier.
+        lowered, earliest_before, earliest = t.take_deadline_lowered(), earliest, t.next_deadline()
+        assert lowered or earliest >= earliest_before, (op, tid)
     late: list[Effect] = []
     for tid in given_blocks:
         for d in (D, D2):

@@ -307,7 +307,7 @@ class Sender:
 
     def _rearm(self, *, force: bool = False) -> None:
         """Move the tick loop's wake-up to the table's next deadline, if that is earlier."""
-        if self._ticker is None:
+        if self._ticker is None or not (self._table.take_deadline_lowered() or force):
             return
         at = max(self._table.next_deadline(), self._last_tick + self.config.tick_interval)
         if force or at < self._ticker.deadline:

@@ -3,7 +3,8 @@
 Sans-IO: every method takes the current time, changes state, and returns the effects the
 actor must carry out (:class:`Reply`, :class:`StartSend`, :class:`Release`, :class:`Wake`).
 Nothing here blocks, sleeps or talks to the network. The deadlines are kept by
-:mod:`pdactors.core.send_timers`; :meth:`SendTable.next_deadline` says when to tick next.
+:mod:`pdactors.core.send_timers`; :meth:`SendTable.next_deadline` says when to tick next
+(:meth:`SendTable.take_deadline_lowered`: whether it may have moved earlier, cheaply).
 
 The rules — which event moves a transfer from which state to which, and what the move does —
 are data: :data:`~pdactors.core.send_rules.TRANSITIONS`. In short: PENDING (P's prefill
@@ -18,12 +19,10 @@ that take different heads of one P rank). The first pull says how many will come
 and P's blocks are there, and the transfer ends once every expected pull was answered, or one
 write failed. Between writes it waits, READY, for the pulls still to come.
 
-An ended transfer stays as a *tombstone* for ``tombstone_ttl`` so that a late pull is answered
-at once (no long waits), and a late "ready" for a transfer D gave up on is released at once.
-P's blocks are released (``Release``) exactly once for every transfer that was READY.
+An ended transfer stays a *tombstone* for ``tombstone_ttl``: a late pull is answered, a late
+"ready" released at once. P's blocks are released exactly once for every READY transfer.
 Anything else — a second "ready", a send result for a transfer not being sent — raises
-:class:`IllegalTransition`: every change of state is looked up in
-:data:`~pdactors.core.send_rules.TRANSITIONS`, the rules above as data.
+:class:`IllegalTransition` (every change of state is looked up in the rules).
 
 Layer-wise streaming is a state of the transfer's record too (:class:`Stream`, its rules in
 :data:`~pdactors.core.send_rules.STREAM_TRANSITIONS`): the layers P reports complete queue
@@ -104,6 +103,9 @@ class SendTable:
     def next_deadline(self) -> float:
         """When :meth:`tick` next has something to do (``inf``: never, until something moves)."""
         return self._timers.next_deadline()
+
+    def take_deadline_lowered(self) -> bool:  # since the last call
+        return self._timers.take_lowered()
 
     def statistics(self) -> SendTableStats:
         """Transfers held now, and how many ended each way so far."""

@@ -31,6 +31,14 @@ class Timers:
         self.pulls: Queue = OrderedDict()  # PENDING, D's pull waits
         self.unclaimed: Queue = OrderedDict()  # READY
         self.tombstones: Queue = OrderedDict()  # ended
+        #: a queue went from empty to not since :meth:`take_lowered`: only then can the
+        #: earliest deadline have moved earlier (appending to a queue leaves its head alone)
+        self.lowered = False
+
+    def take_lowered(self) -> bool:
+        """Whether :meth:`next_deadline` may have moved earlier since the last call."""
+        lowered, self.lowered = self.lowered, False
+        return lowered
 
     def next_deadline(self) -> float:
         """The earliest deadline of any queue (``inf`` when all are empty)."""
@@ -53,13 +61,13 @@ class Timers:
         if entry.timer is not self.pulls:
             self.arm(transfer_id, entry, self.pulls, now + self.ready_timeout)
 
-    @staticmethod
-    def arm(transfer_id: str, entry: Entry, queue: Queue | None, deadline: float) -> None:
+    def arm(self, transfer_id: str, entry: Entry, queue: Queue | None, deadline: float) -> None:
         """Move the entry's deadline to ``queue`` (None: no deadline)."""
         if entry.timer is not None:
             del entry.timer[transfer_id]
         entry.timer = queue
         if queue is not None:
+            self.lowered = self.lowered or not queue
             queue[transfer_id] = deadline
 
 
