@@ -183,7 +183,7 @@ def serve_curve(socket: zmq.Socket[Any], curve: Curve) -> str:
         zap = _zaps.get(id(context))
         if zap is None:
             zap = _Zap(context)
-            zap.auth.start()
+            _start(zap.auth)
             _zaps[id(context)] = zap
         zap.domains.add(domain)
         zap.auth.configure_curve_callback(domain, _Allowed(curve.clients))
@@ -198,6 +198,30 @@ def serve_curve(socket: zmq.Socket[Any], curve: Curve) -> str:
         stop_curve(context, domain)
         raise
     return domain
+
+
+#: How long a new ZAP handler waits for the last one's endpoint (see :func:`_start`).
+ZAP_REBIND_S = 1.0
+
+
+def _start(auth: ThreadAuthenticator) -> None:
+    """Start ``auth``. libzmq releases a closed socket's inproc endpoint in its reaper thread,
+    after ``close`` returned: a handler started just after the context's last one stopped
+    can find ``inproc://zeromq.zap.01`` still taken (measured: more than half of immediate
+    rebinds). So a refused bind is retried every millisecond for up to
+    :data:`ZAP_REBIND_S`."""
+    deadline = time.monotonic() + ZAP_REBIND_S
+    while True:
+        try:
+            auth.start()
+            return
+        except zmq.ZMQError as exc:
+            if auth.zap_socket is not None:  # created, not bound
+                auth.zap_socket.close(linger=0)
+                auth.zap_socket = None  # type: ignore[assignment]
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.001)
 
 
 def stop_curve(context: zmq.Context[Any], domain: str) -> None:
