@@ -502,10 +502,13 @@ async def test_a_bad_lease_gets_400_and_registers_nothing(lease: str) -> None:
             assert (await http.get(f"{url}/query")).json() == {}
 
 
-async def test_a_renewing_sender_puts_its_entry_back_after_a_bogus_registration() -> None:
+async def test_a_foreign_registration_cannot_take_a_renewing_senders_rank() -> None:
+    """Before leases were their holder's, a bogus registration took P's rank until P's next
+    renewal put it back; now it is refused (409) and P's entry never leaves."""
     from pdactors.actors.sender import serve_sender
     from pdactors.config import DataPlaneConfig, SenderConfig
     from pdactors.dataplane import open_mooncake
+    from pdactors.errors import RankHeld
     from pdactors.testing import KVBuffer
 
     with trio.fail_after(30):
@@ -515,14 +518,14 @@ async def test_a_renewing_sender_puts_its_entry_back_after_a_bogus_registration(
                 kv = KVBuffer(1, 4, 64)
                 plane.register(kv.regions)
                 sender = await nursery.start(serve_sender, config, plane, kv.layout)
-                # someone registers another engine on P's DP rank, once (as upstream tools do)
-                await client.register(url, RegisterWorker("bogus", 0, 0, 0, "tcp://x:1"), timeout=5)
-                while True:  # the next renewal undoes it
-                    entry = (await client.query(url, timeout=5))[0]
-                    if entry.engine_id == "real-p":
-                        break
-                    await trio.sleep(0.05)
+                # someone registers another engine on P's DP rank (as upstream tools do)
+                bogus = RegisterWorker("bogus", 0, 0, 0, "tcp://x:1")
+                with pytest.raises(RankHeld, match=r"dp=0 tp=0 pp=0 .* held by 'tcp://"):
+                    await client.register(url, bogus, timeout=5)
+                entry = (await client.query(url, timeout=5))[0]
+                assert entry.engine_id == "real-p"
                 assert entry.worker_addr == {0: {0: sender.address}}
+                assert entry.epochs == {0: {0: sender.epoch}}
                 nursery.cancel_scope.cancel()
             # P is gone: its lease lapses (5 s) and it leaves /query by itself
             while await client.query(url, timeout=5):
