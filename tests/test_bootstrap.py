@@ -537,12 +537,16 @@ def test_next_expiry_skips_renewed_and_replaced_leases() -> None:
     assert reg.next_expiry() is None
     reg.register(worker("forever", dp=1, port=6000), now=0.0)
     assert reg.next_expiry() is None  # an unleased entry never lapses
-    reg.register(worker("p", tp=0), now=0.0, lease=5.0)
+    p0 = msgspec.structs.replace(worker("p", tp=0), epoch=1)
+    reg.register(p0, now=0.0, lease=5.0)
     reg.register(worker("p", tp=1, port=5556), now=1.0, lease=5.0)
     assert reg.next_expiry() == 5.0
-    reg.register(worker("p", tp=0), now=3.0, lease=5.0)  # renewed: its old time is stale
+    reg.register(p0, now=3.0, lease=5.0)  # renewed: its old time is stale
     assert reg.next_expiry() == 6.0
-    reg.register(worker("q", tp=0), now=4.0, lease=1.0)  # a new engine on dp 0: p's are gone
+    reg.register(worker("p", tp=1, port=5556), now=4.0)  # its lease given up: stale too
+    # a new engine on dp 0, displacing p's one leased worker by its epoch: p's are gone
+    q = msgspec.structs.replace(worker("q", tp=0), epoch=2, replaces=1)
+    assert reg.register(q, now=4.0, lease=1.0) == "engine_replaced"
     assert reg.next_expiry() == 5.0
     assert reg.expire(now=5.0) == ["'q' dp=0 tp=0 pp=0 at 'tcp://127.0.0.1:5555'"]
     assert reg.next_expiry() is None

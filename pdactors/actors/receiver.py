@@ -269,7 +269,7 @@ class Receiver:
             if not peer.knows_layout:
                 # Messages on one connection arrive in order: whoever sends first carries it.
                 peer.knows_layout = True
-                frames = self._with_layout(request)
+                frames = self._with_layout(frames)
             try:
                 await peer.dealer.send(encode_frames(frames))
             except trio.ClosedResourceError:  # P was lost meanwhile: that ended its part
