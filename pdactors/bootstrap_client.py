@@ -16,7 +16,7 @@ import httpx
 import msgspec
 import trio
 
-from pdactors.errors import BootstrapError, BootstrapTimeout, describe
+from pdactors.errors import BootstrapError, BootstrapTimeout, RankHeld, describe
 from pdactors.wire import BootstrapAnswer, BootstrapEntry, RegisterWorker
 
 __all__ = ["BootstrapClient", "open_bootstrap_client", "tls_verify"]
@@ -30,7 +30,12 @@ _answer_decoder = msgspec.json.Decoder(dict[int, BootstrapEntry])
 
 
 class _Refused(Exception):
-    """The registry answered, and asking again will not change its answer."""
+    """The registry answered, and asking again will not change its answer (``error``: the
+    type it is raised as)."""
+
+    def __init__(self, detail: str, error: type[BootstrapError] = BootstrapError) -> None:
+        super().__init__(detail)
+        self.error = error
 
 
 class BootstrapClient:
@@ -65,7 +70,8 @@ class BootstrapClient:
         (0.05 s, doubling, at most 1 s apart) until ``timeout`` seconds have passed. A checkpoint.
 
         Raises :class:`BootstrapError`, naming ``url`` and the last error, when the time runs
-        out or at once when the registry refuses the registration (any other 4xx).
+        out or at once when the registry refuses the registration (any other 4xx); for a 409
+        (the rank is held by another worker's live lease) the :class:`RankHeld` subclass.
         """
         body = msgspec.json.encode(worker)
         params = {} if lease is None else {"lease": f"{lease:g}"}
@@ -79,7 +85,9 @@ class BootstrapClient:
             )
             if resp.status_code == 200:
                 return
-            detail = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            detail = f"HTTP {resp.status_code}: {resp.text[:400]}"
+            if resp.status_code == 409:
+                raise _Refused(detail, RankHeld)
             if 400 <= resp.status_code < 500 and resp.status_code not in _RETRYABLE_4XX:
                 raise _Refused(detail)
             raise BootstrapError(detail)
@@ -161,7 +169,7 @@ async def _retry(
                 await attempt()
                 return
             except _Refused as exc:
-                raise BootstrapError(f"{what}: {exc}") from None
+                raise exc.error(f"{what}: {exc}") from None
             except httpx.InvalidURL as exc:
                 raise BootstrapError(f"{what}: {exc}") from None
             except (httpx.HTTPError, BootstrapError) as exc:

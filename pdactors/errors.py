@@ -16,6 +16,7 @@ __all__ = [
     "PdError",
     "PlanError",
     "PullFailedError",
+    "RankHeld",
     "TransferError",
     "describe",
 ]
@@ -95,6 +96,13 @@ class BootstrapError(PdError):
 class BootstrapTimeout(BootstrapError):
     """The registry gave no answer at all in time: busy or hung, not known to be gone (a
     refused connection or an error answer is a plain :class:`BootstrapError`)."""
+
+
+class RankHeld(BootstrapError):
+    """The registry refused a registration (HTTP 409): its dp/tp/pp rank is held by another
+    worker whose lease is live, and the registration would move it elsewhere. Not retried
+    within one ``register`` call: the holder's lease must lapse first (or the registration
+    must name the holder's epoch in ``replaces``)."""
 
 
 class PullFailedError(PdError):

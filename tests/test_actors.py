@@ -217,7 +217,7 @@ async def test_silent_p_times_out_and_is_told_to_cancel(
     async with open_cluster(receiver=receiver, **SMALL) as cluster:
         d = cluster.decode[0]
         async with open_router("127.0.0.1") as ghost, open_bootstrap_client() as client:
-            worker = RegisterWorker("ghost", 0, 0, 0, ghost.address)
+            worker = RegisterWorker("ghost", 1, 0, 0, ghost.address)  # (dp 0 is P's, leased)
             await client.register(cluster.bootstrap_url, worker, timeout=1e6)
             dst = d.pool.allocate(2)
             start = trio.current_time()

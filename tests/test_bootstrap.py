@@ -502,10 +502,13 @@ async def test_a_bad_lease_gets_400_and_registers_nothing(lease: str) -> None:
             assert (await http.get(f"{url}/query")).json() == {}
 
 
-async def test_a_renewing_sender_puts_its_entry_back_after_a_bogus_registration() -> None:
+async def test_a_foreign_registration_cannot_take_a_renewing_senders_rank() -> None:
+    """Before leases were their holder's, a bogus registration took P's rank until P's next
+    renewal put it back; now it is refused (409) and P's entry never leaves."""
     from pdactors.actors.sender import serve_sender
     from pdactors.config import DataPlaneConfig, SenderConfig
     from pdactors.dataplane import open_mooncake
+    from pdactors.errors import RankHeld
     from pdactors.testing import KVBuffer
 
     with trio.fail_after(30):
@@ -515,14 +518,14 @@ async def test_a_renewing_sender_puts_its_entry_back_after_a_bogus_registration(
                 kv = KVBuffer(1, 4, 64)
                 plane.register(kv.regions)
                 sender = await nursery.start(serve_sender, config, plane, kv.layout)
-                # someone registers another engine on P's DP rank, once (as upstream tools do)
-                await client.register(url, RegisterWorker("bogus", 0, 0, 0, "tcp://x:1"), timeout=5)
-                while True:  # the next renewal undoes it
-                    entry = (await client.query(url, timeout=5))[0]
-                    if entry.engine_id == "real-p":
-                        break
-                    await trio.sleep(0.05)
+                # someone registers another engine on P's DP rank (as upstream tools do)
+                bogus = RegisterWorker("bogus", 0, 0, 0, "tcp://x:1")
+                with pytest.raises(RankHeld, match=r"dp=0 tp=0 pp=0 .* held by 'tcp://"):
+                    await client.register(url, bogus, timeout=5)
+                entry = (await client.query(url, timeout=5))[0]
+                assert entry.engine_id == "real-p"
                 assert entry.worker_addr == {0: {0: sender.address}}
+                assert entry.epochs == {0: {0: sender.epoch}}
                 nursery.cancel_scope.cancel()
             # P is gone: its lease lapses (5 s) and it leaves /query by itself
             while await client.query(url, timeout=5):
@@ -534,12 +537,16 @@ def test_next_expiry_skips_renewed_and_replaced_leases() -> None:
     assert reg.next_expiry() is None
     reg.register(worker("forever", dp=1, port=6000), now=0.0)
     assert reg.next_expiry() is None  # an unleased entry never lapses
-    reg.register(worker("p", tp=0), now=0.0, lease=5.0)
+    p0 = msgspec.structs.replace(worker("p", tp=0), epoch=1)
+    reg.register(p0, now=0.0, lease=5.0)
     reg.register(worker("p", tp=1, port=5556), now=1.0, lease=5.0)
     assert reg.next_expiry() == 5.0
-    reg.register(worker("p", tp=0), now=3.0, lease=5.0)  # renewed: its old time is stale
+    reg.register(p0, now=3.0, lease=5.0)  # renewed: its old time is stale
     assert reg.next_expiry() == 6.0
-    reg.register(worker("q", tp=0), now=4.0, lease=1.0)  # a new engine on dp 0: p's are gone
+    reg.register(worker("p", tp=1, port=5556), now=4.0)  # its lease given up: stale too
+    # a new engine on dp 0, displacing p's one leased worker by its epoch: p's are gone
+    q = msgspec.structs.replace(worker("q", tp=0), epoch=2, replaces=1)
+    assert reg.register(q, now=4.0, lease=1.0) == "engine_replaced"
     assert reg.next_expiry() == 5.0
     assert reg.expire(now=5.0) == ["'q' dp=0 tp=0 pp=0 at 'tcp://127.0.0.1:5555'"]
     assert reg.next_expiry() is None

@@ -90,9 +90,10 @@ class Lookups:
 
     async def p_workers(
         self, url: str, engine_id: str, ranks: RankInfo, kv_heads: int
-    ) -> tuple[int, int, list[tuple[str, str, Compat | None]]]:
-        """P's TP and PP sizes (as registered) and the side-channel addresses, CURVE keys and
-        compatibility descriptions of the P workers D rank ``ranks`` pulls from. Checkpoint. Raises
+    ) -> tuple[int, int, list[tuple[str, str, Compat | None, int]]]:
+        """P's TP and PP sizes (as registered) and the side-channel addresses, CURVE keys,
+        compatibility descriptions and epochs (0: not registered) of the P workers D rank
+        ``ranks`` pulls from. Checkpoint. Raises
         :class:`~pdactors.errors.PdError` when P's registration does not have them (asked
         twice: a cached answer may predate a P worker's registration)."""
         for fresh in (False, True):
@@ -111,8 +112,9 @@ class Lookups:
                                          f"one address ({found})")  # fmt: skip
                 keys = [entry.curve_keys.get(tp, {}).get(pp, "") for tp, pp in wanted]
                 compats = [entry.compats.get(tp, {}).get(pp) for tp, pp in wanted]
+                epochs = [entry.epochs.get(tp, {}).get(pp, 0) for tp, pp in wanted]
                 p_pp = max(len(by_pp) for by_pp in workers.values())
-                return p_tp, p_pp, list(zip(found, keys, compats, strict=True))
+                return p_tp, p_pp, list(zip(found, keys, compats, epochs, strict=True))
         tp, pp = next(w for w, a in zip(wanted, addresses, strict=True) if a is None)
         raise BootstrapError(
             f"engine {engine_id!r} at {url} has no worker registered for tp rank {tp} "

@@ -9,7 +9,9 @@ bookkeeping, re-exported here): ``POST /register`` (a
 The registry is bounded: at most ``BootstrapConfig.max_workers`` registrations (4,096 by
 default; one more is refused with 429 until some lapse or are replaced), and each field within
 :data:`MAX_ENGINE_ID_CHARS`, :data:`MAX_ADDR_CHARS` and :data:`MAX_RANK` (400 beyond), so its
-memory and its ``/query`` answer stay within a few MB whatever clients send.
+memory and its ``/query`` answer stay within a few MB whatever clients send. A registration
+that would move a rank whose holder's lease is live elsewhere is refused with 409
+(:class:`~pdactors.errors.RankHeld`, the registry's rules).
 
 Registrations are leases when they say so: ``POST /register?lease=SECONDS`` (our senders renew
 every second or so) lapses unless renewed within ``SECONDS``, so a dead P leaves ``/query`` by
@@ -40,6 +42,7 @@ from pdactors.core.registry import (
     MAX_ENGINE_ID_CHARS,
     MAX_RANK,
     BootstrapRegistry,
+    RankHeld,
     Registration,
     RegistryFull,
 )
@@ -131,6 +134,8 @@ def _make_app(
             change = registry.register(worker, now, lease)
         except ValueError as exc:  # BadRegistration
             return refuse(400, f"invalid registration: {exc}")
+        except RankHeld as exc:  # before ValueError: a live lease is its holder's
+            return refuse(409, str(exc))
         except RegistryFull as exc:
             return refuse(429, str(exc))
         if lease is not None and expiry is not None:
@@ -145,7 +150,7 @@ def _make_app(
             worker.pp_rank,
             worker.addr,
             f" with CURVE key {worker.curve_key}" if worker.curve_key else "",  # public
-            change,
+            change if not worker.epoch else f"{change}, epoch {worker.epoch}",
         )
         return json_response({"ok": True})
 

@@ -5,16 +5,15 @@ The engine side starts pulls with :meth:`Receiver.start_pull` (synchronous, neve
 aborts them with :meth:`Receiver.abort`, and collects ends with :meth:`Receiver.take_results`
 (vLLM's ``finished_recving`` and failed loads). Trio callers can ``await receiver.pull(...)``.
 
-The actor is a thin trio shell around :class:`~pdactors.core.pull_table.PullTable`, which holds
-every pull's record. Per P worker, one DEALER socket is opened on first use and kept while P is
-alive (:mod:`pdactors.actors._p_connections`): when P's side channel is lost, every pull sent
-there ends at once as ``P_GONE``, and the next pull looks P up again; so it does when P answers
-what D cannot use (another protocol version, garbage). D's layout travels with the first pull
-to each P worker only. Bootstrap answers are cached per bootstrap address and re-read when an
-engine id is not in them (P restarted) or after P was lost (:mod:`pdactors.actors._lookups`).
-The actor sleeps until the earliest pull deadline, not on a tick. A P whose registered
-compatibility description differs from D's is refused before the pull is sent
-(:mod:`pdactors.actors._compat`), and told to free its blocks.
+A thin trio shell around :class:`~pdactors.core.pull_table.PullTable`, which holds every
+pull's record. One DEALER per P worker, kept while P is alive
+(:mod:`pdactors.actors._p_connections`): when it is lost, or P answers what D cannot use,
+every pull sent there ends at once (``P_GONE``). D's layout goes with the first pull to each P
+worker. Bootstrap answers are cached per bootstrap, re-read when an engine is not in them or
+P was lost (:mod:`pdactors.actors._lookups`). Each pull names the P epoch D looked up and D's
+own (:mod:`pdactors.core.epochs`); an answer from another life of P is ignored. The actor
+sleeps until the earliest pull deadline. A P whose registered compatibility description
+differs from D's is refused before the pull is sent (:mod:`pdactors.actors._compat`).
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from pdactors.actors._lookups import Lookups
 from pdactors.actors._p_connections import PConnections, Peer
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import ReceiverConfig
+from pdactors.core.epochs import new_epoch
 from pdactors.core.plan import check_layout
 from pdactors.core.pull_table import Completed, PullEffect, PullTable, SendCancel
 from pdactors.dataplane.base import DataPlane
@@ -94,6 +94,8 @@ class Receiver:
         self.config = config
         self.layout = layout
         self._session = dataplane.session
+        #: This receiver's epoch: random, new at every start (:mod:`pdactors.core.epochs`).
+        self.epoch = new_epoch()
         self._layout_id = layout_id(dataplane.session, layout)
         self._nursery = nursery
         self._table = PullTable(timeout=config.pull_timeout)
@@ -225,7 +227,7 @@ class Receiver:
             p_tp, p_pp, workers = await self._lookups.p_workers(
                 pull.bootstrap_url, pull.engine_id, self.config.ranks, self.config.kv_heads
             )
-            peers = [await self._links.connect(address, key) for address, key, _ in workers]
+            peers = [await self._links.connect(address, key) for address, key, _, _ in workers]
         except (PdError, OSError) as exc:
             where = f"P {pull.engine_id} via {pull.bootstrap_url}"
             self._apply(self._table.fail(tid, f"cannot reach {where}: {exc}"))
@@ -235,7 +237,7 @@ class Receiver:
         if lost := [p.address for p in peers if p.lost]:
             self._apply(self._table.fail(tid, f"P worker {lost[0]} was just lost"))
             return
-        for address, _, compat in workers:  # P's registration: refused before it is asked
+        for address, _, compat, _ in workers:  # P's registration: refused before it is asked
             if (refused := self._compat.refusal(f"P {address}", compat)) is not None:
                 for peer in peers:  # P frees its blocks now, not at their expiry
                     self._links.send_soon(peer, encode_frames(CancelPull(tid, refused)))
@@ -254,18 +256,20 @@ class Receiver:
             p_tp_size=p_tp,
             p_pp_size=p_pp,
             compat=self.config.compat,
+            d_epoch=self.epoch,
         )
+        epochs = [epoch for _, _, _, epoch in workers]  # each P worker's, as D looked it up
         # Recorded before the send: P's answer may arrive before this task runs again.
-        self._apply(self._table.sent(tid, [p.address for p in peers], request))
+        self._apply(self._table.sent(tid, [p.address for p in peers], request, epochs))
         timeline.mark(tid, "pull_sent")
-        for peer in peers:
+        for peer, epoch in zip(peers, epochs, strict=True):
             if self._table.get(tid) is not pull or peer.address not in pull.waiting:
                 continue  # ended, or this part did, while sending to the others
-            frames = request
+            frames = msgspec.structs.replace(request, p_epoch=epoch) if epoch else request
             if not peer.knows_layout:
                 # Messages on one connection arrive in order: whoever sends first carries it.
                 peer.knows_layout = True
-                frames = self._with_layout(request)
+                frames = self._with_layout(frames)
             try:
                 await peer.dealer.send(encode_frames(frames))
             except trio.ClosedResourceError:  # P was lost meanwhile: that ended its part
@@ -289,19 +293,30 @@ class Receiver:
 
     def _on_answer(self, peer: Peer, msg: Msg) -> None:
         match msg:
-            case PullDone(transfer_id=tid):
-                timeline.mark(tid, "landed")
-                self._apply(self._table.answered(tid, ok=True, peer=peer.address))
-            case PullFailed(transfer_id=tid, reason=reason, lookup_again=again):
-                if again and (pull := self._table.get(tid)) is not None:
-                    self._lookups.forget(pull.bootstrap_url)  # P has more workers than we knew
-                reason = f"P: {reason}"
-                self._apply(self._table.answered(tid, ok=False, reason=reason, peer=peer.address))
+            case PullDone(transfer_id=tid, epoch=epoch) | PullFailed(transfer_id=tid, epoch=epoch):
+                failed = msg if isinstance(msg, PullFailed) else None
+                again = failed is not None and failed.lookup_again
+                if (pull := self._table.get(tid)) is None:
+                    return  # a late answer
+                if pull.from_other_life(peer.address, epoch, lookup_again=again):
+                    log.debug("ignored %r from P %s: another life than it asked", msg, peer.address)
+                elif failed is None:
+                    timeline.mark(tid, "landed")
+                    self._apply(self._table.answered(tid, ok=True, peer=peer.address, epoch=epoch))
+                else:
+                    if again:  # P has more workers than we knew, or is another life of it
+                        self._lookups.forget(pull.bootstrap_url)
+                    self._apply(self._table.answered(tid, ok=False, reason=f"P: {failed.reason}",
+                                                     peer=peer.address, epoch=epoch,
+                                                     lookup_again=again))  # fmt: skip
             case LayoutUnknown(transfer_id=tid):
                 pull = self._table.get(tid)
                 if pull is not None and pull.request is not None and peer.address in pull.waiting:
                     # P forgot us (restart): resend with the layout
-                    frames = encode_frames(self._with_layout(pull.request))
+                    request = msgspec.structs.replace(
+                        pull.request, p_epoch=pull.p_epochs.get(peer.address, 0)
+                    )
+                    frames = encode_frames(self._with_layout(request))
                     self._links.send_soon(peer, frames)
             case ErrorReply(reason=reason, transfer_id=tid):
                 # P could not read our message about ``tid``: it is not writing that pull.

@@ -27,7 +27,6 @@ description differs from P's is refused by name at once (:mod:`pdactors.actors._
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 
 import msgspec
@@ -37,11 +36,13 @@ from pdactors import timeline
 from pdactors._pulse import Pulse
 from pdactors.actors._compat import PeerCompat, refuse_pull
 from pdactors.actors._durations import Durations, DurationStatistics
+from pdactors.actors._epoch_fence import EpochFence
 from pdactors.actors._kv_writes import PULL_ERRORS, KvWriter, Written
 from pdactors.actors._layouts import LayoutCache
 from pdactors.actors._outbox import Outbox, Refusals, SideChannelStats
 from pdactors.actors._pull_check import StaleView, WaitingPulls, expected_pulls, pull_heads
 from pdactors.actors._sender_lease import register_sender
+from pdactors.actors._ticks import Ticks
 from pdactors.bootstrap_client import open_bootstrap_client
 from pdactors.config import SenderConfig
 from pdactors.core.plan import check_layout
@@ -108,12 +109,11 @@ class Sender:
         self._refusals = Refusals()
         self._waiting = WaitingPulls()
         self._compat = PeerCompat(config.compat, config.compat_relax, "P", log)
+        self._fence = EpochFence(log)  # this life's epoch, and the D sessions' latest
         self._finished: set[str] = set()
         self._finished_changed = Pulse()
         self._writer = KvWriter(config, layout, dataplane)
-        # The tick loop's wait for the table's next deadline (see _tick_loop).
-        self._ticker: trio.CancelScope | None = None
-        self._last_tick = -math.inf
+        self._ticks = Ticks(self._table, config.tick_interval, self._apply)
         self.bytes_sent = 0
         self.descriptors_sent = 0
         self.streamed_sent = 0  # transfers written layer by layer while P computed them
@@ -123,6 +123,11 @@ class Sender:
     def address(self) -> str:
         """The side-channel address D workers connect to (``tcp://host:port``)."""
         return self._router.address
+
+    @property
+    def epoch(self) -> int:
+        """This sender's epoch: random, new at every start (:mod:`pdactors.core.epochs`)."""
+        return self._fence.epoch
 
     # ------------------------------------------------------------------ engine side (sync)
 
@@ -194,6 +199,13 @@ class Sender:
     def statistics(self) -> SendTableStats:
         return self._table.statistics()
 
+    def unreachable(self, reason: str) -> int:
+        """No D can find this sender now (another registration holds its rank): release every
+        READY transfer no D has pulled; returns how many."""
+        effects = self._table.unreachable(trio.current_time(), reason)
+        self._apply(effects)
+        return len(effects)
+
     def write_statistics(self) -> DurationStatistics:
         """How many writes succeeded, and how long the recent ones took (plan + engine)."""
         return self._write_seconds.statistics()
@@ -263,8 +275,12 @@ class Sender:
             self._outbox.put(identity, answer)
 
     def _on_pull(self, identity: bytes, pull: PullRequest, now: float) -> list[Effect]:
+        timeline.mark(pull.transfer_id, "pull_at_p")
+        fenced, go_on = self._fence.check(self._table, identity, pull, now)  # epochs first
+        return fenced + self._take_pull(identity, pull, now) if go_on else fenced
+
+    def _take_pull(self, identity: bytes, pull: PullRequest, now: float) -> list[Effect]:
         tid = pull.transfer_id
-        timeline.mark(tid, "pull_at_p")
         if (refused := self._compat.refusal(f"D {identity.hex()}", pull.compat)) is not None:
             return refuse_pull(self._table, identity, tid, now, refused)  # frees P's blocks
         if pull.layout is not None:
@@ -291,27 +307,6 @@ class Sender:
         if not any(isinstance(e, Reply) and e.identity == identity for e in effects):
             self._waiting.hold(identity, pull)  # until the reply about it
         return effects
-
-    async def _tick_loop(self) -> None:
-        """Tick the table when its next deadline comes, re-armed by every operation that
-        adds an earlier one (:meth:`_rearm`). Deadlines due within ``tick_interval`` of the
-        last tick share the next one: at thousands of transfers a second each end's tombstone
-        would otherwise wake the loop on its own."""
-        while True:
-            with trio.CancelScope() as self._ticker:
-                self._rearm(force=True)
-                await trio.sleep_forever()
-            self._ticker = None
-            self._last_tick = trio.current_time()
-            self._apply(self._table.tick(self._last_tick))
-
-    def _rearm(self, *, force: bool = False) -> None:
-        """Move the tick loop's wake-up to the table's next deadline, if that is earlier."""
-        if self._ticker is None or not (self._table.take_deadline_lowered() or force):
-            return
-        at = max(self._table.next_deadline(), self._last_tick + self.config.tick_interval)
-        if force or at < self._ticker.deadline:
-            self._ticker.deadline = at
 
     async def _send(self, job: StartSend) -> None:
         pull = job.pull
@@ -351,7 +346,7 @@ class Sender:
             match effect:
                 case Reply(identity=identity, msg=msg):
                     self._waiting.release(identity, getattr(msg, "transfer_id", ""))
-                    self._outbox.put(identity, msg)
+                    self._outbox.put(identity, self._fence.stamp(msg))
                 case StartSend():
                     self._nursery.start_soon(self._send, effect)
                 case Release(transfer_id=tid, state=state):
@@ -361,7 +356,7 @@ class Sender:
                 case Wake(waiter=waiter):
                     assert isinstance(waiter, trio.Event)  # the streamed write's, _kv_writes
                     waiter.set()
-        self._rearm()  # the operation may have added an earlier deadline
+        self._ticks.rearm()  # the operation may have added an earlier deadline
 
 
 async def serve_sender(
@@ -370,11 +365,14 @@ async def serve_sender(
     layout: Layout,
     *,
     transport: Transport = ZMQ,
+    replaces: int = 0,
     task_status: trio.TaskStatus[Sender] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a P sender until cancelled; ``task_status.started`` gets its :class:`Sender`.
 
     ``transport`` is the side channel (real ZMQ by default; see :mod:`pdactors.transport`).
+    ``replaces``: the epoch of the sender this one follows in the same process (a restart:
+    its registration takes the rank although the predecessor's lease is live; 0: none).
 
     Binds the side channel on ``config.host`` (``config.port``, 0 for any), registers it with
     the bootstrap at ``config.bootstrap_url`` when one is given (retrying with backoff for
@@ -388,10 +386,11 @@ async def serve_sender(
     ):
         sender = Sender(config, dataplane, layout, router, nursery)
         if config.bootstrap_url is not None:
-            await register_sender(client, config, router, nursery)
+            await register_sender(client, config, router, nursery, epoch=sender.epoch,
+                                  replaces=replaces, unreachable=sender.unreachable)  # fmt: skip
         nursery.start_soon(sender._receive_loop)
         nursery.start_soon(sender._loss_loop)
         nursery.start_soon(sender._outbox.serve)
-        nursery.start_soon(sender._tick_loop)
+        nursery.start_soon(sender._ticks.serve)
         log.info("sender %s rank %s serving on %s", config.engine_id, config.ranks, router.address)
         task_status.started(sender)

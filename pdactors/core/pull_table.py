@@ -24,7 +24,9 @@ no P worker may still write; the deadline ends any of them.
 A second ``start`` for a transfer id in flight raises
 :class:`~pdactors.errors.DuplicateTransfer` and changes
 nothing. Ended pulls are forgotten at once; a late answer from P, or one from a peer the pull
-was not sent to (or that answered already), is ignored.
+was not sent to (or that answered already), is ignored; so is one from another life of that
+P worker than the one the pull was sent to (its epoch, :mod:`pdactors.core.epochs`), but its
+refusal of a pull meant for another life (``lookup_again``): that P wrote nothing.
 """
 
 from __future__ import annotations
@@ -90,10 +92,20 @@ class Pull:
     request: PullRequest | None = None
     #: Those of ``peers`` that have not answered and are not known gone.
     waiting: set[str] = field(default_factory=set)
+    #: The epoch of the P worker at each of ``peers`` the pull was meant for (0: not known).
+    p_epochs: dict[str, int] = field(default_factory=dict)
     abort_reason: str = ""
     #: ABORTING because a part failed (not D's abort): how the pull ends.
     failure: tuple[PullEnd, str] | None = None
     waiter: object = field(default=None)
+
+    def from_other_life(self, peer: str, epoch: int, *, lookup_again: bool = False) -> bool:
+        """Whether an answer from ``peer`` at P epoch ``epoch`` comes from another life of
+        that P worker than the one this pull was sent to, and is to be ignored: never taken as
+        D's KV. Either side not saying (0) is not another life; a refusal that says D should
+        look P up again (a pull meant for another life) is taken: that P wrote nothing."""
+        sent_to = self.p_epochs.get(peer, 0)
+        return bool(sent_to and epoch and epoch != sent_to and not lookup_again)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,11 +208,16 @@ class PullTable:
     # ------------------------------------------------------------------ the actor's work
 
     def sent(
-        self, transfer_id: str, peers: str | Sequence[str], request: PullRequest | None = None
+        self,
+        transfer_id: str,
+        peers: str | Sequence[str],
+        request: PullRequest | None = None,
+        epochs: Sequence[int] = (),
     ) -> list[PullEffect]:
-        """The pull ``request`` went out to ``peers`` (one P worker's address, or several).
-        If the pull ended meanwhile, cancel it there. Raises :class:`PeerMismatch` (a
-        ``ValueError``) unless ``peers`` are distinct and at least one."""
+        """The pull ``request`` went out to ``peers`` (one P worker's address, or several),
+        meant for the P epochs ``epochs`` (one per peer; none: not known). If the pull ended
+        meanwhile, cancel it there. Raises :class:`PeerMismatch` (a ``ValueError``) unless
+        ``peers`` are distinct and at least one."""
         peers = (peers,) if isinstance(peers, str) else tuple(peers)
         if not peers or len(set(peers)) != len(peers):
             raise PeerMismatch(f"{transfer_id}: a pull goes to distinct P workers, got {peers}")
@@ -209,14 +226,24 @@ class PullTable:
             return [SendCancel(p, transfer_id, "pull ended before it was sent") for p in peers]
         assert pull is not None
         pull.peers, pull.request, pull.waiting = peers, request, set(peers)
+        pull.p_epochs = dict(zip(peers, epochs, strict=False))
         return []
 
     def answered(
-        self, transfer_id: str, *, ok: bool, reason: str = "", peer: str | None = None
+        self,
+        transfer_id: str,
+        *,
+        ok: bool,
+        reason: str = "",
+        peer: str | None = None,
+        epoch: int = 0,
+        lookup_again: bool = False,
     ) -> list[PullEffect]:
-        """P answered (``PullDone`` → ok, ``PullFailed`` → not ok). Late answers, and answers
-        from a ``peer`` that was not asked or answered already, are ignored. ``peer`` may be
-        left out for a pull sent to one P worker (else :class:`PeerMismatch`)."""
+        """P answered (``PullDone`` → ok, ``PullFailed`` → not ok), from its life ``epoch``
+        (0: not said). Late answers, answers from a ``peer`` that was not asked or answered
+        already, and answers from another life of it (:meth:`Pull.from_other_life`) are
+        ignored. ``peer`` may be left out for a pull sent to one P worker (else
+        :class:`PeerMismatch`)."""
         event = PullEvent.ANSWER if ok else PullEvent.REFUSED
         pull = self._pulls.get(transfer_id)
         if self._rule(transfer_id, event)[1] is PullDo.NOTHING or pull is None:
@@ -225,7 +252,7 @@ class PullTable:
             if len(pull.peers) != 1:
                 raise PeerMismatch(f"{transfer_id}: went to {len(pull.peers)} P workers; say which")
             peer = pull.peers[0]
-        if peer not in pull.waiting:
+        if peer not in pull.waiting or pull.from_other_life(peer, epoch, lookup_again=lookup_again):
             return []
         pull.waiting.discard(peer)
         pull, do = self._fire(transfer_id, event)

@@ -8,6 +8,10 @@ The registry is bounded: at most ``max_workers`` registrations (one more raises
 and :data:`MAX_RANK`, so its memory and its ``/query`` answer stay within a few MB whatever
 clients send. Registrations with a lease lapse unless renewed; :meth:`BootstrapRegistry.next_expiry`
 says when the next one does, so that the server sleeps until then rather than polling.
+
+A live lease is the holder's: a registration that would move a leased rank elsewhere (or give
+its DP rank to another engine id) is refused with :class:`~pdactors.errors.RankHeld` (409)
+unless it names the holder's epoch in ``replaces``; see :class:`BootstrapRegistry`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from pdactors.errors import PdError
+from pdactors.errors import PdError, RankHeld
 from pdactors.wire import BootstrapAnswer, BootstrapEntry, Compat, RegisterWorker
 
 __all__ = [
@@ -25,6 +29,7 @@ __all__ = [
     "MAX_RANK",
     "BadRegistration",
     "BootstrapRegistry",
+    "RankHeld",
     "Registration",
     "RegistryFull",
 ]
@@ -39,7 +44,7 @@ MAX_ADDR_CHARS: Final = 512
 #: The highest DP, TP or PP rank.
 MAX_RANK: Final = 65535
 #: What a registration changed, as :meth:`BootstrapRegistry.register` reports it.
-Registration = Literal["added", "moved", "unchanged", "engine_replaced"]
+Registration = Literal["added", "moved", "restarted", "unchanged", "engine_replaced"]
 
 
 # --------------------------------------------------------------------------- registry (pure)
@@ -71,6 +76,7 @@ class _DpRank:
     expires: dict[tuple[int, int], float] = field(default_factory=dict)  # (tp, pp) -> when
     keys: dict[tuple[int, int], str] = field(default_factory=dict)  # (tp, pp) -> CURVE key
     compats: dict[tuple[int, int], Compat] = field(default_factory=dict)  # (tp, pp) -> its own
+    epochs: dict[tuple[int, int], int] = field(default_factory=dict)  # (tp, pp) -> epoch
 
 
 class BootstrapRegistry:
@@ -85,6 +91,14 @@ class BootstrapRegistry:
       its address and CURVE key (the worker restarted on a new port, or with a new key).
     * A registration with a ``lease`` lapses ``lease`` seconds after it was last renewed; one
       without never lapses. A DP rank whose every worker lapsed is gone.
+    * A live lease is its holder's. A registration that would move a leased (dp, tp, pp) rank
+      to another address, or give its DP rank (with any leased worker) to another engine id,
+      is refused (:class:`~pdactors.errors.RankHeld`, HTTP 409) unless its ``replaces`` is the
+      holder's (nonzero) epoch: the same process's next sender knows its predecessor's; a
+      stranger or a misconfigured engine does not. Once the lease lapses, anyone may take the
+      rank. The holder's address with another epoch is accepted (a restart on the same port),
+      and so is the holder's own renewal. A rank held without a lease (upstream's P, tools
+      that register once) is replaced as before: the rules above are for leases.
     * At most ``max_workers`` workers, each with fields within the module's limits.
 
     No IO and no checkpoints; every method is synchronous and takes the time from its caller.
@@ -109,12 +123,13 @@ class BootstrapRegistry:
         """Record ``worker``'s address (until ``now + lease``, or for good) and say what changed.
 
         Returns ``"added"`` for a new rank, ``"moved"`` for a known rank at a new address (or
-        with a new key),
+        with a new key), ``"restarted"`` for the same address with a new epoch,
         ``"unchanged"`` for a repeat (a renewal), ``"engine_replaced"`` when a new engine id
         took over the DP rank.
 
-        Raises :class:`BadRegistration` (a :class:`ValueError`) for a field beyond its limit
-        and :class:`RegistryFull` when the worker is new and the registry holds
+        Raises :class:`BadRegistration` (a :class:`ValueError`) for a field beyond its limit,
+        :class:`~pdactors.errors.RankHeld` when a live lease holds what it would take, and
+        :class:`RegistryFull` when the worker is new and the registry holds
         ``max_workers`` (a registration that replaces a DP rank's engine frees that rank's
         workers first); nothing changes then.
         """
@@ -124,6 +139,8 @@ class BootstrapRegistry:
         expires = float("inf") if lease is None else now + lease
         rank = self._ranks.get(worker.dp_rank)
         replaced = rank is not None and rank.engine_id != worker.engine_id
+        if rank is not None:
+            self._check_held(worker, rank, key, replaced, now)
         freed = len(rank.addrs) if rank is not None and replaced else 0
         new_worker = rank is None or replaced or key not in rank.addrs
         if new_worker and self._workers - freed >= self._max_workers:
@@ -138,11 +155,41 @@ class BootstrapRegistry:
             self._workers += 1 - freed
             return "added" if rank is None else "engine_replaced"
         old = (rank.addrs.get(key), rank.keys.get(key, ""))
+        old_epoch = rank.epochs.get(key, 0)
         self._record(worker.dp_rank, rank, key, worker, expires)
         if old[0] is None:
             self._workers += 1
             return "added"
-        return "unchanged" if old == (worker.addr, worker.curve_key) else "moved"
+        if old != (worker.addr, worker.curve_key):
+            return "moved"
+        return "unchanged" if old_epoch == worker.epoch else "restarted"
+
+    def _check_held(
+        self,
+        worker: RegisterWorker,
+        rank: _DpRank,
+        key: tuple[int, int],
+        replaced: bool,
+        now: float,
+    ) -> None:
+        """Raise :class:`~pdactors.errors.RankHeld` if a live lease holds what ``worker``
+        would take: its rank at another address, or (``replaced``: a new engine id) any
+        leased worker of its DP rank. Only the holder at ``key`` can be displaced, by naming
+        its epoch in ``replaces``. Leases lapsed by ``now`` were expired before."""
+        held = [k for k, t in rank.expires.items() if t != float("inf")]
+        if not replaced:
+            if key not in held or rank.addrs[key] == worker.addr:
+                return
+            held = [key]
+        for k in held:
+            if k == key and worker.replaces and rank.epochs.get(k) == worker.replaces:
+                continue  # the same process's next sender displaces its predecessor
+            tp, pp = k
+            raise RankHeld(
+                f"dp={worker.dp_rank} tp={tp} pp={pp} of engine {rank.engine_id!r} is held by "
+                f"{rank.addrs[k]!r}, whose lease is live for {rank.expires[k] - now:.3g} s more; "
+                "it can be taken once that lease lapses"
+            )
 
     def expire(self, now: float) -> list[str]:
         """Forget the workers whose lease lapsed by ``now``; returns them, described. Costs
@@ -157,6 +204,7 @@ class BootstrapRegistry:
             del rank.expires[tp, pp]
             rank.keys.pop((tp, pp), None)
             rank.compats.pop((tp, pp), None)
+            rank.epochs.pop((tp, pp), None)
             self._workers -= 1
             gone.append(f"{rank.engine_id!r} dp={dp} tp={tp} pp={pp} at {addr!r}")
             if not rank.addrs:
@@ -185,13 +233,16 @@ class BootstrapRegistry:
             worker_addr: dict[int, dict[int, str]] = {}
             curve_keys: dict[int, dict[int, str]] = {}
             compats: dict[int, dict[int, Compat]] = {}
+            epochs: dict[int, dict[int, int]] = {}
             for tp, pp in sorted(rank.addrs):
                 worker_addr.setdefault(tp, {})[pp] = rank.addrs[tp, pp]
                 if key := rank.keys.get((tp, pp)):
                     curve_keys.setdefault(tp, {})[pp] = key
                 if (compat := rank.compats.get((tp, pp))) is not None:
                     compats.setdefault(tp, {})[pp] = compat
-            answer[dp] = BootstrapEntry(rank.engine_id, worker_addr, curve_keys, compats)
+                if epoch := rank.epochs.get((tp, pp)):
+                    epochs.setdefault(tp, {})[pp] = epoch
+            answer[dp] = BootstrapEntry(rank.engine_id, worker_addr, curve_keys, compats, epochs)
         return answer
 
     def _record(
@@ -214,3 +265,7 @@ class BootstrapRegistry:
             rank.compats[key] = worker.compat
         else:
             rank.compats.pop(key, None)
+        if worker.epoch:
+            rank.epochs[key] = worker.epoch
+        else:
+            rank.epochs.pop(key, None)

@@ -76,6 +76,7 @@ class SendEvent(enum.Enum):
     NO_PULL_DUE = "no_pull_due"  # neither pull nor KV came within ready_timeout
     PULL_DUE = "pull_due"  # a pull waited ready_timeout for P's KV
     UNCLAIMED_DUE = "unclaimed_due"  # ready KV waited unclaimed_ttl for a pull
+    UNREACHABLE = "unreachable"  # no D can find P now (its bootstrap rank is held by another)
     FORGET = "forget"  # an end's tombstone_ttl passed
 
 
@@ -119,6 +120,7 @@ TRANSITIONS: dict[tuple[SendState | None, SendEvent], tuple[SendState | None, Do
     (S.READY, E.CANCELLED): (S.CANCELLED, Do.END),
     (S.READY, E.PULL_BLOCKS): (S.SENDING, Do.START),
     (S.READY, E.UNCLAIMED_DUE): (S.EXPIRED, Do.END),
+    (S.READY, E.UNREACHABLE): (S.EXPIRED, Do.END),
     (S.SENDING, E.STREAM_UNPULLED): (S.SENDING, Do.NOTHING),
     (S.SENDING, E.DROPPED): (S.SENDING, Do.DEFER),
     (S.SENDING, E.CANCELLED): (S.SENDING, Do.DEFER),

@@ -34,12 +34,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pdactors.core.send_moves import SendMoves
 from pdactors.core.send_records import (
     END_REASONS,
     WRITES_GIVEN_UP,
     Claim,
     Effect,
-    Entry,
     Release,
     Reply,
     SendTableStats,
@@ -50,7 +50,7 @@ from pdactors.core.send_records import (
 )
 from pdactors.core.send_rules import Do, SendEvent, SendState, StreamEvent, next_state
 from pdactors.core.send_stream import Complete, Layer, Stream, Wake, stream_event, take_layers
-from pdactors.core.send_timers import Timers, due
+from pdactors.core.send_timers import due
 from pdactors.errors import IllegalTransition
 from pdactors.wire import BlockIds, Msg, PullDone, PullFailed, PullRequest
 
@@ -70,18 +70,8 @@ __all__ = [
 ]
 
 
-class SendTable:
+class SendTable(SendMoves):
     """The rendezvous table of one P worker (see the module docstring for the rules)."""
-
-    def __init__(self, *, ready_timeout: float, unclaimed_ttl: float, tombstone_ttl: float):
-        self.ready_timeout = ready_timeout
-        self.unclaimed_ttl = unclaimed_ttl
-        self.tombstone_ttl = tombstone_ttl
-        self._entries: dict[str, Entry] = {}
-        self._counts = {s: 0 for s in SendState}
-        self._timers = Timers(
-            ready_timeout=ready_timeout, unclaimed_ttl=unclaimed_ttl, tombstone_ttl=tombstone_ttl
-        )
 
     # ------------------------------------------------------------------ queries
 
@@ -250,6 +240,32 @@ class SendTable:
             effects += self._end(tid, SendEvent.PEER_GONE, now, reason)
         return effects
 
+    def session_restarted(self, session: str, epoch: int, now: float, reason: str) -> list[Effect]:
+        """D's data-plane ``session`` restarted as D epoch ``epoch`` (its first pull says so):
+        every transfer with a pull of that session from another epoch waiting for P's KV ends
+        as CANCELLED, as a lost D's would (its blocks belong to a dead process and are never
+        written; P's are released now or as soon as ready). The old pull is answered
+        ``reason``. A write already in flight cannot be stopped; it runs to its end."""
+        effects: list[Effect] = []
+        for tid in list(self._timers.pulls):  # only PENDING entries hold unanswered pulls
+            entry = self._entries[tid]
+            old = [c for c in entry.claims if c.pull.session == session and c.pull.d_epoch != epoch]
+            if old:
+                entry.claims = [c for c in entry.claims if c not in old]
+                effects += [Reply(c.identity, PullFailed(tid, reason)) for c in old]
+                effects += self._end(tid, SendEvent.PEER_GONE, now, reason)
+        return effects
+
+    def unreachable(self, now: float, reason: str) -> list[Effect]:
+        """No D can find this P worker now (another registration holds its bootstrap rank):
+        every READY transfer that no D has pulled yet ends as EXPIRED at once, its blocks
+        released, instead of at ``unclaimed_ttl``; a late pull gets ``reason`` from the
+        tombstone. Pulls already here, and writes, are not touched."""
+        effects: list[Effect] = []
+        for tid in [t for t in self._timers.unclaimed if not self._entries[t].pulled_by]:
+            effects += self._end(tid, SendEvent.UNREACHABLE, now, reason)
+        return effects
+
     def pull_cancelled(
         self, transfer_id: str, identity: bytes, now: float, reason: str = ""
     ) -> list[Effect]:
@@ -331,70 +347,4 @@ class SendTable:
             effects += self._end(tid, SendEvent.UNCLAIMED_DUE, now, reason)
         for tid in due(self._timers.tombstones, now):
             self._fire(tid, SendEvent.FORGET, now)
-        return effects
-
-    # ------------------------------------------------------------------ internals
-
-    def _fire(self, transfer_id: str, event: SendEvent, now: float) -> tuple[Entry | None, Do]:
-        """Move ``transfer_id`` as :data:`~pdactors.core.send_rules.TRANSITIONS` says (a new
-        state starts its own deadline); the entry after the move, and what the move does."""
-        entry = self._entries.get(transfer_id)
-        state, do = next_state(transfer_id, entry.state if entry else None, event)
-        if state is None:  # forgotten
-            if entry is not None:
-                self._timers.arm(transfer_id, entry, None, 0.0)
-                del self._entries[transfer_id]
-            return None, do
-        if entry is None:
-            entry = self._entries[transfer_id] = Entry(state)
-            self._timers.enter(transfer_id, entry, now)
-        elif state is not entry.state:
-            entry.state = state
-            self._timers.enter(transfer_id, entry, now)
-        if do is Do.WAIT:
-            self._timers.pull_waits(transfer_id, entry, now)
-        return entry, do
-
-    def _give_up(self, transfer_id: str, event: SendEvent, now: float, reason: str) -> list[Effect]:
-        """P (DROPPED) or D (CANCELLED) gave up: end a live transfer, or leave a tombstone; a
-        write in flight cannot be stopped: its end ends the transfer and frees blocks."""
-        gives_up = SendState.DROPPED if event is SendEvent.DROPPED else SendState.CANCELLED
-        reason = END_REASONS[gives_up] + (f": {reason}" if reason else "")
-        entry = self._entries.get(transfer_id)
-        if entry is not None and entry.state is SendState.SENDING:
-            self._fire(transfer_id, event, now)  # DEFER
-            if entry.giving_up is None:
-                entry.giving_up, entry.reason = gives_up, reason
-            return []
-        return self._end(transfer_id, event, now, reason)
-
-    def _end(self, transfer_id: str, event: SendEvent, now: float, reason: str) -> list[Effect]:
-        """Fire ``event``; when it ends the transfer, answer waiting pulls, release blocks."""
-        entry, do = self._fire(transfer_id, event, now)
-        if do is not Do.END:
-            return []
-        assert entry is not None
-        state = entry.state
-        reply = PullFailed(transfer_id, reason or END_REASONS[state])
-        effects: list[Effect] = [Reply(c.identity, reply) for c in entry.claims if not c.writing]
-        if entry.blocks is not None:
-            effects.append(Release(transfer_id, state))
-        entry.reason, entry.blocks, entry.complete, entry.claims = reason, None, None, []
-        entry.pulled_by = set()
-        self._counts[state] += 1
-        return effects
-
-    def _start_sends(
-        self, transfer_id: str, entry: Entry, *, streamed: bool = False
-    ) -> list[Effect]:
-        """Write every pull that waits (P's blocks are known; the entry is SENDING)."""
-        assert entry.blocks is not None
-        effects: list[Effect] = []
-        for claim in entry.claims:
-            if not claim.writing:
-                claim.writing = True
-                job = StartSend(
-                    transfer_id, claim.pull, entry.blocks, streamed, claim.identity, entry.complete
-                )
-                effects.append(job)
         return effects

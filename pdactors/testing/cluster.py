@@ -148,6 +148,7 @@ async def open_cluster(
     bootstrap_token: str | None = None,
     fabric: MemoryFabric | None = None,
     compat: Callable[[str, int], Compat | None] | None = None,
+    p_bootstrap: Callable[[str], str] | None = None,
 ) -> AsyncIterator[Cluster]:
     """Start a bootstrap, ``prefill`` P engines of ``p_tp`` workers (P engine ``e`` is DP rank
     ``e`` there) and ``decode`` D engines of ``d_tp`` workers, each worker with its own
@@ -167,6 +168,8 @@ async def open_cluster(
     engine (no engine threads: the autojump clock then sees every wait).
     ``compat``: each engine's compatibility description, a function of the role and engine
     index as for ``transport`` (None: the one in ``sender`` / ``receiver``).
+    ``p_bootstrap``: the URL P's senders register at, a function of the bootstrap's (e.g. a
+    forwarder that can be cut, to stop their lease renewals); D looks P up at the bootstrap.
     """
     dp_config = dataplane or DataPlaneConfig()
     s_config = sender or SenderConfig(engine_id="prefill")
@@ -224,7 +227,7 @@ async def open_cluster(
                         config = replace(
                             s_config,
                             engine_id=engine_id,
-                            bootstrap_url=url,
+                            bootstrap_url=p_bootstrap(url) if p_bootstrap else url,
                             ranks=ranks,
                             kv_heads=kv_heads,
                             compat=described,

@@ -2,7 +2,9 @@
 
 ``python -m pdactors.testing.prefill_process --bootstrap URL --engine-id ID`` starts a Mooncake
 engine over TCP on loopback, a KV buffer like the harness's, and a sender registered with the
-bootstrap; prints one JSON line ``{"address": ..., "session": ...}`` once it serves; then reads
+bootstrap (``--replaces EPOCH``: as the successor of the sender of that epoch, which may hold
+its rank's lease still); prints one JSON line ``{"address": ..., "session": ..., "epoch": ...}``
+once it serves; then reads
 commands from stdin, one per line:
 
 * ``ready TID N``: P's prefill of ``TID`` is done: N blocks are filled and handed to the sender;
@@ -23,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+from functools import partial
 
 import trio
 
@@ -50,10 +53,12 @@ async def _serve(args: argparse.Namespace) -> None:
         kv = KVBuffer(args.layers, args.blocks, args.block_bytes)
         plane.register(kv.regions)
         faulty = FaultyDataPlane(plane)
-        sender = await nursery.start(serve_sender, config, faulty, kv.layout)
+        serve = partial(serve_sender, replaces=args.replaces)
+        sender = await nursery.start(serve, config, faulty, kv.layout)
         node = PrefillNode(args.engine_id, sender, kv, BlockPool(args.blocks), plane)
         nursery.start_soon(node.free_released)
-        print(json.dumps({"address": sender.address, "session": plane.session}), flush=True)
+        said = {"address": sender.address, "session": plane.session, "epoch": sender.epoch}
+        print(json.dumps(said), flush=True)
         stdin = trio.wrap_file(sys.stdin)
         async for line in stdin:
             try:
@@ -107,6 +112,7 @@ class PrefillProcess:
         self.engine_id = engine_id
         self.shape = (layers, blocks, block_bytes, unclaimed_ttl)
         self.address = ""
+        self.epoch = 0  # the running (or last) process's sender's: a restart replaces it
         self.proc: trio.Process | None = None
         self._stdin_lock = trio.Lock()
         self._lines: trio.MemoryReceiveChannel[dict[str, object]] | None = None
@@ -119,7 +125,7 @@ class PrefillProcess:
         args += ["--bootstrap", self.bootstrap_url, "--engine-id", self.engine_id]
         args += ["--layers", str(layers), "--blocks", str(blocks)]
         args += ["--block-bytes", str(block_bytes), "--unclaimed-ttl", str(ttl)]
-        args += ["--host", self.host]
+        args += ["--host", self.host, "--replaces", str(self.epoch)]
         if self.netns is not None:
             args = ["ip", "netns", "exec", self.netns, *args]
         # A write to a peer behind a cut link gives up after this, not Mooncake's ~30-60 s.
@@ -131,7 +137,8 @@ class PrefillProcess:
         nursery.start_soon(_read_lines, proc, send)
         self.proc = proc
         with trio.fail_after(30):
-            self.address = str((await recv.receive())["address"])  # it serves
+            serving = await recv.receive()  # it serves
+        self.address, self.epoch = str(serving["address"]), int(str(serving["epoch"]))
         self._lines = recv
 
     async def command(self, line: str) -> bool:
@@ -186,6 +193,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=64)
     parser.add_argument("--block-bytes", type=int, default=4096)
     parser.add_argument("--unclaimed-ttl", type=float, default=120.0)
+    parser.add_argument("--replaces", type=int, default=0)
     trio.run(_serve, parser.parse_args())
 
 

@@ -7,6 +7,7 @@ import msgspec
 
 from pdactors.errors import BadMessage
 from pdactors.wire.compat import Compat
+from pdactors.wire.limits import Epoch
 
 __all__ = ["BootstrapAnswer", "BootstrapEntry", "RegisterWorker", "is_curve_key"]
 
@@ -28,6 +29,10 @@ class RegisterWorker(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     is the worker's CURVE public key, which D checks against the keys it trusts.
     ``compat`` (ours; left out when None) is the worker's description of what a D must match
     (:class:`~pdactors.wire.Compat`), which D checks before it pulls.
+    ``epoch`` (ours; left out when 0) is the registering sender's incarnation (a random
+    number, new at every start); ``replaces`` (ours; left out when 0) the epoch of the
+    registration this one may displace although its lease is live (the same process's
+    previous sender). See :class:`~pdactors.core.registry.BootstrapRegistry` for the rules.
     """
 
     engine_id: str
@@ -37,6 +42,8 @@ class RegisterWorker(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     addr: str
     curve_key: str = ""
     compat: Compat | None = None
+    epoch: Epoch = 0
+    replaces: Epoch = 0
 
     def __post_init__(self) -> None:
         if min(self.dp_rank, self.tp_rank, self.pp_rank) < 0:
@@ -56,13 +63,15 @@ class BootstrapEntry(msgspec.Struct, omit_defaults=True):
     strings on the wire; msgspec converts them). ``curve_keys`` (ours, ``{tp: {pp: key}}``,
     present only when a worker registered a key) are the workers' CURVE public keys;
     ``compats`` (ours, ``{tp: {pp: Compat}}``, present only when a worker registered one) their
-    compatibility descriptions.
+    compatibility descriptions; ``epochs`` (ours, ``{tp: {pp: epoch}}``, present only when a
+    worker registered one) their incarnations, which D sends back with each pull.
     """
 
     engine_id: str
     worker_addr: dict[int, dict[int, str]]
     curve_keys: dict[int, dict[int, str]] = msgspec.field(default_factory=dict)
     compats: dict[int, dict[int, Compat]] = msgspec.field(default_factory=dict)
+    epochs: dict[int, dict[int, Epoch]] = msgspec.field(default_factory=dict)
 
 
 BootstrapAnswer = dict[int, BootstrapEntry]

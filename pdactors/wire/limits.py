@@ -24,6 +24,7 @@ __all__ = [
     "MAX_TP_SIZE",
     "U64",
     "BlockId",
+    "Epoch",
     "Id",
     "PerRegion",
     "Reason",
@@ -60,3 +61,5 @@ Reason = Annotated[str, Meta(max_length=MAX_REASON)]
 U64 = Annotated[int, Meta(ge=0)]  # msgpack integers stop at 2**64
 PerRegion = Meta(max_length=MAX_REGIONS)
 BlockId = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+#: An engine incarnation's epoch: a random 63-bit number, compared for equality only (0: not said).
+Epoch = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]

@@ -23,6 +23,7 @@ from pdactors.wire.limits import (
     MAX_REASON,
     MAX_TP_SIZE,
     U64,
+    Epoch,
     Id,
     Reason,
 )  # fmt: skip
@@ -65,6 +66,9 @@ class PullRequest(_Msg, frozen=True, tag="pull"):
     another shape, with ``lookup_again`` set. ``compat``: D's description of what must match
     (None: D did not say; accepted, as before there was one); P refuses a pull whose
     description differs from its own (:mod:`pdactors.core.compat`).
+    ``p_epoch``: the epoch of the P worker D looked up (0: unknown); P refuses a pull meant
+    for another life of itself. ``d_epoch``: this D receiver's own (0: not said); P fences the
+    pulls of an earlier life of the same D session (:mod:`pdactors.core.epochs`).
     """
 
     transfer_id: Id
@@ -80,6 +84,8 @@ class PullRequest(_Msg, frozen=True, tag="pull"):
     p_tp_size: Annotated[int, Meta(ge=0, le=MAX_TP_SIZE)] = 0
     p_pp_size: Annotated[int, Meta(ge=0, le=MAX_PP_SIZE)] = 0
     compat: Compat | None = None
+    p_epoch: Epoch = 0
+    d_epoch: Epoch = 0
 
 
 class CancelPull(_Msg, frozen=True, tag="cancel"):
@@ -90,20 +96,24 @@ class CancelPull(_Msg, frozen=True, tag="cancel"):
 
 
 class PullDone(_Msg, frozen=True, tag="done"):
-    """P → D: every block of ``transfer_id`` has landed in D's memory."""
+    """P → D: every block of ``transfer_id`` has landed in D's memory. ``epoch``: the
+    answering P worker's (0: not said); D takes it only from the P life it asked."""
 
     transfer_id: Id
     nbytes: U64 = 0
     descriptors: U64 = 0
+    epoch: Epoch = 0
 
 
 class PullFailed(_Msg, frozen=True, tag="failed"):
     """P → D: ``transfer_id`` will not be delivered; ``reason`` says why. ``lookup_again``: D's
-    view of P (from the bootstrap) is stale or partial; D should look P up again."""
+    view of P (from the bootstrap) is stale or partial; D should look P up again. ``epoch``:
+    the answering P worker's (0: not said), as in :class:`PullDone`."""
 
     transfer_id: Id
     reason: Reason
     lookup_again: bool = False
+    epoch: Epoch = 0
 
 
 class LayoutUnknown(_Msg, frozen=True, tag="layout?"):

@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 
 import torch
 
-from pdactors import RankInfo, timeline
+from pdactors import RankInfo, SenderConfig, timeline
 from pdactors_vllm.scheduler_side import PdActorsMetadata, PullSpec, SendSpec
 from pdactors_vllm.settings import ConnectorSettings
 from pdactors_vllm.worker_side import WorkerPlace, WorkerSide, layout_from_kv_caches
@@ -431,3 +431,45 @@ def test_mooncakes_environment_follows_the_settings() -> None:
     assert ConnectorSettings().mooncake_environment() == {"MC_LOG_LEVEL": "ERROR"}
     nvlink = ConnectorSettings(protocol="nvlink_intra").mooncake_environment()
     assert nvlink == {"MC_LOG_LEVEL": "ERROR", "MC_INTRANODE_NVLINK": "1"}
+
+
+def test_a_restarted_p_worker_takes_its_rank_back_at_once_by_its_predecessors_epoch(
+    pair: Pair, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A P worker without the bootstrap (as TP rank 1 is) whose Trio thread dies: the restarted
+    sender registers at a new port while the dead one's lease is live; it names its
+    predecessor's epoch (``replaces``), so it takes the rank at once instead of waiting for
+    that lease to lapse, and D pulls from it."""
+    url = pair.settings.bootstrap_url
+
+    def entry() -> tuple[str, int]:
+        found = httpx.get(f"{url}/query", trust_env=False).json()["1"]
+        return found["worker_addr"]["0"]["0"], found["epochs"]["0"]["0"]
+
+    place = WorkerPlace("prefill-r", True, False, RankInfo(dp_rank=1), False)
+    worker = WorkerSide(pair.settings, place)
+    worker.register_kv_caches(kv_caches(), BLOCKS)
+    try:
+        host = worker.host
+        assert host is not None
+        before = entry()
+
+        async def crash() -> None:
+            raise RuntimeError("injected: the Trio thread dies")
+
+        host.run_sync(host.nursery.start_soon, crash)
+        died = time.monotonic()
+        while (now := worker.host) is None or now is host or not now.alive or worker.down:
+            assert time.monotonic() - died < 20, "the actors did not restart"
+            time.sleep(0.05)
+        after = entry()
+        assert after[0] != before[0] and after[1] != before[1]  # a new port, a new epoch
+        # the first restart waits 1 s; the old lease (5 s) would have kept it out until then
+        assert time.monotonic() - died < SenderConfig(engine_id="x").lease_ttl
+        assert not [r for r in caplog.records if "waiting for that lease" in r.getMessage()]
+        run_step(worker, PdActorsMetadata(pending=["t-r"]))
+        pair.pull("dreq-r", "t-r", (20,), engine="prefill-r")
+        run_step(worker, PdActorsMetadata(ready={"preq-r": SendSpec("t-r", (21,))}))
+        assert "dreq-r" not in wait_for(pair.d, "recved", "dreq-r")["failed"]
+    finally:
+        worker.shutdown()

@@ -57,13 +57,16 @@ class WorkerActors:
         self._mailbox = mailbox
         self._sender: Sender | None = None
         self._receiver: Receiver | None = None
+        self._sender_epoch = 0  # the last sender's (a restart's sender replaces it)
         self._send_req: dict[str, str] = {}  # transfer id -> P request id
         self._recv_req: dict[str, str] = {}  # transfer id -> D request id
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the data plane and the actors this role needs; run until cancelled. A new
-        call (a restart) starts them anew."""
+        call (a restart) starts them anew: the new sender names its predecessor's epoch, so
+        its registration takes the rank the old one's live lease still holds."""
         c, place = self._configs, self._place
+        replaces = self._sender_epoch
         self._sender = self._receiver = None
         async with open_mooncake(c.plane) as plane, trio.open_nursery() as nursery:
             plane.register(self._memory)
@@ -74,8 +77,12 @@ class WorkerActors:
                 await nursery.start(serve_bootstrap, c.bootstrap)
             if c.sender is not None:
                 self._sender = await nursery.start(
-                    partial(serve_sender, transport=transport), c.sender, plane, self._layout
+                    partial(serve_sender, transport=transport, replaces=replaces),
+                    c.sender,
+                    plane,
+                    self._layout,
                 )
+                self._sender_epoch = self._sender.epoch
                 nursery.start_soon(self._collect_sent, self._sender)
             if c.receiver is not None:
                 self._receiver = await nursery.start(
