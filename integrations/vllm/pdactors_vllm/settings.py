@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from msgspec.structs import replace
@@ -28,7 +28,10 @@ from pdactors.transport import ZmqTransport
 from pdactors.transport.curve import curve_from_files, curve_from_secret
 from pdactors_vllm.errors import ConnectorConfigError
 
-__all__ = ["ConnectorSettings", "settings_from_extra_config"]
+__all__ = ["ConnectorSettings", "PullFailurePolicy", "settings_from_extra_config"]
+
+#: What a failed pull does to D's request (setting ``on_pull_failure``).
+PullFailurePolicy = Literal["recompute", "fail"]
 
 log = logging.getLogger("pdactors.vllm")
 
@@ -100,6 +103,13 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       D is told once after the last. Otherwise the eager whole-request send. Needs
       ``eager_send``; with vLLM's FULL CUDA graphs ``save_kv_layer`` does not run per layer, so
       the whole KV goes at the end of the step. Default false.
+    * ``on_pull_failure``: (D) what a pull that fails (P dead, hung or gone, the write
+      refused, the pull's deadline) does to its request: ``"recompute"`` (the default): D
+      computes the prompt itself and the request is answered (vLLM's
+      ``kv_load_failure_policy: recompute``, which the connector sets for its engine);
+      ``"fail"``: the request ends with an error at once (fail-fast; vLLM's own policy, whose
+      default is ``fail``, then applies). ``"fail"`` with ``kv_load_failure_policy:
+      "recompute"`` contradicts itself and is refused at start-up.
     * ``timeline``: log each transfer's timeline at DEBUG on ``pdactors.timeline``, and append
       it as JSON lines to the file named by ``$PDACTORS_TIMELINE`` when that is set (bench);
       default false.
@@ -131,6 +141,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     quiet_busy_waits: bool = True
     eager_send: bool = True
     layerwise: bool = False
+    on_pull_failure: PullFailurePolicy = "recompute"
     timeline: bool = False
 
     def bootstrap_token(self) -> str | None:
