@@ -210,8 +210,9 @@ def test_a_p_killed_after_its_token_still_gets_the_whole_answer(world: World) ->
     frozen = True
     try:
         with httpx.stream(
-            "POST", f"{world.proxy_url}/v1/completions", json=body, timeout=60, trust_env=False
-        ) as resp:
+            "POST", f"{world.proxy_url}/v1/completions", json=body, timeout=60, trust_env=False,
+            headers={"x-pdactors-placement": "disaggregate"},  # (auto: an idle D is asked alone)
+        ) as resp:  # fmt: skip
             assert resp.status_code == 200
             events = _events(resp.iter_lines())
             first = next(events)  # P's token; D cannot have pulled
@@ -250,8 +251,9 @@ def _stream_text(w: World, prompt: list[int], max_tokens: int) -> str:
         "stream": True,
     }  # fmt: skip
     with httpx.stream(
-        "POST", f"{w.proxy_url}/v1/completions", json=body, timeout=120, trust_env=False
-    ) as resp:
+        "POST", f"{w.proxy_url}/v1/completions", json=body, timeout=120, trust_env=False,
+        headers={"x-pdactors-placement": "disaggregate"},  # an idle D would take it itself
+    ) as resp:  # fmt: skip
         assert resp.status_code == 200, resp.read()[:300]
         events = list(_events(resp.iter_lines()))
     errors = [e for e in events if "error" in e]
@@ -267,7 +269,9 @@ def test_eight_requests_in_flight_survive_a_p_killed_or_stopped(world: World, fa
     p = world.p
     assert p is not None
     prompts = [prompt_ids(250 + 20 * i, seed=300 + i) for i in range(8)]
-    max_tokens = 48
+    max_tokens = 600  # long enough that all eight are in flight at once
+    # (after a restart, P is back in the proxy's rotation within a health round)
+    _wait_for("P in rotation", lambda: _proxy_health(world)["prefill"][0]["up"])
     stopped = False
     try:
         with ThreadPoolExecutor(8) as pool:
