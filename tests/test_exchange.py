@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -62,7 +63,9 @@ FIRE: dict[Event, Callable[[ExchangeState], list[Effect]]] = {
     Event.D_ANSWERED: lambda ex: ex.d_answered(),
     Event.D_CHUNK: lambda ex: ex.d_chunk(1.0),
     Event.FAIL: lambda ex: ex.fail(Cause("decode_error")),
+    Event.P_FAILED: lambda ex: ex.prefill_failed(Cause("prefill_error")),
     Event.FALL_BACK: lambda ex: ex.fall_back(),
+    Event.RETRY: lambda ex: ex.retry(1.0, TOKENS),
     Event.END: lambda ex: ex.end("ok", 1.0),
 }
 
@@ -201,6 +204,8 @@ def test_every_count_is_given_back_exactly_once(with_p: bool, events: list[Event
     for i, event in enumerate(events):
         if (ex.phase, event) not in TRANSITIONS or event is Event.ADMIT:
             continue
+        if event is Event.RETRY and not ex.may_retry:
+            continue  # (test_a_retry_comes_once_and_never_after_ds_answer_was_relayed)
         if event is Event.PREFILL_SENT:
             if ex.prefilling is not None:
                 continue
@@ -219,3 +224,136 @@ def test_a_stream_that_did_not_end_well_teaches_no_step() -> None:
     ex.d_chunk(None)
     effects = ex.end("decode_error", 9.0)  # its last gap may be a stall
     assert not any(isinstance(e, Step) for e in effects)
+
+
+def test_p_failing_beside_d_cancels_nothing_and_is_kept_for_the_message() -> None:
+    """The concurrent flow: P's failure is noted, D's answer decides (P's fate no longer
+    matters once D has the KV)."""
+    for phase in (Phase.OPEN, Phase.D_ANSWERING):
+        ex = in_phase(phase)
+        first, second = Cause("prefill_error"), Cause("timeout")
+        assert ex.prefill_failed(first) == [] and ex.phase is phase
+        assert ex.prefill_failed(second) == [] and ex.p_cause is first
+        assert ex.cause is None
+    ex = in_phase(Phase.D_ANSWERING)
+    ex.prefill_failed(Cause("prefill_error"))
+    assert ex.d_chunk(1.0) == [FirstChunk(1.0)]
+    assert ex.end("ok", 2.0)[-1] == Ended("ok", 2.0)
+
+
+def test_a_retry_moves_the_prompt_to_d_and_keeps_the_first_failure() -> None:
+    ex = ExchangeState(0.0, TOKENS)
+    ex.admit(with_p=True)
+    ex.prefill_sent("p", 0.0, TOKENS)
+    ex.d_answered()
+    kv_missing = Cause("decode_error")
+    assert ex.fail(kv_missing) == [CancelLegs()]
+    assert ex.may_retry
+    assert ex.retry(1.0, 30) == [Unhold("p", TOKENS, TOKENS, None), Hold("d", TOKENS)]
+    assert ex.phase is Phase.OPEN and ex.cause is None and ex.retried_after is kv_missing
+    assert ex.prefilling == "d" and not ex.may_retry
+    ex.d_answered()
+    # D computed the prompt itself: its first chunk ends that prefill (the placer learns it)
+    assert ex.d_chunk(1.5) == [Unhold("d", TOKENS, 30, 0.5), FirstChunk(1.5)]
+    assert ex.end("ok", 2.0) == [Release("p"), Release("d"), Ended("ok", 2.0)]
+
+
+def test_a_p_first_retry_after_ps_token_is_no_catch_up() -> None:
+    ex = ExchangeState(0.0, TOKENS)
+    ex.admit(with_p=True)
+    ex.prefill_sent("p", 0.0, TOKENS)
+    ex.prefill_ended(0.2, answered=True)
+    ex.p_token_sent(0.3)
+    ex.d_sent = 0.3
+    ex.d_answered()
+    ex.fail(Cause("decode_error"))
+    assert ex.retry(1.0, TOKENS) == [Hold("d", TOKENS)]  # P's queue was given back already
+    ex.d_answered()
+    assert ex.d_chunk(1.5) == [Unhold("d", TOKENS, TOKENS, 0.5), SecondChunk(1.5, None, TOKENS)]
+
+
+def test_a_retry_comes_once_and_never_after_ds_answer_was_relayed() -> None:
+    ex = in_phase(Phase.D_ANSWERING)
+    ex.d_chunk(1.0)
+    ex.fail(Cause("decode_error"))
+    assert not ex.may_retry
+    with pytest.raises(IllegalTransition, match="relayed"):
+        ex.retry(2.0, TOKENS)
+    ex = in_phase(Phase.FAILED)
+    ex.retry(1.0, TOKENS)
+    ex.fail(Cause("decode_error"))
+    with pytest.raises(IllegalTransition, match="retried already"):
+        ex.retry(2.0, TOKENS)
+    assert ex.phase is Phase.FAILED
+    with pytest.raises(IllegalTransition):
+        in_phase(Phase.OPEN).retry(1.0, TOKENS)
+
+
+# --------------------------------------------------------------------------- the retry decision
+
+
+def _exchange(deadline: float = 100.0) -> Any:
+    from pdactors.core.exchange import ExchangeState
+    from pdactors.proxy._exchange import Exchange
+    from pdactors.proxy._openai import COMPLETIONS
+    from pdactors.proxy._state import Backend
+
+    p, d = Backend("prefill", "http://p:1", "http://p:2"), Backend("decode", "http://d:1")
+    state = ExchangeState(0.0, TOKENS)
+    state.admit(with_p=True)
+    return Exchange(COMPLETIONS, True, p, d, "tid", deadline, [], [], "p-id", state)
+
+
+def test_the_proxy_retries_only_ds_own_failure_of_a_kv_leg_once_with_nothing_relayed() -> None:
+    from pdactors.proxy._legs import retry_reason
+    from pdactors.proxy._openai import Failure
+
+    local = b"{}"
+    kv = Failure.of(502, "D failed before its first token", "upstream_error", "decode_error",
+                    retry="decode_failed")  # fmt: skip
+    broke = Failure.of(502, "D's answer broke", "upstream_error", "decode_error",
+                       retry="decode_broke")  # fmt: skip
+    refused = Failure.of(502, "connect refused", "upstream_error", "decode_error")
+    timeout = Failure.of(504, "no answer", "timeout", "timeout")
+    passed_4xx = Failure(400, b'{"error": {}}', "decode_error")
+    for failure, why in ((kv, "decode_failed"), (broke, "decode_broke"), (refused, None),
+                         (timeout, None), (passed_4xx, None)):  # fmt: skip
+        ex = _exchange()
+        ex.state.fail(failure)
+        assert retry_reason(ex, local, 1.0) == why
+        assert retry_reason(ex, None, 1.0) is None  # a leg that pulled no KV: nothing to gain
+    ex = _exchange(deadline=1.0)
+    ex.state.fail(kv)
+    assert retry_reason(ex, local, 1.0) is None  # no time left
+    ex = _exchange()
+    ex.state.d_answered()
+    ex.state.d_chunk(0.5)  # some of D's answer reached the client
+    ex.state.fail(kv)
+    assert retry_reason(ex, local, 1.0) is None
+    ex = _exchange()
+    ex.state.fail(kv)
+    ex.state.retry(1.0, TOKENS)
+    ex.state.fail(kv)
+    assert retry_reason(ex, local, 2.0) is None  # once
+    assert retry_reason(_exchange(), local, 1.0) is None  # nothing failed
+
+
+def test_the_clients_error_names_what_failed_before() -> None:
+    from pdactors.proxy._openai import Failure
+
+    ex = _exchange()
+    ex.state.prefill_failed(Failure.of(502, "prefill engine http://p:1 failed: gone",
+                                       "upstream_error", "prefill_error"))  # fmt: skip
+    ex.state.fail(Failure.of(502, "decode engine http://d:1 failed before its first token: "
+                             "Internal server error", "upstream_error", "decode_error",
+                             retry="decode_failed"))  # fmt: skip
+    ex.state.retry(1.0, TOKENS)
+    ex.state.fail(Failure.of(502, "decode engine http://d:1 answered HTTP 503: busy",
+                             "upstream_error", "decode_error"))  # fmt: skip
+    told = ex.told()
+    assert told.status == 502 and told.outcome == "decode_error"
+    assert told.message == (
+        "prefill engine http://p:1 failed: gone; decode engine http://d:1 failed before its "
+        "first token: Internal server error; asked again to compute the prompt itself, it "
+        "failed too; decode engine http://d:1 answered HTTP 503: busy"
+    )

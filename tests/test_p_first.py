@@ -246,3 +246,31 @@ async def test_local_placement_serves_each_request_on_d_alone(stream: bool) -> N
                 == 1
             )
             assert m[total("completions", "ok")] == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_d_whose_kv_did_not_come_is_asked_again_for_the_same_continuation(
+    stream: bool,
+) -> None:
+    """P died or hung after its token: D's pull fails and D answers vLLM's error before its
+    first token. D is asked once more for the same continuation (the prompt's ids and P's
+    token) without kv_transfer_params: the client's answer goes on after P's token, nothing
+    repeated, nothing skipped."""
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p") as s:
+            s.d[0].kv_fails = True
+            resp = await s.client.post("/v1/completions", json=completion_body(stream=stream))
+            assert resp.status_code == 200, resp.text
+            kv_leg, retried = s.d[0].received
+            assert retried == {k: v for k, v in kv_leg.items() if k != "kv_transfer_params"}
+            assert retried["prompt"] == [1, 2, 3, 7]  # the prompt's ids and P's token
+            if stream:
+                texts = [e["choices"][0]["text"] for e in data_events(resp.text)]
+                assert texts == ["p0 says hi", "d0-0", "d0-1", "d0-2"]
+            else:
+                assert resp.json()["choices"][0]["text"] == "p0 says hid0 says hi"
+            m = await s.metrics()
+            assert m[("pdactors_proxy_retries_total", (("reason", "decode_failed"),))] == 1
+            assert m[total("completions", "ok")] == 1
+            d = (await s.client.get("/health")).json()["decode"][0]
+            assert (d["waiting_tokens"], d["prefills"], d["outstanding"]) == (0, 0, 0)

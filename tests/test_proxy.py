@@ -59,6 +59,10 @@ class FakeEngine:
     steps: trio.MemoryReceiveChannel[None] | None = None  # one item per streamed chunk
     chunks: int = 3
     error_event: bool = False  # streams: an error event (vLLM's shape) after the first chunk
+    #: A request that pulls KV (``do_remote_prefill``) fails as vLLM's does when its pull
+    #: failed under kv_load_failure_policy "fail": a 500, or streamed a 200 whose first
+    #: event (a chat's after its role) is the error.
+    kv_fails: bool = False
     received: list[dict[str, Any]] = field(default_factory=list)
     dp_ranks_seen: list[str | None] = field(default_factory=list)  # X-data-parallel-rank
     auth_seen: list[str | None] = field(default_factory=list)  # Authorization
@@ -70,6 +74,15 @@ class FakeEngine:
 
     def tids(self) -> list[str]:
         return [body["kv_transfer_params"]["transfer_id"] for body in self.received]
+
+
+#: vLLM's error for a request whose KV load failed (kv_load_failure_policy "fail").
+VLLM_KV_ERROR = {
+    "error": {
+        "message": "Internal server error", "type": "InternalServerError", "param": None,
+        "code": 500,
+    }
+}  # fmt: skip
 
 
 def _json(body: object, status: int = 200) -> Response:
@@ -118,6 +131,10 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
             raise
         if engine.status != 200:
             return _json(engine.error_body or {"detail": "boom"}, engine.status)
+        if engine.kv_fails and (body.get("kv_transfer_params") or {}).get("do_remote_prefill"):
+            if body.get("stream"):
+                return Response(kv_failed_stream(chat), content_type="text/event-stream")
+            return _json(VLLM_KV_ERROR, 500)
         if body.get("stream"):
             return Response(stream(tid), content_type="text/event-stream")
         return _json(answer(engine, body, chat))
@@ -136,6 +153,13 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
         except trio.Cancelled:
             engine.cancelled.append(tid)
             raise
+
+    async def kv_failed_stream(chat: bool) -> AsyncIterator[bytes]:
+        if chat:
+            role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+            yield b"data: " + msgspec.json.encode(role) + b"\n\n"
+        yield b"data: " + msgspec.json.encode(VLLM_KV_ERROR) + b"\n\n"
+        yield b"data: [DONE]\n\n"
 
     @app.post("/v1/completions")
     async def completions() -> Response:
@@ -454,19 +478,92 @@ async def test_unknown_route_and_huge_body_get_openai_errors() -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_prefill_500_fails_fast_and_cancels_decode(stream: bool) -> None:
+async def test_a_prefill_500_leaves_the_request_to_d_which_is_asked_again_without_kv(
+    stream: bool,
+) -> None:
+    """P failing beside D cancels nothing: D's answer decides. Its KV did not come (vLLM's
+    500, or a stream whose first event is the error): D is asked once more with the
+    client's body, computes the prompt itself, and the client gets that answer whole."""
     with trio.fail_after(TIMEOUT):
         async with open_setup() as s:
             s.p[0].status = 500
-            s.d[0].hold = trio.Event()  # D would wait for the KV forever
-            start = trio.current_time()
-            resp = await s.client.post("/v1/completions", json=completion_body(stream=stream))
-            assert trio.current_time() - start < 2
+            s.d[0].kv_fails = True
+            body = completion_body(stream=stream)
+            resp = await s.client.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            kv_leg, retried = s.d[0].received
+            assert kv_leg["kv_transfer_params"]["do_remote_prefill"] is True
+            assert retried == body  # the client's body as it came: no transfer params
+            if stream:
+                assert (
+                    resp.text
+                    == "".join(sse(s.d[0], i).decode() for i in range(s.d[0].chunks))
+                    + "data: [DONE]\n\n"
+                )  # nothing of the failed leg reached the client
+            else:
+                assert resp.json()["choices"][0]["text"] == "d0 says hi"
+            assert s.d[0].cancelled == []
+            m = await s.metrics()
+            assert m[("pdactors_proxy_retries_total", (("reason", "decode_failed"),))] == 1
+            assert m[total("completions", "ok")] == 1
+            health = (await s.client.get("/health")).json()
+            d = health["decode"][0]
+            assert (d["waiting_tokens"], d["prefills"], d["incoming"], d["outstanding"]) == (
+                0, 0, 0, 0
+            )  # fmt: skip
+
+
+async def test_a_chat_streams_role_before_the_kv_error_is_not_relayed() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            s.d[0].kv_fails = True
+            resp = await s.client.post("/v1/chat/completions", json=chat_body(stream=True))
+            assert resp.status_code == 200
+            assert "error" not in resp.text and "role" not in resp.text
+            assert len(s.d[0].received) == 2
+
+
+async def test_a_retry_that_fails_too_names_every_engine_that_failed() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            s.p[0].status = 500
+            s.d[0].kv_fails = True
+            s.d[0].hold = trio.Event()
+
+            async def d_then_fails() -> None:
+                await eventually(lambda: len(s.d[0].received) == 1)
+                await eventually_metric(s, ("pdactors_proxy_backend_errors_total", (
+                    ("backend", s.p[0].url), ("role", "prefill"))), 1)  # fmt: skip
+                s.d[0].status = 503
+                s.d[0].hold.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(d_then_fails)
+                resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code == 502
             message = resp.json()["error"]["message"]
-            assert s.p[0].url in message and "500" in message
-            (tid,) = s.d[0].tids()
-            await eventually(lambda: s.d[0].cancelled == [tid])
+            assert message.startswith(f"prefill engine {s.p[0].url} answered HTTP 500")
+            assert f"decode engine {s.d[0].url} answered HTTP 503" in message
+            assert "asked again to compute the prompt itself" in message
+            assert len(s.d[0].received) == 2  # once, not more
+
+
+async def test_a_kv_error_not_retried_names_d_and_what_it_said() -> None:
+    """D alone (placement local) fails before its first token: no retry (it pulled no
+    KV), and the client's error names D, never a bare "Internal server error"."""
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(placement="local") as s:
+            s.d[0].kv_fails = True
+            s.d[0].status = 500
+            s.d[0].error_body = VLLM_KV_ERROR
+            resp = await s.client.post("/v1/completions", json=completion_body(stream=True))
+            assert resp.status_code == 502
+            message = resp.json()["error"]["message"]
+            assert message == (
+                f"decode engine {s.d[0].url} answered HTTP 500: "
+                + msgspec.json.encode(VLLM_KV_ERROR).decode()
+            )
+            assert len(s.d[0].received) == 1
 
 
 async def test_prefill_4xx_passes_through_and_cancels_decode() -> None:
@@ -561,7 +658,8 @@ async def test_p_answering_just_after_d_is_not_cancelled(stream: bool) -> None:
             assert resp.status_code == 200 and s.p[0].cancelled == []
 
 
-async def test_prefill_failing_after_ds_stream_began_ends_it_with_an_error_event() -> None:
+async def test_a_prefill_failing_after_ds_stream_began_never_cuts_it() -> None:
+    """D streams: its KV landed, P's fate no longer matters to the request."""
     with trio.fail_after(TIMEOUT):
         async with open_setup() as s:
             s.p[0].hold = trio.Event()
@@ -577,11 +675,14 @@ async def test_prefill_failing_after_ds_stream_began_ends_it_with_an_error_event
                 await steps_in.send(None)
                 assert await next_event(lines) == sse(s.d[0], 0).decode().strip()
                 s.p[0].hold.set()  # P now fails
-                last = await next_event(lines)
-                error = msgspec.json.decode(last.removeprefix("data: "))["error"]
-                assert error["code"] == 502 and s.p[0].url in error["message"]
-            await eventually(lambda: s.d[0].cancelled == s.d[0].tids())
-            await eventually_metric(s, total("completions", "prefill_error"), 1)
+                await eventually_metric(s, ("pdactors_proxy_backend_errors_total", (
+                    ("backend", s.p[0].url), ("role", "prefill"))), 1)  # fmt: skip
+                for i in (1, 2):
+                    await steps_in.send(None)
+                    assert await next_event(lines) == sse(s.d[0], i).decode().strip()
+                assert await next_event(lines) == "data: [DONE]"
+            assert s.d[0].cancelled == []
+            await eventually_metric(s, total("completions", "ok"), 1)
 
 
 async def test_an_error_event_in_ds_stream_is_counted_as_an_error() -> None:
@@ -790,16 +891,15 @@ async def test_metrics_count_requests_errors_and_latency_per_proxy() -> None:
             await s.client.post("/v1/completions", json=completion_body())
             await s.client.post("/v1/chat/completions", json=chat_body())
             await s.client.post("/v1/completions", content=b"{}")
-            s.p[0].status = 500
-            s.d[0].hold = trio.Event()  # D waits for the KV: P's failure comes first
+            s.d[0].status = 500  # and again when asked again
             await s.client.post("/v1/completions", json=completion_body())
             m = await s.metrics()
             assert m[total("completions", "ok")] == 1
             assert m[total("chat_completions", "ok")] == 1
             assert m[total("completions", "invalid")] == 1
-            assert m[total("completions", "prefill_error")] == 1
+            assert m[total("completions", "decode_error")] == 1
             errors = "pdactors_proxy_backend_errors_total"
-            assert m[errors, (("backend", s.p[0].url), ("role", "prefill"))] == 1
+            assert m[errors, (("backend", s.d[0].url), ("role", "decode"))] == 2
             assert m["pdactors_proxy_requests_in_flight", ()] == 0
             pd = (("decode", s.d[0].url), ("prefill", s.p[0].url))
             assert m["pdactors_proxy_request_seconds_count", pd] == 2

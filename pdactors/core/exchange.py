@@ -18,12 +18,16 @@ phase         entered when                        leaves when
 NEW           the request was routed              admitted (+Admit: its counts are raised) →
                                                   OPEN
 OPEN          admitted, or a P-first request      D's answer begins → D_ANSWERING; a leg fails
-              falls back to D after P failed      → FAILED (+CancelLegs); its answer ends →
-                                                  DONE
+              falls back to D after P failed,     → FAILED (+CancelLegs); its answer ends →
+              or D is asked again (a retry)       DONE
 D_ANSWERING   D's answer began (status 200)       a leg fails → FAILED (+CancelLegs); its
                                                   answer ends → DONE
 FAILED        the first failure (its cause kept)  its answer (the failure) ends → DONE; P-first
-                                                  falls back to D → OPEN (cause cleared)
+                                                  falls back to D → OPEN (cause cleared); D is
+                                                  asked again, computing the prompt itself
+                                                  (+Hold on D), once, when none of D's answer
+                                                  reached the client → OPEN (cause kept as
+                                                  ``retried_after``)
 DONE          the client's answer ended: ok,      never; a late failure or end is an echo and
               failed or cancelled (+Unhold,       changes nothing
               +Release, +Ended: every count
@@ -31,8 +35,15 @@ DONE          the client's answer ended: ok,      never; a late failure or end i
 ============  ==================================  ============================================
 
 Events that do not change the phase (the prompt sent to an engine, P's leg ending, a chunk
-sent to the client) are in the table too; a pair not in it raises
-:class:`~pdactors.errors.IllegalTransition`.
+sent to the client, P failing while D's leg goes on without it) are in the table too; a pair
+not in it raises :class:`~pdactors.errors.IllegalTransition`.
+
+P's failure is the request's only when the request depends on P: in the P-first flow before
+P's token (:meth:`ExchangeState.fail`, then perhaps a fall-back to D), or a 4xx (the request's
+own fault). Where D runs beside P (the concurrent flow), P failing (:meth:`ExchangeState.
+prefill_failed`) is only noted: it cancels nothing, D's answer decides — a D that has the KV
+goes on, one whose pull failed answers an error before its first token and is retried
+(:meth:`ExchangeState.retry`), and the note is named in any failure the client then gets.
 """
 
 from __future__ import annotations
@@ -82,7 +93,9 @@ class Event(enum.Enum):
     D_ANSWERED = "d_answered"  # D's answer began
     D_CHUNK = "d_chunk"  # one chunk of D's stream went to the client
     FAIL = "fail"
+    P_FAILED = "p_failed"  # P's leg failed while D's goes on without it (the concurrent flow)
     FALL_BACK = "fall_back"
+    RETRY = "retry"  # D is asked again, computing the prompt itself
     END = "end"
 
 
@@ -96,18 +109,23 @@ TRANSITIONS: Final[dict[tuple[Phase, Event], Phase]] = {
     (_O, Event.P_TOKEN_SENT): _O,
     (_O, Event.D_ANSWERED): _A,
     (_O, Event.FAIL): _F,
+    (_O, Event.P_FAILED): _O,  # noted: D's answer decides
     (_O, Event.END): _D,
     (_A, Event.PREFILL_ENDED): _A,  # P answers after D began: both run at once
     (_A, Event.D_CHUNK): _A,
     (_A, Event.FAIL): _F,
+    (_A, Event.P_FAILED): _A,  # D's answer began: P's fate no longer matters to it
     (_A, Event.END): _D,
     (_F, Event.PREFILL_ENDED): _F,
     (_F, Event.D_CHUNK): _F,  # one already in hand when the failure came: not learnt from
     (_F, Event.FAIL): _F,  # an echo of the first failure: the cause stays
+    (_F, Event.P_FAILED): _F,
     (_F, Event.FALL_BACK): _O,
+    (_F, Event.RETRY): _O,  # once, with none of D's answer relayed (else it raises)
     (_F, Event.END): _D,
     (_D, Event.PREFILL_ENDED): _D,  # P's leg, given a moment after the answer: nothing left
     (_D, Event.FAIL): _D,  # a leg failing after the answer ended changes nothing
+    (_D, Event.P_FAILED): _D,
     (_D, Event.END): _D,  # an echo (a cancellation unwinding an answered request)
 }
 
@@ -217,6 +235,10 @@ class ExchangeState:
         #: The prompt's tokens (estimated until P's answer says; P-first corrects it).
         self.prompt_tokens = prompt_tokens
         self.cause: Cause | None = None  # the first failure, while FAILED (or DONE after it)
+        #: P's failure while D went on without it (the concurrent flow), kept for the message
+        self.p_cause: Cause | None = None
+        #: the failure of D's first leg, when D was asked again (at most once)
+        self.retried_after: Cause | None = None
         self.outcome: str | None = None  # set when DONE
         self._p_held = False  # P's outstanding count is raised
         self._held: tuple[Leg, int, int, float] | None = None  # engine, tokens, ahead, sent
@@ -295,7 +317,10 @@ class ExchangeState:
         self._d_first = now
         if self.first_sent is not None:  # P's token went first
             caught_up = None if self.d_sent is None else now - self.d_sent
-            return [SecondChunk(now - self.arrived, caught_up, self.prompt_tokens)]
+            second: list[Effect] = [SecondChunk(now - self.arrived, caught_up, self.prompt_tokens)]
+            if self.prefilling == "d":  # retried: D computed the prompt itself
+                second.insert(0, self._unhold(now))
+            return second
         self.first_sent = now
         effects: list[Effect] = [FirstChunk(now - self.arrived)]
         if self.prefilling == "d":  # local: D's first token ends its prefill
@@ -310,6 +335,44 @@ class ExchangeState:
         if self.cause is None:
             self.cause = cause
         return [CancelLegs()]
+
+    def prefill_failed(self, cause: Cause) -> list[Effect]:
+        """P's leg failed while D's runs beside it (the concurrent flow): noted (the first
+        such failure), nothing cancelled: D's answer decides the request."""
+        self._move(Event.P_FAILED)
+        if self.p_cause is None:
+            self.p_cause = cause
+        return []
+
+    @property
+    def d_relayed(self) -> bool:
+        """Some of D's answer reached the client (a chunk of its stream)."""
+        return self._d_chunks > 0
+
+    @property
+    def may_retry(self) -> bool:
+        """FAILED, none of D's answer relayed, and D not asked again yet."""
+        return self.phase is Phase.FAILED and not self.d_relayed and self.retried_after is None
+
+    def retry(self, now: float, tokens_ahead: int) -> list[Effect]:
+        """D's leg failed before any of its answer reached the client (its KV did not come):
+        D is asked again at ``now``, computing the prompt itself (``tokens_ahead`` prompt
+        tokens, its own included, then waiting there) — the failure is kept as
+        ``retried_after`` and the prompt moves to D's prefill queue. Once per exchange;
+        raises :class:`~pdactors.errors.IllegalTransition` when D's answer was relayed
+        already or D was asked again before."""
+        if self.phase is Phase.FAILED and not self.may_retry:
+            why = "D's answer relayed" if self.d_relayed else "retried already"
+            raise IllegalTransition(f"exchange: retry while failed ({why})")
+        self._move(Event.RETRY)
+        self.retried_after, self.cause = self.cause, None
+        self.d_sent = None  # D's second answer is no catch-up after a pull: not learnt as one
+        effects: list[Effect] = []
+        if self._held is not None:
+            effects.append(self._unhold(None))
+        self._held = ("d", self.prompt_tokens, tokens_ahead, now)
+        effects.append(Hold("d", self.prompt_tokens))
+        return effects
 
     def fall_back(self) -> list[Effect]:
         """P-first: P failed before its token and D now serves the request alone."""

@@ -139,10 +139,11 @@ def read_first(raw: bytes, chat: bool) -> First | str:
 
 
 def decode_body(
-    body: dict[str, Any], chat: bool, first: First, params: KVTransferParams
+    body: dict[str, Any], chat: bool, first: First, params: KVTransferParams | None
 ) -> dict[str, Any]:
     """D's request: a completion of the prompt's ids and P's token, for the tokens the client
-    asked for but one, streamed when the client's is."""
+    asked for but one, streamed when the client's is; with ``params`` None, the same request
+    for D computing the prompt itself (a retry: no KV to pull)."""
     if chat:
         d_body = {k: v for k, v in body.items() if k in _CHAT_CARRIED}
         d_body["model"] = body["model"]
@@ -158,7 +159,8 @@ def decode_body(
         d_body["max_tokens"] = left - 1
     if body.get("min_tokens"):
         d_body["min_tokens"] = max(0, body["min_tokens"] - 1)
-    d_body["kv_transfer_params"] = params
+    if params is not None:
+        d_body["kv_transfer_params"] = params
     return d_body
 
 

@@ -13,6 +13,7 @@ import logging
 import ssl
 import uuid
 from collections.abc import Iterable
+from functools import partial
 from typing import Any, Final, get_args
 
 import httpx
@@ -187,8 +188,11 @@ class Proxy:
                 p_body, d_body = _bodies.concurrent_bodies(body, endpoint.chat, p_params, d_params)
                 # P's leg runs beside D's for as long as the request does: it is cancelled
                 # when the client's answer is complete (D no longer needs P) or when D fails.
-                nursery.start_soon(self.legs.prefill_leg, ex, p_body)
-                await self.legs.answer_from_decode(ex, d_body, reply)
+                # P failing cancels nothing but for a 4xx: D's answer decides, and a D whose
+                # KV did not come is asked again with the client's body (computing it all).
+                nursery.start_soon(partial(self.legs.prefill_leg, ex, p_body, beside_d=True))
+                local_body = msgspec.json.encode(body)
+                await self.legs.answer_from_decode(ex, d_body, reply, local=local_body)
 
     def _place(self, ex: Exchange, pinned: str) -> str:
         """Where ``ex``'s prompt is computed: ``pinned`` (the operator's ``--placement`` or

@@ -25,7 +25,7 @@ import select
 import socket
 import ssl
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Final
 
 import h11
@@ -123,7 +123,7 @@ class EngineResponse:
         self._done = False
         self._closed = False
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncGenerator[bytes]:
         """The body, piece by piece as the engine sends it. Raises :class:`EngineError` if the
         engine closes the connection before the body's end."""
         while not self._done:

@@ -55,6 +55,24 @@ class Exchange:
         assert cause is None or isinstance(cause, Failure)
         return cause
 
+    @property
+    def earlier_failures(self) -> tuple[str, ...]:
+        """What failed before the request's failure, as the client is told it: P beside D
+        (the concurrent flow), and D's first leg when D was asked again."""
+        p, d = self.state.p_cause, self.state.retried_after
+        assert p is None or isinstance(p, Failure)
+        assert d is None or isinstance(d, Failure)
+        told: tuple[str, ...] = () if p is None else (p.message,)
+        if d is not None:
+            told += (f"{d.message}; asked again to compute the prompt itself, it failed too",)
+        return told
+
+    def told(self) -> Failure:
+        """The request's failure as the client gets it, naming what failed before it."""
+        failure = self.failure
+        assert failure is not None
+        return failure.after(*self.earlier_failures)
+
     def backend(self, leg: Leg) -> Backend:
         return self.p if leg == "p" else self.d
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import aclosing, contextmanager
 from typing import Final
 
 import httpx
@@ -43,7 +43,7 @@ from pdactors.proxy._health import HealthWatch
 from pdactors.proxy._openai import Failure
 from pdactors.proxy._state import Backend, Metrics
 
-__all__ = ["Legs"]
+__all__ = ["Legs", "retry_reason"]
 
 log = logging.getLogger("pdactors.proxy")
 
@@ -51,6 +51,8 @@ log = logging.getLogger("pdactors.proxy")
 _LAST_EVENT_TIMEOUT: Final = 1.0
 #: An SSE event in which an engine reports a failure of a stream it already answered 200 to.
 _ERROR_EVENT: Final = b'data: {"error"'
+#: A chat stream's first event (vLLM's): the role, no token yet.
+_ROLE_ONLY: Final = b'"delta":{"role":"assistant","content":""}'
 
 
 class Legs:
@@ -139,9 +141,16 @@ class Legs:
 
     # ------------------------------------------------------------------ P's leg
 
-    async def prefill_leg(self, ex: Exchange, body: bytes) -> bytes | None:
-        """P's whole answer; a failure (or no answer by the deadline) fails the request
-        (and None is returned)."""
+    async def prefill_leg(
+        self, ex: Exchange, body: bytes, *, beside_d: bool = False
+    ) -> bytes | None:
+        """P's whole answer, or None when P failed (or gave no answer by the deadline).
+
+        The request depends on P (the P-first flow, ``beside_d`` false): P's failure fails
+        it. D runs beside P (the concurrent flow): only P's 4xx (the request's own fault)
+        fails the request; any other failure of P is noted and logged, and D's answer
+        decides — a D that has the KV goes on, one whose KV did not come fails before its
+        first token and is asked again computing the prompt itself."""
         failure: Failure | None = None
         answer: bytes | None = None
         answered = False
@@ -164,29 +173,129 @@ class Legs:
                 self.apply(ex, ex.state.prefill_ended(now, answered=answered))
         if timer.cancelled_caught:
             failure = self.timeout_failure("no answer from P")
-        if failure is not None:
+        if failure is None:
+            return answer
+        if beside_d and failure.status >= 500 and not ex.state.over:
+            if ex.state.p_cause is None and ex.failure is None:
+                log.warning(
+                    "proxy: request %s: %s; decode engine %s goes on without it (its KV "
+                    "decides: landed, it answers; else it is asked again computing the prompt "
+                    "itself)",
+                    ex.transfer_id, failure.message[:300], ex.d.url,
+                )  # fmt: skip
+            self.apply(ex, ex.state.prefill_failed(failure))
+        else:
             self.fail(ex, failure)  # (after the answer ended: nothing)
-        return answer if failure is None else None
+        return None
 
     # ------------------------------------------------------------------ D's leg
 
-    async def answer_from_decode(self, ex: Exchange, body: bytes, reply: Reply) -> None:
-        """Ask D with ``body`` and answer the client with D's answer, as it comes."""
-        d_resp = await self.open_decode(ex, body)
-        if d_resp is None:  # a failure before D's answer began: an HTTP status
+    async def answer_from_decode(
+        self, ex: Exchange, body: bytes, reply: Reply, *, local: bytes | None = None
+    ) -> None:
+        """Ask D with ``body`` and answer the client with D's answer, as it comes (ends
+        ``ex``). ``local``: the same request with D computing the prompt itself, asked once
+        when D's leg fails before any of its answer reached the client (its KV did not
+        come: :meth:`retry`)."""
+        if ex.stream:
+            await self.relay_decode(ex, body, reply, local=local)
+            return
+        raw = await self.decode_whole(ex, body, local=local)
+        if raw is None:
             await self.answer_failure(ex, reply)
-        elif not ex.stream:
-            await self._whole_answer(ex, d_resp, reply)
-        else:
-            await self.relay(ex, d_resp, reply)
+            return
+        self.end(ex, "ok")
+        await reply.whole(200, raw, ex.transfer_id)
 
     async def answer_failure(self, ex: Exchange, reply: Reply) -> None:
         """End ``ex`` with its failure, answered as an HTTP status."""
-        failure = ex.failure
-        assert failure is not None
-        log.warning("proxy: request %s failed: %s", ex.transfer_id, failure.body[:300])
+        failure = ex.told()
+        log.warning("proxy: request %s failed: %s", ex.transfer_id, failure.body[:500])
         self.end(ex, failure.outcome)
         await reply.failure(failure)
+
+    def retry(self, ex: Exchange, local: bytes | None) -> bool:
+        """Whether D's failed leg is asked again now with ``local`` (D computing the prompt
+        itself): :func:`retry_reason` says so. Counted and logged once with why; the
+        record moves the prompt to D's queue."""
+        why = retry_reason(ex, local, trio.current_time())
+        if why is None:
+            return False
+        failure = ex.failure
+        assert failure is not None
+        log.warning(
+            "proxy: request %s: %s; asked again with decode engine %s computing the prompt "
+            "itself (%s)",
+            ex.transfer_id, failure.message[:300], ex.d.url, why,
+        )  # fmt: skip
+        self.metrics.retries.labels(why).inc()
+        ahead = ex.d.waiting_tokens + ex.state.prompt_tokens
+        self.apply(ex, ex.state.retry(trio.current_time(), ahead))
+        ex.d_scopes = []  # the first leg's, cancelled by its failure
+        return True
+
+    async def decode_whole(
+        self, ex: Exchange, body: bytes, *, local: bytes | None = None, path: str | None = None
+    ) -> bytes | None:
+        """D's whole answer (not streamed) to ``body`` on ``path``, asked again with
+        ``local`` once when D fails with its KV missing (:meth:`retry`); None with
+        ``ex.failure`` set."""
+        attempt = body
+        while True:
+            resp = await self.open_decode(ex, attempt, path)
+            raw = None if resp is None else await self.read_whole(ex, resp)
+            if raw is not None:
+                return raw
+            if not self.retry(ex, local):
+                return None
+            assert local is not None
+            attempt = local
+
+    async def relay_decode(
+        self,
+        ex: Exchange,
+        body: bytes,
+        reply: Reply,
+        *,
+        local: bytes | None = None,
+        path: str | None = None,
+        transform: Callable[[bytes], bytes] | None = None,
+    ) -> None:
+        """Hand D's streamed answer to ``body`` to the client as it comes (``transform``ed:
+        P-first), asking D again with ``local`` once when its leg fails before any of its
+        answer was relayed (:meth:`retry`); a failure with nothing sent yet is answered as
+        an HTTP status, one in a begun stream as its last event. Ends ``ex``."""
+        outcome = "cancelled"
+        try:
+            attempt = body
+            while True:
+                resp = await self.open_decode(ex, attempt, path)
+                if resp is not None:
+                    try:
+                        if not reply.started:
+                            await reply.start(
+                                200, b"text/event-stream", ex.transfer_id,
+                                (b"cache-control", b"no-cache"),
+                            )  # fmt: skip
+                        relayed = await self._forward(ex, resp, reply, transform)
+                    finally:
+                        await resp.aclose()
+                    if relayed is not None:
+                        outcome = relayed
+                        break
+                if self.retry(ex, local):
+                    assert local is not None
+                    attempt = local
+                    continue
+                if not reply.started:
+                    await self.answer_failure(ex, reply)
+                    return
+                await self.stream_failure(ex, reply)
+                outcome = ex.told().outcome
+                break
+            await reply.chunk(b"", more=False)
+        finally:
+            self.end(ex, outcome)  # not ok: P's leg is cancelled now
 
     async def open_decode(
         self, ex: Exchange, body: bytes, path: str | None = None
@@ -234,71 +343,71 @@ class Legs:
         finally:
             await resp.aclose()
 
-    async def _whole_answer(self, ex: Exchange, resp: EngineResponse, reply: Reply) -> None:
-        """Not streamed: D's whole body, unless P fails first."""
-        body = await self.read_whole(ex, resp)
-        if body is None:
-            await self.answer_failure(ex, reply)
-            return
-        self.end(ex, "ok")
-        await reply.whole(200, body, ex.transfer_id)
-
-    async def relay(
-        self,
-        ex: Exchange,
-        resp: EngineResponse,
-        reply: Reply,
-        *,
-        transform: Callable[[bytes], bytes] | None = None,
-    ) -> None:
-        """Hand D's streamed answer to the client as it comes (``transform``ed: P-first);
-        owns ``resp``."""
-        outcome = "cancelled"
-        try:
-            if not reply.started:
-                await reply.start(
-                    200, b"text/event-stream", ex.transfer_id, (b"cache-control", b"no-cache")
-                )
-            outcome = await self._forward(ex, resp, reply, transform)
-            await reply.chunk(b"", more=False)
-        finally:
-            self.end(ex, outcome)  # not ok: P's leg is cancelled now
-            await resp.aclose()
-
     async def _forward(
         self,
         ex: Exchange,
         resp: EngineResponse,
         reply: Reply,
         transform: Callable[[bytes], bytes] | None,
-    ) -> str:
+    ) -> str | None:
+        """Relay D's stream: its outcome (``"ok"``, or ``"decode_error"`` for an error event
+        after some of it was relayed), or None with ``ex.failure`` set and nothing more
+        sent: D's stream began with an error event (what vLLM sends when the KV did not
+        come), broke, or ran past the deadline."""
         first, outcome = True, "ok"
+        held = b""  # a chat's role announcement, relayed with what follows it
         with ex.decode_scope(), trio.move_on_at(ex.deadline):
             try:
-                async for chunk in resp.chunks():
-                    # Only D's first chunk is timed (TTFT); D's step is learnt from the
-                    # stream's span when it ends.
-                    self.apply(ex, ex.state.d_chunk(trio.current_time() if first else None))
-                    first = False
-                    if _ERROR_EVENT in chunk:  # D reports a failure in a stream it began (200)
-                        outcome = "decode_error"
-                    data = transform(chunk) if transform is not None else chunk
-                    if data:
-                        await reply.chunk(data)
+                async with aclosing(resp.chunks()) as chunks:
+                    async for chunk in chunks:
+                        if not ex.state.d_relayed:
+                            chunk, held = held + chunk, b""
+                            rest = _after_role(chunk)
+                            if rest.startswith(_ERROR_EVENT):  # before any of D's tokens
+                                self.fail(ex, self.event_failure(ex.d, rest))
+                                return None
+                            if not rest:  # only a chat's role so far: held until a token
+                                held = chunk
+                                continue
+                        # Only D's first chunk is timed (TTFT); D's step is learnt from the
+                        # stream's span when it ends.
+                        self.apply(ex, ex.state.d_chunk(trio.current_time() if first else None))
+                        first = False
+                        if _ERROR_EVENT in chunk:  # D reports a failure in a stream it began (200)
+                            outcome = "decode_error"
+                            chunk = self._name_error_event(ex, chunk)
+                        data = transform(chunk) if transform is not None else chunk
+                        if data:
+                            await reply.chunk(data)
+                if held:  # a stream of a role announcement only
+                    self.apply(ex, ex.state.d_chunk(trio.current_time()))
+                    await reply.chunk(transform(held) if transform is not None else held)
                 return outcome
             except EngineError as exc:
                 self.fail(ex, self.transport_failure(ex.d, exc))
-        await self.stream_failure(ex, reply)
-        assert ex.failure is not None
-        return ex.failure.outcome
+        if ex.failure is None:
+            self.fail(ex, self.timeout_failure("D did not finish"))
+        return None
+
+    def _name_error_event(self, ex: Exchange, chunk: bytes) -> bytes:
+        """``chunk`` with D's error event (vLLM's bare "Internal server error") replaced by one
+        that names D and what it said; what came before it in the chunk is kept."""
+        at = chunk.index(_ERROR_EVENT)
+        end = chunk.find(b"\n\n", at)
+        event = chunk[at : len(chunk) if end < 0 else end]
+        failure = self.event_failure(ex.d, event, before_token=False)
+        return (
+            chunk[:at]
+            + failure.after(*ex.earlier_failures).sse_event()
+            + (b"" if end < 0 else chunk[end + 2 :])
+        )
 
     async def stream_failure(self, ex: Exchange, reply: Reply) -> None:
         """End a begun stream with the request's failure (or D's timeout) as an event."""
         if ex.failure is None:
             self.fail(ex, self.timeout_failure("D did not finish"))
-        failure = ex.failure
-        assert failure is not None
-        log.warning("proxy: request %s failed mid-stream: %s", ex.transfer_id, failure.body[:300])
+        failure = ex.told()
+        log.warning("proxy: request %s failed mid-stream: %s", ex.transfer_id, failure.body[:500])
         with trio.move_on_after(_LAST_EVENT_TIMEOUT):
             await reply.chunk(failure.sse_event())
 
@@ -314,7 +423,25 @@ class Legs:
         if isinstance(exc, ConnectFailed | httpx.ConnectError):  # gone: out of rotation now
             self.watch.set(b, f"connection failed: {describe(exc)}", None)
         message = f"{b.role} engine {b.url} failed: {describe(exc)}"
-        return Failure.of(502, message, "upstream_error", f"{b.role}_error")
+        # A broken answer (not a refused connection) may be a D whose API server gave up on
+        # a request whose KV did not come: worth a second try.
+        why = "decode_broke" if b.role == "decode" and not isinstance(exc, ConnectFailed) else ""
+        return Failure.of(502, message, "upstream_error", f"{b.role}_error", retry=why)
+
+    def event_failure(self, b: Backend, event: bytes, *, before_token: bool = True) -> Failure:
+        """D's error event (vLLM's streamed error: under ``kv_load_failure_policy: fail``
+        what a pull that failed gives, as the bare "Internal server error") as a failure
+        naming D and what it said."""
+        self.metrics.backend_errors.labels(b.role, b.url).inc()
+        said = event.removeprefix(b"data: ").strip()
+        try:
+            error = msgspec.json.decode(said).get("error") or {}
+            text = str(error.get("message") or said[:300].decode(errors="replace"))
+        except (msgspec.DecodeError, AttributeError):
+            text = said[:300].decode(errors="replace")
+        when = "before its first token" if before_token else "mid-stream"
+        message = f"{b.role} engine {b.url} failed {when}: {text}"
+        return Failure.of(502, message, "upstream_error", f"{b.role}_error", retry="decode_failed")
 
     def status_failure(self, b: Backend, status: int, body: bytes) -> Failure:
         """A 4xx passes through (vLLM's own error body); anything else becomes a 502."""
@@ -331,7 +458,8 @@ class Legs:
             return Failure.of(status, message, "invalid_request_error", outcome)
         self.metrics.backend_errors.labels(b.role, b.url).inc()
         message = f"{b.role} engine {b.url} answered HTTP {status}: {text}"
-        return Failure.of(502, message, "upstream_error", outcome)
+        why = "decode_failed" if b.role == "decode" else ""
+        return Failure.of(502, message, "upstream_error", outcome, retry=why)
 
 
 def _log_timeline(ex: Exchange, ttft: float) -> None:
@@ -342,3 +470,30 @@ def _log_timeline(ex: Exchange, ttft: float) -> None:
         "proxy: request %s timeline ms: D answered %s, first chunk %.1f, P answered %s",
         ex.transfer_id, ms(ex.d_answered), ttft * 1e3, ms(ex.p_answered),
     )  # fmt: skip
+
+
+def retry_reason(ex: Exchange, local: bytes | None, now: float) -> str | None:
+    """Why ``ex``'s failed D leg is asked again with D computing the prompt itself, or None.
+
+    Only a leg that pulled KV (``local``: the same request without ``kv_transfer_params``)
+    whose failure was D's own (:attr:`Failure.retry`: a 5xx or an error event before D's
+    first token, or its answer broken — not a refused connection, a timeout or a 4xx), with
+    none of D's answer relayed (the stream then never repeats or skips a token), once per
+    request, and while the request's deadline is ahead. Not a checkpoint, no IO."""
+    failure = ex.failure
+    if local is None or failure is None or not failure.retry:
+        return None
+    if not ex.state.may_retry or now >= ex.deadline:
+        return None
+    return failure.retry
+
+
+def _after_role(chunk: bytes) -> bytes:
+    """``chunk`` without a chat stream's leading role announcement (vLLM's first event,
+    which carries no token), if it begins with one."""
+    if not chunk.startswith(b"data: "):
+        return chunk
+    end = chunk.find(b"\n\n")
+    if end < 0 or _ROLE_ONLY not in chunk[:end]:
+        return chunk
+    return chunk[end + 2 :]

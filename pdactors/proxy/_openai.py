@@ -45,14 +45,34 @@ class Failure:
     body: bytes
     outcome: str
     message: str = ""  # for the log, when made by :meth:`of`
+    #: Why D's leg may be asked again computing the prompt itself (the metric's reason:
+    #: ``decode_failed``, ``decode_broke``), or "" when a second try cannot help.
+    retry: str = ""
 
     @classmethod
     def of(
-        cls, status: int, message: str, kind: str, outcome: str, code: int | str | None = None
+        cls,
+        status: int,
+        message: str,
+        kind: str,
+        outcome: str,
+        code: int | str | None = None,
+        *,
+        retry: str = "",
     ) -> Failure:
         code = status if code is None else code
         error = {"message": message, "type": kind, "param": None, "code": code}  # OpenAI's keys
-        return cls(status, msgspec.json.encode({"error": error}), outcome, message)
+        return cls(status, msgspec.json.encode({"error": error}), outcome, message, retry)
+
+    def after(self, *earlier: str) -> Failure:
+        """This failure as the client is told it: what failed ``earlier`` in the same
+        request (P, D's first leg) said before it, in order. An engine's own 4xx body (no
+        message of ours) passes as it came."""
+        parts = [e for e in earlier if e]
+        if not parts or not self.message:
+            return self
+        message = "; ".join([*parts, self.message])
+        return Failure.of(self.status, message, "upstream_error", self.outcome)
 
     @classmethod
     def unauthorized(cls, message: str) -> Failure:

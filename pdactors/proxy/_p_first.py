@@ -7,8 +7,10 @@ Otherwise D gets a completion of the prompt's ids and P's token (``first_token_f
 pulls the prompt's KV from P and computes P's token), and its answer follows P's token.
 The bodies and answers: :mod:`pdactors.proxy._bodies`. A P that fails before its token
 is served by D alone (the client's body as it came; ``fall_back_to_d``), or with that off fails
-the request as in the concurrent flow (an HTTP status); D failing after P's token was streamed
-ends the stream with an error event.
+the request as in the concurrent flow (an HTTP status). A D whose KV did not come (P died or
+hung after its token) fails before its first token: it is asked once more for the same
+continuation without ``kv_transfer_params`` (it computes the prompt and P's token itself).
+D failing otherwise after P's token was streamed ends the stream with an error event.
 """
 
 from __future__ import annotations
@@ -71,23 +73,23 @@ async def complete_p_first(legs: Legs, ex: Exchange, body: dict[str, Any], reply
         first_token_from_p=True,
     )
     d_body = msgspec.json.encode(ft.decode_body(body, chat, first, params))
+    # The same continuation with D computing the prompt itself: asked once if D's leg fails
+    # with its KV missing before any of its answer reached the client (P died or hung after
+    # its token), so the stream never repeats or skips a token.
+    local = msgspec.json.encode(ft.decode_body(body, chat, first, None))
     if ex.stream:
         await _start(reply, ex)
         await reply.chunk(ft.first_event(first, body, chat, last=False))
         now = trio.current_time()
         legs.apply(ex, ex.state.p_token_sent(now))
         ex.state.d_sent = now
-        resp = await legs.open_decode(ex, d_body, COMPLETIONS.path)
-        if resp is None:
-            await legs.stream_failure(ex, reply)
-            await reply.chunk(b"", more=False)
-            legs.end(ex, ex.failure.outcome if ex.failure else "decode_error")
-            return
         stream = ft.ClientStream(first, chat) if ft.wants_events(body, chat) else None
-        await legs.relay(ex, resp, reply, transform=stream.feed if stream else None)
+        await legs.relay_decode(
+            ex, d_body, reply, local=local, path=COMPLETIONS.path,
+            transform=stream.feed if stream else None,
+        )  # fmt: skip
         return
-    resp = await legs.open_decode(ex, d_body, COMPLETIONS.path)
-    raw = None if resp is None else await legs.read_whole(ex, resp)
+    raw = await legs.decode_whole(ex, d_body, local=local, path=COMPLETIONS.path)
     if raw is None:
         await legs.answer_failure(ex, reply)
         return

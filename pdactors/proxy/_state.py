@@ -161,6 +161,14 @@ class Metrics:
             ["why"],
             registry=r,
         )
+        self.retries = Counter(
+            "pdactors_proxy_retries",
+            "D legs asked again with D computing the prompt itself, after D failed before any "
+            "of its answer reached the client (its KV did not come): D answered an error "
+            "(decode_failed) or its answer broke (decode_broke)",
+            ["reason"],
+            registry=r,
+        )
         self.p_first = Counter(
             "pdactors_proxy_p_first",
             "Requests served P first, by how they ended: at P's token, or continued on D",

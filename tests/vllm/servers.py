@@ -112,7 +112,7 @@ def consumer_config(engine_id: str, **extra: Any) -> dict[str, Any]:
         "kv_role": "kv_consumer",
         "engine_id": engine_id,
         "kv_load_failure_policy": "fail",
-        "kv_connector_extra_config": extra,
+        "kv_connector_extra_config": {"on_pull_failure": "fail", **extra},
     }
 
 

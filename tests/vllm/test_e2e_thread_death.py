@@ -37,6 +37,7 @@ def p_and_d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, 
         "kv_connector_module_path": "tests.vllm.crashing_connector",
         "kv_role": "kv_consumer",
         "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": {"on_pull_failure": "fail"},
     }
     specs = {
         "prefill": {"core": 0, "kv_transfer_config": p_config},

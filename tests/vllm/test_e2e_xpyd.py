@@ -36,7 +36,7 @@ D_CONFIG = {
     "kv_connector": "PdActorsConnector",
     "kv_role": "kv_consumer",
     "kv_load_failure_policy": "fail",
-    "kv_connector_extra_config": {"pull_timeout": 60},
+    "kv_connector_extra_config": {"pull_timeout": 60, "on_pull_failure": "fail"},
 }
 
 

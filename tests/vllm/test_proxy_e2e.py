@@ -100,7 +100,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         "kv_role": "kv_consumer",
         "engine_id": "decode-proxy-e2e",
         "kv_load_failure_policy": "fail",  # a transfer that fails must show, not recompute
-        "kv_connector_extra_config": {"pull_timeout": 30},
+        "kv_connector_extra_config": {"pull_timeout": 30, "on_pull_failure": "fail"},
     }
     specs = {
         "single": {"core": 0},

@@ -363,9 +363,24 @@ def test_d_prefix_hit_of_all_full_blocks_pulls_the_partial_tail() -> None:
     assert free_blocks(sched) == total_blocks(sched)
 
 
-@pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_d_failed_pull_goes_through_the_failure_policy(policy: str) -> None:
-    sched = make_scheduler(kv_role="kv_consumer", block_size=BS, kv_load_failure_policy=policy)
+@pytest.mark.parametrize(
+    ("on_pull_failure", "vllm_policy", "policy"),
+    [
+        (None, "fail", "recompute"),  # the default: D computes the prompt itself
+        ("recompute", "fail", "recompute"),
+        (None, "recompute", "recompute"),
+        ("fail", "fail", "fail"),  # fail-fast kept
+    ],
+)
+def test_d_failed_pull_goes_through_the_failure_policy(
+    on_pull_failure: str | None, vllm_policy: str, policy: str
+) -> None:
+    extra = {} if on_pull_failure is None else {"on_pull_failure": on_pull_failure}
+    sched = make_scheduler(
+        kv_role="kv_consumer", block_size=BS, kv_load_failure_policy=vllm_policy,
+        extra_config=extra,
+    )  # fmt: skip
+    assert sched.recompute_kv_load_failures is (policy == "recompute")
     sched.add_request(make_request("d4", 40, max_tokens=2, kv_transfer_params=d_params("t4")))
     step(sched)
     result = step(sched, failed_recving={"d4"})
@@ -423,6 +438,14 @@ def test_connector_loads_by_module_path_too() -> None:
         kv_role="kv_consumer", block_size=BS, module_path="pdactors_vllm.connector"
     )
     assert type(connector_of(sched)).__module__ == "pdactors_vllm.connector"
+
+
+def test_fail_fast_with_vllms_recompute_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="on_pull_failure 'fail' contradicts"):
+        make_scheduler(
+            kv_role="kv_consumer", kv_load_failure_policy="recompute",
+            extra_config={"on_pull_failure": "fail"},
+        )  # fmt: skip
 
 
 def test_bad_settings_are_refused_with_a_clear_error() -> None:

@@ -60,6 +60,8 @@ class WorkerActors:
         self._sender_epoch = 0  # the last sender's (a restart's sender replaces it)
         self._send_req: dict[str, str] = {}  # transfer id -> P request id
         self._recv_req: dict[str, str] = {}  # transfer id -> D request id
+        #: pulls of requests aborted on D (their failure is no pull failure: nothing falls back)
+        self._aborted: set[str] = set()
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the data plane and the actors this role needs; run until cancelled. A new
@@ -96,6 +98,7 @@ class WorkerActors:
         pull failed), forgotten here."""
         sends, self._send_req = set(self._send_req.values()), {}
         pulls, self._recv_req = set(self._recv_req.values()), {}
+        self._aborted = set()
         return sends, pulls
 
     def apply(self, work: StepWork, event: torch.cuda.Event | None = None) -> None:
@@ -116,6 +119,8 @@ class WorkerActors:
             for req_id, pull in work.pulls.items():
                 self._start_pull(receiver, req_id, pull)
             for tid in work.aborts.values():
+                if tid in self._recv_req:
+                    self._aborted.add(tid)
                 _logged(receiver.abort, tid, "the request was aborted on D")
 
     def layer_done(
@@ -167,19 +172,34 @@ class WorkerActors:
         readings = ReceiverReadings()
         while True:
             results = await receiver.wait_results()
+            recompute = self._settings.on_pull_failure == "recompute"
+            aborted = self._aborted.intersection(results.failed)
+            self._aborted -= aborted
             for tid, reason in results.failed.items():
-                if tid in self._recv_req:
-                    log.warning("KV pull %s failed: %s", tid, reason)
+                if tid in aborted:
+                    log.info("KV pull %s ended: %s", tid, reason)
+                elif tid in self._recv_req:
+                    then = (
+                        "D computes the prompt itself (on_pull_failure: recompute)"
+                        if recompute
+                        else "its request fails (on_pull_failure: fail)"
+                    )
+                    log.warning("KV pull %s failed: %s; %s", tid, reason, then)
                 else:  # a notify-only pull (P just frees its KV): nobody waits for it
                     log.info("KV release notice %s to P failed: %s", tid, reason)
             ok_tids = {t: self._recv_req.pop(t) for t in results.finished if t in self._recv_req}
             failed = {self._recv_req.pop(t) for t in results.failed if t in self._recv_req}
+            fell_back = len(failed) - len(aborted) if recompute else 0
 
             def count(
-                c: TransferCounters, landed: int = len(ok_tids), lost: int = len(failed)
+                c: TransferCounters,
+                landed: int = len(ok_tids),
+                lost: int = len(failed),
+                recomputed: int = fell_back,
             ) -> None:
                 c.received += landed
                 c.failed += lost
+                c.recomputed += recomputed
                 readings.add_new(receiver, c)
 
             landed = {r: t for t, r in ok_tids.items()} if timeline.enabled() else None

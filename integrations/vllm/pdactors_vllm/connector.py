@@ -25,13 +25,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pdactors import RankInfo
 from pdactors_vllm.compat import engine_compat
-from pdactors_vllm.errors import WrongRoleError
+from pdactors_vllm.errors import ConnectorConfigError, WrongRoleError
 from pdactors_vllm.idle_gate import IdleGate
 from pdactors_vllm.kv_report import PREFIX, kv_layout_report, show_with_vllm_logs
 from pdactors_vllm.metrics import PdActorsPromMetrics, PdActorsStats
 from pdactors_vllm.model_shape import architecture_of, kv_groups, kv_heads_of, refuse_unserved
 from pdactors_vllm.scheduler_side import PdActorsMetadata, SchedulerSide
-from pdactors_vllm.settings import settings_from_extra_config
+from pdactors_vllm.settings import ConnectorSettings, settings_from_extra_config
 from pdactors_vllm.worker_side import WorkerPlace, WorkerSide
 
 if TYPE_CHECKING:
@@ -71,6 +71,7 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
             refuse_unserved(vllm_config)
         transfer = self._kv_transfer_config
         self.settings = settings_from_extra_config(dict(transfer.kv_connector_extra_config))
+        apply_pull_failure_policy(transfer, self.settings)
         assert transfer.engine_id is not None  # vLLM fills in a uuid when none is given
         self.engine_id = transfer.engine_id
         self.scheduler_side: SchedulerSide | None = None
@@ -250,6 +251,28 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker_side.shutdown()
         if self.scheduler_side is not None and self.scheduler_side.gate is not None:
             self.scheduler_side.gate.close()  # D's idle gate's socket
+
+
+def apply_pull_failure_policy(transfer: Any, settings: ConnectorSettings) -> None:
+    """Make vLLM's ``kv_load_failure_policy`` what ``on_pull_failure`` says, for this engine.
+
+    vLLM's scheduler creates its connector and only then reads the policy from the same
+    ``kv_transfer_config`` (vLLM 0.32, ``Scheduler.__init__``): ``"recompute"`` (our default)
+    is written there, so a failed pull puts its request back with nothing computed and D
+    computes the prompt itself; ``"fail"`` leaves vLLM's policy as the operator set it (its
+    default ``fail``: the request ends with an error). vLLM keeps no record of which fields
+    were given, so an explicit ``kv_load_failure_policy: "fail"`` cannot be told from the
+    default: fail-fast is asked for with ``on_pull_failure: "fail"``. Raises
+    :class:`ConnectorConfigError` for ``on_pull_failure: "fail"`` with
+    ``kv_load_failure_policy: "recompute"`` (each says the opposite)."""
+    if settings.on_pull_failure == "fail":
+        if transfer.kv_load_failure_policy == "recompute":
+            raise ConnectorConfigError(
+                "PdActorsConnector: on_pull_failure 'fail' contradicts vLLM's "
+                "kv_load_failure_policy 'recompute'; set one of them"
+            )
+        return
+    transfer.kv_load_failure_policy = "recompute"
 
 
 def _place(vllm_config: VllmConfig, engine_id: str, fingerprint: str) -> WorkerPlace:

@@ -23,6 +23,7 @@ class TransferCounters:
     streamed_sent: int = 0
     received: int = 0
     failed: int = 0
+    recomputed: int = 0  # failed pulls whose prompt D computes itself (on_pull_failure)
     expired: int = 0
     write_seconds: list[float] = field(default_factory=list)
     pull_seconds: list[float] = field(default_factory=list)

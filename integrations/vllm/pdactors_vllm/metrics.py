@@ -39,6 +39,10 @@ COUNTERS = {
         "vllm:pdactors_pulls_failed",
         "KV pulls that failed, timed out or were aborted (D).",
     ),
+    "recomputed": (
+        "vllm:pdactors_pull_fallbacks",
+        "Failed KV pulls whose prompt D computes itself instead (D, on_pull_failure recompute).",
+    ),
 }
 DURATIONS = {
     "write_seconds": ("vllm:pdactors_write_seconds", "Time of one KV write, plan included (P)."),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -32,7 +32,10 @@ from pdactors.transport.curve import curve_from_files, curve_from_secret
 from pdactors.wire import MAX_COMPAT_FIELD
 from pdactors_vllm.errors import ConnectorConfigError
 
-__all__ = ["ConnectorSettings", "settings_from_extra_config"]
+__all__ = ["ConnectorSettings", "PullFailurePolicy", "settings_from_extra_config"]
+
+#: What a failed pull does to D's request (setting ``on_pull_failure``).
+PullFailurePolicy = Literal["recompute", "fail"]
 
 log = logging.getLogger("pdactors.vllm")
 
@@ -113,6 +116,13 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       e.g. ``["kv_dtype"]`` for a deliberate cast). Any other difference refuses the pull at
       once, naming the field (then ``kv_load_failure_policy`` applies); a relaxed one is
       logged once per peer as a warning. Default none.
+    * ``on_pull_failure``: (D) what a pull that fails (P dead, hung or gone, the write
+      refused, the pull's deadline) does to its request: ``"recompute"`` (the default): D
+      computes the prompt itself and the request is answered (vLLM's
+      ``kv_load_failure_policy: recompute``, which the connector sets for its engine);
+      ``"fail"``: the request ends with an error at once (fail-fast; vLLM's own policy, whose
+      default is ``fail``, then applies). ``"fail"`` with ``kv_load_failure_policy:
+      "recompute"`` contradicts itself and is refused at start-up.
     * ``timeline``: log each transfer's timeline at DEBUG on ``pdactors.timeline``, and append
       it as JSON lines to the file named by ``$PDACTORS_TIMELINE`` when that is set (bench);
       default false.
@@ -146,6 +156,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     layerwise: bool = False
     model_fingerprint: Annotated[str, Meta(max_length=MAX_COMPAT_FIELD)] = ""
     compat_relax: tuple[str, ...] = ()
+    on_pull_failure: PullFailurePolicy = "recompute"
     timeline: bool = False
 
     def bootstrap_token(self) -> str | None:
