@@ -264,35 +264,50 @@ def _stream_text(w: World, prompt: list[int], max_tokens: int) -> str:
 @pytest.mark.parametrize("fault", ["killed", "stopped"])
 def test_eight_requests_in_flight_survive_a_p_killed_or_stopped(world: World, fault: str) -> None:
     """Eight streams through the proxy, P killed (or stopped for 10 s, then resumed) with all
-    of them in flight, wherever each is (at P before its token, D pulling, D decoding): none
-    fails, and each text equals the one D gives alone."""
+    of them in flight, wherever each is (at P before its token, or after it with D's pull to
+    come): none fails, and each text equals the one D gives alone.
+
+    D is frozen while the eight are sent, so that none can finish before the fault (a D that
+    decodes them before P's fault would make the test pass without testing anything); the
+    freeze lasts until the proxy holds all eight, far less than its health round."""
     p = world.p
     assert p is not None
     prompts = [prompt_ids(250 + 20 * i, seed=300 + i) for i in range(8)]
-    max_tokens = 600  # long enough that all eight are in flight at once
+    max_tokens = 64
     # (after a restart, P is back in the proxy's rotation within a health round)
     _wait_for("P in rotation", lambda: _proxy_health(world)["prefill"][0]["up"])
-    stopped = False
+    retries_before = _retries(world)
+    d_group = world.d.process.pid
+    p_stopped = d_frozen = False
     try:
         with ThreadPoolExecutor(8) as pool:
+            os.killpg(d_group, signal.SIGSTOP)
+            d_frozen = True
             futures = [pool.submit(_stream_text, world, pr, max_tokens) for pr in prompts]
             _wait_for("eight requests in flight", lambda: _proxy_in_flight(world) == 8)
             if fault == "killed":
                 p.kill()
             else:
                 os.killpg(p.process.pid, signal.SIGSTOP)
-                stopped = True
+                p_stopped = True
+            os.killpg(d_group, signal.SIGCONT)
+            d_frozen = False
+            if p_stopped:
                 time.sleep(10)  # the fault itself: a P that gets no CPU for 10 s
                 os.killpg(p.process.pid, signal.SIGCONT)
-                stopped = False
+                p_stopped = False
             texts = [f.result(timeout=300) for f in futures]
         for prompt, text in zip(prompts, texts, strict=True):
             alone = completion(world.d, prompt, max_tokens=max_tokens)["choices"][0]["text"]
             assert text == alone
         _wait_for("nothing in flight at the proxy", lambda: _proxy_in_flight(world) == 0)
         _wait_for("D freed the blocks", lambda: world.d.metric("vllm:kv_cache_usage_perc") == 0)
+        if fault == "killed":  # some had P's token and D's pull failed: the proxy asked again
+            assert _retries(world) > retries_before
     finally:
-        if stopped:
+        if d_frozen:
+            os.killpg(d_group, signal.SIGCONT)
+        if p_stopped:
             os.killpg(p.process.pid, signal.SIGCONT)
         if fault == "killed":
             world.restart_p()
