@@ -27,6 +27,7 @@ __all__ = [
     "Routing",
     "Secret",
     "SenderConfig",
+    "VerifyKv",
     "default_of",
     "read_token_file",
 ]
@@ -164,6 +165,9 @@ class SenderConfig(msgspec.Struct, frozen=True, kw_only=True):
     * ``liveness``: heartbeats on the side channel (how fast a dead D is noticed).
     * ``kv_heads``: the model's KV heads in all (vLLM's ``get_total_num_kv_heads()``); needed
       to serve a D whose TP size differs (0: unknown, taken from D's pull).
+    * ``checksum_kv``: hash the source bytes of every run written (xxh3-64, in the write's
+      worker thread, before the engine call) and send the sums with ``PullDone`` for D to
+      verify (:mod:`pdactors.dataplane.checksum`). Host memory only: off for KV on a GPU.
     """
 
     engine_id: str
@@ -182,10 +186,15 @@ class SenderConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_heads: int = 0
     bootstrap_token: str | None = None
     bootstrap_ca_file: str | None = None
+    checksum_kv: bool = True
 
     def __post_init__(self) -> None:
         if self.lease_interval < 0 or self.lease_ttl <= self.lease_interval:
             raise ConfigError("need 0 <= lease_interval < lease_ttl")
+
+
+#: What D does with P's KV checksums (:class:`ReceiverConfig`'s ``verify_kv``).
+VerifyKv = Literal["off", "on", "require"]
 
 
 class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -204,6 +213,11 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
       bootstrap, and must not be able to collect the token); a pull naming another fails.
     * ``tick_interval``: not used (the receiver sleeps until its next pull deadline); kept so
       that configurations which set it still load.
+    * ``verify_kv``: ``"on"`` (default): before a pull is reported delivered, recompute P's
+      checksums over what landed; a mismatch fails the pull (the engine's load-failure policy
+      applies); a P that sends no checksums (an older P, or ``checksum_kv`` off) is trusted,
+      counted and logged once. ``"require"``: such a P's pulls fail. ``"off"``: no check.
+      Host memory only: off for KV on a GPU.
     """
 
     engine_id: str = "decode"
@@ -216,6 +230,11 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
     bootstrap_token: str | None = None
     bootstrap_ca_file: str | None = None
     trusted_bootstraps: tuple[str, ...] = ()
+    verify_kv: VerifyKv = "on"
+
+    def __post_init__(self) -> None:
+        if self.verify_kv not in get_args(VerifyKv):
+            raise ConfigError(f"verify_kv must be 'off', 'on' or 'require', not {self.verify_kv!r}")
 
     def trusts(self, bootstrap_url: str) -> bool:
         """Whether D may send its bootstrap token to ``bootstrap_url``: the bootstrap named by a

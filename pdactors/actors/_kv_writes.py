@@ -9,7 +9,7 @@ takes its layers from the send table's record of the transfer
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import trio
@@ -20,9 +20,10 @@ from pdactors.core.plan import matching_regions, plan_transfer
 from pdactors.core.send_rules import StreamState
 from pdactors.core.send_stream import Complete
 from pdactors.core.send_table import SendTable, StartSend
-from pdactors.dataplane.base import DataPlane
+from pdactors.dataplane.base import Addrs, DataPlane
+from pdactors.dataplane.checksum import SUMS_HEADER, pack_sums, run_digests, transfer_seed
 from pdactors.errors import DataPlaneError, PlanError
-from pdactors.wire import Layout
+from pdactors.wire import MAX_SUM_RUNS, Layout
 
 __all__ = ["PULL_ERRORS", "KvWriter", "Written"]
 
@@ -34,10 +35,29 @@ PULL_ERRORS = (PlanError, DataPlaneError, ArithmeticError, ValueError)
 
 @dataclass(eq=False)
 class Written:
-    """What one transfer's writes moved so far."""
+    """What one transfer's writes moved so far, and the checksums of their runs."""
 
     nbytes: int = 0
     descriptors: int = 0
+    sums: list[bytes] = field(default_factory=list)
+
+    def wire_sums(self) -> bytes:
+        """``PullDone.sums``: every run's, or ``b""`` when none were taken or too many."""
+        runs = sum(len(s) for s in self.sums) // 24
+        if not self.sums or runs > MAX_SUM_RUNS:
+            return b""
+        return SUMS_HEADER + b"".join(self.sums)
+
+
+def _hashed(before: Complete | None, seed: int, src: Addrs, dst: Addrs, lengths: Addrs) -> bytes:
+    """In a worker thread: wait for the KV (``before``), then hash its source runs."""
+    if before is not None:
+        try:
+            before()
+        except Exception as exc:
+            why = f"the KV was not complete: {type(exc).__name__}: {exc}"  # as the data plane says
+            raise DataPlaneError(f"write of {int(lengths.sum())} bytes: {why}") from exc
+    return pack_sums(dst, lengths, run_digests(seed, src, lengths))
 
 
 @dataclass(eq=False)
@@ -72,6 +92,13 @@ class KvWriter:
                 np.concatenate([getattr(p, a) for p in plans] or [_NO_ADDRS])
                 for a in ("src", "dst", "lengths")
             )
+        if self.config.checksum_kv and not len(lengths):
+            written.sums.append(b"")  # nothing to hash: D learns that P checksums
+        elif self.config.checksum_kv:  # P's blocks are held, unchanged, until the write ends
+            seed = transfer_seed(job.transfer_id)
+            hashed = await trio.to_thread.run_sync(_hashed, before, seed, src, dst, lengths)
+            written.sums.append(hashed)
+            before = None  # waited for in the hashing thread
         await self.dataplane.write(pull.session, src, dst, lengths, before=before)
         written.nbytes += sum(p.nbytes for p in plans)
         written.descriptors += sum(p.descriptors for p in plans)

@@ -20,6 +20,7 @@ from pdactors.wire.limits import (
     MAX_KV_HEADS,
     MAX_PP_SIZE,
     MAX_REASON,
+    MAX_SUM_BYTES,
     MAX_TP_SIZE,
     U64,
     Id,
@@ -86,11 +87,16 @@ class CancelPull(_Msg, frozen=True, tag="cancel"):
 
 
 class PullDone(_Msg, frozen=True, tag="done"):
-    """P → D: every block of ``transfer_id`` has landed in D's memory."""
+    """P → D: every block of ``transfer_id`` has landed in D's memory.
+
+    ``sums``: a checksum of every run P wrote, ``(dst, length, xxh3-64)``
+    (:mod:`pdactors.dataplane.checksum`), which D recomputes over what landed before it
+    reports the KV as received; ``b""``: P sent none."""
 
     transfer_id: Id
     nbytes: U64 = 0
     descriptors: U64 = 0
+    sums: Annotated[bytes, Meta(max_length=MAX_SUM_BYTES)] = b""
 
 
 class PullFailed(_Msg, frozen=True, tag="failed"):

@@ -21,6 +21,7 @@ from pdactors.config import (
     Protocol,
     ReceiverConfig,
     SenderConfig,
+    VerifyKv,
     default_of,
     read_token_file,
 )
@@ -100,6 +101,11 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       D is told once after the last. Otherwise the eager whole-request send. Needs
       ``eager_send``; with vLLM's FULL CUDA graphs ``save_kv_layer`` does not run per layer, so
       the whole KV goes at the end of the step. Default false.
+    * ``verify_kv``: KV checksums (:mod:`pdactors.dataplane.checksum`): ``"on"`` (default): P
+      hashes every run it writes and D verifies what landed before it reports the KV
+      received (a mismatch fails the load: ``kv_load_failure_policy`` applies); a P that
+      sends no checksums is trusted, logged once. ``"require"``: D fails such a P's loads.
+      ``"off"``: neither. Host memory only: a worker whose KV is on a GPU turns it off.
     * ``timeline``: log each transfer's timeline at DEBUG on ``pdactors.timeline``, and append
       it as JSON lines to the file named by ``$PDACTORS_TIMELINE`` when that is set (bench);
       default false.
@@ -131,6 +137,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     quiet_busy_waits: bool = True
     eager_send: bool = True
     layerwise: bool = False
+    verify_kv: VerifyKv = default_of(ReceiverConfig, "verify_kv")
     timeline: bool = False
 
     def bootstrap_token(self) -> str | None:
