@@ -42,6 +42,18 @@ def harness(
     secure: Annotated[
         bool, typer.Option("--secure", help="ZMQ CURVE on the side channel (fresh keys).")
     ] = False,
+    checksums: Annotated[
+        bool,
+        typer.Option("--checksums/--no-checksums", help="P sends KV checksums, D verifies them."),
+    ] = True,
+    corrupt_every: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="Every N requests, corrupt one write in flight (flip, truncate, shift in "
+            "turn); passes when the checksums catch each one.",
+        ),
+    ] = 0,
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Log at INFO, and Mooncake's own log too.")
     ] = False,
@@ -76,6 +88,8 @@ def harness(
         d_tp=d_tp,
         kv_heads=kv_heads or (8 if p_tp != d_tp else 0),
         secure=secure,
+        checksums=checksums,
+        corrupt_every=corrupt_every,
         on_report=_print_report,  # before the engines' teardown (~1 s each)
     )
     report = trio.run(run)
