@@ -125,8 +125,9 @@ def chaos(
     """Move transfers through a P process and a D receiver while killing, stopping and
     restarting P, aborting on D, dropping and delaying messages, failing writes and restarting
     the bootstrap. Prints per fault kind how fast the transfers it hit ended, then
-    "chaos: N transfers, N ok, N failed, N hung, N leaked blocks". Exits 1 if any transfer
-    hung, any block leaked or any delivered byte was wrong.
+    "chaos: N transfers, N ok, N failed, N hung, N leaked blocks". Also corrupts writes in
+    flight (a flipped byte, a short run, a run one byte off). Exits 1 if any transfer hung,
+    any block leaked, any delivered byte was wrong or any corrupted transfer was delivered.
     """
     setup(verbose)
     native_log = native_log_aside(verbose)
@@ -142,6 +143,7 @@ def chaos(
     typer.echo(report.table())
     reasons = ", ".join(f"{k}: {v}" for k, v in sorted(report.reasons.items()))
     typer.echo(f"failures by reason: {reasons or 'none'}")
+    typer.echo(report.corruption_line())
     typer.echo(report.last_line())
     native_log_done(native_log, report.passed, typer.echo)
     raise typer.Exit(0 if report.passed else 1)
