@@ -8,6 +8,7 @@ takes its layers from the send table's record of the transfer
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -49,15 +50,26 @@ class Written:
         return SUMS_HEADER + b"".join(self.sums)
 
 
-def _hashed(before: Complete | None, seed: int, src: Addrs, dst: Addrs, lengths: Addrs) -> bytes:
-    """In a worker thread: wait for the KV (``before``), then hash its source runs."""
-    if before is not None:
-        try:
-            before()
-        except Exception as exc:
-            why = f"the KV was not complete: {type(exc).__name__}: {exc}"  # as the data plane says
-            raise DataPlaneError(f"write of {int(lengths.sum())} bytes: {why}") from exc
-    return pack_sums(dst, lengths, run_digests(seed, src, lengths))
+class _HashedFirst:
+    """A write's ``before`` that also hashes its source runs, once, in the data plane's worker
+    thread right before the engine call (after the KV is complete): no thread hop of its own.
+    The data plane may call it twice at once (two calls carrying pieces of the write)."""
+
+    def __init__(
+        self, before: Complete | None, seed: int, src: Addrs, dst: Addrs, lengths: Addrs
+    ) -> None:
+        self._before, self._args = before, (seed, src, dst, lengths)
+        self._lock = threading.Lock()
+        self.sums: bytes | None = None
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self.sums is not None:
+                return
+            if self._before is not None:
+                self._before()
+            seed, src, dst, lengths = self._args
+            self.sums = pack_sums(dst, lengths, run_digests(seed, src, lengths))
 
 
 @dataclass(eq=False)
@@ -92,14 +104,16 @@ class KvWriter:
                 np.concatenate([getattr(p, a) for p in plans] or [_NO_ADDRS])
                 for a in ("src", "dst", "lengths")
             )
-        if self.config.checksum_kv and not len(lengths):
-            written.sums.append(b"")  # nothing to hash: D learns that P checksums
-        elif self.config.checksum_kv:  # P's blocks are held, unchanged, until the write ends
-            seed = transfer_seed(job.transfer_id)
-            hashed = await trio.to_thread.run_sync(_hashed, before, seed, src, dst, lengths)
-            written.sums.append(hashed)
-            before = None  # waited for in the hashing thread
-        await self.dataplane.write(pull.session, src, dst, lengths, before=before)
+        hashed: _HashedFirst | None = None
+        if self.config.checksum_kv and len(lengths):  # P's blocks stay unchanged until the end
+            hashed = _HashedFirst(before, transfer_seed(job.transfer_id), src, dst, lengths)
+        await self.dataplane.write(pull.session, src, dst, lengths, before=hashed or before)
+        if hashed is not None:
+            if hashed.sums is None:  # a data plane that skipped ``before``: no sums to vouch
+                raise DataPlaneError("the write ended without hashing its KV (before not run)")
+            written.sums.append(hashed.sums)
+        elif self.config.checksum_kv:  # nothing to hash: D still learns that P checksums
+            written.sums.append(b"")
         written.nbytes += sum(p.nbytes for p in plans)
         written.descriptors += sum(p.descriptors for p in plans)
 
