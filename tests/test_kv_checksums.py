@@ -182,6 +182,11 @@ async def test_real_mooncake_tcp_bytes_each_corruption_is_caught() -> None:
             outcome = await run_transfer(cluster, f"tcp-{kind}", 6)
             assert not outcome.ok
             assert f"KV checksum mismatch in transfer tcp-{kind}" in outcome.reason
-        assert len(planes[0].injected) == 3
+        await _released(cluster)
+        planes[0].arm("shift")  # every block: the transfer is one run (the write it shifts)
+        outcome = await run_transfer(cluster, "tcp-one-run", SMALL["num_blocks"])
+        assert "KV checksum mismatch in transfer tcp-one-run" in outcome.reason
+        assert "1 of 1 runs differ" in outcome.reason
+        assert len(planes[0].injected) == 4
         assert (await run_transfer(cluster, "clean-again", 6)).verified
         await _released(cluster)

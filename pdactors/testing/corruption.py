@@ -100,8 +100,10 @@ class CorruptingDataPlane:
             await self._poison(peer, s + n - tail, d + n - tail, tail)
         else:  # shift
             keep = np.arange(len(lengths)) != i
-            await self.inner.write(peer, src[keep], dst[keep], lengths[keep], before=before)
-            await self.inner.write(peer, _addrs(s), _addrs(d + 1), _addrs(n - 1))
+            if keep.any():  # ``before`` goes with the first write that moves bytes
+                await self.inner.write(peer, src[keep], dst[keep], lengths[keep], before=before)
+                before = None
+            await self.inner.write(peer, _addrs(s), _addrs(d + 1), _addrs(n - 1), before=before)
             await self._poison(peer, s, d, 1)
         self.injected.append((kind, i, d))
 
