@@ -42,6 +42,18 @@ def harness(
     secure: Annotated[
         bool, typer.Option("--secure", help="ZMQ CURVE on the side channel (fresh keys).")
     ] = False,
+    checksums: Annotated[
+        bool,
+        typer.Option("--checksums/--no-checksums", help="P sends KV checksums, D verifies them."),
+    ] = True,
+    corrupt_every: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="Every N requests, corrupt one write in flight (flip, truncate, shift in "
+            "turn); passes when the checksums catch each one.",
+        ),
+    ] = 0,
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Log at INFO, and Mooncake's own log too.")
     ] = False,
@@ -76,6 +88,8 @@ def harness(
         d_tp=d_tp,
         kv_heads=kv_heads or (8 if p_tp != d_tp else 0),
         secure=secure,
+        checksums=checksums,
+        corrupt_every=corrupt_every,
         on_report=_print_report,  # before the engines' teardown (~1 s each)
     )
     report = trio.run(run)
@@ -111,8 +125,9 @@ def chaos(
     """Move transfers through a P process and a D receiver while killing, stopping and
     restarting P, aborting on D, dropping and delaying messages, failing writes and restarting
     the bootstrap. Prints per fault kind how fast the transfers it hit ended, then
-    "chaos: N transfers, N ok, N failed, N hung, N leaked blocks". Exits 1 if any transfer
-    hung, any block leaked or any delivered byte was wrong.
+    "chaos: N transfers, N ok, N failed, N hung, N leaked blocks". Also corrupts writes in
+    flight (a flipped byte, a short run, a run one byte off). Exits 1 if any transfer hung,
+    any block leaked, any delivered byte was wrong or any corrupted transfer was delivered.
     """
     setup(verbose)
     native_log = native_log_aside(verbose)
@@ -128,6 +143,7 @@ def chaos(
     typer.echo(report.table())
     reasons = ", ".join(f"{k}: {v}" for k, v in sorted(report.reasons.items()))
     typer.echo(f"failures by reason: {reasons or 'none'}")
+    typer.echo(report.corruption_line())
     typer.echo(report.last_line())
     native_log_done(native_log, report.passed, typer.echo)
     raise typer.Exit(0 if report.passed else 1)

@@ -29,6 +29,7 @@ __all__ = [
     "Routing",
     "Secret",
     "SenderConfig",
+    "VerifyKv",
     "default_of",
     "read_token_file",
 ]
@@ -170,6 +171,9 @@ class SenderConfig(msgspec.Struct, frozen=True, kw_only=True):
       version), registered with the bootstrap and checked against each pull's; a pull that
       differs is refused by the name of the first field (None: nothing checked).
       ``compat_relax``: the fields that may differ (each logged once per peer).
+    * ``checksum_kv``: hash the source bytes of every run written (xxh3-64, in the write's
+      worker thread, before the engine call) and send the sums with ``PullDone`` for D to
+      verify (:mod:`pdactors.dataplane.checksum`). Host memory only: off for KV on a GPU.
     """
 
     engine_id: str
@@ -190,11 +194,16 @@ class SenderConfig(msgspec.Struct, frozen=True, kw_only=True):
     bootstrap_ca_file: str | None = None
     compat: Compat | None = None
     compat_relax: tuple[str, ...] = ()
+    checksum_kv: bool = True
 
     def __post_init__(self) -> None:
         if self.lease_interval < 0 or self.lease_ttl <= self.lease_interval:
             raise ConfigError("need 0 <= lease_interval < lease_ttl")
         check_relax(self.compat_relax)
+
+
+#: What D does with P's KV checksums (:class:`ReceiverConfig`'s ``verify_kv``).
+VerifyKv = Literal["off", "on", "require"]
 
 
 class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -215,6 +224,11 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
       that configurations which set it still load.
     * ``compat`` / ``compat_relax``: as the sender's: sent with each pull, and checked
       against P's registered description before the pull is sent.
+    * ``verify_kv``: ``"on"`` (default): before a pull is reported delivered, recompute P's
+      checksums over what landed; a mismatch fails the pull (the engine's load-failure policy
+      applies); a P that sends no checksums (an older P, or ``checksum_kv`` off) is trusted,
+      counted and logged once. ``"require"``: such a P's pulls fail. ``"off"``: no check.
+      Host memory only: off for KV on a GPU.
     """
 
     engine_id: str = "decode"
@@ -229,9 +243,12 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
     trusted_bootstraps: tuple[str, ...] = ()
     compat: Compat | None = None
     compat_relax: tuple[str, ...] = ()
+    verify_kv: VerifyKv = "on"
 
     def __post_init__(self) -> None:
         check_relax(self.compat_relax)
+        if self.verify_kv not in get_args(VerifyKv):
+            raise ConfigError(f"verify_kv must be 'off', 'on' or 'require', not {self.verify_kv!r}")
 
     def trusts(self, bootstrap_url: str) -> bool:
         """Whether D may send its bootstrap token to ``bootstrap_url``: the bootstrap named by a

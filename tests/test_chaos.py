@@ -25,6 +25,14 @@ async def test_chaos_nothing_hangs_leaks_or_corrupts(seed: int) -> None:
     assert sum(int(report.faults.get(k, [0])[0]) for k in FAULTS) >= 3
 
 
+async def test_chaos_catches_every_corruption_in_flight() -> None:
+    report = await run_chaos(seconds=6, seed=1, concurrency=4, only=("corrupt",))
+    assert report.passed, (report.corruption_line(), report.last_line())
+    assert report.corrupted >= 3 and report.corrupt_delivered == 0
+    assert report.caught == report.corrupted  # no other fault: each one reached D's check
+    assert report.corrupt == 0 and report.ok > 0
+
+
 def test_chaos_cli_prints_the_summary_and_exits_zero() -> None:
     env = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
     args = ["chaos", "--seconds", "4", "--seed", "5", "--concurrency", "2"]

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from pdactors.core.pull_rules import PULL_TRANSITIONS, PullEvent, PullState
-from pdactors.core.pull_table import Completed, PullEnd, PullTable
+from pdactors.core.pull_table import Completed, PullEnd, PullTable, Verify
 from pdactors.errors import DuplicateTransfer, IllegalTransition
 
 S = PullState
@@ -29,6 +29,11 @@ RECIPES: dict[str, Callable[[PullTable], object]] = {
     "sent": lambda t: (t.start("t", 0.0), t.sent("t", ["p1", "p2"])),
     "sent_to_one": lambda t: (t.start("t", 0.0), t.sent("t", "p1")),
     "aborting": lambda t: (t.start("t", 0.0), t.sent("t", ["p1", "p2"]), t.abort("t")),
+    "verifying": lambda t: (
+        t.start("t", 0.0),
+        t.sent("t", "p1"),
+        t.answered("t", ok=True, sums=b""),
+    ),
 }
 RECIPE_STATE = {
     "none": None,
@@ -36,6 +41,7 @@ RECIPE_STATE = {
     "sent": S.SENT,
     "sent_to_one": S.SENT,
     "aborting": S.ABORTING,
+    "verifying": S.VERIFYING,
 }
 CALLS: dict[str, Callable[[PullTable], list[object] | object]] = {
     "start": lambda t: t.start("t", 1.0),
@@ -46,6 +52,8 @@ CALLS: dict[str, Callable[[PullTable], list[object] | object]] = {
     "fail": lambda t: t.fail("t", "unreachable"),
     "lost": lambda t: t.peer_lost("p1", "gone"),
     "deadline": lambda t: t.tick(10.0),
+    "verified": lambda t: t.verified("t", None),
+    "corrupt": lambda t: t.verified("t", "run 0 differs"),
 }
 Dup, X = DuplicateTransfer, IllegalTransition
 Outcome = PullState | type[IllegalTransition] | None
@@ -57,13 +65,19 @@ def row(*outcomes: Outcome) -> dict[str, Outcome]:
 
 #: The state after each call (None: not in flight), or the error. From the module docstring.
 ORACLE: dict[str, dict[str, Outcome]] = {
-    # start, sent, abort, answer, refused, fail, lost, deadline
-    "none": row(S.LOOKING_UP, None, None, None, None, None, None, None),
-    "looking_up": row(Dup, S.SENT, None, S.LOOKING_UP, S.LOOKING_UP, None, S.LOOKING_UP, None),
-    "sent": row(Dup, X, S.ABORTING, S.SENT, S.ABORTING, S.ABORTING, S.ABORTING, None),
+    # start, sent, abort, answer, refused, fail, lost, deadline, verified, corrupt
+    "none": row(S.LOOKING_UP, None, None, None, None, None, None, None, None, None),
+    "looking_up": row(
+        Dup, S.SENT, None, S.LOOKING_UP, S.LOOKING_UP, None, S.LOOKING_UP, None, X, X
+    ),
+    "sent": row(Dup, X, S.ABORTING, S.SENT, S.ABORTING, S.ABORTING, S.ABORTING, None, X, X),
     # fail names no P worker: the one asked may be writing, so the pull waits for it
-    "sent_to_one": row(Dup, X, S.ABORTING, None, None, S.ABORTING, None, None),
-    "aborting": row(Dup, X, S.ABORTING, S.ABORTING, S.ABORTING, S.ABORTING, S.ABORTING, None),
+    "sent_to_one": row(Dup, X, S.ABORTING, None, None, S.ABORTING, None, None, X, X),
+    "aborting": row(Dup, X, S.ABORTING, S.ABORTING, S.ABORTING, S.ABORTING, S.ABORTING, None, X, X),
+    # every P worker answered: nothing writes, so D's abort or the deadline end it at once
+    "verifying": row(
+        Dup, X, None, S.VERIFYING, S.VERIFYING, S.VERIFYING, S.VERIFYING, None, None, None
+    ),
 }
 
 
@@ -118,3 +132,18 @@ def test_how_each_end_is_named() -> None:
         "lost": PullEnd.P_GONE,
         "deadline": PullEnd.DEADLINE,
     }
+
+
+def test_a_pull_with_checksums_is_delivered_only_once_they_match() -> None:
+    for error, end in ((None, PullEnd.DELIVERED), ("run 3 differs", PullEnd.CORRUPT)):
+        t = table()
+        t.start("t", 0.0, block_ids=((1, 2),))
+        t.sent("t", ["p1", "p2"])
+        assert t.answered("t", ok=True, peer="p1", sums=b"a") == []
+        [verify] = t.answered("t", ok=True, peer="p2", sums=b"")
+        assert isinstance(verify, Verify)
+        assert verify.parts == (("p1", b"a"), ("p2", b"")) and verify.block_ids == ((1, 2),)
+        assert t.state("t") is S.VERIFYING
+        [done] = t.verified("t", error)
+        assert isinstance(done, Completed) and done.end is end and done.reason == (error or "")
+        assert t.verified("t", None) == []  # ended: a late result is ignored

@@ -8,8 +8,9 @@ takes its layers from the send table's record of the transfer
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import trio
@@ -20,9 +21,10 @@ from pdactors.core.plan import matching_regions, plan_transfer
 from pdactors.core.send_rules import StreamState
 from pdactors.core.send_stream import Complete
 from pdactors.core.send_table import SendTable, StartSend
-from pdactors.dataplane.base import DataPlane
+from pdactors.dataplane.base import Addrs, DataPlane
+from pdactors.dataplane.checksum import SUMS_HEADER, pack_sums, run_digests, transfer_seed
 from pdactors.errors import DataPlaneError, PlanError
-from pdactors.wire import Layout
+from pdactors.wire import MAX_SUM_RUNS, Layout
 
 __all__ = ["PULL_ERRORS", "KvWriter", "Written"]
 
@@ -34,10 +36,40 @@ PULL_ERRORS = (PlanError, DataPlaneError, ArithmeticError, ValueError)
 
 @dataclass(eq=False)
 class Written:
-    """What one transfer's writes moved so far."""
+    """What one transfer's writes moved so far, and the checksums of their runs."""
 
     nbytes: int = 0
     descriptors: int = 0
+    sums: list[bytes] = field(default_factory=list)
+
+    def wire_sums(self) -> bytes:
+        """``PullDone.sums``: every run's, or ``b""`` when none were taken or too many."""
+        runs = sum(len(s) for s in self.sums) // 24
+        if not self.sums or runs > MAX_SUM_RUNS:
+            return b""
+        return SUMS_HEADER + b"".join(self.sums)
+
+
+class _HashedFirst:
+    """A write's ``before`` that also hashes its source runs, once, in the data plane's worker
+    thread right before the engine call (after the KV is complete): no thread hop of its own.
+    The data plane may call it twice at once (two calls carrying pieces of the write)."""
+
+    def __init__(
+        self, before: Complete | None, seed: int, src: Addrs, dst: Addrs, lengths: Addrs
+    ) -> None:
+        self._before, self._args = before, (seed, src, dst, lengths)
+        self._lock = threading.Lock()
+        self.sums: bytes | None = None
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self.sums is not None:
+                return
+            if self._before is not None:
+                self._before()
+            seed, src, dst, lengths = self._args
+            self.sums = pack_sums(dst, lengths, run_digests(seed, src, lengths))
 
 
 @dataclass(eq=False)
@@ -72,7 +104,16 @@ class KvWriter:
                 np.concatenate([getattr(p, a) for p in plans] or [_NO_ADDRS])
                 for a in ("src", "dst", "lengths")
             )
-        await self.dataplane.write(pull.session, src, dst, lengths, before=before)
+        hashed: _HashedFirst | None = None
+        if self.config.checksum_kv and len(lengths):  # P's blocks stay unchanged until the end
+            hashed = _HashedFirst(before, transfer_seed(job.transfer_id), src, dst, lengths)
+        await self.dataplane.write(pull.session, src, dst, lengths, before=hashed or before)
+        if hashed is not None:
+            if hashed.sums is None:  # a data plane that skipped ``before``: no sums to vouch
+                raise DataPlaneError("the write ended without hashing its KV (before not run)")
+            written.sums.append(hashed.sums)
+        elif self.config.checksum_kv:  # nothing to hash: D still learns that P checksums
+            written.sums.append(b"")
         written.nbytes += sum(p.nbytes for p in plans)
         written.descriptors += sum(p.descriptors for p in plans)
 

@@ -28,13 +28,14 @@ from pdactors import timeline
 from pdactors._pulse import Pulse
 from pdactors.actors._compat import PeerCompat
 from pdactors.actors._durations import Durations, DurationStatistics
+from pdactors.actors._landed import KvCheckStats, LandedCheck
 from pdactors.actors._lookups import Lookups
 from pdactors.actors._p_connections import PConnections, Peer
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import ReceiverConfig
 from pdactors.core.epochs import new_epoch
 from pdactors.core.plan import check_layout
-from pdactors.core.pull_table import Completed, PullEffect, PullTable, SendCancel
+from pdactors.core.pull_table import Completed, PullEffect, PullTable, SendCancel, Verify
 from pdactors.dataplane.base import DataPlane
 from pdactors.errors import PdError, PullFailedError
 from pdactors.transport import ZMQ, Transport
@@ -107,6 +108,7 @@ class Receiver:
         self._results_changed = Pulse()
         self._ended = Pulse()  # fired whenever any pull ends
         self._pull_seconds = Durations()  # each delivered pull, start to P's answer
+        self._landed = LandedCheck(config.verify_kv, layout)
         # The sleep of _serve_deadlines, until the earliest deadline; a new pull moves it.
         self._sleep = trio.CancelScope()
 
@@ -160,6 +162,10 @@ class Receiver:
         """How many pulls were delivered, and how long the recent ones took (start to P's
         answer, P's prefill included)."""
         return self._pull_seconds.statistics()
+
+    def kv_check_statistics(self) -> KvCheckStats:
+        """What the checks of landed KV against P's checksums found (``verify_kv``)."""
+        return self._landed.statistics()
 
     async def wait_results(self) -> PullResults:
         """Wait until some pull started with :meth:`start_pull` ends, then take the results.
@@ -302,7 +308,9 @@ class Receiver:
                     log.debug("ignored %r from P %s: another life than it asked", msg, peer.address)
                 elif failed is None:
                     timeline.mark(tid, "landed")
-                    self._apply(self._table.answered(tid, ok=True, peer=peer.address, epoch=epoch))
+                    sums = self._landed.sums(msg)  # type: ignore[arg-type]  # a PullDone
+                    self._apply(self._table.answered(tid, ok=True, peer=peer.address, epoch=epoch,
+                                                     sums=sums))  # fmt: skip
                 else:
                     if again:  # P has more workers than we knew, or is another life of it
                         self._lookups.forget(pull.bootstrap_url)
@@ -354,6 +362,12 @@ class Receiver:
                     self._send_cancel(effect)
                 case Completed():
                     self._completed(effect)
+                case Verify():
+                    self._nursery.start_soon(self._verify, effect)
+
+    async def _verify(self, job: Verify) -> None:
+        error = await self._landed.check(job)
+        self._apply(self._table.verified(job.transfer_id, error))
 
     def _completed(self, done: Completed) -> None:
         tid, pull = done.transfer_id, done.pull

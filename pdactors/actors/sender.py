@@ -338,6 +338,7 @@ class Sender:
                 error=error,
                 nbytes=written.nbytes,
                 descriptors=written.descriptors,
+                sums=written.wire_sums(),
             )
         )
 

@@ -37,6 +37,7 @@ class PullState(enum.Enum):
     LOOKING_UP = "looking_up"
     SENT = "sent"
     ABORTING = "aborting"
+    VERIFYING = "verifying"  # every P worker said its part landed; D checks the bytes
 
 
 class PullEvent(enum.Enum):
@@ -51,6 +52,9 @@ class PullEvent(enum.Enum):
     PEER_LOST = "peer_lost"  # a P worker asked is gone (side channel lost)
     SETTLED = "settled"  # no P worker asked may still write into D's blocks
     DEADLINE = "deadline"  # the pull deadline passed
+    LANDED = "landed"  # every part landed, with checksums to verify
+    VERIFIED = "verified"  # what landed matches P's checksums
+    CORRUPT = "corrupt"  # what landed does not match them
 
 
 class PullDo(enum.Enum):
@@ -66,6 +70,8 @@ class PullDo(enum.Enum):
     END_DEADLINE = "end_deadline"  # ends DEADLINE (+ cancel those not answered)
     END_DELIVERED = "end_delivered"  # ends DELIVERED: D's blocks hold P's KV
     END_ABORTING = "end_aborting"  # ends as D's abort, or with its part's first failure
+    VERIFY = "verify"  # recompute the checksums over D's blocks (off the trio thread)
+    END_CORRUPT = "end_corrupt"  # ends CORRUPT: D's blocks do not hold what P sent
 
 
 S, E, Do = PullState, PullEvent, PullDo
@@ -98,6 +104,18 @@ PULL_TRANSITIONS: dict[tuple[PullState | None, PullEvent], tuple[PullState | Non
     (S.ABORTING, E.PEER_LOST): (S.ABORTING, Do.SETTLE),
     (S.ABORTING, E.SETTLED): (None, Do.END_ABORTING),
     (S.ABORTING, E.DEADLINE): (None, Do.END_ABORTING),
+    (S.SENT, E.LANDED): (S.VERIFYING, Do.VERIFY),
+    # No P worker writes any more: an abort or the deadline ends it at once (the check's
+    # result is then ignored); a late or repeated answer changes nothing.
+    (S.VERIFYING, E.ABORT): (None, Do.END_ABORTED),
+    (S.VERIFYING, E.ANSWER): (S.VERIFYING, Do.NOTHING),
+    (S.VERIFYING, E.REFUSED): (S.VERIFYING, Do.NOTHING),
+    (S.VERIFYING, E.FAIL): (S.VERIFYING, Do.NOTHING),
+    (S.VERIFYING, E.DEADLINE): (None, Do.END_DEADLINE),
+    (S.VERIFYING, E.VERIFIED): (None, Do.END_DELIVERED),
+    (S.VERIFYING, E.CORRUPT): (None, Do.END_CORRUPT),
+    (None, E.VERIFIED): (None, Do.NOTHING),  # the pull ended while being checked
+    (None, E.CORRUPT): (None, Do.NOTHING),
 }
 
 

@@ -17,7 +17,9 @@ blocks. When one of several P workers refuses or is lost, the others are told to
 or are gone.
 
 The rules are data: :data:`~pdactors.core.pull_rules.PULL_TRANSITIONS`. In short: LOOKING_UP
-(``start``) → SENT (the pull went out to its P workers) → ended once every P worker answered;
+(``start``) → SENT (the pull went out to its P workers) → ended once every P worker answered
+(→ VERIFYING first when their answers carried checksums: :class:`Verify`, then
+:meth:`PullTable.verified` ends it delivered or ``CORRUPT``);
 a refusal, a lost P worker or D's abort → ABORTING (the others are told to stop) → ended once
 no P worker may still write; the deadline ends any of them.
 
@@ -47,6 +49,7 @@ __all__ = [
     "PullState",
     "PullTable",
     "SendCancel",
+    "Verify",
 ]
 
 
@@ -64,6 +67,8 @@ class PullEnd(enum.Enum):
     ABORTED = "aborted"
     #: The last resort: P stayed alive but never answered within the pull deadline.
     DEADLINE = "deadline"
+    #: What landed in D's blocks does not match P's checksums (a torn or misplaced write).
+    CORRUPT = "corrupt"
 
     @property
     def ok(self) -> bool:
@@ -98,6 +103,8 @@ class Pull:
     #: ABORTING because a part failed (not D's abort): how the pull ends.
     failure: tuple[PullEnd, str] | None = None
     waiter: object = field(default=None)
+    #: ``(P worker, PullDone.sums)`` of each part that landed, when D verifies.
+    sums: list[tuple[str, bytes]] = field(default_factory=list)
 
     def from_other_life(self, peer: str, epoch: int, *, lookup_again: bool = False) -> bool:
         """Whether an answer from ``peer`` at P epoch ``epoch`` comes from another life of
@@ -131,7 +138,17 @@ class SendCancel:
     reason: str
 
 
-PullEffect = Completed | SendCancel
+@dataclass(frozen=True, slots=True)
+class Verify:
+    """Every part of ``transfer_id`` landed: recompute their checksums over D's blocks, then
+    :meth:`PullTable.verified`. ``parts``: ``(P worker, sums)``; ``b""``: it sent none."""
+
+    transfer_id: str
+    parts: tuple[tuple[str, bytes], ...]
+    block_ids: BlockIds
+
+
+PullEffect = Completed | SendCancel | Verify
 
 
 class PullTable:
@@ -238,12 +255,15 @@ class PullTable:
         peer: str | None = None,
         epoch: int = 0,
         lookup_again: bool = False,
+        sums: bytes | None = None,
     ) -> list[PullEffect]:
         """P answered (``PullDone`` → ok, ``PullFailed`` → not ok), from its life ``epoch``
         (0: not said). Late answers, answers from a ``peer`` that was not asked or answered
         already, and answers from another life of it (:meth:`Pull.from_other_life`) are
         ignored. ``peer`` may be left out for a pull sent to one P worker (else
-        :class:`PeerMismatch`)."""
+        :class:`PeerMismatch`). ``sums``: the ``PullDone``'s checksums when D verifies (None:
+        it does not); once every part has landed, a pull with any is checked
+        (:class:`Verify`) before it is delivered."""
         event = PullEvent.ANSWER if ok else PullEvent.REFUSED
         pull = self._pulls.get(transfer_id)
         if self._rule(transfer_id, event)[1] is PullDo.NOTHING or pull is None:
@@ -255,8 +275,18 @@ class PullTable:
         if peer not in pull.waiting or pull.from_other_life(peer, epoch, lookup_again=lookup_again):
             return []
         pull.waiting.discard(peer)
+        if ok and sums is not None:
+            pull.sums.append((peer, sums))
         pull, do = self._fire(transfer_id, event)
         return self._carry_out(pull, do, reason, PullEnd.REFUSED, why="")
+
+    def verified(self, transfer_id: str, error: str | None) -> list[PullEffect]:
+        """The check asked for by :class:`Verify` ended: None, what landed is P's KV (the pull
+        is delivered); else ``error`` says where it differs (the pull ends ``CORRUPT``).
+        Ignored when the pull ended meanwhile."""
+        event = PullEvent.VERIFIED if error is None else PullEvent.CORRUPT
+        pull, do = self._fire(transfer_id, event)
+        return self._carry_out(pull, do, error or "", PullEnd.CORRUPT)
 
     def fail(self, transfer_id: str, reason: str, peer: str | None = None) -> list[PullEffect]:
         """D could not find or reach P for this pull (``peer``: one of the P workers it was
@@ -334,14 +364,20 @@ class PullTable:
                 return [self._end(pull, PullEnd.DEADLINE, reason), *self._cancels(pull, reason)]
             case PullDo.END_ABORTING:
                 return [self._end(pull, *self._abort_end(pull, why))]
-            case PullDo.END_ABORTED | PullDo.END_UNREACHABLE:
+            case PullDo.END_ABORTED | PullDo.END_UNREACHABLE | PullDo.END_CORRUPT:
                 return [self._end(pull, end, reason)]
+            case PullDo.END_DELIVERED:
+                return [self._end(pull, PullEnd.DELIVERED, "")]
         raise IllegalTransition(f"{pull.transfer_id}: {do.value} is not carried out here")
 
     def _settled(self, pull: Pull, why: str = "") -> list[PullEffect]:
         """End ``pull`` if no P worker may still write into its blocks."""
         if pull.waiting:
             return []
+        if pull.state is PullState.SENT and pull.sums:
+            _, do = self._fire(pull.transfer_id, PullEvent.LANDED)
+            assert do is PullDo.VERIFY
+            return [Verify(pull.transfer_id, tuple(pull.sums), pull.block_ids)]
         _, do = self._fire(pull.transfer_id, PullEvent.SETTLED)
         if do is PullDo.END_DELIVERED:
             return [self._end(pull, PullEnd.DELIVERED, "")]

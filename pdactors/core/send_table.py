@@ -295,10 +295,11 @@ class SendTable(SendMoves):
         error: str | None = None,
         nbytes: int = 0,
         descriptors: int = 0,
+        sums: bytes = b"",
     ) -> list[Effect]:
         """The write started by :class:`StartSend` for the D worker behind ``identity`` ended
-        (``error`` None: it landed). ``identity`` may be left out while one write is in
-        flight."""
+        (``error`` None: it landed, with the checksums ``sums``). ``identity`` may be left out
+        while one write is in flight."""
         entry = self._entries.get(transfer_id)
         writes = [c for c in entry.claims if c.writing] if entry is not None else []
         if identity is not None:
@@ -311,7 +312,7 @@ class SendTable(SendMoves):
         entry.claims.remove(claim)
         entry.answered += 1
         if error is None:
-            reply: Msg = PullDone(transfer_id, nbytes, descriptors)
+            reply: Msg = PullDone(transfer_id, nbytes, descriptors, sums=sums)
         else:
             reply = PullFailed(transfer_id, error)
             entry.error = entry.error or error

@@ -11,7 +11,10 @@ every delivered byte, while a seeded schedule injects one fault at a time:
 * ``abort`` — D gives up on a few transfers in flight;
 * ``drop`` / ``delay`` — D's side channel drops 30 % / delays half of its messages for a second;
 * ``fail_write`` — P's next two writes fail;
-* ``bootstrap`` — the bootstrap restarts on its port (P's lease puts its entry back).
+* ``bootstrap`` — the bootstrap restarts on its port (P's lease puts its entry back);
+* ``corrupt`` — the writes of the next three transfers are corrupted in flight, a flipped byte,
+  a short run and a run one byte off (:mod:`pdactors.testing.corruption`): D's KV checksums
+  must catch every one (a corrupted transfer delivered fails the run).
 
 With ``netns`` (root, ``ip`` from iproute2), P lives in a network namespace of its own, joined to
 D's by a veth pair as two hosts would be, and the faults include ``cut_link`` (the veth link
@@ -42,6 +45,7 @@ from pdactors.actors.receiver import Receiver, serve_receiver
 from pdactors.config import BootstrapConfig, DataPlaneConfig, ReceiverConfig
 from pdactors.dataplane import open_mooncake
 from pdactors.errors import PullFailedError
+from pdactors.testing.corruption import CORRUPTIONS
 from pdactors.testing.faults import FaultyTransport, MessageFaults
 from pdactors.testing.kv import BlockPool, KVBuffer
 from pdactors.testing.prefill_process import PrefillProcess
@@ -49,7 +53,7 @@ from pdactors.transport import ZMQ
 
 __all__ = ["FAULTS", "ChaosReport", "run_chaos"]
 
-FAULTS = ("kill_p", "stop_p", "abort", "drop", "delay", "fail_write", "bootstrap")
+FAULTS = ("kill_p", "stop_p", "abort", "drop", "delay", "fail_write", "bootstrap", "corrupt")
 NETNS_FAULTS = ("cut_link", "loss")
 ENGINE = "chaos-p"
 LAYERS, BLOCKS, BLOCK_BYTES = 4, 256, 4096
@@ -78,6 +82,12 @@ class ChaosReport:
     hung: int = 0
     corrupt: int = 0
     leaked_blocks: int = 0
+    #: transfers whose write was corrupted in flight: caught by D's checksums, ended another way
+    #: first (P killed or stopped, aborted, the write failed), delivered (must stay 0)
+    corrupted: int = 0
+    caught: int = 0
+    corrupt_ended_otherwise: int = 0
+    corrupt_delivered: int = 0
     #: fault kind -> [times it struck, transfers hit, end latencies of those (s)]
     faults: dict[str, list[float]] = field(default_factory=dict)
     hits: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
@@ -85,7 +95,8 @@ class ChaosReport:
 
     @property
     def passed(self) -> bool:
-        return self.hung == 0 and self.leaked_blocks == 0 and self.corrupt == 0
+        clean = self.hung == 0 and self.leaked_blocks == 0 and self.corrupt == 0
+        return clean and self.corrupt_delivered == 0
 
     def table(self) -> str:
         lines = ["| fault | times | transfers hit | end after fault p50 ms | max ms |",
@@ -105,6 +116,13 @@ class ChaosReport:
             f"chaos: {self.transfers} transfers, {self.ok} ok, {self.failed} failed, "
             f"{self.hung} hung, {self.leaked_blocks} leaked blocks"
             + (f", {self.corrupt} CORRUPT" if self.corrupt else "")
+        )
+
+    def corruption_line(self) -> str:
+        return (
+            f"corruptions in flight: {self.corrupted} injected, {self.caught} caught by the KV "
+            f"checksums, {self.corrupt_ended_otherwise} ended before their check (P killed or "
+            f"stopped, aborted, write failed), {self.corrupt_delivered} delivered"
         )
 
 
@@ -152,20 +170,28 @@ async def _two_hosts(enabled: bool) -> AsyncIterator[_Hosts]:
 
 
 async def run_chaos(
-    *, seconds: float, seed: int, concurrency: int, progress: bool = False, netns: bool = False
+    *,
+    seconds: float,
+    seed: int,
+    concurrency: int,
+    progress: bool = False,
+    netns: bool = False,
+    only: tuple[str, ...] = (),
 ) -> ChaosReport:
     """Run the chaos for ``seconds`` (then let every transfer end and everything settle).
 
     ``netns`` puts P in a network namespace of its own (needs root and iproute2); raises
-    ``subprocess.CalledProcessError`` when the namespace cannot be made.
+    ``subprocess.CalledProcessError`` when the namespace cannot be made. ``only``: inject
+    only these fault kinds (default all).
     """
     async with _two_hosts(netns) as hosts:
-        return await _run(seconds, seed, concurrency, progress, hosts)
+        return await _run(seconds, seed, concurrency, progress, hosts, only)
 
 
 async def _run(
-    seconds: float, seed: int, concurrency: int, progress: bool, hosts: _Hosts
-) -> ChaosReport:
+    seconds: float, seed: int, concurrency: int, progress: bool, hosts: _Hosts,
+    only: tuple[str, ...] = (),
+) -> ChaosReport:  # fmt: skip
     rng = random.Random(seed)  # the transfers (their order depends on timing)
     schedule = random.Random(seed + 1_000_003)  # the faults: the same kinds in the same order
     report = ChaosReport()
@@ -173,7 +199,9 @@ async def _run(
     transport = FaultyTransport(ZMQ, faults, seed)
     hang_after = PULL_TIMEOUT + 10
     live: dict[str, _Transfer] = {}
+    corrupt_next: list[str] = []  # kinds for the next transfers' writes
     kinds = FAULTS + (("cut_link",) + (("loss",) if hosts.netem else ()) if hosts.netns else ())
+    kinds = tuple(k for k in kinds if k in only) if only else kinds
     async with (
         open_mooncake(DataPlaneConfig(hostname=hosts.d_ip)) as plane,
         trio.open_nursery() as nursery,
@@ -209,14 +237,16 @@ async def _run(
             t = live[tid] = _Transfer(tid, trio.current_time())
             report.transfers += 1
             ready_first = rng.random() < 0.5
+            corruption = corrupt_next.pop() if corrupt_next else ""
+            ready = f"ready {tid} {n} {corruption}".rstrip()
             if ready_first:
-                await p.command(f"ready {tid} {n}")
+                await p.command(ready)
             dst = pool.allocate(n)
             try:
                 with t.scope, trio.move_on_after(hang_after) as timer:
                     async with trio.open_nursery() as inner:
                         if not ready_first:
-                            inner.start_soon(_ready_later, p, tid, n, rng.random() * 0.05)
+                            inner.start_soon(_ready_later, p, ready, rng.random() * 0.05)
                         try:
                             await receiver.pull(
                                 tid, bootstrap_url=url, engine_id=ENGINE, block_ids=dst
@@ -240,6 +270,14 @@ async def _run(
                 pool.free(dst)
                 del live[tid]
                 t.done.set()
+            if corruption:
+                report.corrupted += 1
+                if t.ok:
+                    report.corrupt_delivered += 1
+                elif "KV checksum mismatch" in t.reason:
+                    report.caught += 1
+                else:
+                    report.corrupt_ended_otherwise += 1
             if t.ok:
                 report.ok += 1
             else:
@@ -272,6 +310,8 @@ async def _run(
                 setattr(faults, kind, 0.0)
             elif kind == "fail_write":
                 await p.command("failwrite 2")
+            elif kind == "corrupt":
+                corrupt_next.extend(CORRUPTIONS)
             elif kind == "bootstrap":
                 boot[0].cancel()
                 await trio.sleep(0.2)
@@ -312,9 +352,9 @@ async def _run(
     return report
 
 
-async def _ready_later(p: PrefillProcess, tid: str, n: int, delay: float) -> None:
+async def _ready_later(p: PrefillProcess, ready: str, delay: float) -> None:
     await trio.sleep(delay)
-    await p.command(f"ready {tid} {n}")
+    await p.command(ready)
 
 
 async def _record_ends(report: ChaosReport, kind: str, at: float, hit: list[_Transfer]) -> None:
@@ -340,7 +380,7 @@ async def _ip(*args: str) -> None:
 
 def _kind(reason: str) -> str:
     for needle in ("P gone", "cannot reach", "injected", "cancelled", "aborted", "deadline",
-                   "hung", "not ready", "expired"):  # fmt: skip
+                   "hung", "not ready", "expired", "KV checksum mismatch"):  # fmt: skip
         if needle in reason:
             return needle
     return reason[:60] or "unknown"

@@ -12,8 +12,10 @@ import numpy as np
 import trio
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pdactors.config import DataPlaneConfig
+from pdactors.config import DataPlaneConfig, ReceiverConfig, SenderConfig
+from pdactors.dataplane.base import DataPlane
 from pdactors.testing.cluster import TransferOutcome, open_cluster, run_transfer
+from pdactors.testing.corruption import CORRUPTIONS, CorruptingDataPlane
 from pdactors.transport import ZMQ, ZmqTransport
 from pdactors.transport.curve import curve_from_secret
 
@@ -34,6 +36,14 @@ class HarnessReport:
     blocks_leaked: int
     #: Descriptors P's workers wrote per request, all together (after coalescing).
     descriptors_per_request: float = 0.0
+    #: Corruptions injected in flight, and transfers that failed naming a checksum mismatch.
+    corrupted: int = 0
+    caught: int = 0
+
+    @property
+    def slipped(self) -> int:
+        """Transfers delivered with wrong bytes (what a check must never let through)."""
+        return self.ok - self.verified
 
     @property
     def gbps(self) -> float:
@@ -45,7 +55,11 @@ class HarnessReport:
 
     @property
     def passed(self) -> bool:
-        return self.verified == self.requests and self.blocks_leaked == 0
+        clean = self.blocks_leaked == 0 and self.slipped == 0
+        if self.corrupted:  # each corruption caught, every other transfer verified
+            caught = self.caught == self.corrupted
+            return clean and caught and self.verified + self.caught == self.requests
+        return clean and self.verified == self.requests
 
     def summary(self) -> str:
         mib = self.bytes_per_request / 2**20
@@ -57,6 +71,9 @@ class HarnessReport:
                 *(1e3 * self.percentile(q) for q in (50, 90, 99, 100))
             ),
         ]
+        if self.corrupted:
+            lines.append(f"corruption {self.corrupted} injected in flight, {self.caught} caught "
+                         f"by the KV checksums, {self.slipped} delivered wrong")  # fmt: skip
         lines += [f"failed     {tid}: {reason}" for tid, reason in list(self.failed.items())[:5]]
         return "\n".join(lines)
 
@@ -89,6 +106,8 @@ async def run_harness(
     d_tp: int = 1,
     kv_heads: int = 0,
     secure: bool = False,
+    checksums: bool = True,
+    corrupt_every: int = 0,
     on_report: Callable[[HarnessReport], None] | None = None,
 ) -> HarnessReport:
     """Run ``requests`` transfers of ``blocks`` × ``layers`` × ``block_bytes`` bytes, at most
@@ -98,9 +117,18 @@ async def run_harness(
     split ``block_bytes`` as vLLM splits heads over TP ranks. ``secure``: the side channel runs
     ZMQ CURVE with keys derived from a fresh secret. ``on_report`` is called with the report
     as soon as it is known, before the engines are torn down (Mooncake takes ~1 s to destroy
-    each). Checkpoint.
+    each). ``checksums``: P sends KV checksums and D verifies them (``checksum_kv`` /
+    ``verify_kv``). ``corrupt_every``: every that many requests, one write is corrupted in
+    flight (a flipped byte, a short run, a run one byte off, in turn:
+    :mod:`pdactors.testing.corruption`); the run passes when each is caught. Checkpoint.
     """
     latencies: list[float] = []
+    planes: list[CorruptingDataPlane] = []
+
+    def corrupting(inner: DataPlane) -> DataPlane:
+        planes.append(CorruptingDataPlane(inner, seed=len(planes)))
+        return planes[-1]
+
     outcomes: list[TransferOutcome] = []
     pool_blocks = blocks * concurrency
     async with open_cluster(
@@ -111,6 +139,9 @@ async def run_harness(
         p_tp=p_tp,
         d_tp=d_tp,
         kv_heads=kv_heads,
+        sender=SenderConfig(engine_id="prefill", checksum_kv=checksums),
+        receiver=ReceiverConfig(verify_kv="on" if checksums else "off"),
+        wrap_prefill=corrupting if corrupt_every else None,
         transport=ZmqTransport(*curve_from_secret(secrets.token_urlsafe(32))) if secure else ZMQ,
     ) as cluster:
         # One warm-up transfer opens the connections; it is not counted.
@@ -121,6 +152,8 @@ async def run_harness(
 
             async def worker() -> None:
                 for i in next_id:
+                    if corrupt_every and i % corrupt_every == corrupt_every - 1:
+                        planes[i % len(planes)].arm(CORRUPTIONS[i // corrupt_every % 3])
                     outcome = await run_transfer(cluster, f"req-{i}", blocks)
                     outcomes.append(outcome)
                     latencies.append(outcome.seconds)
@@ -148,6 +181,8 @@ async def run_harness(
             latencies=tuple(latencies),
             blocks_leaked=leaked,
             descriptors_per_request=descriptors / (requests + 1),  # with the warm-up
+            corrupted=sum(len(p.injected) for p in planes),
+            caught=sum("KV checksum mismatch" in o.reason for o in outcomes),
         )
         if on_report is not None:
             on_report(report)

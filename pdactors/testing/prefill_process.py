@@ -7,7 +7,9 @@ its rank's lease still); prints one JSON line ``{"address": ..., "session": ...,
 once it serves; then reads
 commands from stdin, one per line:
 
-* ``ready TID N``: P's prefill of ``TID`` is done: N blocks are filled and handed to the sender;
+* ``ready TID N [KIND]``: P's prefill of ``TID`` is done: N blocks are filled and handed to the
+  sender; with ``KIND`` (``flip``, ``truncate``, ``shift``) its write is corrupted in flight
+  (:mod:`pdactors.testing.corruption`);
 * ``drop TID``: P's prefill of ``TID`` ended without its KV;
 * ``failwrite N``: the next N writes fail (an injected engine error);
 * ``stats``: print ``{"in_use": blocks held}`` as one JSON line.
@@ -34,6 +36,7 @@ from pdactors.config import DataPlaneConfig, SenderConfig
 from pdactors.dataplane import open_mooncake
 from pdactors.errors import PdError
 from pdactors.testing.cluster import PrefillNode
+from pdactors.testing.corruption import CorruptingDataPlane
 from pdactors.testing.faults import FaultyDataPlane
 from pdactors.testing.kv import BlockPool, KVBuffer
 
@@ -52,7 +55,7 @@ async def _serve(args: argparse.Namespace) -> None:
     ):
         kv = KVBuffer(args.layers, args.blocks, args.block_bytes)
         plane.register(kv.regions)
-        faulty = FaultyDataPlane(plane)
+        faulty = FaultyDataPlane(CorruptingDataPlane(plane, seed=os.getpid()))
         serve = partial(serve_sender, replaces=args.replaces)
         sender = await nursery.start(serve, config, faulty, kv.layout)
         node = PrefillNode(args.engine_id, sender, kv, BlockPool(args.blocks), plane)
@@ -71,9 +74,14 @@ async def _serve(args: argparse.Namespace) -> None:
 def _command(line: str, node: PrefillNode, faulty: FaultyDataPlane) -> None:
     sender, kv = node.sender, node.kv
     match line.split():
-        case ["ready", tid, n]:
+        case ["ready", tid, n, *kind] if len(kind) <= 1:
             blocks = node.pool.allocate(int(n))
             kv.fill(tid, blocks)
+            corrupting = faulty.inner
+            assert isinstance(corrupting, CorruptingDataPlane)
+            # The write's first source byte: region 0's first block (D pulls all N here).
+            first = kv.data.ctypes.data + blocks[0] * kv.data.shape[2]
+            corrupting.arm_source(first, kind[0] if kind else None)
             try:
                 sender.transfer_ready(tid, blocks)
             except PdError:

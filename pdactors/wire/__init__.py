@@ -38,6 +38,8 @@ from pdactors.wire.limits import MAX_NAME as MAX_NAME
 from pdactors.wire.limits import MAX_PP_SIZE as MAX_PP_SIZE
 from pdactors.wire.limits import MAX_REASON as MAX_REASON
 from pdactors.wire.limits import MAX_REGIONS as MAX_REGIONS
+from pdactors.wire.limits import MAX_SUM_BYTES as MAX_SUM_BYTES
+from pdactors.wire.limits import MAX_SUM_RUNS as MAX_SUM_RUNS
 from pdactors.wire.limits import MAX_TP_SIZE as MAX_TP_SIZE
 from pdactors.wire.side_channel import HEADER as HEADER
 from pdactors.wire.side_channel import PROTOCOL_VERSION as PROTOCOL_VERSION

@@ -21,6 +21,8 @@ __all__ = [
     "MAX_PP_SIZE",
     "MAX_REASON",
     "MAX_REGIONS",
+    "MAX_SUM_BYTES",
+    "MAX_SUM_RUNS",
     "MAX_TP_SIZE",
     "U64",
     "BlockId",
@@ -42,19 +44,26 @@ MAX_REASON: Final = 2048  #: characters in a reason (longer ones are cut when se
 MAX_BLOCK_IDS: Final = 1 << 20  #: block ids in one pull, all groups together
 MAX_COMPAT_FIELD: Final = 256  #: characters in a field of a compatibility description
 MAX_BLOCK_SIZE: Final = 1 << 20  #: tokens per KV block, as a compatibility description says
+#: checksummed runs in one ``PullDone`` (24 bytes each: 3 MiB at most); a transfer of more runs
+#: goes without checksums (docs/architecture.md, "KV checksums")
+MAX_SUM_RUNS: Final = 1 << 17
 #: Every limit by name, for docs and tests.
 LIMITS: Final = {
     "MAX_TP_SIZE": MAX_TP_SIZE, "MAX_PP_SIZE": MAX_PP_SIZE, "MAX_KV_HEADS": MAX_KV_HEADS,
     "MAX_GROUPS": MAX_GROUPS, "MAX_REGIONS": MAX_REGIONS, "MAX_NAME": MAX_NAME,
     "MAX_ID": MAX_ID, "MAX_REASON": MAX_REASON, "MAX_BLOCK_IDS": MAX_BLOCK_IDS,
     "MAX_COMPAT_FIELD": MAX_COMPAT_FIELD, "MAX_BLOCK_SIZE": MAX_BLOCK_SIZE,
+    "MAX_SUM_RUNS": MAX_SUM_RUNS,
 }  # fmt: skip
 #: The longest frame a peer may send (ZMQ's ``MAXMSGSIZE``: a longer one drops its connection),
 #: derived from the limits: a pull with every limit reached, 9 bytes per integer, 4 per character
-#: (about 19 MB), its compatibility description included (7 named fields).
+#: (about 19 MB), its compatibility description included (7 named fields); a ``PullDone`` with
+#: every checksum is about 3 MB.
 MAX_FRAME_BYTES: Final = (1024 + 3 * (4 * MAX_ID + 5) + MAX_GROUPS * 5 + MAX_BLOCK_IDS * 9
                            + MAX_REGIONS * (1 + 4 * 9 + 9 + 4 * MAX_NAME + 5)
                            + 7 * (16 + 4 * MAX_COMPAT_FIELD + 5))  # fmt: skip
+#: The longest ``PullDone.sums``: a header and ``MAX_SUM_RUNS`` triples.
+MAX_SUM_BYTES: Final = 8 + 24 * MAX_SUM_RUNS
 
 Id = Annotated[str, Meta(max_length=MAX_ID)]
 Reason = Annotated[str, Meta(max_length=MAX_REASON)]

@@ -21,6 +21,7 @@ from pdactors.wire.limits import (
     MAX_KV_HEADS,
     MAX_PP_SIZE,
     MAX_REASON,
+    MAX_SUM_BYTES,
     MAX_TP_SIZE,
     U64,
     Epoch,
@@ -97,12 +98,17 @@ class CancelPull(_Msg, frozen=True, tag="cancel"):
 
 class PullDone(_Msg, frozen=True, tag="done"):
     """P → D: every block of ``transfer_id`` has landed in D's memory. ``epoch``: the
-    answering P worker's (0: not said); D takes it only from the P life it asked."""
+    answering P worker's (0: not said); D takes it only from the P life it asked.
+
+    ``sums``: a checksum of every run P wrote, ``(dst, length, xxh3-64)``
+    (:mod:`pdactors.dataplane.checksum`), which D recomputes over what landed before it
+    reports the KV as received; ``b""``: P sent none."""
 
     transfer_id: Id
     nbytes: U64 = 0
     descriptors: U64 = 0
     epoch: Epoch = 0
+    sums: Annotated[bytes, Meta(max_length=MAX_SUM_BYTES)] = b""
 
 
 class PullFailed(_Msg, frozen=True, tag="failed"):

@@ -3,6 +3,7 @@ settings in one place (before any thread starts)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from pdactors import (
@@ -17,6 +18,8 @@ from pdactors import (
 from pdactors_vllm.settings import ConnectorSettings
 
 __all__ = ["ActorConfigs", "WorkerPlace", "actor_configs"]
+
+log = logging.getLogger("pdactors.vllm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +46,17 @@ class ActorConfigs:
     receiver: ReceiverConfig | None
 
 
-def actor_configs(s: ConnectorSettings, place: WorkerPlace) -> ActorConfigs:
-    """The configs of ``place``'s actors from settings ``s``. Reads the bootstrap token file:
-    raises :class:`OSError` or :class:`ValueError` (empty file)."""
+def actor_configs(
+    s: ConnectorSettings, place: WorkerPlace, *, host_kv: bool = True
+) -> ActorConfigs:
+    """The configs of ``place``'s actors from settings ``s``; ``host_kv``: its KV cache is in
+    host memory (KV checksums are read from host memory only: off for a GPU's). Reads the
+    bootstrap token file: raises :class:`OSError` or :class:`ValueError` (empty file)."""
     token = s.bootstrap_token()
+    verify = s.verify_kv if host_kv else "off"
+    if verify != s.verify_kv:
+        log.info("KV checksums are off for %s: its KV cache is in device memory (the "
+                 "checksums read host memory only)", place.engine_id)  # fmt: skip
     # A handshake a starved peer cannot answer is a heartbeat it cannot answer: one bound.
     hung = s.heartbeat_timeout
     liveness = Liveness(heartbeat_timeout=hung, connect_timeout=hung)
@@ -77,6 +87,7 @@ def actor_configs(s: ConnectorSettings, place: WorkerPlace) -> ActorConfigs:
             bootstrap_ca_file=s.bootstrap_ca_file,
             compat=place.compat,
             compat_relax=s.compat_relax,
+            checksum_kv=verify != "off",
         )
     if place.is_consumer:
         receiver = ReceiverConfig(
@@ -91,5 +102,6 @@ def actor_configs(s: ConnectorSettings, place: WorkerPlace) -> ActorConfigs:
             trusted_bootstraps=(*s.trusted_bootstraps, s.bootstrap_url),
             compat=place.compat,
             compat_relax=s.compat_relax,
+            verify_kv=verify,
         )
     return ActorConfigs(plane, bootstrap, sender, receiver)

@@ -22,6 +22,7 @@ from pdactors.config import (
     Protocol,
     ReceiverConfig,
     SenderConfig,
+    VerifyKv,
     default_of,
     read_token_file,
 )
@@ -123,6 +124,11 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       ``"fail"``: the request ends with an error at once (fail-fast; vLLM's own policy, whose
       default is ``fail``, then applies). ``"fail"`` with ``kv_load_failure_policy:
       "recompute"`` contradicts itself and is refused at start-up.
+    * ``verify_kv``: KV checksums (:mod:`pdactors.dataplane.checksum`): ``"on"`` (default): P
+      hashes every run it writes and D verifies what landed before it reports the KV
+      received (a mismatch fails the load: ``kv_load_failure_policy`` applies); a P that
+      sends no checksums is trusted, logged once. ``"require"``: D fails such a P's loads.
+      ``"off"``: neither. Host memory only: a worker whose KV is on a GPU turns it off.
     * ``timeline``: log each transfer's timeline at DEBUG on ``pdactors.timeline``, and append
       it as JSON lines to the file named by ``$PDACTORS_TIMELINE`` when that is set (bench);
       default false.
@@ -157,6 +163,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     model_fingerprint: Annotated[str, Meta(max_length=MAX_COMPAT_FIELD)] = ""
     compat_relax: tuple[str, ...] = ()
     on_pull_failure: PullFailurePolicy = "recompute"
+    verify_kv: VerifyKv = default_of(ReceiverConfig, "verify_kv")
     timeline: bool = False
 
     def bootstrap_token(self) -> str | None:

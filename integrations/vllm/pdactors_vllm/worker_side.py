@@ -89,10 +89,10 @@ class WorkerSide:
         layout, memory, self._layer_regions = layout_from_kv_caches(kv_caches, num_blocks,
                                                                     group_of)  # fmt: skip
         self.place = replace(self.place, compat=with_kv_dtype(self.place.compat, kv_caches))
-        configs = actor_configs(self.settings, self.place)
+        self._cuda = any(cache.is_cuda for cache in kv_caches.values())
+        configs = actor_configs(self.settings, self.place, host_kv=not self._cuda)
         self._actors = WorkerActors(self.settings, self.place, configs, layout, memory,
                                     self._mailbox)  # fmt: skip
-        self._cuda = any(cache.is_cuda for cache in kv_caches.values())
         name = f"PdActorsConnector worker {self.place.engine_id}"
         self._supervisor = Supervisor(name, self._start_host, on_up=self._up)
         self._supervisor.start()
