@@ -86,9 +86,9 @@ def test_runs_outside_the_pull_and_malformed_sums_are_refused_before_any_read() 
 
 
 def test_pull_done_carries_the_sums_within_the_wire_limit() -> None:
-    done = PullDone("t", 10, 1, SUMS_HEADER + bytes(24))
+    done = PullDone("t", 10, 1, sums=SUMS_HEADER + bytes(24))
     assert decode_frames(encode_frames(done)) == done
-    assert decode_frames(encode_frames(PullDone("t"))) == PullDone("t", 0, 0, b"")
+    assert decode_frames(encode_frames(PullDone("t"))) == PullDone("t", 0, 0, sums=b"")
     with pytest.raises(Exception, match="undecodable"):
         decode_frames(encode_frames(PullDone("t", sums=bytes(8 + 24 * MAX_SUM_RUNS + 24))))
 

@@ -155,8 +155,9 @@ async def test_a_pull_planned_for_another_shape_is_refused_and_p_serves_on() -> 
 
 async def test_a_partial_registration_is_refused_then_looked_up_again() -> None:
     """D reads P's TP size from the bootstrap; while only P's rank 0 is registered (under an
-    engine id of its own here), D plans for a TP 1 P and P refuses with lookup_again, so D
-    asks the bootstrap again next time and then pulls from both ranks."""
+    engine id of its own, on DP rank 1: rank 0 is held by P's own live lease), D plans for a
+    TP 1 P and P refuses with lookup_again, so D asks the bootstrap again next time and then
+    pulls from both ranks."""
     with trio.fail_after(30):
         async with (
             open_cluster(p_tp=2, d_tp=1, kv_heads=4, **SHAPE) as cluster,
@@ -166,7 +167,7 @@ async def test_a_partial_registration_is_refused_then_looked_up_again() -> None:
             d = cluster.decode[0]
             url = cluster.bootstrap_url
             await client.register(
-                url, RegisterWorker("late", 0, 0, 0, p0.sender.address), timeout=5
+                url, RegisterWorker("late", 1, 0, 0, p0.sender.address), timeout=5
             )
             src = p0.owned["x1"] = p0.pool.allocate(2)
             for worker in (p0, p1):
@@ -176,7 +177,7 @@ async def test_a_partial_registration_is_refused_then_looked_up_again() -> None:
             with pytest.raises(PullFailedError, match="planned for a P with tp_size 1"):
                 await d.receiver.pull("x1", bootstrap_url=url, engine_id="late", block_ids=dst)
             await client.register(
-                url, RegisterWorker("late", 0, 1, 0, p1.sender.address), timeout=5
+                url, RegisterWorker("late", 1, 1, 0, p1.sender.address), timeout=5
             )
             for worker in (p0, p1):  # P's request for x1 goes away: both free its blocks
                 worker.sender.transfer_dropped("x1")
