@@ -305,8 +305,8 @@ def _exchange(deadline: float = 100.0) -> Any:
 
 
 def test_the_proxy_retries_only_ds_own_failure_of_a_kv_leg_once_with_nothing_relayed() -> None:
-    from pdactors.proxy._legs import retry_reason
     from pdactors.proxy._openai import Failure
+    from pdactors.proxy._retry import retry_reason
 
     local = b"{}"
     kv = Failure.of(502, "D failed before its first token", "upstream_error", "decode_error",

@@ -4,10 +4,12 @@ The proxy never touches KV: it speaks OpenAI's HTTP API to clients and to the en
 ``kv_transfer_params``; the KV moves between the engines' actors. Reading order, along a
 request's path: ``_serve`` (the actor: listeners, health loop, metrics), ``_app`` (routes),
 ``_asgi`` (the raw-ASGI completions door), ``_openai`` (the body rules), ``_completions`` (admit,
-route, place), ``_legs`` and ``_exchange`` (the calls to P and D and the effects of the
-exchange's record, :mod:`pdactors.core.exchange`), ``_p_first`` (P's token first, the fall-back
-to D), ``_bodies`` (what each engine is sent), ``_engine_http`` (h11 to the engines), ``_state``
-and ``_health`` (the engines' pools, counters and health).
+route, place), ``_legs`` (the calls to P and D), ``_exchange`` and ``_effects`` (an exchange
+as the IO code holds it, and the effects of its record, :mod:`pdactors.core.exchange`),
+``_engine_failures`` and ``_retry`` (what a failed leg tells the client, and whether D's is
+asked again), ``_p_first`` (P's token first, the fall-back to D), ``_bodies`` (what each engine
+is sent), ``_engine_http`` (h11 to the engines), ``_state`` and ``_health`` (the engines'
+pools, counters and health).
 """
 
 from pdactors.proxy._serve import serve_proxy as serve_proxy

@@ -98,7 +98,7 @@ async def _models(proxy: Proxy, incoming: bytes | None) -> Response:
             auth = dict(proxy.engine_auth([(b"authorization", incoming)] if incoming else []))
             resp = await proxy.probe_http.get(f"{d.url}/v1/models", headers=auth)
         except httpx.HTTPError as exc:
-            return proxy.legs.transport_failure(d, exc).response()
+            return proxy.legs.failures.transport_failure(d, exc).response()
         content_type = resp.headers.get("content-type", "application/json")
         return Response(resp.content, status=resp.status_code, content_type=content_type)
     message = f"decode engine {d.url} sent no model list within {timeout:g} s"

@@ -1,7 +1,8 @@
 """One client request's exchange as the proxy's IO code holds it: its engines, its transfer id,
 its deadline and headers, the cancel scopes of its legs, and its sans-IO record
 (:class:`~pdactors.core.exchange.ExchangeState`: the phase, the first failure, the counts it
-holds). The effects of the record are carried out by :class:`pdactors.proxy._legs.Legs`.
+holds). The effects of the record are carried out by
+:class:`pdactors.proxy._effects.ExchangeEffects`.
 """
 
 from __future__ import annotations

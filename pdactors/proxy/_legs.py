@@ -1,62 +1,48 @@
-"""The proxy's calls to its engines for one exchange — P's leg, D's answer whole or streamed —
-and the one place where the exchange record's effects are carried out.
+"""The proxy's calls to its engines for one exchange — P's leg, D's answer whole or streamed.
 
-Every count an exchange holds is raised by :meth:`Legs.admitted` and given back by the
-record's end, which the same context manager reaches on every path out (a failure, a bug, a
-cancellation): the raise and the ``finally`` that releases it have no checkpoint between them.
-A leg's failure becomes a :class:`~pdactors.proxy._openai.Failure` (a 4xx passes through,
-anything else is a 502 naming the engine, no answer in time a 504) and is fed to the record,
-whose first failure cancels both legs. A stream already begun ends with an error event.
+Each call's events go to the exchange's record, whose effects :class:`~pdactors.proxy._effects.
+ExchangeEffects` carries out (:class:`Legs` is one). A leg's failure becomes a
+:class:`~pdactors.proxy._openai.Failure` worded by :mod:`~pdactors.proxy._engine_failures` (a
+4xx passes through, anything else is a 502 naming the engine, no answer in time a 504) and is
+fed to the record, whose first failure cancels both legs; D's leg that failed before any of its
+answer was relayed may be asked once more (:mod:`~pdactors.proxy._retry`). A stream already
+begun ends with an error event.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import aclosing, contextmanager
+from collections.abc import Callable
+from contextlib import aclosing
 from typing import Final
 
-import httpx
-import msgspec
 import trio
 
 from pdactors.config import ProxyConfig
-from pdactors.core.exchange import (
-    Admit,
-    CancelLegs,
-    Effect,
-    Ended,
-    FirstChunk,
-    Hold,
-    Leg,
-    Release,
-    SecondChunk,
-    Step,
-    Unhold,
-)
 from pdactors.core.placement import Placer
-from pdactors.errors import describe
 from pdactors.proxy._asgi import Reply
-from pdactors.proxy._engine_http import ConnectFailed, EngineClient, EngineError, EngineResponse
+from pdactors.proxy._effects import ExchangeEffects
+from pdactors.proxy._engine_failures import ERROR_EVENT, EngineFailures
+from pdactors.proxy._engine_http import EngineClient, EngineError, EngineResponse
 from pdactors.proxy._exchange import Exchange
 from pdactors.proxy._health import HealthWatch
 from pdactors.proxy._openai import Failure
-from pdactors.proxy._state import Backend, Metrics
+from pdactors.proxy._retry import retry_reason
+from pdactors.proxy._state import Metrics
 
-__all__ = ["Legs", "retry_reason"]
+__all__ = ["Legs"]
 
 log = logging.getLogger("pdactors.proxy")
 
 #: How long a relay waits to hand a final error event to a slow client.
 _LAST_EVENT_TIMEOUT: Final = 1.0
-#: An SSE event in which an engine reports a failure of a stream it already answered 200 to.
-_ERROR_EVENT: Final = b'data: {"error"'
 #: A chat stream's first event (vLLM's): the role, no token yet.
 _ROLE_ONLY: Final = b'"delta":{"role":"assistant","content":""}'
 
 
-class Legs:
-    """The engine calls of every exchange, and their bookkeeping (counts, metrics, placer)."""
+class Legs(ExchangeEffects):
+    """The engine calls of every exchange (and, as :class:`ExchangeEffects`, their bookkeeping:
+    counts, metrics, placer)."""
 
     def __init__(
         self,
@@ -66,78 +52,10 @@ class Legs:
         placer: Placer,
         watch: HealthWatch,
     ) -> None:
+        super().__init__(metrics, placer)
         self.config = config
         self.engines = engines
-        self.metrics = metrics
-        self.placer = placer
-        self.watch = watch
-
-    # ------------------------------------------------------------------ the record's effects
-
-    def apply(self, ex: Exchange, effects: Sequence[Effect]) -> None:
-        """Carry out ``effects`` of ``ex``'s record, in order. Not a checkpoint."""
-        for effect in effects:
-            match effect:
-                case Admit(p=with_p):
-                    if with_p:
-                        ex.p.outstanding += 1
-                    ex.d.outstanding += 1
-                    self.metrics.in_flight.inc()
-                case Hold(engine=leg, tokens=tokens):
-                    self._queue(ex, ex.backend(leg), tokens, 1)
-                case Unhold(engine=leg, tokens=tokens, tokens_ahead=ahead, seconds=seconds):
-                    engine = ex.backend(leg)
-                    self._queue(ex, engine, -tokens, -1)
-                    if seconds is not None:
-                        self.placer.first_token(engine.url, ahead, seconds)
-                case Release(engine=leg):
-                    ex.backend(leg).outstanding -= 1
-                case CancelLegs():
-                    ex.cancel_legs()
-                case Ended(outcome=outcome, latency=latency):
-                    self.metrics.in_flight.dec()
-                    self.metrics.requests.labels(ex.endpoint.name, outcome).inc()
-                    if latency is not None:
-                        self.metrics.latency.labels(ex.p.url, ex.d.url).observe(latency)
-                case FirstChunk(ttft=ttft):
-                    self.metrics.ttft.labels(ex.p.url, ex.d.url).observe(ttft)
-                    if log.isEnabledFor(logging.DEBUG):
-                        _log_timeline(ex, ttft)
-                case SecondChunk(since_arrival=since, caught_up=caught_up, tokens=tokens):
-                    self.metrics.second_chunk.labels(ex.p.url, ex.d.url).observe(since)
-                    if caught_up is not None:
-                        self.placer.caught_up(ex.d.url, tokens, caught_up)
-                case Step(seconds=seconds, gaps=gaps):
-                    self.placer.steps(ex.d.url, seconds, gaps)
-
-    @staticmethod
-    def _queue(ex: Exchange, engine: Backend, tokens: int, requests: int) -> None:
-        engine.waiting_tokens += tokens
-        engine.prefills += requests
-        if engine is not ex.d:  # D waits for this prompt's KV
-            ex.d.incoming += requests
-
-    @contextmanager
-    def admitted(self, ex: Exchange, *, with_p: bool) -> Iterator[None]:
-        """Raise ``ex``'s counts for the block's life; they are given back however it is left
-        (an exchange not ended by then ends ``cancelled``)."""
-        self.apply(ex, ex.state.admit(with_p=with_p))
-        try:
-            yield
-        finally:
-            self.end(ex, "cancelled")  # (nothing when it ended already)
-
-    def prefill_sent(self, ex: Exchange, leg: Leg) -> None:
-        """``ex``'s prompt goes to ``leg``'s engine now: it waits in its prefill queue."""
-        engine = ex.backend(leg)
-        ahead = engine.waiting_tokens + ex.state.prompt_tokens
-        self.apply(ex, ex.state.prefill_sent(leg, trio.current_time(), ahead))
-
-    def fail(self, ex: Exchange, failure: Failure) -> None:
-        self.apply(ex, ex.state.fail(failure))
-
-    def end(self, ex: Exchange, outcome: str) -> None:
-        self.apply(ex, ex.state.end(outcome, trio.current_time()))
+        self.failures = EngineFailures(config, metrics, watch)
 
     # ------------------------------------------------------------------ P's leg
 
@@ -161,18 +79,18 @@ class Legs:
                 )
                 answer = await resp.read()
             except EngineError as exc:
-                failure = self.transport_failure(ex.p, exc)
+                failure = self.failures.transport_failure(ex.p, exc)
             else:
                 ex.p_answered = trio.current_time()
                 answered = resp.status == 200
                 if resp.status != 200:
-                    failure = self.status_failure(ex.p, resp.status, answer)
+                    failure = self.failures.status_failure(ex.p, resp.status, answer)
             finally:
                 now = ex.p_answered if answered else trio.current_time()
                 assert now is not None
                 self.apply(ex, ex.state.prefill_ended(now, answered=answered))
         if timer.cancelled_caught:
-            failure = self.timeout_failure("no answer from P")
+            failure = self.failures.timeout_failure("no answer from P")
         if failure is None:
             return answer
         if beside_d and failure.status >= 500 and not ex.state.over:
@@ -312,11 +230,11 @@ class Legs:
                     )
                     if resp.status != 200:
                         answer = await resp.read()
-                        self.fail(ex, self.status_failure(ex.d, resp.status, answer))
+                        self.fail(ex, self.failures.status_failure(ex.d, resp.status, answer))
                 except EngineError as exc:
-                    self.fail(ex, self.transport_failure(ex.d, exc))
+                    self.fail(ex, self.failures.transport_failure(ex.d, exc))
             if timer.cancelled_caught and ex.failure is None:
-                self.fail(ex, self.timeout_failure("no answer from D"))
+                self.fail(ex, self.failures.timeout_failure("no answer from D"))
             if ex.failure is not None:  # D's answer (if any) is of no use: close it
                 if resp is not None:
                     await resp.aclose()
@@ -336,9 +254,9 @@ class Legs:
                 try:
                     return await resp.read()
                 except EngineError as exc:
-                    self.fail(ex, self.transport_failure(ex.d, exc))
+                    self.fail(ex, self.failures.transport_failure(ex.d, exc))
             if timer.cancelled_caught and ex.failure is None:
-                self.fail(ex, self.timeout_failure("D did not finish"))
+                self.fail(ex, self.failures.timeout_failure("D did not finish"))
             return None
         finally:
             await resp.aclose()
@@ -363,8 +281,8 @@ class Legs:
                         if not ex.state.d_relayed:
                             chunk, held = held + chunk, b""
                             rest = _after_role(chunk)
-                            if rest.startswith(_ERROR_EVENT):  # before any of D's tokens
-                                self.fail(ex, self.event_failure(ex.d, rest))
+                            if rest.startswith(ERROR_EVENT):  # before any of D's tokens
+                                self.fail(ex, self.failures.event_failure(ex.d, rest))
                                 return None
                             if not rest:  # only a chat's role so far: held until a token
                                 held = chunk
@@ -373,9 +291,11 @@ class Legs:
                         # stream's span when it ends.
                         self.apply(ex, ex.state.d_chunk(trio.current_time() if first else None))
                         first = False
-                        if _ERROR_EVENT in chunk:  # D reports a failure in a stream it began (200)
+                        if ERROR_EVENT in chunk:  # D reports a failure in a stream it began (200)
                             outcome = "decode_error"
-                            chunk = self._name_error_event(ex, chunk)
+                            chunk = self.failures.named_error_event(
+                                ex.d, chunk, ex.earlier_failures
+                            )
                         data = transform(chunk) if transform is not None else chunk
                         if data:
                             await reply.chunk(data)
@@ -384,108 +304,19 @@ class Legs:
                     await reply.chunk(transform(held) if transform is not None else held)
                 return outcome
             except EngineError as exc:
-                self.fail(ex, self.transport_failure(ex.d, exc))
+                self.fail(ex, self.failures.transport_failure(ex.d, exc))
         if ex.failure is None:
-            self.fail(ex, self.timeout_failure("D did not finish"))
+            self.fail(ex, self.failures.timeout_failure("D did not finish"))
         return None
-
-    def _name_error_event(self, ex: Exchange, chunk: bytes) -> bytes:
-        """``chunk`` with D's error event (vLLM's bare "Internal server error") replaced by one
-        that names D and what it said; what came before it in the chunk is kept."""
-        at = chunk.index(_ERROR_EVENT)
-        end = chunk.find(b"\n\n", at)
-        event = chunk[at : len(chunk) if end < 0 else end]
-        failure = self.event_failure(ex.d, event, before_token=False)
-        return (
-            chunk[:at]
-            + failure.after(*ex.earlier_failures).sse_event()
-            + (b"" if end < 0 else chunk[end + 2 :])
-        )
 
     async def stream_failure(self, ex: Exchange, reply: Reply) -> None:
         """End a begun stream with the request's failure (or D's timeout) as an event."""
         if ex.failure is None:
-            self.fail(ex, self.timeout_failure("D did not finish"))
+            self.fail(ex, self.failures.timeout_failure("D did not finish"))
         failure = ex.told()
         log.warning("proxy: request %s failed mid-stream: %s", ex.transfer_id, failure.body[:500])
         with trio.move_on_after(_LAST_EVENT_TIMEOUT):
             await reply.chunk(failure.sse_event())
-
-    # ------------------------------------------------------------------ failures
-
-    def timeout_failure(self, what: str) -> Failure:
-        message = f"{what} within the request timeout ({self.config.request_timeout:g} s)"
-        return Failure.of(504, message, "timeout", "timeout")
-
-    def transport_failure(self, b: Backend, exc: EngineError | httpx.HTTPError) -> Failure:
-        """A broken call: a 502; a refused connection also takes the engine out of rotation."""
-        self.metrics.backend_errors.labels(b.role, b.url).inc()
-        if isinstance(exc, ConnectFailed | httpx.ConnectError):  # gone: out of rotation now
-            self.watch.set(b, f"connection failed: {describe(exc)}", None)
-        message = f"{b.role} engine {b.url} failed: {describe(exc)}"
-        # A broken answer (not a refused connection) may be a D whose API server gave up on
-        # a request whose KV did not come: worth a second try.
-        why = "decode_broke" if b.role == "decode" and not isinstance(exc, ConnectFailed) else ""
-        return Failure.of(502, message, "upstream_error", f"{b.role}_error", retry=why)
-
-    def event_failure(self, b: Backend, event: bytes, *, before_token: bool = True) -> Failure:
-        """D's error event (vLLM's streamed error: under ``kv_load_failure_policy: fail``
-        what a pull that failed gives, as the bare "Internal server error") as a failure
-        naming D and what it said."""
-        self.metrics.backend_errors.labels(b.role, b.url).inc()
-        said = event.removeprefix(b"data: ").strip()
-        try:
-            error = msgspec.json.decode(said).get("error") or {}
-            text = str(error.get("message") or said[:300].decode(errors="replace"))
-        except (msgspec.DecodeError, AttributeError):
-            text = said[:300].decode(errors="replace")
-        when = "before its first token" if before_token else "mid-stream"
-        message = f"{b.role} engine {b.url} failed {when}: {text}"
-        return Failure.of(502, message, "upstream_error", f"{b.role}_error", retry="decode_failed")
-
-    def status_failure(self, b: Backend, status: int, body: bytes) -> Failure:
-        """A 4xx passes through (vLLM's own error body); anything else becomes a 502."""
-        outcome = f"{b.role}_error"
-        text = body[:500].decode(errors="replace")
-        if 400 <= status < 500:  # the request's fault, not the engine's
-            try:
-                passed = msgspec.json.decode(body)
-            except msgspec.DecodeError:
-                passed = None
-            if isinstance(passed, dict) and "error" in passed:
-                return Failure(status, body, outcome)
-            message = f"{b.role} engine {b.url}: {text}"
-            return Failure.of(status, message, "invalid_request_error", outcome)
-        self.metrics.backend_errors.labels(b.role, b.url).inc()
-        message = f"{b.role} engine {b.url} answered HTTP {status}: {text}"
-        why = "decode_failed" if b.role == "decode" else ""
-        return Failure.of(502, message, "upstream_error", outcome, retry=why)
-
-
-def _log_timeline(ex: Exchange, ttft: float) -> None:
-    def ms(t: float | None) -> str:
-        return "-" if t is None else f"{(t - ex.arrived) * 1e3:.1f}"
-
-    log.debug(
-        "proxy: request %s timeline ms: D answered %s, first chunk %.1f, P answered %s",
-        ex.transfer_id, ms(ex.d_answered), ttft * 1e3, ms(ex.p_answered),
-    )  # fmt: skip
-
-
-def retry_reason(ex: Exchange, local: bytes | None, now: float) -> str | None:
-    """Why ``ex``'s failed D leg is asked again with D computing the prompt itself, or None.
-
-    Only a leg that pulled KV (``local``: the same request without ``kv_transfer_params``)
-    whose failure was D's own (:attr:`Failure.retry`: a 5xx or an error event before D's
-    first token, or its answer broken — not a refused connection, a timeout or a 4xx), with
-    none of D's answer relayed (the stream then never repeats or skips a token), once per
-    request, and while the request's deadline is ahead. Not a checkpoint, no IO."""
-    failure = ex.failure
-    if local is None or failure is None or not failure.retry:
-        return None
-    if not ex.state.may_retry or now >= ex.deadline:
-        return None
-    return failure.retry
 
 
 def _after_role(chunk: bytes) -> bytes:
