@@ -1,5 +1,6 @@
 """The proxy exchange's sans-IO record (pdactors/core/exchange.py): every (phase, event) pair of
-its transition table, and the effects that give back what an exchange holds, exactly once."""
+its transition table (pdactors/core/exchange_rules.py), and the effects that give back what an
+exchange holds, exactly once."""
 
 from __future__ import annotations
 
@@ -13,21 +14,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdactors.core.exchange import (
-    TRANSITIONS,
     Admit,
     CancelLegs,
     Effect,
     Ended,
-    Event,
     ExchangeState,
     FirstChunk,
     Hold,
-    Phase,
     Release,
     SecondChunk,
     Step,
     Unhold,
 )
+from pdactors.core.exchange_rules import TRANSITIONS, Event, Phase
 from pdactors.errors import IllegalTransition
 
 

@@ -5,38 +5,11 @@ alone: placement ``local``, or a fall-back). What the exchange holds while it ru
 of outstanding requests on P and on D, the request in flight, its prompt in one engine's
 prefill queue — must be given back exactly once, however it ends; and its first failure is
 its cause, later ones only echoes. This record keeps that life: each method is an event,
-moves the record by :data:`TRANSITIONS`, and returns the effects the proxy's IO code carries
-out (:class:`Admit`, :class:`Hold`, :class:`Unhold`, :class:`Release`, :class:`CancelLegs`,
+moves the record by the rules of :mod:`pdactors.core.exchange_rules` (its phases, its events,
+the transition table), and returns the effects the proxy's IO code carries out
+(:class:`Admit`, :class:`Hold`, :class:`Unhold`, :class:`Release`, :class:`CancelLegs`,
 :class:`Ended`, and what the metrics and the placer learn: :class:`FirstChunk`,
 :class:`SecondChunk`, :class:`Step`). No IO, no clock: times come from the caller.
-
-Rules (the ``phase`` of one exchange):
-
-============  ==================================  ============================================
-phase         entered when                        leaves when
-============  ==================================  ============================================
-NEW           the request was routed              admitted (+Admit: its counts are raised) →
-                                                  OPEN
-OPEN          admitted, or a P-first request      D's answer begins → D_ANSWERING; a leg fails
-              falls back to D after P failed,     → FAILED (+CancelLegs); its answer ends →
-              or D is asked again (a retry)       DONE
-D_ANSWERING   D's answer began (status 200)       a leg fails → FAILED (+CancelLegs); its
-                                                  answer ends → DONE
-FAILED        the first failure (its cause kept)  its answer (the failure) ends → DONE; P-first
-                                                  falls back to D → OPEN (cause cleared); D is
-                                                  asked again, computing the prompt itself
-                                                  (+Hold on D), once, when none of D's answer
-                                                  reached the client → OPEN (cause kept as
-                                                  ``retried_after``)
-DONE          the client's answer ended: ok,      never; a late failure or end is an echo and
-              failed or cancelled (+Unhold,       changes nothing
-              +Release, +Ended: every count
-              given back)
-============  ==================================  ============================================
-
-Events that do not change the phase (the prompt sent to an engine, P's leg ending, a chunk
-sent to the client, P failing while D's leg goes on without it) are in the table too; a pair
-not in it raises :class:`~pdactors.errors.IllegalTransition`.
 
 P's failure is the request's only when the request depends on P: in the P-first flow before
 P's token (:meth:`ExchangeState.fail`, then perhaps a fall-back to D), or a 4xx (the request's
@@ -48,20 +21,18 @@ goes on, one whose pull failed answers an error before its first token and is re
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
-from typing import Final, Literal, Protocol
+from typing import Literal, Protocol
 
+from pdactors.core.exchange_rules import Event, Phase, next_phase
 from pdactors.errors import IllegalTransition
 
 __all__ = [
-    "TRANSITIONS",
     "Admit",
     "CancelLegs",
     "Cause",
     "Effect",
     "Ended",
-    "Event",
     "ExchangeState",
     "FirstChunk",
     "Hold",
@@ -75,59 +46,6 @@ __all__ = [
 
 #: Which of the exchange's engines: P (prefill) or D (decode).
 Leg = Literal["p", "d"]
-
-
-class Phase(enum.Enum):
-    NEW = "new"
-    OPEN = "open"
-    D_ANSWERING = "d_answering"
-    FAILED = "failed"
-    DONE = "done"
-
-
-class Event(enum.Enum):
-    ADMIT = "admit"
-    PREFILL_SENT = "prefill_sent"  # the prompt went to the engine computing it
-    PREFILL_ENDED = "prefill_ended"  # P's leg ended (answered or not)
-    P_TOKEN_SENT = "p_token_sent"  # P-first: P's token went to the client
-    D_ANSWERED = "d_answered"  # D's answer began
-    D_CHUNK = "d_chunk"  # one chunk of D's stream went to the client
-    FAIL = "fail"
-    P_FAILED = "p_failed"  # P's leg failed while D's goes on without it (the concurrent flow)
-    FALL_BACK = "fall_back"
-    RETRY = "retry"  # D is asked again, computing the prompt itself
-    END = "end"
-
-
-_N, _O, _A, _F, _D = Phase.NEW, Phase.OPEN, Phase.D_ANSWERING, Phase.FAILED, Phase.DONE
-
-#: (phase, event) → next phase. A pair not here is illegal.
-TRANSITIONS: Final[dict[tuple[Phase, Event], Phase]] = {
-    (_N, Event.ADMIT): _O,
-    (_O, Event.PREFILL_SENT): _O,
-    (_O, Event.PREFILL_ENDED): _O,
-    (_O, Event.P_TOKEN_SENT): _O,
-    (_O, Event.D_ANSWERED): _A,
-    (_O, Event.FAIL): _F,
-    (_O, Event.P_FAILED): _O,  # noted: D's answer decides
-    (_O, Event.END): _D,
-    (_A, Event.PREFILL_ENDED): _A,  # P answers after D began: both run at once
-    (_A, Event.D_CHUNK): _A,
-    (_A, Event.FAIL): _F,
-    (_A, Event.P_FAILED): _A,  # D's answer began: P's fate no longer matters to it
-    (_A, Event.END): _D,
-    (_F, Event.PREFILL_ENDED): _F,
-    (_F, Event.D_CHUNK): _F,  # one already in hand when the failure came: not learnt from
-    (_F, Event.FAIL): _F,  # an echo of the first failure: the cause stays
-    (_F, Event.P_FAILED): _F,
-    (_F, Event.FALL_BACK): _O,
-    (_F, Event.RETRY): _O,  # once, with none of D's answer relayed (else it raises)
-    (_F, Event.END): _D,
-    (_D, Event.PREFILL_ENDED): _D,  # P's leg, given a moment after the answer: nothing left
-    (_D, Event.FAIL): _D,  # a leg failing after the answer ended changes nothing
-    (_D, Event.P_FAILED): _D,
-    (_D, Event.END): _D,  # an echo (a cancellation unwinding an answered request)
-}
 
 
 class Cause(Protocol):
@@ -248,11 +166,7 @@ class ExchangeState:
         self._d_first: float | None = None  # when D's first chunk went out
 
     def _move(self, event: Event) -> Phase:
-        try:
-            after = TRANSITIONS[self.phase, event]
-        except KeyError:
-            raise IllegalTransition(f"exchange: {event.value} while {self.phase.value}") from None
-        before, self.phase = self.phase, after
+        before, self.phase = self.phase, next_phase(self.phase, event)
         return before
 
     @property

@@ -36,11 +36,11 @@ Where each step lives: the request's arrival, checks and routing in
 :mod:`~pdactors.proxy._completions`; its exchange's life (phase, first failure, the counts it
 holds) in :mod:`pdactors.core.exchange`, its effects carried out in
 :mod:`~pdactors.proxy._effects`; the calls to P and D in :mod:`~pdactors.proxy._legs` (what a
-failed one tells the client in :mod:`~pdactors.proxy._engine_failures`, whether D's is asked
-again in :mod:`~pdactors.proxy._retry`); the P-first flow in :mod:`~pdactors.proxy._p_first` (its bodies in
-:mod:`~pdactors.proxy._bodies`); the OpenAI body rules in :mod:`~pdactors.proxy._openai`; the
-raw ASGI plumbing in :mod:`~pdactors.proxy._asgi`; the Quart routes in
-:mod:`~pdactors.proxy._app`; health in :mod:`~pdactors.proxy._health`.
+failed one tells the client in :mod:`~pdactors.proxy._engine_failures`, whether D's is asked again
+in :mod:`~pdactors.proxy._retry`); the P-first flow in :mod:`~pdactors.proxy._p_first` (its bodies
+in :mod:`~pdactors.proxy._bodies`); the OpenAI body rules in :mod:`~pdactors.proxy._openai`; the
+raw ASGI plumbing in :mod:`~pdactors.proxy._asgi`; the Quart routes in :mod:`~pdactors.proxy._app`;
+health in :mod:`~pdactors.proxy._health`.
 """
 
 from __future__ import annotations
