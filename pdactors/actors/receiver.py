@@ -10,7 +10,8 @@ pull's record. One DEALER per P worker, kept while P is alive
 (:mod:`pdactors.actors._p_connections`): when it is lost, or P answers what D cannot use,
 every pull sent there ends at once (``P_GONE``). D's layout goes with the first pull to each P
 worker. Bootstrap answers are cached per bootstrap, re-read when an engine is not in them or
-P was lost (:mod:`pdactors.actors._lookups`). Each pull names the P epoch D looked up and D's
+P was lost (:mod:`pdactors.actors._lookups`). P's answers go to the pulls' records
+(:mod:`pdactors.actors._p_answers`). Each pull names the P epoch D looked up and D's
 own (:mod:`pdactors.core.epochs`); an answer from another life of P is ignored. The actor
 sleeps until the earliest pull deadline. A P whose registered compatibility description
 differs from D's is refused before the pull is sent (:mod:`pdactors.actors._compat`).
@@ -30,6 +31,7 @@ from pdactors.actors._compat import PeerCompat
 from pdactors.actors._durations import Durations, DurationStatistics
 from pdactors.actors._landed import KvCheckStats, LandedCheck
 from pdactors.actors._lookups import Lookups
+from pdactors.actors._p_answers import PAnswers
 from pdactors.actors._p_connections import PConnections, Peer
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import ReceiverConfig
@@ -44,12 +46,8 @@ from pdactors.wire import (
     BlockIds,
     BlockIdsLike,
     CancelPull,
-    ErrorReply,
     Layout,
-    LayoutUnknown,
     Msg,
-    PullDone,
-    PullFailed,
     PullRequest,
     block_groups,
     encode_frames,
@@ -109,6 +107,9 @@ class Receiver:
         self._ended = Pulse()  # fired whenever any pull ends
         self._pull_seconds = Durations()  # each delivered pull, start to P's answer
         self._landed = LandedCheck(config.verify_kv, layout)
+        self._p_answers = PAnswers(
+            self._table, self._lookups, self._landed, self._links, layout, self._apply
+        )
         # The sleep of _serve_deadlines, until the earliest deadline; a new pull moves it.
         self._sleep = trio.CancelScope()
 
@@ -298,46 +299,7 @@ class Receiver:
         return pulls
 
     def _on_answer(self, peer: Peer, msg: Msg) -> None:
-        match msg:
-            case PullDone(transfer_id=tid, epoch=epoch) | PullFailed(transfer_id=tid, epoch=epoch):
-                failed = msg if isinstance(msg, PullFailed) else None
-                again = failed is not None and failed.lookup_again
-                if (pull := self._table.get(tid)) is None:
-                    return  # a late answer
-                if pull.from_other_life(peer.address, epoch, lookup_again=again):
-                    log.debug("ignored %r from P %s: another life than it asked", msg, peer.address)
-                elif failed is None:
-                    timeline.mark(tid, "landed")
-                    sums = self._landed.sums(msg)  # type: ignore[arg-type]  # a PullDone
-                    self._apply(self._table.answered(tid, ok=True, peer=peer.address, epoch=epoch,
-                                                     sums=sums))  # fmt: skip
-                else:
-                    if again:  # P has more workers than we knew, or is another life of it
-                        self._lookups.forget(pull.bootstrap_url)
-                    self._apply(self._table.answered(tid, ok=False, reason=f"P: {failed.reason}",
-                                                     peer=peer.address, epoch=epoch,
-                                                     lookup_again=again))  # fmt: skip
-            case LayoutUnknown(transfer_id=tid):
-                pull = self._table.get(tid)
-                if pull is not None and pull.request is not None and peer.address in pull.waiting:
-                    # P forgot us (restart): resend with the layout
-                    request = msgspec.structs.replace(
-                        pull.request, p_epoch=pull.p_epochs.get(peer.address, 0)
-                    )
-                    frames = encode_frames(self._with_layout(request))
-                    self._links.send_soon(peer, frames)
-            case ErrorReply(reason=reason, transfer_id=tid):
-                # P could not read our message about ``tid``: it is not writing that pull.
-                self._links.protocol_error(peer, f"could not read our message: {reason}")
-                reason = f"P could not read the pull: {reason}"
-                if tid:
-                    self._apply(
-                        self._table.answered(tid, ok=False, reason=reason, peer=peer.address)
-                    )
-                else:  # about a message we cannot tell: every pull on this connection
-                    peer.end(f"P worker {peer.address}: {reason}", broken=True)
-            case _:
-                log.warning("unexpected %s from P worker %s", type(msg).__name__, peer.address)
+        self._p_answers.on_answer(peer, msg)
 
     async def _serve_deadlines(self) -> None:
         """End pulls at their deadlines: sleep until the earliest one, which :meth:`_start`
