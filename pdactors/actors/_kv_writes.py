@@ -62,6 +62,12 @@ class _HashedFirst:
         self._lock = threading.Lock()
         self.sums: bytes | None = None
 
+    @property
+    def may_wait(self) -> bool:
+        """Whether calling it may wait for P's KV (a streamed layer): only then does the data
+        plane give its write an engine call of its own; hashing alone joins a batch."""
+        return self._before is not None
+
     def __call__(self) -> None:
         with self._lock:
             if self.sums is not None:

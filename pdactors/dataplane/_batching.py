@@ -81,7 +81,7 @@ class PeerQueue:
         while (
             self.pieces
             and total + len(self.pieces[0].lengths) <= limit
-            and self.pieces[0].write.before is None
+            and not may_wait(self.pieces[0].write.before)
         ):
             piece = self.pieces.popleft()
             total += len(piece.lengths)
@@ -98,6 +98,14 @@ class PeerQueue:
         owner busy making another call takes the next one when that call returns)."""
         if self.free_calls and self.pieces:
             self.pieces[0].write.changed.fire()
+
+
+def may_wait(before: Callable[[], object] | None) -> bool:
+    """Whether a write's ``before`` may wait (for KV still being computed). One whose
+    ``may_wait`` attribute is false (a preparation that never waits, such as hashing the
+    source runs) joins a batch like a write without one: giving each such write an engine
+    call of its own cost 2.5x the control plane's throughput at 64 in flight."""
+    return before is not None and bool(getattr(before, "may_wait", True))
 
 
 def descriptors(batch: list[Piece]) -> int:
