@@ -13,7 +13,9 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,6 +219,38 @@ def completion(server: Server, prompt: str | list[int], **body: Any) -> dict[str
     response = post_completion(server, prompt, **body)
     response.raise_for_status()
     return dict(response.json())
+
+
+def pd_completion(
+    p: Server,
+    d: Server,
+    prompt: str | list[int],
+    max_tokens: int,
+    *,
+    engine_id: str,
+    bootstrap_url: str,
+    send_to_p: bool = True,
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """Upstream's proxy flow: P (max_tokens=1, unless ``send_to_p`` is false) and D at once,
+    one transfer id; returns (P's answer or None, D's answer)."""
+    transfer_id = f"xfer-{uuid.uuid4().hex}"
+    p_params = {"do_remote_decode": True, "transfer_id": transfer_id}
+    d_params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": engine_id,
+        "remote_bootstrap_addr": bootstrap_url,
+        "transfer_id": transfer_id,
+    }
+    with ThreadPoolExecutor(2) as pool:
+        p_answer = (
+            pool.submit(completion, p, prompt, max_tokens=1, kv_transfer_params=p_params)
+            if send_to_p
+            else None
+        )
+        d_answer = pool.submit(
+            completion, d, prompt, max_tokens=max_tokens, kv_transfer_params=d_params
+        )
+        return (p_answer.result() if p_answer else None), d_answer.result()
 
 
 @contextmanager

@@ -20,7 +20,14 @@ import pytest
 pytest.importorskip("vllm")
 
 from pdactors_vllm.tiny_model import ensure_tiny_model, find_eos_first_prompts
-from tests.vllm.servers import Server, completion, free_port, producer_config, servers
+from tests.vllm.servers import (
+    Server,
+    completion,
+    free_port,
+    pd_completion,
+    producer_config,
+    servers,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -41,24 +48,10 @@ class Cluster:
         self, prompt: str | list[int], max_tokens: int, *, send_to_p: bool = True
     ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
         """Upstream's proxy flow: P (max_tokens=1) and D concurrently, one transfer id."""
-        transfer_id = f"xfer-{uuid.uuid4().hex}"
-        p_params = {"do_remote_decode": True, "transfer_id": transfer_id}
-        d_params = {
-            "do_remote_prefill": True,
-            "remote_engine_id": "prefill-e2e",
-            "remote_bootstrap_addr": self.bootstrap_url,
-            "transfer_id": transfer_id,
-        }
-        with ThreadPoolExecutor(2) as pool:
-            p_answer = (
-                pool.submit(completion, self.p, prompt, max_tokens=1, kv_transfer_params=p_params)
-                if send_to_p
-                else None
-            )
-            d_answer = pool.submit(
-                completion, self.d, prompt, max_tokens=max_tokens, kv_transfer_params=d_params
-            )
-            return (p_answer.result() if p_answer else None), d_answer.result()
+        return pd_completion(
+            self.p, self.d, prompt, max_tokens, engine_id="prefill-e2e",
+            bootstrap_url=self.bootstrap_url, send_to_p=send_to_p,
+        )  # fmt: skip
 
     def assert_pd_equals_single(
         self, prompt: list[int], max_tokens: int

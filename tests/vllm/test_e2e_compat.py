@@ -9,9 +9,7 @@ Three servers start once for the module (P, D, and a single server of D's model)
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -25,10 +23,12 @@ from tests.vllm.servers import (
     Server,
     completion,
     free_port,
+    pd_completion,
     producer_config,
     vllm_server,
     wait_healthy,
 )
+from tests.vllm.test_e2e import text_and_reason
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -67,26 +67,11 @@ def upgrade(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upgrade]:
         yield Upgrade(p, d, single, f"http://127.0.0.1:{port}")
 
 
-def _text(answer: dict[str, Any]) -> tuple[str, str]:
-    choice = answer["choices"][0]
-    return choice["text"], choice["finish_reason"]
-
-
 def _disaggregated(u: Upgrade, prompt: str) -> dict[str, Any]:
-    """Upstream's proxy flow: P (max_tokens=1) and D at once, one transfer id."""
-    tid = f"xfer-{uuid.uuid4().hex}"
-    p_params = {"do_remote_decode": True, "transfer_id": tid}
-    d_params = {
-        "do_remote_prefill": True,
-        "remote_engine_id": "prefill-compat",
-        "remote_bootstrap_addr": u.bootstrap_url,
-        "transfer_id": tid,
-    }
-    with ThreadPoolExecutor(2) as pool:
-        p = pool.submit(completion, u.p, prompt, max_tokens=1, kv_transfer_params=p_params)
-        d = pool.submit(completion, u.d, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=d_params)
-        p.result()
-        return d.result()
+    _, d_answer = pd_completion(
+        u.p, u.d, prompt, MAX_TOKENS, engine_id="prefill-compat", bootstrap_url=u.bootstrap_url
+    )
+    return d_answer
 
 
 def _wait_for(what: str, predicate: Callable[[], bool], timeout: float = 15) -> None:
@@ -105,7 +90,9 @@ def test_d_refuses_other_weights_by_name_and_answers_alone_as_its_own_model(
     local = u.d.metric("vllm:prompt_tokens_by_source_total", source="local_compute")
     answers = [_disaggregated(u, prompt) for prompt in PROMPTS]
     for i, (got, want) in enumerate(zip(answers, expected, strict=True)):
-        assert _text(got) == _text(want), f"prompt {i}: D's answer is not its own model's"
+        assert text_and_reason(got) == text_and_reason(want), (
+            f"prompt {i}: D's answer is not its own model's"
+        )
     prompt_tokens = sum(a["usage"]["prompt_tokens"] for a in answers)
     computed = u.d.metric("vllm:prompt_tokens_by_source_total", source="local_compute") - local
     assert computed == prompt_tokens  # D computed every prompt itself: no KV of P's was used
@@ -122,4 +109,6 @@ def test_d_refuses_other_weights_by_name_and_answers_alone_as_its_own_model(
     assert u.p.metric("vllm:pdactors_transfers_expired_total") == 0
     # The check mattered: P's model answers otherwise.
     p_alone = [completion(u.p, p, max_tokens=MAX_TOKENS) for p in PROMPTS]
-    assert any(_text(a) != _text(b) for a, b in zip(p_alone, expected, strict=True))
+    assert any(
+        text_and_reason(a) != text_and_reason(b) for a, b in zip(p_alone, expected, strict=True)
+    )
