@@ -152,13 +152,21 @@ def proxy(
         bool,
         typer.Option(
             "--fall-back-to-d/--no-fall-back-to-d",
-            help="With no P in rotation, or a P that fails before its first token, D serves "
-            "the request alone (instead of a 503/502).",
+            help="With no P in rotation, or a P that fails (or is judged failed) before its "
+            "first token, D serves the request alone (instead of a 503/502).",
         ),
     ] = default_of(ProxyConfig, "fall_back_to_d"),
     health_interval: Annotated[
         float, typer.Option(metavar="SECONDS", help="Seconds between health checks.")
     ] = default_of(ProxyConfig, "health_interval"),
+    health_timeout: Annotated[
+        float,
+        typer.Option(
+            metavar="SECONDS",
+            help="An engine whose GET /health gives no answer within this is out of rotation, "
+            "and the P-first requests waiting for its first token go to D.",
+        ),
+    ] = default_of(ProxyConfig, "health_timeout"),
     request_timeout: Annotated[
         float, typer.Option(metavar="SECONDS", help="The longest one request may take, in seconds.")
     ] = default_of(ProxyConfig, "request_timeout"),
@@ -235,6 +243,7 @@ def proxy(
             placement_stall_weight=placement_stall_weight,
             fall_back_to_d=fall_back_to_d,
             health_interval=health_interval,
+            health_timeout=health_timeout,
             request_timeout=request_timeout,
             max_body_bytes=max_body_bytes,
             body_timeout=body_timeout,

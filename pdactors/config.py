@@ -303,7 +303,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     * ``routing``: ``"round_robin"`` over the healthy engines of each role, or
       ``"least_outstanding"`` (fewest requests in flight; ties go round robin).
     * ``health_interval``: seconds between health rounds (engine ``GET /health``, bootstrap
-      ``GET /query``); ``health_timeout`` bounds each of those calls.
+      ``GET /query``); ``health_timeout`` bounds each of those calls. An engine whose
+      ``/health`` gives no answer within it leaves the rotation, and for a P every P-first
+      request still waiting for its first token is cut from it (D serves it alone, with
+      ``fall_back_to_d``).
     * ``request_timeout``: the longest one client request may take, start to last byte.
     * ``connect_timeout``: the longest a connection to an engine may take to open.
     * ``max_connections``: connections the proxy keeps open to the engines, all together.
@@ -325,9 +328,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
       ``"local"``: D computes each request whole (an ordinary request to D; P takes no part).
     * ``placement_stall_weight``: for ``"auto"``, what a millisecond of pause to a request D
       is decoding counts for against a millisecond of the new request's time to first token.
-    * ``fall_back_to_d``: when no P is in rotation, or a P fails before its first token (the
-      P-first flow, nothing sent to the client yet), D serves the request alone instead of
-      the client getting a 503 or 502; default true.
+    * ``fall_back_to_d``: when no P is in rotation, or a P fails (or is judged failed by the
+      health loop) before its first token (the P-first flow, nothing sent to the client yet),
+      D serves the request alone instead of the client getting a 503 or 502; default true.
     * ``first_token``: ``"p"`` (the default): the client's first token is P's answer, D
       continues after it (:mod:`pdactors.proxy._p_first`); ``"d"``: upstream's flow, P and D
       asked at once and D computing every token the client gets.

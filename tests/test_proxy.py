@@ -53,6 +53,9 @@ class FakeEngine:
     healthy: bool = True
     query_ok: bool = True
     query_hold: trio.Event | None = None  # the bootstrap's /query waits for it
+    health_hold: trio.Event | None = None  # /health waits for it (a stopped engine: no answer)
+    health_held: list[float] = field(default_factory=list)  # when each held /health came
+    health_answers: int = 0  # /health calls answered
     status: int = 200
     error_body: dict[str, Any] | None = None
     hold: trio.Event | None = None  # completions wait for it before answering
@@ -176,6 +179,10 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
 
     @app.get("/health")
     async def health() -> Response:
+        if engine.health_hold is not None:
+            engine.health_held.append(trio.current_time())
+            await engine.health_hold.wait()
+        engine.health_answers += 1
         return Response(b"", status=200 if engine.healthy else 503)
 
     @app.get("/query")

@@ -39,11 +39,17 @@ class EngineFailures:
         message = f"{what} within the request timeout ({self.config.request_timeout:g} s)"
         return Failure.of(504, message, "timeout", "timeout")
 
+    def judged_failed(self, p: Backend) -> Failure:
+        """P-first: the request was cut from ``p``, judged failed while it waited for its first
+        token (D may serve it alone: ``p_unhealthy``)."""
+        message = f"{p.role} engine {p.url} judged failed: {p.problem}"
+        return Failure.of(502, message, "upstream_error", "prefill_error", fallback="p_unhealthy")
+
     def transport_failure(self, b: Backend, exc: EngineError | httpx.HTTPError) -> Failure:
         """A broken call: a 502; a refused connection also takes the engine out of rotation."""
         self.metrics.backend_errors.labels(b.role, b.url).inc()
         if isinstance(exc, ConnectFailed | httpx.ConnectError):  # gone: out of rotation now
-            self.watch.set(b, f"connection failed: {describe(exc)}", None)
+            self.watch.set(b, f"connection failed: {describe(exc)}", None, engine_failed=True)
         message = f"{b.role} engine {b.url} failed: {describe(exc)}"
         # A broken answer (not a refused connection) may be a D whose API server gave up on
         # a request whose KV did not come: worth a second try.

@@ -1,5 +1,11 @@
 """The proxy's health loop: every engine's ``GET /health`` and every P's bootstrap
-``GET /query`` each ``health_interval``; engines in and out of rotation, P's engine ids."""
+``GET /query`` each ``health_interval``; engines in and out of rotation, P's engine ids.
+
+A P judged failed itself (its ``/health`` gave no answer within ``health_timeout``, an error
+status, a refused connection) has every P-first request still waiting for its first token cut
+from it at once (:attr:`Backend.waiting_for_token`; the request is then served as one whose P
+failed before its token: :mod:`pdactors.proxy._p_first`). A failed bootstrap only takes P out
+of the rotation: the requests at P may still get their token, and D's look-ups are cached."""
 
 from __future__ import annotations
 
@@ -46,23 +52,37 @@ class HealthWatch:
             await trio.sleep(self.config.health_interval)
 
     async def _probe(self, b: Backend) -> None:
-        problem, engines = await self._check(b)
+        problem = await self._check_engine(b)
+        if problem is not None:
+            self.set(b, problem, None, engine_failed=True)
+            return
+        problem, engines = await self._check_bootstrap(b)
         self.set(b, problem, engines)
 
-    async def _check(self, b: Backend) -> tuple[str | None, dict[int, str] | None]:
-        """``(problem, P's engine id per DP rank)``; takes at most two ``health_timeout``s."""
+    async def _check_engine(self, b: Backend) -> str | None:
+        """What is wrong with ``b``'s own ``GET /health`` (None: it answered 200 in time).
+
+        vLLM answers it in its API server process without asking the engine core (whose
+        queue, however long, does not slow it): no answer within ``health_timeout`` is an
+        API server that is stopped, hung or starved that long, not a busy engine."""
         timeout = self.config.health_timeout
         with trio.move_on_after(timeout) as scope:
             try:
                 resp = await self.probe_http.get(f"{b.url}/health")
             except httpx.HTTPError as exc:
-                return f"GET /health failed: {describe(exc)}", None
+                return f"GET /health failed: {describe(exc)}"
         if scope.cancelled_caught:
-            return f"GET /health gave no answer within {timeout:g} s", None
+            return f"GET /health gave no answer within {timeout:g} s"
         if resp.status_code != 200:
-            return f"GET /health answered HTTP {resp.status_code}", None
+            return f"GET /health answered HTTP {resp.status_code}"
+        return None
+
+    async def _check_bootstrap(self, b: Backend) -> tuple[str | None, dict[int, str] | None]:
+        """``(problem, P's engine id per DP rank)`` from P's bootstrap (``(None, None)`` for
+        D); takes at most ``health_timeout``."""
         if b.bootstrap_url is None:
             return None, None
+        timeout = self.config.health_timeout
         try:
             answer = await self.bootstrap.query(b.bootstrap_url, timeout=timeout)
         except BootstrapTimeout as exc:
@@ -85,9 +105,18 @@ class HealthWatch:
             return f"bootstrap {b.bootstrap_url} has no worker registered", None
         return None, engines
 
-    def set(self, b: Backend, problem: str | None, engines: dict[int, str] | None) -> None:
+    def set(
+        self,
+        b: Backend,
+        problem: str | None,
+        engines: dict[int, str] | None,
+        *,
+        engine_failed: bool = False,
+    ) -> None:
         """Record ``b``'s health (``problem`` None: up), logging when it enters or leaves the
-        rotation or P's engine id changes."""
+        rotation or P's engine id changes. ``engine_failed``: the engine itself failed (its
+        ``/health``, a refused connection), not only its bootstrap: every request waiting for
+        its first token is cut from it (logged once, with their count). Not a checkpoint."""
         was_up = b.up
         b.up = problem is None
         if problem is not None:
@@ -105,6 +134,15 @@ class HealthWatch:
         elif b.up and not was_up:
             suffix = f" (engine id {b.engine_id})" if b.role == "prefill" else ""
             log.info("proxy: %s %s in rotation%s", b.role, b.url, suffix)
+        if engine_failed and b.waiting_for_token:
+            log.warning(
+                "proxy: %s %s judged failed (%s) with %d requests waiting for its first token: "
+                "cut from it",
+                b.role, b.url, b.problem, len(b.waiting_for_token),
+            )  # fmt: skip
+            for cut in b.waiting_for_token:
+                cut.cancel()
+            b.waiting_for_token.clear()
 
     def report(self) -> tuple[int, dict[str, Any]]:
         """``GET /health``'s status and body."""

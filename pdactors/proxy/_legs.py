@@ -12,8 +12,8 @@ begun ends with an error event.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from contextlib import aclosing
+from collections.abc import Callable, Iterator
+from contextlib import aclosing, contextmanager
 from typing import Final
 
 import trio
@@ -28,7 +28,7 @@ from pdactors.proxy._exchange import Exchange
 from pdactors.proxy._health import HealthWatch
 from pdactors.proxy._openai import Failure
 from pdactors.proxy._retry import retry_reason
-from pdactors.proxy._state import Metrics
+from pdactors.proxy._state import Backend, Metrics
 
 __all__ = ["Legs"]
 
@@ -65,19 +65,23 @@ class Legs(ExchangeEffects):
         """P's whole answer, or None when P failed (or gave no answer by the deadline).
 
         The request depends on P (the P-first flow, ``beside_d`` false): P's failure fails
-        it. D runs beside P (the concurrent flow): only P's 4xx (the request's own fault)
-        fails the request; any other failure of P is noted and logged, and D's answer
-        decides — a D that has the KV goes on, one whose KV did not come fails before its
-        first token and is asked again computing the prompt itself."""
+        it, and so does P judged failed by the health loop while the request waits (its leg
+        is cut: :attr:`~pdactors.proxy._state.Backend.waiting_for_token`). D runs beside P
+        (the concurrent flow): only P's 4xx (the request's own fault) fails the request; any
+        other failure of P is noted and logged, and D's answer decides — a D that has the KV
+        goes on, one whose KV did not come fails before its first token and is asked again
+        computing the prompt itself; P's leg is never cut by P's health there."""
         failure: Failure | None = None
         answer: bytes | None = None
         answered = False
-        with ex.p_scope, trio.move_on_at(ex.deadline) as timer:
+        cut = trio.CancelScope()  # P-first: cancelled if P is judged failed meanwhile
+        with ex.p_scope, trio.move_on_at(ex.deadline) as timer, cut:
             try:
-                resp = await self.engines[ex.p.url].request(
-                    "POST", ex.endpoint.path, body, ex.p_headers
-                )
-                answer = await resp.read()
+                with _waiting_for_token(ex.p, cut, depends=not beside_d):
+                    resp = await self.engines[ex.p.url].request(
+                        "POST", ex.endpoint.path, body, ex.p_headers
+                    )
+                    answer = await resp.read()
             except EngineError as exc:
                 failure = self.failures.transport_failure(ex.p, exc)
             else:
@@ -89,7 +93,9 @@ class Legs(ExchangeEffects):
                 now = ex.p_answered if answered else trio.current_time()
                 assert now is not None
                 self.apply(ex, ex.state.prefill_ended(now, answered=answered))
-        if timer.cancelled_caught:
+        if cut.cancelled_caught:
+            failure = self.failures.judged_failed(ex.p)
+        elif timer.cancelled_caught:
             failure = self.failures.timeout_failure("no answer from P")
         if failure is None:
             return answer
@@ -317,6 +323,22 @@ class Legs(ExchangeEffects):
         log.warning("proxy: request %s failed mid-stream: %s", ex.transfer_id, failure.body[:500])
         with trio.move_on_after(_LAST_EVENT_TIMEOUT):
             await reply.chunk(failure.sse_event())
+
+
+@contextmanager
+def _waiting_for_token(p: Backend, cut: trio.CancelScope, *, depends: bool) -> Iterator[None]:
+    """While P's answer is awaited by a request that ``depends`` on it (P-first), ``cut`` is
+    in P's :attr:`~pdactors.proxy._state.Backend.waiting_for_token`, cancelled if P is judged
+    failed meanwhile. It leaves before P's own failure (if any) is worded, so the verdict on a
+    refused connection does not cut the request that met it."""
+    if not depends:
+        yield
+        return
+    p.waiting_for_token.add(cut)
+    try:
+        yield
+    finally:
+        p.waiting_for_token.discard(cut)
 
 
 def _after_role(chunk: bytes) -> bytes:

@@ -48,6 +48,9 @@ class Failure:
     #: Why D's leg may be asked again computing the prompt itself (the metric's reason:
     #: ``decode_failed``, ``decode_broke``), or "" when a second try cannot help.
     retry: str = ""
+    #: P-first: why D may serve the request alone after this failure of P's before its first
+    #: token (the fallbacks metric's ``why``), when not ``prefill_failed``: ``p_unhealthy``.
+    fallback: str = ""
 
     @classmethod
     def of(
@@ -59,10 +62,12 @@ class Failure:
         code: int | str | None = None,
         *,
         retry: str = "",
+        fallback: str = "",
     ) -> Failure:
         code = status if code is None else code
         error = {"message": message, "type": kind, "param": None, "code": code}  # OpenAI's keys
-        return cls(status, msgspec.json.encode({"error": error}), outcome, message, retry)
+        body = msgspec.json.encode({"error": error})
+        return cls(status, body, outcome, message, retry, fallback)
 
     def after(self, *earlier: str) -> Failure:
         """This failure as the client is told it: what failed ``earlier`` in the same

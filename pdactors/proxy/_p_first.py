@@ -5,10 +5,12 @@ client gets that token; when it ends the answer (EOS, a stop string, or the clie
 one token) the request is complete and no D is asked (P kept no KV: it frees it at once).
 Otherwise D gets a completion of the prompt's ids and P's token (``first_token_from_p``: it
 pulls the prompt's KV from P and computes P's token), and its answer follows P's token.
-The bodies and answers: :mod:`pdactors.proxy._bodies`. A P that fails before its token
-is served by D alone (the client's body as it came; ``fall_back_to_d``), or with that off fails
-the request as in the concurrent flow (an HTTP status). A D whose KV did not come (P died or
-hung after its token) fails before its first token: it is asked once more for the same
+The bodies and answers: :mod:`pdactors.proxy._bodies`. A request whose P fails before its
+token is served by D alone (the client's body as it came; ``fall_back_to_d``), or with that off
+fails as in the concurrent flow (an HTTP status); so is one still waiting for the token of a P
+that the health loop judges failed meanwhile (a stopped P: its leg is cut, counted as
+``p_unhealthy``; :mod:`pdactors.proxy._health`). A D whose KV did not come (P died or hung
+after its token) fails before its first token: it is asked once more for the same
 continuation without ``kv_transfer_params`` (it computes the prompt and P's token itself).
 D failing otherwise after P's token was streamed ends the stream with an error event.
 """
@@ -129,7 +131,7 @@ async def _fall_back_to_d(legs: Legs, ex: Exchange, body: dict[str, Any], reply:
         "engine %s serves it alone",
         ex.transfer_id, ex.failure.message[:300], ex.d.url,
     )  # fmt: skip
-    legs.metrics.fallbacks.labels("prefill_failed").inc()
+    legs.metrics.fallbacks.labels(ex.failure.fallback or "prefill_failed").inc()
     legs.apply(ex, ex.state.fall_back())
     ex.d_scopes = []
     ex.placement = "local"

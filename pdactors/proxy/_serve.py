@@ -29,8 +29,10 @@ A health loop checks every engine's ``GET /health`` and every P's bootstrap ``GE
 again, and P's engine id (DP rank 0 of its bootstrap entry) is re-read every round, so a
 restarted P is used under its new id (a bootstrap that gives no answer in time keeps a healthy
 P in rotation under the id it had). A connection refused by an engine also takes it out at
-once. Engine calls go through :mod:`pdactors.proxy._engine_http` (h11); the completion routes
-are served on raw ASGI, every other route by Quart.
+once. A P judged failed itself (its ``/health``, a refused connection) has every P-first
+request still waiting for its first token cut from it, served by D alone. Engine calls go
+through :mod:`pdactors.proxy._engine_http` (h11); the completion routes are served on raw
+ASGI, every other route by Quart.
 
 Where each step lives: the request's arrival, checks and routing in
 :mod:`~pdactors.proxy._completions`; its exchange's life (phase, first failure, the counts it

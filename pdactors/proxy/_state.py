@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = ["Backend", "Metrics", "Pool", "Role"]
@@ -35,6 +36,10 @@ class Backend:
     prefills: int = 0  # requests whose prompt it computes now (their first token not back)
     incoming: int = 0  # D only: requests it continues whose prompt is still at a P
     bootstrap_slow: bool = False  # P only: its bootstrap gave no answer in the last round
+    #: P only: a scope around each P-first request's wait for its answer (its first token),
+    #: cancelled when P is judged failed meanwhile: the request is cut from P
+    #: (:meth:`pdactors.proxy._health.HealthWatch.set`).
+    waiting_for_token: set[trio.CancelScope] = field(default_factory=set)
     _dp_next: int = 0
 
     @property
@@ -157,7 +162,8 @@ class Metrics:
         self.fallbacks = Counter(
             "pdactors_proxy_fallbacks",
             "Requests D served alone although they were meant for P: no P in rotation "
-            "(no_prefill), or P failed before its first token (prefill_failed)",
+            "(no_prefill), P failed before its first token (prefill_failed), or P was judged "
+            "unhealthy while they waited for its first token (p_unhealthy)",
             ["why"],
             registry=r,
         )
