@@ -28,6 +28,10 @@ Hidden = 1 - (tail - control tail) / raw write of the whole request (standalone)
 fraction of the transfer that did not show after the prefill. Bytes are verified on D for every
 request (each request fills its blocks with a pattern of its own).
 
+KV checksums (``--checksums on``, the default, as deployed): P hashes what it writes and D what
+landed with ``pdactors_vllm.device_sums`` (torch ops on the KV's device; run with
+``PYTHONPATH=.:integrations/vllm``); ``--checksums off`` for the tail without them.
+
 P is a child process (``--role prefill``; CUDA will not open an IPC handle in the process that
 made it, so ``nvlink_intra`` needs two processes); D is the parent. One GPU holds both with
 ``--p-device cuda:0 --d-device cuda:0``. A CPU smoke test: ``--device cpu --protocol tcp``.
@@ -47,6 +51,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -103,6 +108,15 @@ def reference(args: argparse.Namespace, device: str) -> Any:
     ramp = torch.arange(bb, device=device, dtype=torch.int64)
     idx = torch.arange(r * n, device=device, dtype=torch.int64).reshape(r, n, 1)
     return ((ramp + idx * 7) % 256).to(torch.uint8)
+
+
+def kv_hasher(args: argparse.Namespace, kv: Any) -> Any:
+    """The KV checksums' hasher of ``kv`` (torch ops on its device), or None when off."""
+    if args.checksums == "off":
+        return None
+    from pdactors_vllm.device_sums import TorchRunHasher
+
+    return TorchRunHasher([kv])
 
 
 def sync(device: str) -> None:
@@ -262,9 +276,14 @@ async def prefill(args: argparse.Namespace) -> None:
     async with open_mooncake(cfg) as plane, trio.open_nursery() as nursery:
         plane.register([(kv.data_ptr(), kv.numel())])
         engine = plane.engine
-        config = SenderConfig(engine_id="p", bootstrap_url=args.bootstrap, unclaimed_ttl=3600)
+        config = SenderConfig(
+            engine_id="p", bootstrap_url=args.bootstrap, unclaimed_ttl=3600,
+            checksum_kv=args.checksums == "on",
+        )  # fmt: skip
         timed = TimedPlane(plane)
-        sender = await nursery.start(serve_sender, config, timed, p_layout)
+        sender = await nursery.start(
+            partial(serve_sender, hasher=kv_hasher(args, kv)), config, timed, p_layout
+        )
         work = Prefill(args, kv, ref)
         k = cfg.max_descriptors_per_call
 
@@ -389,7 +408,12 @@ async def decode(args: argparse.Namespace) -> None:
     async with open_mooncake(plane_config(args)) as plane, trio.open_nursery() as nursery:
         plane.register([(d_t.data_ptr(), d_t.numel())])
         url = await nursery.start(serve_bootstrap, BootstrapConfig())
-        receiver = await nursery.start(serve_receiver, ReceiverConfig(), plane, d_layout)
+        receiver = await nursery.start(
+            partial(serve_receiver, hasher=kv_hasher(args, d_t)),
+            ReceiverConfig(verify_kv=args.checksums),
+            plane,
+            d_layout,
+        )
         child = subprocess.Popen(  # noqa: ASYNC220 (starting it does not block; reads go to threads)
             [sys.executable, __file__, *sys.argv[1:], "--role", "prefill", "--bootstrap", url,
              "--d-session", plane.session, "--d-ptr", str(d_t.data_ptr())],
@@ -464,7 +488,8 @@ def report(
     base = rows["control"]["tail50"] if "control" in rows else 0.0
     eager = rows["eager"]["tail50"] if "eager" in rows else float("nan")
     print(
-        f"# {args.protocol} P {args.p_device} D {args.d_device}, {args.stream} stream:"
+        f"# {args.protocol} P {args.p_device} D {args.d_device}, {args.stream} stream,"
+        f" checksums {args.checksums}:"
         f" {args.layers} layers x {args.regions_per_layer} regions, {args.blocks} blocks of"
         f" {args.block_bytes} B ({nbytes / 2**20:.2f} MiB; {result['whole_descriptors']}"
         f" descriptors, {result['layer_descriptors']} per layer), layer {args.layer_ms} ms"
@@ -528,6 +553,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--layer-ms", type=float, default=0.5, help="simulated compute per layer")
     ap.add_argument("--stream", choices=["side", "default"], default="side",
                     help="prefill on its own stream or on the legacy default stream")  # fmt: skip
+    ap.add_argument("--checksums", choices=["on", "off"], default="on",
+                    help="KV checksums (torch ops on the KV's device), as deployed")  # fmt: skip
     ap.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
     ap.add_argument("--requests", type=int, default=30, help="per mode, after the warm-up")
     ap.add_argument("--warmup", type=int, default=3, help="rounds not counted")

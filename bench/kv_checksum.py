@@ -24,24 +24,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-
-from pdactors.core.plan import plan_transfer  # noqa: E402
-from pdactors.dataplane.checksum import (  # noqa: E402
-    SUMS_HEADER,
-    check_landed,
-    pack_sums,
-    run_digests,
-    transfer_seed,
-)
-from pdactors.testing.harness import run_harness  # noqa: E402
-from pdactors.testing.kv import KVBuffer  # noqa: E402
+sys.path.insert(0, str(ROOT / "integrations" / "vllm"))
 
 #: (name, layers, blocks, block bytes): the reference request, a short prompt, and vLLM's.
 SHAPES = [
@@ -54,6 +44,16 @@ SHAPES = [
 
 
 def hash_alone() -> None:
+    from pdactors.core.plan import plan_transfer
+    from pdactors.dataplane.checksum import (
+        SUMS_HEADER,
+        check_landed,
+        pack_sums,
+        run_digests,
+        transfer_seed,
+    )
+    from pdactors.testing.kv import KVBuffer
+
     kv, d = KVBuffer(36, 63, 64 * 1024), KVBuffer(36, 63, 64 * 1024)
     blocks = list(range(63))
     kv.fill("t", blocks)
@@ -78,6 +78,8 @@ def hash_alone() -> None:
 
 
 async def harness(rounds: int, requests: int) -> None:
+    from pdactors.testing.harness import run_harness
+
     print("\n| harness shape | checksums | p50 ms per round | p50 ms | ratio on/off |")
     print("|---|---|---|---|---|")
     for name, layers, blocks, block_bytes in SHAPES:
@@ -149,6 +151,99 @@ def vllm(shapes: list[str], rounds: int, requests: int, engine_args: str, lens: 
                       flush=True)  # fmt: skip
 
 
+#: (name, regions per layer, blocks, bytes per region and block, blocks spread apart)
+GPU_CASES = [
+    ("63 blocks, coalesced", 1, 63, 64 * 1024, False),
+    ("63 blocks, K and V apart", 2, 63, 32 * 1024, False),
+    ("63 blocks, no two adjacent", 1, 63, 64 * 1024, True),
+    ("1 block", 1, 1, 64 * 1024, False),
+    ("1 block, K and V apart", 2, 1, 32 * 1024, False),
+]
+
+
+def coalesced_runs(
+    base: int, regions: int, pool: int, block_bytes: int, ids: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The source runs ``plan_transfer`` emits for blocks ``ids`` of a packed layout at
+    ``base`` (``regions`` x ``pool`` blocks) into the same ids of another: per region, one run
+    per stretch of adjacent ids (tests/vllm/test_device_sums.py compares them)."""
+    addrs: list[int] = []
+    lengths: list[int] = []
+    for r in range(regions):
+        start = prev = ids[0]
+        for b in [*ids[1:], None]:
+            if b is not None and b == prev + 1:
+                prev = b
+                continue
+            addrs.append(base + (r * pool + start) * block_bytes)
+            lengths.append((prev - start + 1) * block_bytes)
+            if b is not None:
+                start = prev = b
+    return np.array(addrs, dtype=np.uint64), np.array(lengths, dtype=np.uint64)
+
+
+def gpu_checksums(
+    device: str, layers: int, scale: int, iters: int, warmup: int, ttft_ms: float | None
+) -> None:
+    """Time :class:`~pdactors_vllm.device_sums.TorchRunHasher` on ``device`` (block sizes
+    divided by ``scale``: 1 is the reference request)."""
+    import torch
+
+    from pdactors_vllm.device_sums import TorchRunHasher
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(
+            f"--gpu-checksums on {device}: this torch ({torch.__version__}) sees no CUDA "
+            "device. Run it on a machine with a GPU and a CUDA build of torch, or give "
+            "--device cpu --small for a smoke run."
+        )
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+
+    print(f"# KV checksums on {device} (torch {torch.__version__}): {layers} layers, "
+          f"{iters} calls after {warmup} warm-up, wall time of one call")  # fmt: skip
+    print("| request | runs | MiB | p50 ms | min ms | GB/s at p50 | same as host | flip caught |")
+    print("|---|---|---|---|---|---|---|---|")
+    p50s: dict[str, float] = {}
+    for name, per_layer, blocks, block_bytes, spread in GPU_CASES:
+        block_bytes //= scale
+        regions, pool = layers * per_layer, 2 * blocks
+        gen = torch.Generator(device=device).manual_seed(0)
+        kv: Any = torch.randn((regions, pool, block_bytes // 2), generator=gen,
+                              dtype=torch.bfloat16, device=device)  # fmt: skip
+        ids = list(range(0, 2 * blocks, 2)) if spread else list(range(blocks))
+        addrs, lengths = coalesced_runs(kv.data_ptr(), regions, pool, block_bytes, ids)
+        hasher, seed = TorchRunHasher([kv]), 0x5EED
+        sync()
+        for _ in range(warmup):
+            digests = hasher.digests(seed, addrs, lengths)
+        times = []
+        for _ in range(iters):
+            sync()
+            start = time.perf_counter()
+            digests = hasher.digests(seed, addrs, lengths)
+            times.append(time.perf_counter() - start)
+        host = kv.cpu()
+        moved = addrs - np.uint64(kv.data_ptr()) + np.uint64(host.data_ptr())
+        same = np.array_equal(digests, TorchRunHasher([host]).digests(seed, moved, lengths))
+        raw = kv.view(torch.uint8).view(-1)
+        raw[int(lengths[0]) // 2 + int(addrs[0]) - kv.data_ptr()] ^= 0x10
+        caught = hasher.digests(seed, addrs, lengths)[0] != digests[0]
+        p50, nbytes = float(np.median(times)), int(lengths.sum())
+        p50s[name] = p50
+        print(f"| {name} | {len(lengths)} | {nbytes / 2**20:.2f} | {p50 * 1e3:.3f} "
+              f"| {min(times) * 1e3:.3f} | {nbytes / p50 / 1e9:.1f} | {'yes' if same else 'NO'} "
+              f"| {'yes' if caught else 'NO'} |", flush=True)  # fmt: skip
+        if not (same and caught):
+            raise SystemExit(f"{name}: the device's digests are wrong")
+    if ttft_ms:
+        for name, p50 in p50s.items():
+            share = 2 * p50 * 1e3 / ttft_ms  # P hashes before its write, D after it landed
+            print(f"# {name}: P + D {2 * p50 * 1e3:.3f} ms = {share:.1%} of a {ttft_ms:g} ms TTFT")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=6)
@@ -158,7 +253,22 @@ def main() -> None:
     ap.add_argument("--engine-args", default="")
     ap.add_argument("--prompt-lens", type=int, nargs=2, default=[20, 900])
     ap.add_argument("--skip-harness", action="store_true")
+    ap.add_argument("--gpu-checksums", action="store_true",
+                    help="only the checksums of KV on a GPU (torch ops), on --device")  # fmt: skip
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--ttft-ms", type=float, default=None,
+                    help="also print P's plus D's hash as a share of this TTFT")  # fmt: skip
+    ap.add_argument("--small", action="store_true",
+                    help="--gpu-checksums at 4 layers, 1/16 of the block size")  # fmt: skip
     args = ap.parse_args()
+    if args.gpu_checksums:
+        small = (4, 16, 3, 1) if args.small else (36, 1, args.iters, 5)
+        layers, scale, iters, warmup = small
+        gpu_checksums(args.device, layers, scale, iters, warmup, args.ttft_ms)
+        return
+    import trio
+
     print("| what | P | D |\n|---|---|---|")
     hash_alone()
     if not args.skip_harness:

@@ -21,6 +21,8 @@ from pdactors.config import ReceiverConfig as ReceiverConfig
 from pdactors.config import SenderConfig as SenderConfig
 from pdactors.dataplane import DataPlane as DataPlane
 from pdactors.dataplane import MooncakeDataPlane as MooncakeDataPlane
+from pdactors.dataplane import RunHasher as RunHasher
+from pdactors.dataplane import Xxh3Hasher as Xxh3Hasher
 from pdactors.dataplane import open_mooncake as open_mooncake
 from pdactors.errors import BadBlockIds as BadBlockIds
 from pdactors.errors import BadMessage as BadMessage

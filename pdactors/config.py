@@ -171,9 +171,10 @@ class SenderConfig(msgspec.Struct, frozen=True, kw_only=True):
       version), registered with the bootstrap and checked against each pull's; a pull that
       differs is refused by the name of the first field (None: nothing checked).
       ``compat_relax``: the fields that may differ (each logged once per peer).
-    * ``checksum_kv``: hash the source bytes of every run written (xxh3-64, in the write's
-      worker thread, before the engine call) and send the sums with ``PullDone`` for D to
-      verify (:mod:`pdactors.dataplane.checksum`). Host memory only: off for KV on a GPU.
+    * ``checksum_kv``: hash the source bytes of every run written (in the write's worker
+      thread, before the engine call) and send the sums with ``PullDone`` for D to verify
+      (:mod:`pdactors.dataplane.checksum`). The algorithm is the sender's ``hasher``: xxh3-64
+      of host memory by default; KV on a GPU needs one that runs there (the vLLM adapter's).
     """
 
     engine_id: str
@@ -227,8 +228,9 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
     * ``verify_kv``: ``"on"`` (default): before a pull is reported delivered, recompute P's
       checksums over what landed; a mismatch fails the pull (the engine's load-failure policy
       applies); a P that sends no checksums (an older P, or ``checksum_kv`` off) is trusted,
-      counted and logged once. ``"require"``: such a P's pulls fail. ``"off"``: no check.
-      Host memory only: off for KV on a GPU.
+      counted and logged once, and so are sums of a kind the receiver's ``hasher`` cannot
+      compute (named in the log line). ``"require"``: such a P's pulls fail. ``"off"``: no
+      check.
     """
 
     engine_id: str = "decode"

@@ -4,21 +4,26 @@ reason naming the transfer and the first bad region and block, every block relea
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import msgspec
 import numpy as np
+import numpy.typing as npt
 import pytest
 import trio
 import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdactors import Liveness, ReceiverConfig, SenderConfig
+from pdactors import Liveness, ReceiverConfig, RunHasher, SenderConfig, Xxh3Hasher
 from pdactors.core.plan import plan_transfer
-from pdactors.dataplane.base import DataPlane
+from pdactors.dataplane.base import Addrs, DataPlane
 from pdactors.dataplane.checksum import (
     SUMS_HEADER,
     check_landed,
     pack_sums,
     run_digests,
+    sums_kind,
     transfer_seed,
 )
 from pdactors.testing import Cluster, open_cluster, run_transfer
@@ -190,3 +195,76 @@ async def test_real_mooncake_tcp_bytes_each_corruption_is_caught() -> None:
         assert len(planes[0].injected) == 4
         assert (await run_transfer(cluster, "clean-again", 6)).verified
         await _released(cluster)
+
+
+class OtherKind:
+    """A hasher of another algorithm (xxh3 under another seed, named apart): what a P whose KV
+    is on a GPU sends a D whose KV is in host memory, as far as that D can tell."""
+
+    header = b"crc-64\x00\x02"
+
+    def digests(self, seed: int, addrs: Addrs, lengths: Addrs) -> npt.NDArray[np.uint64]:
+        return run_digests(seed ^ 1, addrs, lengths)
+
+
+def _kinds(p: RunHasher, d: RunHasher) -> Callable[[str, KVBuffer], RunHasher]:
+    return lambda role, kv: p if role == "prefill" else d
+
+
+async def test_both_sides_hash_with_the_hasher_they_are_given(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    planes: list[CorruptingDataPlane] = []
+    async with open_cluster(
+        fabric=MemoryFabric(),
+        transport=MemoryTransport(),
+        sender=QUIET,
+        receiver=PATIENT,
+        wrap_prefill=_corrupting(planes),  # type: ignore[arg-type]
+        hasher=_kinds(OtherKind(), OtherKind()),
+        **SMALL,
+    ) as cluster:
+        assert (await run_transfer(cluster, "clean", 5)).verified
+        planes[0].arm("flip")
+        outcome = await run_transfer(cluster, "bad", 5)
+        assert "KV checksum mismatch in transfer bad from P worker" in outcome.reason
+        stats = cluster.decode[0].receiver.kv_check_statistics()
+        assert (stats.verified, stats.corrupt, stats.unverified) == (1, 1, 0)
+        await _released(cluster)
+
+
+@pytest.mark.parametrize("verify_kv", ["on", "require"])
+@pytest.mark.parametrize("p_is_other", [True, False])
+async def test_sums_of_a_kind_d_cannot_compute_are_trusted_or_refused_by_name(
+    mock_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
+    verify_kv: str,
+    p_is_other: bool,
+) -> None:
+    p, d = (OtherKind(), Xxh3Hasher()) if p_is_other else (Xxh3Hasher(), OtherKind())
+    kind = "'crc-64' v2" if p_is_other else "'xxh3-64' v1"
+    async with open_cluster(
+        fabric=MemoryFabric(),
+        transport=MemoryTransport(),
+        sender=QUIET,
+        receiver=msgspec.structs.replace(PATIENT, verify_kv=verify_kv),
+        hasher=_kinds(p, d),
+        **SMALL,
+    ) as cluster:
+        outcome = await run_transfer(cluster, "t", 5)
+        stats = cluster.decode[0].receiver.kv_check_statistics()
+        if verify_kv == "on":
+            assert outcome.ok and outcome.verified  # delivered (the bytes are right, unchecked)
+            assert (stats.verified, stats.unverified) == (0, 1)
+            assert f"sends KV checksums of kind {kind}, which this D cannot compute" in caplog.text
+        else:
+            assert not outcome.ok
+            assert (f"sent KV checksums of kind {kind}, which this D cannot compute "
+                    "(verify_kv 'require')") in outcome.reason  # fmt: skip
+        await _released(cluster)
+
+
+def test_sums_kind_names_a_peers_header_escaped() -> None:
+    assert sums_kind(SUMS_HEADER + bytes(24)) == "'xxh3-64' v1"
+    assert sums_kind(b"\xffevil\n\x00\x07") == "'\\\\xffevil\\n' v7"
+    assert "too short" in sums_kind(b"xx")

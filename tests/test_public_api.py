@@ -19,7 +19,8 @@ PUBLIC = {
     "KVTransferParams", "Layout", "Liveness",
     "LayoutMismatch", "MooncakeDataPlane", "PdError", "PlanError", "PrefillBackend",
     "ProxyConfig", "PullFailedError", "PullResults", "RankInfo", "Receiver", "ReceiverConfig",
-    "Sender", "SenderConfig", "TransferError", "open_bootstrap_client", "open_mooncake",
+    "RunHasher", "Sender", "SenderConfig", "TransferError", "Xxh3Hasher",
+    "open_bootstrap_client", "open_mooncake",
     "serve_bootstrap", "serve_proxy", "serve_receiver", "serve_sender",
 }  # fmt: skip
 

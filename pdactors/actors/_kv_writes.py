@@ -22,7 +22,7 @@ from pdactors.core.send_rules import StreamState
 from pdactors.core.send_stream import Complete
 from pdactors.core.send_table import SendTable, StartSend
 from pdactors.dataplane.base import Addrs, DataPlane
-from pdactors.dataplane.checksum import SUMS_HEADER, pack_sums, run_digests, transfer_seed
+from pdactors.dataplane.checksum import RunHasher, Xxh3Hasher, pack_sums, transfer_seed
 from pdactors.errors import DataPlaneError, PlanError
 from pdactors.wire import MAX_SUM_RUNS, Layout
 
@@ -42,12 +42,13 @@ class Written:
     descriptors: int = 0
     sums: list[bytes] = field(default_factory=list)
 
-    def wire_sums(self) -> bytes:
-        """``PullDone.sums``: every run's, or ``b""`` when none were taken or too many."""
+    def wire_sums(self, header: bytes) -> bytes:
+        """``PullDone.sums`` (``header``: the hasher's): every run's, or ``b""`` when none
+        were taken or too many."""
         runs = sum(len(s) for s in self.sums) // 24
         if not self.sums or runs > MAX_SUM_RUNS:
             return b""
-        return SUMS_HEADER + b"".join(self.sums)
+        return header + b"".join(self.sums)
 
 
 class _HashedFirst:
@@ -56,9 +57,15 @@ class _HashedFirst:
     The data plane may call it twice at once (two calls carrying pieces of the write)."""
 
     def __init__(
-        self, before: Complete | None, seed: int, src: Addrs, dst: Addrs, lengths: Addrs
+        self,
+        before: Complete | None,
+        hasher: RunHasher,
+        seed: int,
+        src: Addrs,
+        dst: Addrs,
+        lengths: Addrs,
     ) -> None:
-        self._before, self._args = before, (seed, src, dst, lengths)
+        self._before, self._hasher, self._args = before, hasher, (seed, src, dst, lengths)
         self._lock = threading.Lock()
         self.sums: bytes | None = None
 
@@ -75,16 +82,22 @@ class _HashedFirst:
             if self._before is not None:
                 self._before()
             seed, src, dst, lengths = self._args
-            self.sums = pack_sums(dst, lengths, run_digests(seed, src, lengths))
+            try:
+                digests = self._hasher.digests(seed, src, lengths)
+            except Exception as exc:  # the hasher's (a GPU's, say): this write fails, not P
+                raise DataPlaneError(f"hashing the KV failed: {type(exc).__name__}: {exc}") from exc
+            self.sums = pack_sums(dst, lengths, digests)
 
 
 @dataclass(eq=False)
 class KvWriter:
-    """Writes P's blocks (laid out as ``layout``) into D's through ``dataplane``."""
+    """Writes P's blocks (laid out as ``layout``) into D's through ``dataplane``; with
+    ``checksum_kv``, hashes what it writes with ``hasher``."""
 
     config: SenderConfig
     layout: Layout
     dataplane: DataPlane
+    hasher: RunHasher = field(default_factory=Xxh3Hasher)
 
     async def write(
         self,
@@ -112,7 +125,8 @@ class KvWriter:
             )
         hashed: _HashedFirst | None = None
         if self.config.checksum_kv and len(lengths):  # P's blocks stay unchanged until the end
-            hashed = _HashedFirst(before, transfer_seed(job.transfer_id), src, dst, lengths)
+            seed = transfer_seed(job.transfer_id)
+            hashed = _HashedFirst(before, self.hasher, seed, src, dst, lengths)
         await self.dataplane.write(pull.session, src, dst, lengths, before=hashed or before)
         if hashed is not None:
             if hashed.sums is None:  # a data plane that skipped ``before``: no sums to vouch

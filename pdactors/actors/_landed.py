@@ -4,8 +4,10 @@
 The receiver's table asks for the check (:class:`~pdactors.core.pull_table.Verify`) once every
 P worker of a pull has answered that its part landed; the answer goes back to the table
 (:meth:`~pdactors.core.pull_table.PullTable.verified`). A P worker that sent no checksums
-(an older P, or its ``checksum_kv`` off) is trusted under ``verify_kv = "on"`` (counted, and
-logged once per P worker) and fails the pull under ``"require"``.
+(an older P, or its ``checksum_kv`` off), or sums of a kind D's hasher cannot compute (P hashes
+a GPU's KV, D's is in host memory, or the other way round), is trusted under
+``verify_kv = "on"`` (counted, and logged once per P worker, naming the kind) and fails the
+pull under ``"require"``. Malformed sums of D's own kind fail the pull either way.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import trio
 from pdactors.actors._durations import Durations, DurationStatistics
 from pdactors.config import VerifyKv
 from pdactors.core.pull_table import Verify
-from pdactors.dataplane.checksum import check_landed
+from pdactors.dataplane.checksum import HEADER_BYTES, RunHasher, Xxh3Hasher, check_landed, sums_kind
 from pdactors.errors import PdError
 from pdactors.wire import Layout, PullDone
 
@@ -41,10 +43,12 @@ class KvCheckStats:
 
 
 class LandedCheck:
-    """Checks the KV that landed in ``layout`` (D's) as ``mode`` says."""
+    """Checks the KV that landed in ``layout`` (D's) as ``mode`` says, recomputing P's sums
+    with ``hasher`` (default :class:`~pdactors.dataplane.checksum.Xxh3Hasher`)."""
 
-    def __init__(self, mode: VerifyKv, layout: Layout) -> None:
+    def __init__(self, mode: VerifyKv, layout: Layout, hasher: RunHasher | None = None) -> None:
         self.mode, self.layout = mode, layout
+        self.hasher: RunHasher = hasher or Xxh3Hasher()
         self.verified = self.corrupt = self.unverified = 0
         self._quiet: set[str] = set()
         self._seconds = Durations()
@@ -62,15 +66,26 @@ class LandedCheck:
         else why not, naming the transfer, the P worker and the first bad region and block.
         Checkpoint (the hashing runs in a worker thread)."""
         tid = job.transfer_id
-        parts = [(peer, sums) for peer, sums in job.parts if sums]
-        bare = [peer for peer, sums in job.parts if not sums]
-        if bare and self.mode == "require":
-            return f"transfer {tid}: P worker {bare[0]} sent no KV checksums (verify_kv 'require')"
-        if bare:
-            self.unverified += len(bare)
-            for peer in set(bare) - self._quiet:
-                log.warning("P worker %s sends no KV checksums: its KV is not verified "
-                            "(transfer %s; said once per P worker)", peer, tid)  # fmt: skip
+        mine = self.hasher.header
+        parts, unchecked = [], []
+        for peer, sums in job.parts:
+            if not sums:
+                unchecked.append((peer, "no KV checksums"))
+            elif len(sums) >= HEADER_BYTES and not sums.startswith(mine):
+                kind = f"KV checksums of kind {sums_kind(sums)}, which this D cannot compute"
+                unchecked.append((peer, kind))
+            else:
+                parts.append((peer, sums))
+        if unchecked and self.mode == "require":
+            peer, what = unchecked[0]
+            return f"transfer {tid}: P worker {peer} sent {what} (verify_kv 'require')"
+        if unchecked:
+            self.unverified += len(unchecked)
+            for peer, what in unchecked:
+                if peer in self._quiet:
+                    continue
+                log.warning("P worker %s sends %s: its KV is not verified "
+                            "(transfer %s; said once per P worker)", peer, what, tid)  # fmt: skip
                 if len(self._quiet) < _MAX_REMEMBERED:
                     self._quiet.add(peer)
         if not parts:
@@ -79,10 +94,12 @@ class LandedCheck:
         start = trio.current_time()
         try:
             error = await trio.to_thread.run_sync(
-                check_landed, tid, parts, self.layout, job.block_ids
+                check_landed, tid, parts, self.layout, job.block_ids, self.hasher
             )
         except (PdError, ArithmeticError, ValueError) as exc:  # D's own plan of its blocks
             error = f"transfer {tid}: the KV check failed: {exc}"
+        except Exception as exc:  # the hasher's own failure (a GPU's, say): this pull fails
+            error = f"transfer {tid}: the KV check failed: {type(exc).__name__}: {exc}"
         self._seconds.add(trio.current_time() - start)
         if error is None:
             self.verified += 1

@@ -39,6 +39,7 @@ from pdactors.core.epochs import new_epoch
 from pdactors.core.plan import check_layout
 from pdactors.core.pull_table import Completed, PullEffect, PullTable, SendCancel, Verify
 from pdactors.dataplane.base import DataPlane
+from pdactors.dataplane.checksum import RunHasher
 from pdactors.errors import PdError, PullFailedError
 from pdactors.transport import ZMQ, Transport
 from pdactors.wire import (
@@ -88,6 +89,7 @@ class Receiver:
         client: BootstrapClient,
         nursery: trio.Nursery,
         transport: Transport = ZMQ,
+        hasher: RunHasher | None = None,
     ) -> None:
         check_layout(layout)
         self.config = config
@@ -106,7 +108,7 @@ class Receiver:
         self._results_changed = Pulse()
         self._ended = Pulse()  # fired whenever any pull ends
         self._pull_seconds = Durations()  # each delivered pull, start to P's answer
-        self._landed = LandedCheck(config.verify_kv, layout)
+        self._landed = LandedCheck(config.verify_kv, layout, hasher)
         self._p_answers = PAnswers(
             self._table, self._lookups, self._landed, self._links, layout, self._apply
         )
@@ -358,18 +360,21 @@ async def serve_receiver(
     layout: Layout,
     *,
     transport: Transport = ZMQ,
+    hasher: RunHasher | None = None,
     task_status: trio.TaskStatus[Receiver] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a D receiver until cancelled; ``task_status.started`` gets its :class:`Receiver`.
 
     ``layout`` is D's KV memory, already registered with ``dataplane`` (P writes into it);
-    ``transport`` is the side channel (real ZMQ by default; see :mod:`pdactors.transport`).
+    ``transport`` is the side channel (real ZMQ by default; see :mod:`pdactors.transport`);
+    ``hasher`` recomputes P's KV checksums over what landed (``verify_kv``) where D's KV is
+    (default :class:`~pdactors.dataplane.checksum.Xxh3Hasher`, host memory).
     """
     async with (
         open_bootstrap_client(config.bootstrap_token, config.bootstrap_ca_file) as client,
         trio.open_nursery() as nursery,
     ):
-        receiver = Receiver(config, dataplane, layout, client, nursery, transport)
+        receiver = Receiver(config, dataplane, layout, client, nursery, transport, hasher)
         nursery.start_soon(receiver._serve_deadlines)
         log.info("receiver %s rank %s ready", config.engine_id, config.ranks)
         task_status.started(receiver)

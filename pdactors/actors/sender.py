@@ -58,6 +58,7 @@ from pdactors.core.send_table import (
     Wake,
 )
 from pdactors.dataplane.base import DataPlane
+from pdactors.dataplane.checksum import RunHasher, Xxh3Hasher
 from pdactors.errors import PlanError
 from pdactors.transport import ZMQ, Router, Transport
 from pdactors.wire import (
@@ -92,6 +93,7 @@ class Sender:
         layout: Layout,
         router: Router,
         nursery: trio.Nursery,
+        hasher: RunHasher | None = None,
     ) -> None:
         check_layout(layout)
         self.config = config
@@ -112,7 +114,7 @@ class Sender:
         self._fence = EpochFence(log)  # this life's epoch, and the D sessions' latest
         self._finished: set[str] = set()
         self._finished_changed = Pulse()
-        self._writer = KvWriter(config, layout, dataplane)
+        self._writer = KvWriter(config, layout, dataplane, hasher or Xxh3Hasher())
         self._ticks = Ticks(self._table, config.tick_interval, self._apply)
         self.bytes_sent = 0
         self.descriptors_sent = 0
@@ -338,7 +340,7 @@ class Sender:
                 error=error,
                 nbytes=written.nbytes,
                 descriptors=written.descriptors,
-                sums=written.wire_sums(),
+                sums=written.wire_sums(self._writer.hasher.header),
             )
         )
 
@@ -367,11 +369,14 @@ async def serve_sender(
     *,
     transport: Transport = ZMQ,
     replaces: int = 0,
+    hasher: RunHasher | None = None,
     task_status: trio.TaskStatus[Sender] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a P sender until cancelled; ``task_status.started`` gets its :class:`Sender`.
 
     ``transport`` is the side channel (real ZMQ by default; see :mod:`pdactors.transport`).
+    ``hasher``: computes the KV checksums of what it writes (``checksum_kv``) where P's KV is
+    (default :class:`~pdactors.dataplane.checksum.Xxh3Hasher`, host memory).
     ``replaces``: the epoch of the sender this one follows in the same process (a restart:
     its registration takes the rank although the predecessor's lease is live; 0: none).
 
@@ -385,7 +390,7 @@ async def serve_sender(
         open_bootstrap_client(config.bootstrap_token, config.bootstrap_ca_file) as client,
         trio.open_nursery() as nursery,
     ):
-        sender = Sender(config, dataplane, layout, router, nursery)
+        sender = Sender(config, dataplane, layout, router, nursery, hasher)
         if config.bootstrap_url is not None:
             await register_sender(client, config, router, nursery, epoch=sender.epoch,
                                   replaces=replaces, unreachable=sender.unreachable)  # fmt: skip

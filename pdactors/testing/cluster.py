@@ -36,7 +36,7 @@ from pdactors.config import (
     SenderConfig,
 )
 from pdactors.core.plan import rank_heads
-from pdactors.dataplane import DataPlane, open_mooncake
+from pdactors.dataplane import DataPlane, RunHasher, open_mooncake
 from pdactors.errors import PdError
 from pdactors.testing.kv import BlockPool, KVBuffer
 from pdactors.testing.memory_dataplane import MemoryFabric
@@ -149,6 +149,7 @@ async def open_cluster(
     fabric: MemoryFabric | None = None,
     compat: Callable[[str, int], Compat | None] | None = None,
     p_bootstrap: Callable[[str], str] | None = None,
+    hasher: Callable[[str, KVBuffer], RunHasher] | None = None,
 ) -> AsyncIterator[Cluster]:
     """Start a bootstrap, ``prefill`` P engines of ``p_tp`` workers (P engine ``e`` is DP rank
     ``e`` there) and ``decode`` D engines of ``d_tp`` workers, each worker with its own
@@ -170,6 +171,8 @@ async def open_cluster(
     index as for ``transport`` (None: the one in ``sender`` / ``receiver``).
     ``p_bootstrap``: the URL P's senders register at, a function of the bootstrap's (e.g. a
     forwarder that can be cut, to stop their lease renewals); D looks P up at the bootstrap.
+    ``hasher``: each worker's KV checksum hasher, a function of the role and the worker's KV
+    buffer (None: the default, xxh3 of host memory).
     """
     dp_config = dataplane or DataPlaneConfig()
     s_config = sender or SenderConfig(engine_id="prefill")
@@ -223,6 +226,7 @@ async def open_cluster(
                         pp_rank=stage,
                         pp_size=pp,
                     )
+                    sums = hasher(role, kv) if hasher is not None else None
                     if role == "prefill":
                         config = replace(
                             s_config,
@@ -234,7 +238,10 @@ async def open_cluster(
                         )
                         wrapped = wrap_prefill(plane) if wrap_prefill else plane
                         snd = await nursery.start(
-                            partial(serve_sender, transport=side), config, wrapped, kv.layout
+                            partial(serve_sender, transport=side, hasher=sums),
+                            config,
+                            wrapped,
+                            kv.layout,
                         )
                         node = PrefillNode(
                             engine_id, snd, kv, pool, plane, owned, rank, tp, releases, stage, pp
@@ -243,7 +250,7 @@ async def open_cluster(
                         p_nodes.append(node)
                     else:
                         rcv = await nursery.start(
-                            partial(serve_receiver, transport=side),
+                            partial(serve_receiver, transport=side, hasher=sums),
                             replace(
                                 r_config,
                                 engine_id=engine_id,

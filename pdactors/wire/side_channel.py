@@ -100,7 +100,8 @@ class PullDone(_Msg, frozen=True, tag="done"):
     """P → D: every block of ``transfer_id`` has landed in D's memory. ``epoch``: the
     answering P worker's (0: not said); D takes it only from the P life it asked.
 
-    ``sums``: a checksum of every run P wrote, ``(dst, length, xxh3-64)``
+    ``sums``: a checksum of every run P wrote, an 8-byte header naming the algorithm
+    (xxh3-64 for host memory, wmix-64 for a GPU's) then ``(dst, length, digest)``
     (:mod:`pdactors.dataplane.checksum`), which D recomputes over what landed before it
     reports the KV as received; ``b""``: P sent none."""
 

@@ -3,7 +3,6 @@ settings in one place (before any thread starts)."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from pdactors import (
@@ -18,8 +17,6 @@ from pdactors import (
 from pdactors_vllm.settings import ConnectorSettings
 
 __all__ = ["ActorConfigs", "WorkerPlace", "actor_configs"]
-
-log = logging.getLogger("pdactors.vllm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,17 +43,13 @@ class ActorConfigs:
     receiver: ReceiverConfig | None
 
 
-def actor_configs(
-    s: ConnectorSettings, place: WorkerPlace, *, host_kv: bool = True
-) -> ActorConfigs:
-    """The configs of ``place``'s actors from settings ``s``; ``host_kv``: its KV cache is in
-    host memory (KV checksums are read from host memory only: off for a GPU's). Reads the
-    bootstrap token file: raises :class:`OSError` or :class:`ValueError` (empty file)."""
+def actor_configs(s: ConnectorSettings, place: WorkerPlace) -> ActorConfigs:
+    """The configs of ``place``'s actors from settings ``s`` (``verify_kv`` sets P's
+    ``checksum_kv`` and D's ``verify_kv``, wherever the KV lives: the hasher is chosen with
+    the KV tensors, :func:`pdactors_vllm.worker_side.kv_hasher`). Reads the bootstrap token
+    file: raises :class:`OSError` or :class:`ValueError` (empty file)."""
     token = s.bootstrap_token()
-    verify = s.verify_kv if host_kv else "off"
-    if verify != s.verify_kv:
-        log.info("KV checksums are off for %s: its KV cache is in device memory (the "
-                 "checksums read host memory only)", place.engine_id)  # fmt: skip
+    verify = s.verify_kv
     # A handshake a starved peer cannot answer is a heartbeat it cannot answer: one bound.
     hung = s.heartbeat_timeout
     liveness = Liveness(heartbeat_timeout=hung, connect_timeout=hung)

@@ -17,6 +17,7 @@ import trio
 from pdactors import (
     Layout,
     Receiver,
+    RunHasher,
     Sender,
     open_mooncake,
     serve_bootstrap,
@@ -48,6 +49,7 @@ class WorkerActors:
         layout: Layout,
         memory: list[tuple[int, int]],
         mailbox: Mailbox,
+        hasher: RunHasher | None = None,
     ) -> None:
         self._settings = settings
         self._place = place
@@ -55,6 +57,7 @@ class WorkerActors:
         self._layout = layout
         self._memory = memory
         self._mailbox = mailbox
+        self._hasher = hasher  # the KV checksums' (None: xxh3 of host memory)
         self._sender: Sender | None = None
         self._receiver: Receiver | None = None
         self._sender_epoch = 0  # the last sender's (a restart's sender replaces it)
@@ -79,7 +82,9 @@ class WorkerActors:
                 await nursery.start(serve_bootstrap, c.bootstrap)
             if c.sender is not None:
                 self._sender = await nursery.start(
-                    partial(serve_sender, transport=transport, replaces=replaces),
+                    partial(
+                        serve_sender, transport=transport, replaces=replaces, hasher=self._hasher
+                    ),
                     c.sender,
                     plane,
                     self._layout,
@@ -88,7 +93,10 @@ class WorkerActors:
                 nursery.start_soon(self._collect_sent, self._sender)
             if c.receiver is not None:
                 self._receiver = await nursery.start(
-                    partial(serve_receiver, transport=transport), c.receiver, plane, self._layout
+                    partial(serve_receiver, transport=transport, hasher=self._hasher),
+                    c.receiver,
+                    plane,
+                    self._layout,
                 )
                 nursery.start_soon(self._collect_received, self._receiver)
             task_status.started()

@@ -127,8 +127,12 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     * ``verify_kv``: KV checksums (:mod:`pdactors.dataplane.checksum`): ``"on"`` (default): P
       hashes every run it writes and D verifies what landed before it reports the KV
       received (a mismatch fails the load: ``kv_load_failure_policy`` applies); a P that
-      sends no checksums is trusted, logged once. ``"require"``: D fails such a P's loads.
-      ``"off"``: neither. Host memory only: a worker whose KV is on a GPU turns it off.
+      sends no checksums, or checksums of a kind this D cannot compute, is trusted, logged
+      once. ``"require"``: D fails such a P's loads. ``"off"``: neither. Wherever the KV
+      lives: in host memory the checksums are xxh3-64 (read by address); on a GPU they are
+      computed there, by torch ops over the KV tensors on their own CUDA stream
+      (``wmix-64``, :mod:`pdactors_vllm.device_sums`). P and D must keep their KV in the same
+      kind of memory for the checksums to be checked (a mix is trusted or refused as above).
     * ``timeline``: log each transfer's timeline at DEBUG on ``pdactors.timeline``, and append
       it as JSON lines to the file named by ``$PDACTORS_TIMELINE`` when that is set (bench);
       default false.

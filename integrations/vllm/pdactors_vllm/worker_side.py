@@ -11,13 +11,13 @@ supervision (``supervisor``) and the counters (``counters``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from pdactors import Layout, timeline
+from pdactors import Layout, RunHasher, Xxh3Hasher, timeline
 from pdactors.errors import PdError
 from pdactors.host import TrioHost
 from pdactors_vllm import idle
@@ -25,6 +25,7 @@ from pdactors_vllm.actor_configs import WorkerPlace, actor_configs
 from pdactors_vllm.actors import WorkerActors
 from pdactors_vllm.compat import with_kv_dtype
 from pdactors_vllm.counters import TransferCounters
+from pdactors_vllm.device_sums import TorchRunHasher
 from pdactors_vllm.idle_gate import Waker
 from pdactors_vllm.kv_layout import KVRegistration, layout_from_kv_caches
 from pdactors_vllm.mailbox import Mailbox, StepWork
@@ -32,9 +33,19 @@ from pdactors_vllm.scheduler_side import PdActorsMetadata
 from pdactors_vllm.settings import ConnectorSettings
 from pdactors_vllm.supervisor import SHUTDOWN_TIMEOUT, Supervisor
 
-__all__ = ["KVRegistration", "WorkerPlace", "WorkerSide", "layout_from_kv_caches"]
+__all__ = ["KVRegistration", "WorkerPlace", "WorkerSide", "kv_hasher", "layout_from_kv_caches"]
 
 log = logging.getLogger("pdactors.vllm")
+
+
+def kv_hasher(kv_caches: Iterable[torch.Tensor]) -> RunHasher:
+    """What computes the KV checksums of these KV tensors: xxh3 of host memory when they are
+    there (the sums every host deployment sends), torch ops on their device when they are on
+    a GPU (:mod:`pdactors_vllm.device_sums`)."""
+    caches = list(kv_caches)
+    if any(cache.is_cuda for cache in caches):
+        return TorchRunHasher(caches)
+    return Xxh3Hasher()
 
 
 class WorkerSide:
@@ -90,9 +101,14 @@ class WorkerSide:
                                                                     group_of)  # fmt: skip
         self.place = replace(self.place, compat=with_kv_dtype(self.place.compat, kv_caches))
         self._cuda = any(cache.is_cuda for cache in kv_caches.values())
-        configs = actor_configs(self.settings, self.place, host_kv=not self._cuda)
+        configs = actor_configs(self.settings, self.place)
+        hasher = kv_hasher(kv_caches.values())
+        if self._cuda and self.settings.verify_kv != "off":
+            log.info("KV checksums of %s: %r on %s (verify_kv %s)", self.place.engine_id,
+                     hasher.header, next(iter(kv_caches.values())).device,
+                     self.settings.verify_kv)  # fmt: skip
         self._actors = WorkerActors(self.settings, self.place, configs, layout, memory,
-                                    self._mailbox)  # fmt: skip
+                                    self._mailbox, hasher)  # fmt: skip
         name = f"PdActorsConnector worker {self.place.engine_id}"
         self._supervisor = Supervisor(name, self._start_host, on_up=self._up)
         self._supervisor.start()
