@@ -225,10 +225,12 @@ def test_the_gpu_checksum_bench_runs_on_cpu_over_plan_transfers_runs() -> None:
     assert "of a 50 ms TTFT" in done.stdout
 
 
-@pytest.mark.parametrize("verify_kv", ["on", "require", "off"])
+@pytest.mark.parametrize("verify_kv", ["on", "require", "off", "auto"])
 def test_the_adapter_keeps_verify_kv_wherever_the_kv_is_and_xxh3_on_the_host(
     verify_kv: str,
 ) -> None:
+    """``on``, ``require`` and ``off`` hold wherever the KV lives; ``auto`` (the default) is on
+    for host KV and off for a GPU's (the measured cost there: docs/benchmarks.md)."""
     pytest.importorskip("vllm")
     from pdactors import RankInfo
     from pdactors_vllm.actor_configs import WorkerPlace, actor_configs
@@ -236,8 +238,12 @@ def test_the_adapter_keeps_verify_kv_wherever_the_kv_is_and_xxh3_on_the_host(
     from pdactors_vllm.worker_side import kv_hasher
 
     s = settings_from_extra_config({"verify_kv": verify_kv})
-    configs = actor_configs(s, WorkerPlace("e", True, True, RankInfo(), False))
-    assert configs.sender is not None and configs.receiver is not None
-    assert configs.sender.checksum_kv is (verify_kv != "off")
-    assert configs.receiver.verify_kv == verify_kv
+    assert settings_from_extra_config({}).verify_kv == "auto"
+    place = WorkerPlace("e", True, True, RankInfo(), False)
+    for host_kv in (True, False):
+        want = {"auto": "on" if host_kv else "off"}.get(verify_kv, verify_kv)
+        configs = actor_configs(s, place, host_kv=host_kv)
+        assert configs.sender is not None and configs.receiver is not None
+        assert configs.sender.checksum_kv is (want != "off")
+        assert configs.receiver.verify_kv == want
     assert isinstance(kv_hasher([torch.zeros(8)]), Xxh3Hasher)  # host KV: the same wire bytes

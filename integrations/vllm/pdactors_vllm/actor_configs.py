@@ -14,9 +14,19 @@ from pdactors import (
     ReceiverConfig,
     SenderConfig,
 )
+from pdactors.config import VerifyKv
 from pdactors_vllm.settings import ConnectorSettings
 
-__all__ = ["ActorConfigs", "WorkerPlace", "actor_configs"]
+__all__ = ["ActorConfigs", "WorkerPlace", "actor_configs", "verify_kv_for"]
+
+
+def verify_kv_for(s: ConnectorSettings, *, host_kv: bool) -> VerifyKv:
+    """The KV checksums' mode for KV in host memory (``host_kv``) or on a GPU: the setting,
+    with ``"auto"`` on for host memory and off on a GPU (where the measured cost is above the
+    3 % of a TTFT the default allows: docs/benchmarks.md)."""
+    if s.verify_kv == "auto":
+        return "on" if host_kv else "off"
+    return s.verify_kv
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,13 +53,16 @@ class ActorConfigs:
     receiver: ReceiverConfig | None
 
 
-def actor_configs(s: ConnectorSettings, place: WorkerPlace) -> ActorConfigs:
-    """The configs of ``place``'s actors from settings ``s`` (``verify_kv`` sets P's
-    ``checksum_kv`` and D's ``verify_kv``, wherever the KV lives: the hasher is chosen with
-    the KV tensors, :func:`pdactors_vllm.worker_side.kv_hasher`). Reads the bootstrap token
-    file: raises :class:`OSError` or :class:`ValueError` (empty file)."""
+def actor_configs(
+    s: ConnectorSettings, place: WorkerPlace, *, host_kv: bool = True
+) -> ActorConfigs:
+    """The configs of ``place``'s actors from settings ``s``; ``host_kv``: its KV cache is in
+    host memory. ``verify_kv`` sets P's ``checksum_kv`` and D's ``verify_kv`` (``"auto"``:
+    on for host KV, off for a GPU's: :func:`verify_kv_for`); the hasher is chosen with the KV
+    tensors (:func:`pdactors_vllm.worker_side.kv_hasher`). Reads the bootstrap token file:
+    raises :class:`OSError` or :class:`ValueError` (empty file)."""
     token = s.bootstrap_token()
-    verify = s.verify_kv
+    verify = verify_kv_for(s, host_kv=host_kv)
     # A handshake a starved peer cannot answer is a heartbeat it cannot answer: one bound.
     hung = s.heartbeat_timeout
     liveness = Liveness(heartbeat_timeout=hung, connect_timeout=hung)

@@ -124,15 +124,19 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       ``"fail"``: the request ends with an error at once (fail-fast; vLLM's own policy, whose
       default is ``fail``, then applies). ``"fail"`` with ``kv_load_failure_policy:
       "recompute"`` contradicts itself and is refused at start-up.
-    * ``verify_kv``: KV checksums (:mod:`pdactors.dataplane.checksum`): ``"on"`` (default): P
+    * ``verify_kv``: KV checksums (:mod:`pdactors.dataplane.checksum`): ``"on"``: P
       hashes every run it writes and D verifies what landed before it reports the KV
       received (a mismatch fails the load: ``kv_load_failure_policy`` applies); a P that
       sends no checksums, or checksums of a kind this D cannot compute, is trusted, logged
-      once. ``"require"``: D fails such a P's loads. ``"off"``: neither. Wherever the KV
-      lives: in host memory the checksums are xxh3-64 (read by address); on a GPU they are
-      computed there, by torch ops over the KV tensors on their own CUDA stream
-      (``wmix-64``, :mod:`pdactors_vllm.device_sums`). P and D must keep their KV in the same
-      kind of memory for the checksums to be checked (a mix is trusted or refused as above).
+      once. ``"require"``: D fails such a P's loads. ``"off"``: neither. ``"auto"``
+      (default): ``"on"`` for KV in host memory, ``"off"`` for KV on a GPU (measured on one
+      H200: the torch hash of the reference request costs P and D 2 ms together, and the
+      hand-off's tail grew from 0.8-1.5 ms to 3.6-4.9 ms: more than the 3 % of a TTFT the
+      default allows; docs/benchmarks.md). Wherever the KV lives: in host memory the
+      checksums are xxh3-64 (read by address); on a GPU they are computed there, by torch
+      ops over the KV tensors on their own CUDA stream (``wmix-64``,
+      :mod:`pdactors_vllm.device_sums`). P and D must keep their KV in the same kind of
+      memory for the checksums to be checked (a mix is trusted or refused as above).
     * ``timeline``: log each transfer's timeline at DEBUG on ``pdactors.timeline``, and append
       it as JSON lines to the file named by ``$PDACTORS_TIMELINE`` when that is set (bench);
       default false.
@@ -167,7 +171,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     model_fingerprint: Annotated[str, Meta(max_length=MAX_COMPAT_FIELD)] = ""
     compat_relax: tuple[str, ...] = ()
     on_pull_failure: PullFailurePolicy = "recompute"
-    verify_kv: VerifyKv = default_of(ReceiverConfig, "verify_kv")
+    verify_kv: VerifyKv | Literal["auto"] = "auto"
     timeline: bool = False
 
     def bootstrap_token(self) -> str | None:

@@ -21,7 +21,7 @@ from pdactors import Layout, RunHasher, Xxh3Hasher, timeline
 from pdactors.errors import PdError
 from pdactors.host import TrioHost
 from pdactors_vllm import idle
-from pdactors_vllm.actor_configs import WorkerPlace, actor_configs
+from pdactors_vllm.actor_configs import WorkerPlace, actor_configs, verify_kv_for
 from pdactors_vllm.actors import WorkerActors
 from pdactors_vllm.compat import with_kv_dtype
 from pdactors_vllm.counters import TransferCounters
@@ -101,12 +101,13 @@ class WorkerSide:
                                                                     group_of)  # fmt: skip
         self.place = replace(self.place, compat=with_kv_dtype(self.place.compat, kv_caches))
         self._cuda = any(cache.is_cuda for cache in kv_caches.values())
-        configs = actor_configs(self.settings, self.place)
+        configs = actor_configs(self.settings, self.place, host_kv=not self._cuda)
         hasher = kv_hasher(kv_caches.values())
-        if self._cuda and self.settings.verify_kv != "off":
-            log.info("KV checksums of %s: %r on %s (verify_kv %s)", self.place.engine_id,
-                     hasher.header, next(iter(kv_caches.values())).device,
-                     self.settings.verify_kv)  # fmt: skip
+        if self._cuda:
+            verify = verify_kv_for(self.settings, host_kv=False)
+            log.info("KV checksums of %s: %s on %s (verify_kv %s)", self.place.engine_id,
+                     repr(hasher.header) if verify != "off" else "off",
+                     next(iter(kv_caches.values())).device, self.settings.verify_kv)  # fmt: skip
         self._actors = WorkerActors(self.settings, self.place, configs, layout, memory,
                                     self._mailbox, hasher)  # fmt: skip
         name = f"PdActorsConnector worker {self.place.engine_id}"
