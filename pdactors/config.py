@@ -225,6 +225,13 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
       that configurations which set it still load.
     * ``compat`` / ``compat_relax``: as the sender's: sent with each pull, and checked
       against P's registered description before the pull is sent.
+    * ``fence_timeout``: a P worker lost while it wrote a pull's blocks (it says so before
+      it writes) may still write them should it resume (a stopped process, a frozen VM):
+      that pull fails but keeps D's blocks until P confirms no write is in flight (asked on
+      a new connection) or is found dead (a reconnect is refused at once), and ends at this
+      timeout after the loss at the latest, its blocks then reused at a risk the end names.
+      The pull deadline does not end a fenced pull. 0: no fence (the pull ends when P is
+      lost, as before). Default 30 s.
     * ``verify_kv``: ``"on"`` (default): before a pull is reported delivered, recompute P's
       checksums over what landed; a mismatch fails the pull (the engine's load-failure policy
       applies); a P that sends no checksums (an older P, or ``checksum_kv`` off) is trusted,
@@ -236,6 +243,7 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
     engine_id: str = "decode"
     ranks: RankInfo = RankInfo()
     pull_timeout: float = 540.0
+    fence_timeout: float = 30.0
     lookup_timeout: float = 10.0
     tick_interval: float = 0.1
     liveness: Liveness = Liveness()
@@ -249,6 +257,8 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         check_relax(self.compat_relax)
+        if self.fence_timeout < 0:
+            raise ConfigError("fence_timeout must be >= 0")
         if self.verify_kv not in get_args(VerifyKv):
             raise ConfigError(f"verify_kv must be 'off', 'on' or 'require', not {self.verify_kv!r}")
 

@@ -19,7 +19,7 @@ S = PullState
 
 
 def table() -> PullTable:
-    return PullTable(timeout=10.0)
+    return PullTable(timeout=10.0, fence_timeout=5.0)
 
 
 #: How to bring transfer "t" into each state (a pull sent to two P workers, or to one).
@@ -34,6 +34,15 @@ RECIPES: dict[str, Callable[[PullTable], object]] = {
         t.sent("t", "p1"),
         t.answered("t", ok=True, sums=b""),
     ),
+    # p1 said it writes D's blocks now
+    "writing": lambda t: (t.start("t", 0.0), t.sent("t", "p1"), t.writing("t", "p1")),
+    # ... and D lost it at 1.0: fenced until it confirms, is found dead, or 6.0
+    "fenced": lambda t: (
+        t.start("t", 0.0),
+        t.sent("t", "p1"),
+        t.writing("t", "p1"),
+        t.peer_lost("p1", "gone", 1.0),
+    ),
 }
 RECIPE_STATE = {
     "none": None,
@@ -42,6 +51,8 @@ RECIPE_STATE = {
     "sent_to_one": S.SENT,
     "aborting": S.ABORTING,
     "verifying": S.VERIFYING,
+    "writing": S.SENT,
+    "fenced": S.ABORTING,
 }
 CALLS: dict[str, Callable[[PullTable], list[object] | object]] = {
     "start": lambda t: t.start("t", 1.0),
@@ -54,6 +65,9 @@ CALLS: dict[str, Callable[[PullTable], list[object] | object]] = {
     "deadline": lambda t: t.tick(10.0),
     "verified": lambda t: t.verified("t", None),
     "corrupt": lambda t: t.verified("t", "run 0 differs"),
+    "writing": lambda t: t.writing("t", "p1"),
+    "fenced": lambda t: t.fenced("p1", "t", "p1 confirmed it stopped"),
+    "fence_timeout": lambda t: t.tick(6.0),
 }
 Dup, X = DuplicateTransfer, IllegalTransition
 Outcome = PullState | type[IllegalTransition] | None
@@ -64,21 +78,34 @@ def row(*outcomes: Outcome) -> dict[str, Outcome]:
 
 
 #: The state after each call (None: not in flight), or the error. From the module docstring.
+# fmt: off
 ORACLE: dict[str, dict[str, Outcome]] = {
-    # start, sent, abort, answer, refused, fail, lost, deadline, verified, corrupt
-    "none": row(S.LOOKING_UP, None, None, None, None, None, None, None, None, None),
-    "looking_up": row(
-        Dup, S.SENT, None, S.LOOKING_UP, S.LOOKING_UP, None, S.LOOKING_UP, None, X, X
-    ),
-    "sent": row(Dup, X, S.ABORTING, S.SENT, S.ABORTING, S.ABORTING, S.ABORTING, None, X, X),
+    # start, sent, abort, answer, refused, fail, lost, deadline, verified, corrupt,
+    # writing, fenced, fence_timeout
+    "none": row(S.LOOKING_UP, None, None, None, None, None, None, None, None, None,
+                None, None, None),
+    "looking_up": row(Dup, S.SENT, None, S.LOOKING_UP, S.LOOKING_UP, None, S.LOOKING_UP, None,
+                      X, X, S.LOOKING_UP, S.LOOKING_UP, S.LOOKING_UP),
+    "sent": row(Dup, X, S.ABORTING, S.SENT, S.ABORTING, S.ABORTING, S.ABORTING, None, X, X,
+                S.SENT, S.SENT, S.SENT),
     # fail names no P worker: the one asked may be writing, so the pull waits for it
-    "sent_to_one": row(Dup, X, S.ABORTING, None, None, S.ABORTING, None, None, X, X),
-    "aborting": row(Dup, X, S.ABORTING, S.ABORTING, S.ABORTING, S.ABORTING, S.ABORTING, None, X, X),
+    "sent_to_one": row(Dup, X, S.ABORTING, None, None, S.ABORTING, None, None, X, X,
+                       S.SENT, S.SENT, S.SENT),
+    "aborting": row(Dup, X, S.ABORTING, S.ABORTING, S.ABORTING, S.ABORTING, S.ABORTING, None,
+                    X, X, S.ABORTING, S.ABORTING, S.ABORTING),
     # every P worker answered: nothing writes, so D's abort or the deadline end it at once
-    "verifying": row(
-        Dup, X, None, S.VERIFYING, S.VERIFYING, S.VERIFYING, S.VERIFYING, None, None, None
-    ),
+    "verifying": row(Dup, X, None, S.VERIFYING, S.VERIFYING, S.VERIFYING, S.VERIFYING, None,
+                     None, None, S.VERIFYING, S.VERIFYING, S.VERIFYING),
+    # the writer's loss fences the pull (ABORTING, not ended); its answer ends it as before
+    "writing": row(Dup, X, S.ABORTING, None, None, S.ABORTING, S.ABORTING, None, X, X,
+                   S.SENT, S.SENT, S.SENT),
+    # fenced: only the writer's word or death (fenced) or the fence timeout (6.0; the
+    # deadline call's 10.0 is past it) end it; a late answer of the lost writer, D's abort
+    # and other failures change nothing
+    "fenced": row(Dup, X, S.ABORTING, S.ABORTING, S.ABORTING, S.ABORTING, S.ABORTING, None,
+                  X, X, S.ABORTING, None, None),
 }
+# fmt: on
 
 
 @pytest.mark.parametrize(("start", "event"), list(itertools.product(RECIPES, PullEvent)))

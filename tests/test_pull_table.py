@@ -142,9 +142,10 @@ def test_answer_before_send_recorded_is_ignored() -> None:
     assert t.state("t1") is PullState.LOOKING_UP
 
 
+_KINDS = "sent sent2 ok no fail abort lost tick writing confirmed dead".split()
 _EVENTS = st.lists(
     st.tuples(
-        st.sampled_from(["sent", "sent2", "ok", "no", "fail", "abort", "lost", "tick"]),
+        st.sampled_from(_KINDS),
         st.sampled_from(["t1", "t2", "t3"]),
         st.sampled_from(["tcp://p", "tcp://q"]),
     ),
@@ -156,9 +157,11 @@ _EVENTS = st.lists(
 @given(_EVENTS)
 def test_every_pull_ends_exactly_once_whatever_happens(events: list[tuple[str, str, str]]) -> None:
     """Pulls to one or two P workers: each ends exactly once, and never while a P worker it
-    went to may still write (not answered, not lost), except at its deadline."""
-    t = PullTable(timeout=5.0)
+    went to may still write (not answered, not lost, not fenced), except at its deadline or,
+    fenced, at its fence timeout; a pull ever fenced is never delivered."""
+    t = PullTable(timeout=5.0, fence_timeout=3.0)
     ends: list[str] = []
+    fenced: set[str] = set()
     for tid in ("t1", "t2", "t3"):
         t.start(tid, 0.0)
     now = 0.0
@@ -174,15 +177,24 @@ def test_every_pull_ends_exactly_once_whatever_happens(events: list[tuple[str, s
         elif kind == "abort":
             effects = t.abort(tid)
         elif kind == "lost":
-            effects = t.peer_lost(peer, "gone")
+            effects = t.peer_lost(peer, "gone", now)
+        elif kind == "writing":
+            effects = t.writing(tid, peer)
+        elif kind == "confirmed":
+            effects = t.fenced(peer, tid, "confirmed")
+        elif kind == "dead":
+            effects = t.fenced(peer, None, "dead")
         elif kind == "tick":
             now += 2.0
             effects = t.tick(now)
+        fenced.update(t.fenced_pulls())
         for e in effects:
             if isinstance(e, Completed):
                 ends.append(e.transfer_id)
-                assert e.pull is not None
-                assert not e.pull.waiting or now >= e.pull.deadline, e
+                assert e.pull is not None and not e.pull.fencing, e
+                at_risk = "late write" in e.reason
+                assert not e.pull.waiting or now >= e.pull.deadline or at_risk, e
+                assert not (e.ok and e.transfer_id in fenced), e
     ends += [e.transfer_id for e in t.tick(1e9) if isinstance(e, Completed)]
     assert sorted(ends) == ["t1", "t2", "t3"]
     assert len(t) == 0

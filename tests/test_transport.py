@@ -13,6 +13,7 @@ import trio
 import trio.testing
 import zmq
 
+from pdactors.config import Liveness
 from pdactors.transport import DealerSocket, RouterSocket, open_dealer, open_router
 from pdactors.transport.zmq import PeerUnreachable
 
@@ -390,3 +391,41 @@ async def test_send_and_receive_are_checkpoints() -> None:
                 await dealer.send([b"not sent"])
             await dealer.send([b"sent"])
             assert (await router.receive())[1] == [b"sent"]
+
+
+LIVE = Liveness(heartbeat_interval=0.1, heartbeat_timeout=0.5, connect_timeout=0.5)
+
+
+async def test_a_dealer_finds_its_peer_dead_when_a_reconnect_is_refused() -> None:
+    with trio.fail_after(10):
+        async with open_dealer("tcp://127.0.0.1:1", liveness=LIVE) as dealer:
+            assert "refuses connections" in await dealer.wait_dead()  # nothing listens
+        async with trio.open_nursery() as nursery:
+            router_closed = trio.Event()
+
+            async def router_until_closed(task_status: trio.TaskStatus[str]) -> None:
+                async with open_router("127.0.0.1", liveness=LIVE) as router:
+                    task_status.started(router.address)
+                    await router.receive()
+                router_closed.set()
+
+            address = await nursery.start(router_until_closed)
+            async with open_dealer(address, liveness=LIVE) as dealer:
+                await dealer.send([b"hi"])  # up, then the router's process "dies"
+                await router_closed.wait()
+                assert "lost" in await dealer.wait_lost(0.5)
+                assert "refuses connections" in await dealer.wait_dead()
+
+
+async def test_a_peer_that_accepts_and_never_answers_is_lost_but_not_dead() -> None:
+    # a stopped process's socket: the kernel still accepts its connections
+    with trio.fail_after(10):
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        async with open_dealer(f"tcp://127.0.0.1:{port}", liveness=LIVE) as dealer:
+            assert "no connection" in await dealer.wait_lost(0.5)
+            with trio.move_on_after(1.5) as waited:
+                await dealer.wait_dead()
+            assert waited.cancelled_caught
+        for listener in listeners:
+            await listener.aclose()

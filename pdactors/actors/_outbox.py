@@ -133,6 +133,18 @@ class Outbox:
         queue.append(msg)
         self._changed.fire()
 
+    def put_now(self, identity: bytes, msg: Msg) -> None:
+        """Hand ``msg`` to ZMQ now when nothing waits before it for ``identity`` (the caller
+        acts on the peer's behalf right after); else queue it as :meth:`put` does."""
+        if identity not in self._queues and identity not in self._cut:
+            try:
+                if self._router.send_nowait(identity, encode_frames(msg)):
+                    return
+            except PeerUnreachable:
+                self.dropped += 1
+                return  # gone: the loss loop ends its transfers
+        self.put(identity, msg)
+
     def cut(self, identity: bytes, reason: str) -> None:
         """Cut ``identity`` off: drop its replies, end its transfers (``on_cut``)."""
         if identity in self._cut:

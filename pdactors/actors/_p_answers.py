@@ -1,7 +1,8 @@
 """What D does with each message a P worker sends about D's pulls: ``PullDone`` (its part
 landed, with checksums to verify), ``PullFailed`` (it will not deliver; perhaps look P up
 again), ``LayoutUnknown`` (P forgot D's layout: the pull is resent with it) and ``ErrorReply``
-(P could not read D's message).
+(P could not read D's message), and ``Writing`` (P writes D's blocks now: a loss of P
+before its answer fences the pull).
 
 Each answer goes to the pull's record (:class:`~pdactors.core.pull_table.PullTable`), whose
 effects the receiver carries out; a late answer (its pull ended) is dropped, and one from
@@ -27,6 +28,7 @@ from pdactors.wire import (
     Msg,
     PullDone,
     PullFailed,
+    Writing,
     encode_frames,
 )
 
@@ -75,6 +77,8 @@ class PAnswers:
                     self._apply(self._table.answered(tid, ok=False, reason=f"P: {failed.reason}",
                                                      peer=peer.address, epoch=epoch,
                                                      lookup_again=again))  # fmt: skip
+            case Writing(transfer_id=tid, epoch=epoch):
+                self._apply(self._table.writing(tid, peer.address, epoch))
             case LayoutUnknown(transfer_id=tid):
                 pull = self._table.get(tid)
                 if pull is not None and pull.request is not None and peer.address in pull.waiting:

@@ -69,7 +69,8 @@ class _Connecting:
 #: What the owner does with each message a P worker sends.
 OnAnswer = Callable[[Peer, Msg], None]
 #: What the owner does when a connection is gone (with why): ends the pulls sent there and
-#: returns their transfer ids.
+#: returns the transfer ids of those that ended (a pull fenced against a write still in
+#: flight gets its cancel from the fence, :mod:`pdactors.actors._write_fences`).
 OnLost = Callable[[Peer, str], list[str]]
 
 

@@ -33,11 +33,12 @@ from pdactors.actors._landed import KvCheckStats, LandedCheck
 from pdactors.actors._lookups import Lookups
 from pdactors.actors._p_answers import PAnswers
 from pdactors.actors._p_connections import PConnections, Peer
+from pdactors.actors._write_fences import WriteFences
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import ReceiverConfig
 from pdactors.core.epochs import new_epoch
 from pdactors.core.plan import check_layout
-from pdactors.core.pull_table import Completed, PullEffect, PullTable, SendCancel, Verify
+from pdactors.core.pull_table import Completed, Fence, PullEffect, PullTable, SendCancel, Verify
 from pdactors.dataplane.base import DataPlane
 from pdactors.dataplane.checksum import RunHasher
 from pdactors.errors import PdError, PullFailedError
@@ -99,7 +100,7 @@ class Receiver:
         self.epoch = new_epoch()
         self._layout_id = layout_id(dataplane.session, layout)
         self._nursery = nursery
-        self._table = PullTable(timeout=config.pull_timeout)
+        self._table = PullTable(timeout=config.pull_timeout, fence_timeout=config.fence_timeout)
         self._lookups = Lookups(client, config.lookup_timeout)
         self._compat = PeerCompat(config.compat, config.compat_relax, "D", log)
         self._links = PConnections(config, transport, nursery, self._on_answer, self._lost)
@@ -107,6 +108,8 @@ class Receiver:
         self._failed: dict[str, str] = {}
         self._results_changed = Pulse()
         self._ended = Pulse()  # fired whenever any pull ends
+        self._fences = WriteFences(config, self._session, transport, nursery, self._table,
+                                   self._apply, self._ended)  # fmt: skip
         self._pull_seconds = Durations()  # each delivered pull, start to P's answer
         self._landed = LandedCheck(config.verify_kv, layout, hasher)
         self._p_answers = PAnswers(
@@ -266,6 +269,7 @@ class Receiver:
             p_pp_size=p_pp,
             compat=self.config.compat,
             d_epoch=self.epoch,
+            fence=self.config.fence_timeout > 0,
         )
         epochs = [epoch for _, _, _, epoch in workers]  # each P worker's, as D looked it up
         # Recorded before the send: P's answer may arrive before this task runs again.
@@ -294,11 +298,19 @@ class Receiver:
         return self._links.protocol_errors
 
     def _lost(self, peer: Peer, reason: str) -> list[str]:
-        """``peer``'s connection is gone: its pulls end; returns their transfer ids."""
+        """``peer``'s connection is gone: its pulls end, but those it said it was writing,
+        which are fenced (:mod:`pdactors.actors._write_fences`, asked with the CURVE key
+        ``peer`` registered); returns the ids of the others."""
         self._lookups.forget_address(peer.address)
         pulls = self._table.on_peer(peer.address)
-        self._apply(self._table.peer_lost(peer.address, reason))
-        return pulls
+        effects = self._table.peer_lost(peer.address, reason, trio.current_time())
+        fenced: set[str] = set()
+        for fence in [e for e in effects if isinstance(e, Fence)]:
+            fenced.update(fence.transfer_ids)
+            self._fences.open(fence, peer.curve_key)
+            self._sleep.deadline = min(self._sleep.deadline, fence.until)
+        self._apply([e for e in effects if not isinstance(e, Fence)])
+        return [t for t in pulls if t not in fenced]
 
     def _on_answer(self, peer: Peer, msg: Msg) -> None:
         self._p_answers.on_answer(peer, msg)
@@ -328,6 +340,8 @@ class Receiver:
                     self._completed(effect)
                 case Verify():
                     self._nursery.start_soon(self._verify, effect)
+                case Fence():  # only from peer_lost, which _lost carries out
+                    raise AssertionError(f"{effect} outside a loss")
 
     async def _verify(self, job: Verify) -> None:
         error = await self._landed.check(job)
@@ -370,11 +384,19 @@ async def serve_receiver(
     ``hasher`` recomputes P's KV checksums over what landed (``verify_kv``) where D's KV is
     (default :class:`~pdactors.dataplane.checksum.Xxh3Hasher`, host memory).
     """
-    async with (
-        open_bootstrap_client(config.bootstrap_token, config.bootstrap_ca_file) as client,
-        trio.open_nursery() as nursery,
-    ):
-        receiver = Receiver(config, dataplane, layout, client, nursery, transport, hasher)
-        nursery.start_soon(receiver._serve_deadlines)
-        log.info("receiver %s rank %s ready", config.engine_id, config.ranks)
-        task_status.started(receiver)
+    receiver: Receiver | None = None
+    try:
+        async with (
+            open_bootstrap_client(config.bootstrap_token, config.bootstrap_ca_file) as client,
+            trio.open_nursery() as nursery,
+        ):
+            receiver = Receiver(config, dataplane, layout, client, nursery, transport, hasher)
+            nursery.start_soon(receiver._serve_deadlines)
+            log.info("receiver %s rank %s ready", config.engine_id, config.ranks)
+            task_status.started(receiver)
+    finally:
+        if receiver is not None and (fenced := receiver._table.fenced_pulls()):
+            # Their blocks go back with whatever reuses D's memory next: say which.
+            log.warning("receiver stops with %d pulls fenced (%s): a P worker lost while "
+                        "writing them may still write their blocks", len(fenced),
+                        ", ".join(fenced[:8]))  # fmt: skip

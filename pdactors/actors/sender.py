@@ -70,6 +70,7 @@ from pdactors.wire import (
     LayoutUnknown,
     PullFailed,
     PullRequest,
+    Writing,
     block_groups,
     decode_frames,
 )
@@ -233,9 +234,9 @@ class Sender:
             match msg:
                 case PullRequest():
                     self._apply(self._on_pull(identity, msg, now))
-                case CancelPull(transfer_id=tid, reason=reason):
+                case CancelPull(transfer_id=tid, reason=reason, session=session):
                     log.debug("transfer %r cancelled by D: %r", tid, reason)
-                    self._apply(self._table.pull_cancelled(tid, identity, now, reason))
+                    self._apply(self._table.pull_cancelled(tid, identity, now, reason, session))
                 case _:
                     what = f"unexpected message {type(msg).__name__}"
                     self._bad_frame(identity, frames, FrameError(what))
@@ -350,7 +351,9 @@ class Sender:
                 case Reply(identity=identity, msg=msg):
                     self._waiting.release(identity, getattr(msg, "transfer_id", ""))
                     self._outbox.put(identity, self._fence.stamp(msg))
-                case StartSend():
+                case StartSend(identity=identity, pull=pull):
+                    if pull.fence:  # said before the write: D fences it should it lose P
+                        self._outbox.put_now(identity, Writing(pull.transfer_id, self._fence.epoch))
                     self._nursery.start_soon(self._send, effect)
                 case Release(transfer_id=tid, state=state):
                     log.debug("transfer %s released (%s)", tid, state.value)

@@ -55,6 +55,9 @@ class PullEvent(enum.Enum):
     LANDED = "landed"  # every part landed, with checksums to verify
     VERIFIED = "verified"  # what landed matches P's checksums
     CORRUPT = "corrupt"  # what landed does not match them
+    WRITING = "writing"  # a P worker asked says it writes into D's blocks now
+    FENCED = "fenced"  # a lost P worker that was writing confirmed it stopped, or is dead
+    FENCE_TIMEOUT = "fence_timeout"  # ... or neither within ``fence_timeout``
 
 
 class PullDo(enum.Enum):
@@ -72,6 +75,7 @@ class PullDo(enum.Enum):
     END_ABORTING = "end_aborting"  # ends as D's abort, or with its part's first failure
     VERIFY = "verify"  # recompute the checksums over D's blocks (off the trio thread)
     END_CORRUPT = "end_corrupt"  # ends CORRUPT: D's blocks do not hold what P sent
+    NOTE_WRITING = "note_writing"  # remember it: should D lose that P worker, fence the pull
 
 
 S, E, Do = PullState, PullEvent, PullDo
@@ -116,6 +120,19 @@ PULL_TRANSITIONS: dict[tuple[PullState | None, PullEvent], tuple[PullState | Non
     (S.VERIFYING, E.CORRUPT): (None, Do.END_CORRUPT),
     (None, E.VERIFIED): (None, Do.NOTHING),  # the pull ended while being checked
     (None, E.CORRUPT): (None, Do.NOTHING),
+    # A write that may land after D lost its writer: the pull keeps D's blocks (ABORTING)
+    # until the writer confirms it stopped or is dead, or at the fence timeout. While a pull
+    # is fenced, the table fires FENCE_TIMEOUT for it, never DEADLINE; FENCED and
+    # FENCE_TIMEOUT only ever reach a fenced pull, which is ABORTING (a lost P worker's part
+    # failed, or D had aborted).
+    (None, E.WRITING): (None, Do.NOTHING),  # a late notice
+    (S.LOOKING_UP, E.WRITING): (S.LOOKING_UP, Do.NOTHING),  # P was not asked
+    (S.SENT, E.WRITING): (S.SENT, Do.NOTE_WRITING),
+    (S.ABORTING, E.WRITING): (S.ABORTING, Do.NOTE_WRITING),  # D's cancel is on its way
+    (S.VERIFYING, E.WRITING): (S.VERIFYING, Do.NOTHING),  # every part answered already
+    (S.ABORTING, E.FENCED): (S.ABORTING, Do.SETTLE),
+    (None, E.FENCED): (None, Do.NOTHING),
+    (S.ABORTING, E.FENCE_TIMEOUT): (None, Do.END_ABORTING),
 }
 
 

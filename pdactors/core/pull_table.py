@@ -23,6 +23,13 @@ The rules are data: :data:`~pdactors.core.pull_rules.PULL_TRANSITIONS`. In short
 a refusal, a lost P worker or D's abort → ABORTING (the others are told to stop) → ended once
 no P worker may still write; the deadline ends any of them.
 
+A write that may land after D lost its writer is fenced: a P worker says ``Writing``
+(:meth:`PullTable.writing`) before it writes a pull's blocks; if D loses it before its answer
+(:meth:`PullTable.peer_lost`), the pull stays ABORTING and keeps D's blocks (:class:`Fence`)
+until that P worker confirms no write is in flight or is found dead (:meth:`PullTable.fenced`),
+or ``fence_timeout`` passes (:meth:`PullTable.tick`: the end names the risk). Such a pull never
+ends delivered, and the pull deadline does not end it while it is fenced.
+
 A second ``start`` for a transfer id in flight raises
 :class:`~pdactors.errors.DuplicateTransfer` and changes
 nothing. Ended pulls are forgotten at once; a late answer from P, or one from a peer the pull
@@ -33,18 +40,27 @@ refusal of a pull meant for another life (``lookup_again``): that P wrote nothin
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
+from pdactors.core.pull_records import (
+    Completed,
+    Fence,
+    Pull,
+    PullEffect,
+    PullEnd,
+    SendCancel,
+    Verify,
+)
 from pdactors.core.pull_rules import PeerMismatch, PullDo, PullEvent, PullState, next_pull_state
 from pdactors.errors import IllegalTransition
 from pdactors.wire import BlockIds, PullRequest
 
 __all__ = [
     "Completed",
+    "Fence",
     "PeerMismatch",
     "Pull",
+    "PullEffect",
     "PullEnd",
     "PullState",
     "PullTable",
@@ -53,112 +69,18 @@ __all__ = [
 ]
 
 
-class PullEnd(enum.Enum):
-    """How a pull ended. Only ``DELIVERED`` means D's blocks hold P's KV."""
-
-    DELIVERED = "delivered"
-    #: P answered that it will not deliver (dropped, failed write, bad request, ...).
-    REFUSED = "refused"
-    #: P's side channel was lost: its process died or it stopped answering heartbeats.
-    P_GONE = "p_gone"
-    #: D could not find or reach P (bootstrap look-up, bad address, socket error).
-    UNREACHABLE = "unreachable"
-    #: D gave up (engine abort, cancelled caller).
-    ABORTED = "aborted"
-    #: The last resort: P stayed alive but never answered within the pull deadline.
-    DEADLINE = "deadline"
-    #: What landed in D's blocks does not match P's checksums (a torn or misplaced write).
-    CORRUPT = "corrupt"
-
-    @property
-    def ok(self) -> bool:
-        return self is PullEnd.DELIVERED
-
-    @property
-    def p_may_have_moved(self) -> bool:
-        """After this end, D should look P up again rather than trust its cached address."""
-        return self in (PullEnd.P_GONE, PullEnd.UNREACHABLE, PullEnd.DEADLINE)
-
-
-@dataclass(slots=True, eq=False)
-class Pull:
-    """One pull in flight. ``waiter`` is opaque here: the actor's wake-up for an awaiting
-    caller, handed back with the :class:`Completed` effect."""
-
-    transfer_id: str
-    bootstrap_url: str
-    engine_id: str
-    block_ids: BlockIds
-    started: float
-    deadline: float
-    state: PullState = PullState.LOOKING_UP
-    #: The P workers asked (side-channel addresses), and the request each was sent.
-    peers: tuple[str, ...] = ()
-    request: PullRequest | None = None
-    #: Those of ``peers`` that have not answered and are not known gone.
-    waiting: set[str] = field(default_factory=set)
-    #: The epoch of the P worker at each of ``peers`` the pull was meant for (0: not known).
-    p_epochs: dict[str, int] = field(default_factory=dict)
-    abort_reason: str = ""
-    #: ABORTING because a part failed (not D's abort): how the pull ends.
-    failure: tuple[PullEnd, str] | None = None
-    waiter: object = field(default=None)
-    #: ``(P worker, PullDone.sums)`` of each part that landed, when D verifies.
-    sums: list[tuple[str, bytes]] = field(default_factory=list)
-
-    def from_other_life(self, peer: str, epoch: int, *, lookup_again: bool = False) -> bool:
-        """Whether an answer from ``peer`` at P epoch ``epoch`` comes from another life of
-        that P worker than the one this pull was sent to, and is to be ignored: never taken as
-        D's KV. Either side not saying (0) is not another life; a refusal that says D should
-        look P up again (a pull meant for another life) is taken: that P wrote nothing."""
-        sent_to = self.p_epochs.get(peer, 0)
-        return bool(sent_to and epoch and epoch != sent_to and not lookup_again)
-
-
-@dataclass(frozen=True, slots=True)
-class Completed:
-    """The pull of ``transfer_id`` ended with ``end``; ``reason`` says why when not delivered."""
-
-    transfer_id: str
-    end: PullEnd
-    reason: str = ""
-    pull: Pull | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def ok(self) -> bool:
-        return self.end.ok
-
-
-@dataclass(frozen=True, slots=True)
-class SendCancel:
-    """Tell the P worker at ``peer`` that D gave up on ``transfer_id``."""
-
-    peer: str
-    transfer_id: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Verify:
-    """Every part of ``transfer_id`` landed: recompute their checksums over D's blocks, then
-    :meth:`PullTable.verified`. ``parts``: ``(P worker, sums)``; ``b""``: it sent none."""
-
-    transfer_id: str
-    parts: tuple[tuple[str, bytes], ...]
-    block_ids: BlockIds
-
-
-PullEffect = Completed | SendCancel | Verify
-
-
 class PullTable:
     """The pulls of one D worker (see the module docstring for the rules).
 
     ``timeout`` is the pull deadline: the last resort for a P that stays alive and silent.
+    ``fence_timeout``: the longest a pull keeps D's blocks for a P worker lost while it wrote
+    them, which neither confirms it stopped nor is found dead (0: no fence, the pull ends
+    when P is lost).
     """
 
-    def __init__(self, *, timeout: float) -> None:
+    def __init__(self, *, timeout: float, fence_timeout: float = 0.0) -> None:
         self.timeout = timeout
+        self.fence_timeout = fence_timeout
         self._pulls: dict[str, Pull] = {}
 
     def __len__(self) -> int:
@@ -177,6 +99,14 @@ class PullTable:
     def on_peer(self, peer: str) -> list[str]:
         """The pulls in flight that wait for an answer from ``peer``."""
         return [t for t, p in self._pulls.items() if peer in p.waiting]
+
+    def fencing(self, peer: str) -> set[str]:
+        """The pulls that wait for the lost ``peer`` to confirm it stopped writing."""
+        return {t for t, p in self._pulls.items() if peer in p.fencing}
+
+    def fenced_pulls(self) -> list[str]:
+        """The pulls fenced on any lost P worker (a write of theirs may still land)."""
+        return [t for t, p in self._pulls.items() if p.fencing]
 
     # ------------------------------------------------------------------ D's engine
 
@@ -275,10 +205,43 @@ class PullTable:
         if peer not in pull.waiting or pull.from_other_life(peer, epoch, lookup_again=lookup_again):
             return []
         pull.waiting.discard(peer)
+        pull.writing.discard(peer)
         if ok and sums is not None:
             pull.sums.append((peer, sums))
         pull, do = self._fire(transfer_id, event)
         return self._carry_out(pull, do, reason, PullEnd.REFUSED, why="")
+
+    def writing(self, transfer_id: str, peer: str, epoch: int = 0) -> list[PullEffect]:
+        """The P worker at ``peer`` says it writes ``transfer_id`` into D's blocks now (from
+        its life ``epoch``); should D lose it before its answer, the pull is fenced
+        (:meth:`peer_lost`). Ignored as :meth:`answered` ignores a stray answer."""
+        pull = self._pulls.get(transfer_id)
+        if pull is None or peer not in pull.waiting or pull.from_other_life(peer, epoch):
+            return []
+        pull, do = self._fire(transfer_id, PullEvent.WRITING)
+        if do is PullDo.NOTE_WRITING and pull is not None:
+            pull.writing.add(peer)
+        return []
+
+    def fenced(self, peer: str, transfer_id: str | None, why: str) -> list[PullEffect]:
+        """The lost P worker at ``peer`` no longer writes ``transfer_id`` (it answered D's
+        cancel on a new connection) or anything (None: it is dead): each pull fenced on it
+        ends, failed, once no other P worker may write (its end adds ``why``); ignored for a
+        pull not fenced on ``peer``."""
+        effects: list[PullEffect] = []
+        tids = self.fencing(peer) if transfer_id is None else {transfer_id}
+        for tid in sorted(tids):
+            pull = self._pulls.get(tid)
+            if pull is None or peer not in pull.fencing:
+                continue
+            pull.fencing.discard(peer)
+            if not pull.fencing:
+                pull.fence_until = float("inf")
+            if pull.failure is not None:
+                pull.failure = (pull.failure[0], f"{pull.failure[1]}; {why}")
+            pull_, do = self._fire(tid, PullEvent.FENCED)
+            effects += self._carry_out(pull_, do, why, PullEnd.P_GONE)
+        return effects
 
     def verified(self, transfer_id: str, error: str | None) -> list[PullEffect]:
         """The check asked for by :class:`Verify` ended: None, what landed is P's KV (the pull
@@ -300,23 +263,49 @@ class PullTable:
         pull, do = self._fire(transfer_id, PullEvent.FAIL)
         return self._carry_out(pull, do, reason, PullEnd.UNREACHABLE)
 
-    def peer_lost(self, peer: str, reason: str) -> list[PullEffect]:
+    def peer_lost(self, peer: str, reason: str, now: float = 0.0) -> list[PullEffect]:
         """P's side channel at ``peer`` is gone (process died, heartbeats stopped): every pull
         waiting for it ends now (once the other P workers it went to are done with D's
-        blocks), and an aborting one frees D's blocks as soon as nothing else may write."""
+        blocks), and an aborting one frees D's blocks as soon as nothing else may write.
+        But a pull ``peer`` said it was writing (``Writing``, not answered since) is fenced
+        when ``fence_timeout`` is on: it keeps D's blocks, ending only once P confirms it
+        stopped or is found dead (:class:`Fence`, then :meth:`fenced`), or ``fence_timeout``
+        after ``now`` (:meth:`tick`)."""
         effects: list[PullEffect] = []
+        fenced: list[str] = []
+        until = now + self.fence_timeout
         for tid in self.on_peer(peer):
-            self._pulls[tid].waiting.discard(peer)
-            pull, do = self._fire(tid, PullEvent.PEER_LOST)
-            effects += self._carry_out(pull, do, reason, PullEnd.P_GONE)
+            pull = self._pulls[tid]
+            pull.waiting.discard(peer)
+            if peer in pull.writing and self.fence_timeout > 0:
+                pull.fencing.add(peer)
+                pull.fence_until = min(pull.fence_until, until)
+                fenced.append(tid)
+            pull.writing.discard(peer)
+            pull_, do = self._fire(tid, PullEvent.PEER_LOST)
+            effects += self._carry_out(pull_, do, reason, PullEnd.P_GONE)
+        if fenced:
+            effects.append(Fence(peer, tuple(fenced), until))
         return effects
 
     # ------------------------------------------------------------------ time
 
     def tick(self, now: float) -> list[PullEffect]:
-        """End every pull whose deadline has passed."""
+        """End every pull whose time is up: a fenced one at its fence timeout (its end names
+        the risk of a late write), any other at its deadline."""
         effects: list[PullEffect] = []
-        for tid in [t for t, p in self._pulls.items() if now >= p.deadline]:
+        for tid in [t for t, p in self._pulls.items() if p.fencing and now >= p.fence_until]:
+            held = self._pulls[tid]
+            at_risk = (f"P worker {', '.join(sorted(held.fencing))}, lost while writing, "
+                       f"neither confirmed it stopped nor was found dead within "
+                       f"{self.fence_timeout:g} s: D's blocks are reused though a late write "
+                       "may still land in them")  # fmt: skip
+            held.fencing.clear()
+            if held.failure is not None:
+                held.failure = (held.failure[0], f"{held.failure[1]}; {at_risk}")
+            _, do = self._fire(tid, PullEvent.FENCE_TIMEOUT)
+            effects += self._carry_out(held, do, at_risk, PullEnd.P_GONE)
+        for tid in [t for t, p in self._pulls.items() if not p.fencing and now >= p.deadline]:
             pull, do = self._fire(tid, PullEvent.DEADLINE)
             if do is PullDo.END_ABORTING:
                 reason = f"P did not confirm within {self.timeout:g} s"
@@ -326,8 +315,8 @@ class PullTable:
         return effects
 
     def next_deadline(self) -> float:
-        """The earliest deadline of a pull in flight (``inf`` when none)."""
-        return min((p.deadline for p in self._pulls.values()), default=float("inf"))
+        """When :meth:`tick` next ends a pull in flight (``inf`` when none may)."""
+        return min((p.ends_at for p in self._pulls.values()), default=float("inf"))
 
     # ------------------------------------------------------------------ internals
 
@@ -372,7 +361,7 @@ class PullTable:
 
     def _settled(self, pull: Pull, why: str = "") -> list[PullEffect]:
         """End ``pull`` if no P worker may still write into its blocks."""
-        if pull.waiting:
+        if pull.waiting or pull.fencing:
             return []
         if pull.state is PullState.SENT and pull.sums:
             _, do = self._fire(pull.transfer_id, PullEvent.LANDED)

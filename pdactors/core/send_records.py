@@ -25,6 +25,7 @@ __all__ = [
     "has_claim_from",
     "refusal",
     "same_pull",
+    "writes_into",
 ]
 
 END_REASONS = {
@@ -105,6 +106,10 @@ class Entry:
     stream: Stream | None = None  # written layer by layer while P computes it
     #: The deadline queue this entry is in (None: SENDING has no deadline).
     timer: OrderedDict[str, float] | None = None
+    #: D connections whose cancel is answered once no write of this transfer into the D
+    #: memory (data-plane session) they name is in flight: a D that lost P's connection
+    #: mid-write asks so on a new one (its fence). ``(identity, session)``.
+    fence_waiters: list[tuple[bytes, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,3 +146,8 @@ def same_pull(a: PullRequest, b: PullRequest) -> bool:
 def has_claim_from(entry: Entry, identity: bytes) -> bool:
     """Whether a pull of the D worker behind ``identity`` waits in ``entry``."""
     return any(c.identity == identity for c in entry.claims)
+
+
+def writes_into(claim: Claim, session: str) -> bool:
+    """Whether ``claim``'s write into the D memory ``session`` is in flight."""
+    return claim.writing and claim.pull.session == session

@@ -47,6 +47,7 @@ from pdactors.core.send_records import (
     has_claim_from,
     refusal,
     same_pull,
+    writes_into,
 )
 from pdactors.core.send_rules import Do, SendEvent, SendState, StreamEvent, next_state
 from pdactors.core.send_stream import Complete, Layer, Stream, Wake, stream_event, take_layers
@@ -267,20 +268,25 @@ class SendTable(SendMoves):
         return effects
 
     def pull_cancelled(
-        self, transfer_id: str, identity: bytes, now: float, reason: str = ""
+        self, transfer_id: str, identity: bytes, now: float, reason: str = "", session: str = ""
     ) -> list[Effect]:
         """D gave up on ``transfer_id``: free P's blocks now or as soon as they are ready.
 
         D waits for P's word that its blocks are no longer being written: answered at once,
-        or by the reply of its write in flight.
+        or by the reply of its write in flight. With ``session`` (a D that lost the
+        connection a write was for asks on a new one: its fence), answered once no write
+        into that D memory is in flight, whichever connection its pull came on.
         """
         entry = self._entries.get(transfer_id)
-        writing = False
+        writing = fenced = False
         if entry is not None:
             writing = any(c.writing and c.identity == identity for c in entry.claims)
+            fenced = bool(session) and any(writes_into(c, session) for c in entry.claims)
             entry.claims = [c for c in entry.claims if c.writing or c.identity != identity]
         effects = self._give_up(transfer_id, SendEvent.CANCELLED, now, reason)
-        if not writing:
+        if fenced and not writing and entry is not None:
+            entry.fence_waiters.append((identity, session))
+        elif not writing:
             effects.append(Reply(identity, PullFailed(transfer_id, "cancelled")))
         return effects
 
@@ -317,6 +323,10 @@ class SendTable(SendMoves):
             reply = PullFailed(transfer_id, error)
             entry.error = entry.error or error
         effects: list[Effect] = [Reply(claim.identity, reply)]
+        for waiter in [w for w in entry.fence_waiters if w[1] == claim.pull.session]:
+            if not any(writes_into(c, waiter[1]) for c in entry.claims):
+                entry.fence_waiters.remove(waiter)  # that D memory is written no more
+                effects.append(Reply(waiter[0], PullFailed(transfer_id, "cancelled")))
         if entry.stream is not None:
             entry.stream, _ = stream_event(transfer_id, entry.stream, StreamEvent.WRITER_ENDED)
         if entry.claims:  # other D workers' writes are in flight

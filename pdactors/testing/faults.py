@@ -219,6 +219,9 @@ class _FaultyDealer:
     async def send(self, frames: Sequence[bytes]) -> None:
         await self._owner._deliver(lambda: self._inner.send(frames))
 
+    async def wait_dead(self) -> str:  # a cut link is no dead peer
+        return await self._inner.wait_dead()
+
     async def wait_lost(self, connect_timeout: float) -> str:
         async with trio.open_nursery() as nursery:
             reason = ""

@@ -12,6 +12,8 @@ commands from stdin, one per line:
   (:mod:`pdactors.testing.corruption`);
 * ``drop TID``: P's prefill of ``TID`` ended without its KV;
 * ``failwrite N``: the next N writes fail (an injected engine error);
+* ``holdwrites`` / ``releasewrites``: writes wait at a gate from now on (P has said
+  ``Writing``: the write is in flight for D) / go ahead;
 * ``stats``: print ``{"in_use": blocks held}`` as one JSON line.
 
 Blocks come back to the pool as the sender releases them. It runs until killed or stdin closes.
@@ -92,6 +94,11 @@ def _command(line: str, node: PrefillNode, faulty: FaultyDataPlane) -> None:
             sender.transfer_dropped(tid, "dropped on command")
         case ["failwrite", n]:
             faulty.fail_writes += int(n)
+        case ["holdwrites"]:
+            faulty.gate = faulty.gate or trio.Event()
+        case ["releasewrites"] if faulty.gate is not None:
+            faulty.gate.set()
+            faulty.gate = None
         case ["stats"]:
             print(json.dumps({"in_use": node.pool.in_use}), flush=True)
         case _:

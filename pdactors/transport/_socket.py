@@ -54,6 +54,8 @@ _MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _SRCFD = int(zmq.SRCFD)
 _EV_ACCEPTED = int(zmq.EVENT_ACCEPTED)
 _EV_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+_EV_CONNECTED = int(zmq.EVENT_CONNECTED)
+_EV_DELAYED = int(zmq.EVENT_CONNECT_DELAYED)
 _EV_UP = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
 _EV_RETRIED = int(zmq.EVENT_CONNECT_RETRIED)
 _EV_HANDSHAKE_FAILED = int(
@@ -201,7 +203,15 @@ def _parse_event(frames: list[bytes]) -> tuple[int, int]:
     return event & 0xFFFF, value
 
 
-_MONITORED = _EV_ACCEPTED | _EV_DISCONNECTED | _EV_UP | _EV_RETRIED | _EV_HANDSHAKE_FAILED
+_MONITORED = (
+    _EV_ACCEPTED
+    | _EV_CONNECTED
+    | _EV_DELAYED
+    | _EV_DISCONNECTED
+    | _EV_UP
+    | _EV_RETRIED
+    | _EV_HANDSHAKE_FAILED
+)
 
 
 def _monitor(socket: zmq.Socket[bytes]) -> _Monitor:

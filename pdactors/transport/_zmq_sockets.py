@@ -16,6 +16,8 @@ from pdactors._pulse import Pulse
 from pdactors.errors import PdError
 from pdactors.transport._socket import (
     _EV_ACCEPTED,
+    _EV_CONNECTED,
+    _EV_DELAYED,
     _EV_DISCONNECTED,
     _EV_HANDSHAKE_FAILED,
     _EV_RETRIED,
@@ -31,6 +33,10 @@ from pdactors.transport._socket import (
 __all__ = ["DealerSocket", "PeerUnreachable", "RouterSocket", "TransportError"]
 
 _MAX_FRAMES = 8  #: frames kept of a received message (beyond the identity); more are dropped
+#: A connection attempt that fails without a TCP connection within this many seconds was
+#: refused (nothing listens there); a host that does not answer at all fails only at the
+#: system's connect timeout (minutes), and is not taken for dead.
+REFUSED_WITHIN = 1.0
 
 
 class TransportError(PdError):
@@ -164,12 +170,27 @@ class DealerSocket(_TrioSocket):
         self.address = address
         self._up = False
         self._lost: str | None = None
+        self._dead: str | None = None
+        self._tcp = False  # the current connection attempt got a TCP connection
+        self._attempt = trio.current_time()  # when the current connection attempt began
         self._changed = Pulse()
 
     async def _follow(self, monitor: _Monitor) -> None:
-        """Run by :func:`open_dealer` with liveness on: connection events → up / lost."""
-        while self._lost is None:
+        """Run by :func:`open_dealer` with liveness on: connection events → up / lost / dead.
+        Followed as long as the socket is open (ZMQ reconnects after a loss), or until dead."""
+        while self._dead is None:
             event, _ = await monitor.receive()
+            if event == _EV_DELAYED:
+                self._attempt = trio.current_time()
+            elif event == _EV_CONNECTED:
+                self._tcp = True
+            elif event == _EV_RETRIED:
+                if not self._tcp and trio.current_time() - self._attempt < REFUSED_WITHIN:
+                    self._dead = f"{self.address} refuses connections: nothing listens there"
+                    self._changed.fire()
+                self._tcp, self._attempt = False, trio.current_time()
+            if self._lost is not None:
+                continue
             if event == _EV_UP:
                 self._up = True
             elif event == _EV_DISCONNECTED and self._up:
@@ -181,6 +202,18 @@ class DealerSocket(_TrioSocket):
             else:
                 continue
             self._changed.fire()
+
+    async def wait_dead(self) -> str:
+        """Wait until a connection attempt is refused at once (no TCP connection: nothing
+        listens at the address, so the peer's process, or at least its socket, is gone), and
+        say so. A peer that is stopped, hung, or behind a network that drops packets keeps or
+        seems to keep its listening socket: this waits on while ZMQ reconnects (a host that
+        does not answer at all is not taken for dead). Needs liveness on
+        (:func:`open_dealer`); without it, waits forever. Checkpoint."""
+        while self._dead is None:
+            await self._changed.wait()
+        await trio.lowlevel.checkpoint()
+        return self._dead
 
     async def wait_lost(self, connect_timeout: float) -> str:
         """Wait until the peer is known to be gone, and say why. Checkpoint.

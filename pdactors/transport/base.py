@@ -58,6 +58,11 @@ class Dealer(Protocol):
         """Wait until the peer is known to be gone; say why."""
         ...
 
+    async def wait_dead(self) -> str:
+        """Wait until the peer is known to be dead, not merely silent, stopped or cut off:
+        a reconnect is refused at once (nothing listens at its address any more); say why."""
+        ...
+
 
 class Transport(Protocol):
     def open_router(

@@ -3,10 +3,11 @@
 Behaves like the ZMQ side channel where the actors can tell: messages arrive whole and in order
 per connection, a send to an identity that is not connected raises
 :class:`~pdactors.transport.PeerUnreachable`, a closed router is a lost peer to its dealers
-(``wait_lost`` returns), a closed dealer is a lost peer to its router (``lost_peers``), and an
-address nobody binds is refused. There are no sockets and no threads, so actor tests run under
-trio's autojump clock. Addresses look like ZMQ's (``tcp://host:port``, so the bootstrap takes
-them) but name no socket: ports are counted from 1 and only this transport can dial them.
+(``wait_lost`` returns) and a dead one (``wait_dead``; a cut link is not), a closed dealer is
+a lost peer to its router (``lost_peers``), and an address nobody binds is refused (dead).
+There are no sockets and no threads, so actor tests run under trio's autojump clock. Addresses
+look like ZMQ's (``tcp://host:port``, so the bootstrap takes them) but name no socket: ports
+are counted from 1 and only this transport can dial them.
 """
 
 from __future__ import annotations
@@ -32,9 +33,13 @@ class _MemoryDealer:
         self.inbox_send, self._inbox = trio.open_memory_channel[list[bytes]](math.inf)
         self.router: _MemoryRouter | None = None
         self.lost: str | None = None
+        self.dead: str | None = None  # no router at its address any more (closed, refused)
         self._changed = Pulse()
 
-    def lose(self, reason: str) -> None:
+    def lose(self, reason: str, *, dead: bool = False) -> None:
+        if dead and self.dead is None:
+            self.dead = reason
+            self._changed.fire()
         if self.lost is None:
             self.lost = reason
             self._changed.fire()
@@ -52,6 +57,12 @@ class _MemoryDealer:
         while self.lost is None:
             await self._changed.wait()
         return self.lost
+
+    async def wait_dead(self) -> str:
+        """Wait until the router is closed, or was not there (a cut is no death)."""
+        while self.dead is None:
+            await self._changed.wait()
+        return self.dead
 
 
 class _MemoryRouter:
@@ -112,7 +123,7 @@ class MemoryTransport:
         finally:
             del self._routers[address]
             for dealer in list(router.dealers.values()):
-                dealer.lose(f"side channel to {address} lost (closed)")
+                dealer.lose(f"side channel to {address} lost (closed)", dead=True)
             router.dealers.clear()
 
     @asynccontextmanager
@@ -124,7 +135,7 @@ class MemoryTransport:
         dealer = _MemoryDealer(address, next(self._identities).to_bytes(4, "big"))
         router = self._routers.get(address)
         if router is None:
-            dealer.lose(f"connection to {address} refused or failed")
+            dealer.lose(f"connection to {address} refused or failed", dead=True)
         else:
             dealer.router = router
             router.dealers[dealer.identity] = dealer

@@ -51,5 +51,6 @@ from pdactors.wire.side_channel import Msg as Msg
 from pdactors.wire.side_channel import PullDone as PullDone
 from pdactors.wire.side_channel import PullFailed as PullFailed
 from pdactors.wire.side_channel import PullRequest as PullRequest
+from pdactors.wire.side_channel import Writing as Writing
 from pdactors.wire.side_channel import decode_frames as decode_frames
 from pdactors.wire.side_channel import encode_frames as encode_frames

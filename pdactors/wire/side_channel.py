@@ -31,7 +31,7 @@ from pdactors.wire.limits import (
 
 __all__ = [
     "HEADER", "PROTOCOL_VERSION", "CancelPull", "ErrorReply", "FrameError", "LayoutUnknown",
-    "Msg", "PullDone", "PullFailed", "PullRequest", "decode_frames", "encode_frames",
+    "Msg", "PullDone", "PullFailed", "PullRequest", "Writing", "decode_frames", "encode_frames",
 ]  # fmt: skip
 
 #: 2: block ids per KV-cache group (``PullRequest.block_ids``), regions know their group.
@@ -70,6 +70,8 @@ class PullRequest(_Msg, frozen=True, tag="pull"):
     ``p_epoch``: the epoch of the P worker D looked up (0: unknown); P refuses a pull meant
     for another life of itself. ``d_epoch``: this D receiver's own (0: not said); P fences the
     pulls of an earlier life of the same D session (:mod:`pdactors.core.epochs`).
+    ``fence``: D fences its blocks against a write that may land after it lost P; P says
+    :class:`Writing` before it writes them (False: an older D, which is sent no such notice).
     """
 
     transfer_id: Id
@@ -87,13 +89,19 @@ class PullRequest(_Msg, frozen=True, tag="pull"):
     compat: Compat | None = None
     p_epoch: Epoch = 0
     d_epoch: Epoch = 0
+    fence: bool = False
 
 
 class CancelPull(_Msg, frozen=True, tag="cancel"):
-    """D → P: D gave up on ``transfer_id`` (aborted or timed out); P may free its blocks."""
+    """D → P: D gave up on ``transfer_id`` (aborted or timed out); P may free its blocks.
+    P answers it (``PullFailed``) once no write of it on this connection is in flight. With
+    ``session`` (D's data-plane session, as in its pull): once no write of it into that D
+    worker's memory is in flight, whichever connection the pull came on — D asks so on a new
+    connection after it lost the one a write was for (its fence)."""
 
     transfer_id: Id
     reason: Reason = ""
+    session: Id = ""
 
 
 class PullDone(_Msg, frozen=True, tag="done"):
@@ -123,6 +131,16 @@ class PullFailed(_Msg, frozen=True, tag="failed"):
     epoch: Epoch = 0
 
 
+class Writing(_Msg, frozen=True, tag="writing"):
+    """P → D (a pull with ``fence`` set): P is about to write ``transfer_id`` into D's blocks.
+    Should D lose P before P's answer, a write may still land there: D keeps those blocks
+    until P confirms no write is in flight (its answer to a ``CancelPull`` with ``session``),
+    or is known dead. ``epoch``: as in :class:`PullDone`."""
+
+    transfer_id: Id
+    epoch: Epoch = 0
+
+
 class LayoutUnknown(_Msg, frozen=True, tag="layout?"):
     """P → D: resend the pull for ``transfer_id`` with the full layout."""
 
@@ -138,7 +156,7 @@ class ErrorReply(_Msg, frozen=True, tag="error"):
     transfer_id: Id = ""
 
 
-Msg = PullRequest | CancelPull | PullDone | PullFailed | LayoutUnknown | ErrorReply
+Msg = PullRequest | CancelPull | PullDone | PullFailed | LayoutUnknown | ErrorReply | Writing
 
 
 class _Head(msgspec.Struct, array_like=True):  # what an undecodable message may still tell
