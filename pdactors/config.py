@@ -73,6 +73,16 @@ class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.max_descriptors_per_call < 1 or self.max_calls_per_peer < 1:
             raise ConfigError("max_descriptors_per_call and max_calls_per_peer must be >= 1")
 
+    def mooncake_environment(self) -> dict[str, str]:
+        """The environment a process needs before its Mooncake engine starts (the engine
+        reads no other way in): ``MC_INTRANODE_NVLINK`` (Mooncake installs its intra-node
+        NVLink transport only when it is set) for ``nvlink_intra``; ``MC_LOG_LEVEL``, since
+        Mooncake is chatty at INFO. Defaults: the caller applies those not set yet."""
+        env = {"MC_LOG_LEVEL": "ERROR"}
+        if self.protocol == "nvlink_intra":
+            env["MC_INTRANODE_NVLINK"] = "1"
+        return env
+
 
 class RankInfo(msgspec.Struct, frozen=True, kw_only=True):
     """Where a worker sits in its engine: data-, tensor- and pipeline-parallel ranks."""
