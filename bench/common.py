@@ -63,9 +63,8 @@ async def open_pair(
     ``select_gpu(0)`` / ``select_gpu(1)`` runs before P's / D's memory is registered: CUDA
     memory must be registered with its own device current.
     """
-    if cfg.protocol == "nvlink_intra":
-        # Mooncake installs its intra-node NVLink transport only when this is set.
-        os.environ.setdefault("MC_INTRANODE_NVLINK", "1")
+    for name, value in cfg.mooncake_environment().items():
+        os.environ.setdefault(name, value)  # nvlink_intra: the intra-node NVLink transport
     async with open_mooncake(cfg) as p_plane, open_mooncake(cfg) as d_plane:
         for gpu, plane, ptr in ((0, p_plane, p_ptr), (1, d_plane, d_ptr)):
             if select_gpu is not None:

@@ -11,7 +11,8 @@ This script is D (parent: bootstrap, receiver, timings); it starts P as a child 
 * **raw**: P calls ``TransferEngine.batch_transfer_sync_write`` once with the same coalesced
   descriptors, back to back.
 
-Run on a machine with two NVLink-linked GPUs and ``mooncake-transfer-engine-cuda13``:
+Run on a machine with two NVLink-linked GPUs and ``mooncake-transfer-engine-cuda13``, with
+``PYTHONPATH=.:integrations/vllm`` (the KV tensors come from ``pdactors_vllm.device_kv``):
 
     python bench/gpu_dataplane.py --scenario whole
     python bench/gpu_dataplane.py --scenario per-layer
@@ -28,9 +29,6 @@ import subprocess
 import sys
 import time
 from typing import Any
-
-os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-os.environ.setdefault("MC_INTRANODE_NVLINK", "1")  # the intra-node NVLink transport
 
 import numpy as np
 import trio
@@ -57,10 +55,9 @@ def block_ids(args: argparse.Namespace, pool: int, scattered: bool, side: int) -
 
 
 def tensor(args: argparse.Namespace, pool: int, device: str) -> Any:
-    import torch
+    from pdactors_vllm.device_kv import kv_tensor
 
-    torch.cuda.set_device(device)
-    return torch.empty((args.layers, pool, args.block_bytes), dtype=torch.uint8, device=device)
+    return kv_tensor((args.layers, pool, args.block_bytes), device)
 
 
 def pattern(t: Any) -> None:
@@ -298,6 +295,8 @@ def parse() -> argparse.Namespace:
 
 if __name__ == "__main__":
     ns = parse()
+    for name, value in DataPlaneConfig(protocol=ns.protocol).mooncake_environment().items():
+        os.environ.setdefault(name, value)  # nvlink_intra: the intra-node NVLink transport
     if ns.role == "prefill":
         trio.run(prefill, ns)
     else:

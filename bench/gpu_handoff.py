@@ -30,7 +30,8 @@ request (each request fills its blocks with a pattern of its own).
 
 KV checksums (``--checksums on``, the default, as deployed): P hashes what it writes and D what
 landed with ``pdactors_vllm.device_sums`` (torch ops on the KV's device; run with
-``PYTHONPATH=.:integrations/vllm``); ``--checksums off`` for the tail without them.
+``PYTHONPATH=.:integrations/vllm``, which also gives the KV tensors:
+``pdactors_vllm.device_kv``); ``--checksums off`` for the tail without them.
 
 P is a child process (``--role prefill``; CUDA will not open an IPC handle in the process that
 made it, so ``nvlink_intra`` needs two processes); D is the parent. One GPU holds both with
@@ -92,12 +93,9 @@ def regions(args: argparse.Namespace) -> int:
 
 
 def kv_tensor(args: argparse.Namespace, device: str) -> Any:
-    import torch
+    from pdactors_vllm.device_kv import kv_tensor as zeroed
 
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
-    t = torch.zeros((regions(args), args.pool, args.block_bytes), dtype=torch.uint8, device=device)
-    return t
+    return zeroed((regions(args), args.pool, args.block_bytes), device)
 
 
 def reference(args: argparse.Namespace, device: str) -> Any:
@@ -576,6 +574,6 @@ def parse() -> argparse.Namespace:
 
 if __name__ == "__main__":
     ns = parse()
-    if ns.protocol == "nvlink_intra":
-        os.environ.setdefault("MC_INTRANODE_NVLINK", "1")  # the intra-node NVLink transport
+    for name, value in plane_config(ns).mooncake_environment().items():
+        os.environ.setdefault(name, value)  # nvlink_intra: the intra-node NVLink transport
     trio.run(prefill if ns.role == "prefill" else decode, ns)

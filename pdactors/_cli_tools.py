@@ -3,6 +3,8 @@ and ``chaos`` (faults while transfers stream). Registered on the app in :mod:`pd
 
 from __future__ import annotations
 
+import importlib.util
+import re
 from functools import partial
 from typing import TYPE_CHECKING, Annotated
 
@@ -31,6 +33,22 @@ def harness(
     device: Annotated[
         str, typer.Option(metavar="NIC", help="Mooncake device name (RDMA NIC).")
     ] = "",
+    kv_device: Annotated[
+        str,
+        typer.Option(
+            metavar="DEVICE",
+            help="Where the workers' KV lives: cpu (host memory) or cuda:N (CUDA tensors on "
+            "GPU N; each worker in a process of its own; needs torch with CUDA and "
+            "pdactors-vllm).",
+        ),
+    ] = "cpu",
+    processes: Annotated[
+        bool,
+        typer.Option(
+            "--processes",
+            help="Each P and D worker in a process of its own (implied by --kv-device cuda:N).",
+        ),
+    ] = False,
     p_tp: Annotated[int, typer.Option(metavar="N", help="P's tensor-parallel workers.")] = 1,
     d_tp: Annotated[int, typer.Option(metavar="N", help="D's tensor-parallel workers.")] = 1,
     kv_heads: Annotated[
@@ -63,7 +81,11 @@ def harness(
     Defaults are the reference request: 36 layers x 63 blocks x 64 KiB = 141.75 MiB.
     With --p-tp/--d-tp each engine runs that many workers (one Mooncake engine each), each
     holding its KV heads, and every head is verified on the D worker that holds it.
-    Exits 1 when any byte is wrong, any transfer fails, or any block is left allocated.
+    With --processes or --kv-device cuda:N every worker runs in a process of its own (this one
+    plays the schedulers); --kv-device cuda:0 --protocol nvlink_intra moves GPU memory between
+    P's and D's processes on one GPU.
+    Exits 1 when any byte is wrong, any transfer fails, or any block is left allocated; 2 when
+    the flags do not fit together or the KV device is not there.
     """
     setup(verbose)
     native_log = native_log_aside(verbose)
@@ -71,9 +93,11 @@ def harness(
 
     from pdactors.config import DataPlaneConfig
     from pdactors.testing.harness import run_harness
+    from pdactors.testing.kv import KVDeviceUnavailable
 
     if protocol not in PROTOCOLS:
         raise typer.BadParameter(f"unknown protocol {protocol!r}", param_hint="--protocol")
+    _check_kv_device(kv_device, protocol, processes, corrupt_every)
     dataplane = DataPlaneConfig(protocol=protocol, device_name=device)  # type: ignore[arg-type]
     run = partial(
         run_harness,
@@ -90,11 +114,41 @@ def harness(
         secure=secure,
         checksums=checksums,
         corrupt_every=corrupt_every,
+        processes=processes,
+        kv_device=kv_device,
         on_report=_print_report,  # before the engines' teardown (~1 s each)
     )
-    report = trio.run(run)
+    try:
+        report = trio.run(run)
+    except KVDeviceUnavailable as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(2) from None
     native_log_done(native_log, report.passed, typer.echo)
     raise typer.Exit(0 if report.passed else 1)
+
+
+def _check_kv_device(kv_device: str, protocol: str, processes: bool, corrupt_every: int) -> None:
+    """Refuse flags that do not fit together, and GPU KV where its packages are not installed,
+    before anything starts (the workers check the GPU itself as they start)."""
+    gpu = re.fullmatch(r"cuda(:\d+)?", kv_device) is not None
+    if not gpu and kv_device != "cpu":
+        raise typer.BadParameter(f"{kv_device!r}: use cpu or cuda:N", param_hint="--kv-device")
+    if protocol == "nvlink_intra" and not gpu:
+        raise typer.BadParameter(
+            "nvlink_intra moves GPU memory: give --kv-device cuda:N", param_hint="--protocol"
+        )
+    if corrupt_every and (gpu or processes):
+        raise typer.BadParameter(
+            "corruption in flight needs the in-process harness (no --processes, KV on cpu)",
+            param_hint="--corrupt-every",
+        )
+    missing = [m for m in ("torch", "pdactors_vllm") if gpu and importlib.util.find_spec(m) is None]
+    if missing:
+        raise typer.BadParameter(
+            f"KV on {kv_device} needs torch with CUDA and pdactors-vllm (integrations/vllm);"
+            f" not importable here: {', '.join(missing)}",
+            param_hint="--kv-device",
+        )
 
 
 def _print_report(report: HarnessReport) -> None:

@@ -121,8 +121,38 @@ def proxy(
         int, typer.Option(metavar="PORT", help="Port to bind (0: any free port).")
     ] = 8000,
     routing: Annotated[
-        str, typer.Option(metavar="NAME", help=f"{' or '.join(ROUTINGS)} (per role).")
+        str,
+        typer.Option(
+            metavar="NAME",
+            help=f"How P and D engines are picked: {', '.join(ROUTINGS)} (docs/proxy.md).",
+        ),
     ] = default_of(ProxyConfig, "routing"),
+    prefill_routing: Annotated[
+        str | None, typer.Option(metavar="NAME", help="P's routing, when not --routing's.")
+    ] = None,
+    decode_routing: Annotated[
+        str | None, typer.Option(metavar="NAME", help="D's routing, when not --routing's.")
+    ] = None,
+    prefix_imbalance: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="prefix_aware: the best-matching engine is picked unless it has more than N "
+            "requests in flight beyond the least-loaded one.",
+        ),
+    ] = default_of(ProxyConfig, "prefix_imbalance"),
+    prefix_max_blocks: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="prefix_aware: prompt blocks (64 characters or 16 token ids) remembered per "
+            "role, least recently sent first out.",
+        ),
+    ] = default_of(ProxyConfig, "prefix_max_blocks"),
+    prefix_max_age: Annotated[
+        float,
+        typer.Option(metavar="SECONDS", help="prefix_aware: how long a block is remembered."),
+    ] = default_of(ProxyConfig, "prefix_max_age"),
     first_token: Annotated[
         str,
         typer.Option(
@@ -246,6 +276,11 @@ def proxy(
             host=host,
             port=port,
             routing=routing,  # type: ignore[arg-type]  # checked by ProxyConfig
+            prefill_routing=prefill_routing,  # type: ignore[arg-type]  # checked by ProxyConfig
+            decode_routing=decode_routing,  # type: ignore[arg-type]  # checked by ProxyConfig
+            prefix_imbalance=prefix_imbalance,
+            prefix_max_blocks=prefix_max_blocks,
+            prefix_max_age=prefix_max_age,
             first_token=first_token,  # type: ignore[arg-type]  # checked by ProxyConfig
             placement=placement,  # type: ignore[arg-type]  # checked by ProxyConfig
             placement_stall_weight=placement_stall_weight,

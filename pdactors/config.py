@@ -73,6 +73,16 @@ class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.max_descriptors_per_call < 1 or self.max_calls_per_peer < 1:
             raise ConfigError("max_descriptors_per_call and max_calls_per_peer must be >= 1")
 
+    def mooncake_environment(self) -> dict[str, str]:
+        """The environment a process needs before its Mooncake engine starts (the engine
+        reads no other way in): ``MC_INTRANODE_NVLINK`` (Mooncake installs its intra-node
+        NVLink transport only when it is set) for ``nvlink_intra``; ``MC_LOG_LEVEL``, since
+        Mooncake is chatty at INFO. Defaults: the caller applies those not set yet."""
+        env = {"MC_LOG_LEVEL": "ERROR"}
+        if self.protocol == "nvlink_intra":
+            env["MC_INTRANODE_NVLINK"] = "1"
+        return env
+
 
 class RankInfo(msgspec.Struct, frozen=True, kw_only=True):
     """Where a worker sits in its engine: data-, tensor- and pipeline-parallel ranks."""
@@ -278,7 +288,7 @@ def origin(url: str) -> str:
     return f"{parts.scheme}://{(parts.hostname or '').lower()}:{port}"
 
 
-Routing = Literal["round_robin", "least_outstanding"]
+Routing = Literal["round_robin", "least_outstanding", "prefix_aware"]
 #: The proxy's routing policies.
 ROUTINGS: tuple[str, ...] = get_args(Routing)
 #: Who computes the client's first token (:class:`ProxyConfig`'s ``first_token``).
@@ -312,8 +322,17 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The proxy actor (:func:`pdactors.proxy.serve_proxy`).
 
     * ``prefill`` / ``decode``: the engines, base URLs such as ``"http://127.0.0.1:8100"``.
-    * ``routing``: ``"round_robin"`` over the healthy engines of each role, or
-      ``"least_outstanding"`` (fewest requests in flight; ties go round robin).
+    * ``routing``: how an engine of each role is picked among the healthy ones:
+      ``"round_robin"``, ``"least_outstanding"`` (fewest requests in flight; ties go round
+      robin) or ``"prefix_aware"`` (the engine the proxy sent the longest start of the prompt,
+      unless it has more than ``prefix_imbalance`` requests in flight beyond the least-loaded
+      one; :mod:`pdactors.core.prefixes`). ``prefill_routing`` / ``decode_routing`` set one
+      role's (None: ``routing``'s).
+    * ``prefix_imbalance``: for ``"prefix_aware"``, how many more requests in flight than the
+      least-loaded engine the best-matching one may have and still be picked.
+    * ``prefix_max_blocks`` / ``prefix_max_age``: for ``"prefix_aware"``, the most prompt
+      blocks (64 characters or 16 token ids each) the proxy remembers per role, all engines
+      together, least recently sent first out, and the seconds it remembers each.
     * ``health_interval``: seconds between health rounds (engine ``GET /health``, bootstrap
       ``GET /query``); ``health_timeout`` bounds each of those calls. An engine whose
       ``/health`` gives no answer within it leaves the rotation, and for a P every P-first
@@ -360,6 +379,11 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 0
     routing: Routing = "round_robin"
+    prefill_routing: Routing | None = None
+    decode_routing: Routing | None = None
+    prefix_imbalance: int = 8
+    prefix_max_blocks: int = 131_072
+    prefix_max_age: float = 600.0
     first_token: FirstToken = "p"
     placement: Placement = "auto"
     placement_stall_weight: float = 0.25
@@ -390,8 +414,13 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
         engines = [p.url for p in self.prefill] + list(self.decode)
         if len(set(engines)) != len(engines):
             raise ConfigError("an engine URL is listed twice")
-        if self.routing not in ("round_robin", "least_outstanding"):
-            raise ConfigError(f"unknown routing {self.routing!r}")
+        for routing in (self.routing, self.prefill_routing, self.decode_routing):
+            if routing is not None and routing not in ROUTINGS:
+                raise ConfigError(f"unknown routing {routing!r} (one of {', '.join(ROUTINGS)})")
+        if self.prefix_imbalance < 0 or self.prefix_max_blocks < 1:
+            raise ConfigError("prefix_imbalance must be >= 0 and prefix_max_blocks >= 1")
+        if not self.prefix_max_age > 0:
+            raise ConfigError("prefix_max_age must be > 0")
         if self.placement not in get_args(Placement):
             allowed = ", ".join(repr(p) for p in get_args(Placement))
             raise ConfigError(f"placement must be one of {allowed}, not {self.placement!r}")

@@ -25,6 +25,7 @@ from pdactors.bootstrap_client import BootstrapClient, tls_verify
 from pdactors.config import Placement, ProxyConfig
 from pdactors.core.exchange import ExchangeState
 from pdactors.core.placement import EngineLoad, Placer, prompt_size
+from pdactors.core.prefixes import PrefixIndex, prefix_keys
 from pdactors.proxy import _bodies
 from pdactors.proxy._asgi import (
     PLACEMENT_HEADER,
@@ -40,7 +41,7 @@ from pdactors.proxy._health import HealthWatch
 from pdactors.proxy._legs import Legs
 from pdactors.proxy._openai import Endpoint, Failure, validate
 from pdactors.proxy._p_first import complete_p_first
-from pdactors.proxy._state import Backend, Metrics, Pool
+from pdactors.proxy._state import Backend, Metrics, Pool, Role
 from pdactors.proxy._tracing import RequestTracing
 from pdactors.web._auth import BearerCheck
 from pdactors.web._refusals import RefusalLog
@@ -52,6 +53,15 @@ log = logging.getLogger("pdactors.proxy")
 
 #: How long P's leg may go on once the client's answer is complete, before it is cancelled.
 _PREFILL_GRACE: Final = 0.25
+
+
+def _pool(config: ProxyConfig, role: Role, backends: list[Backend], routing: str | None) -> Pool:
+    """One role's pool with its routing (``config.routing`` unless the role has its own)."""
+    routing = routing or config.routing
+    prefixes = None
+    if routing == "prefix_aware":
+        prefixes = PrefixIndex(config.prefix_max_blocks, config.prefix_max_age)
+    return Pool(role, backends, routing, prefixes, config.prefix_imbalance)
 
 
 class Proxy:
@@ -72,8 +82,8 @@ class Proxy:
         self.auth = BearerCheck(config.api_key, "the proxy")  # refusals logged by the caller
         prefill = [Backend("prefill", p.url.rstrip("/"), p.bootstrap_url) for p in config.prefill]
         decode = [Backend("decode", url.rstrip("/")) for url in config.decode]
-        self.prefill = Pool("prefill", prefill, config.routing)
-        self.decode = Pool("decode", decode, config.routing)
+        self.prefill = _pool(config, "prefill", prefill, config.prefill_routing)
+        self.decode = _pool(config, "decode", decode, config.decode_routing)
         slots = trio.Semaphore(config.max_connections)
         verify = tls_verify(config.ca_file)
         tls = verify if isinstance(verify, ssl.SSLContext) else None  # None: the system's CAs
@@ -154,14 +164,19 @@ class Proxy:
         nursery: trio.Nursery,
         arrived: float,
     ) -> None:
-        p, d = self.prefill.pick(), self.decode.pick()
+        keyed = self.prefill.prefixes is not None or self.decode.prefixes is not None
+        prompt = prefix_keys(body, endpoint.chat) if keyed else []
+        (p, p_why), (d, d_why) = self.prefill.route(prompt), self.decode.route(prompt)
         if d is None or (p is None and not self.config.fall_back_to_d):
             why = (self.decode if d is None else self.prefill).why_none()
             self.metrics.requests.labels(endpoint.name, "unavailable").inc()
             await reply.failure(Failure.of(503, why, "service_unavailable", "unavailable"))
             return
+        self.metrics.routed.labels("decode", d_why).inc()
         if p is None:  # no P in rotation: D serves the request alone
             p = self._no_prefill
+        else:
+            self.metrics.routed.labels("prefill", p_why).inc()
         tid = uuid.uuid4().hex
         headers = [(b"content-type", b"application/json"), (b"x-request-id", tid.encode())]
         headers += self.engine_auth(scope["headers"])
@@ -184,6 +199,9 @@ class Proxy:
         ex.placement = self._place(ex, pin)
         reply.headers.append((PLACEMENT_HEADER, ex.placement.encode()))
         local = ex.placement == "local"  # D prefills it itself: P takes no part
+        if not local:  # P computes the prompt (and caches it); D holds it either way
+            self.prefill.sent(p, prompt)
+        self.decode.sent(d, prompt)
         with self.legs.admitted(ex, with_p=not local):
             self.legs.prefill_sent(ex, "d" if local else "p")
             if local:

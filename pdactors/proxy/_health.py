@@ -5,7 +5,9 @@ A P judged failed itself (its ``/health`` gave no answer within ``health_timeout
 status, a refused connection) has every P-first request still waiting for its first token cut
 from it at once (:attr:`Backend.waiting_for_token`; the request is then served as one whose P
 failed before its token: :mod:`pdactors.proxy._p_first`). A failed bootstrap only takes P out
-of the rotation: the requests at P may still get their token, and D's look-ups are cached."""
+of the rotation: the requests at P may still get their token, and D's look-ups are cached.
+An engine that restarted (P: a new engine id; D: back in rotation after being out) has what
+prefix-aware routing remembers of it dropped (:meth:`Pool.restarted`)."""
 
 from __future__ import annotations
 
@@ -128,12 +130,15 @@ class HealthWatch:
             b.dp_engines = engines
             if old is not None and b.engine_id != old:
                 log.warning("proxy: %s engine id changed %s -> %s", b.url, old, b.engine_id)
+                self.prefill.restarted(b)  # a new engine: its prefix cache is empty
         self.metrics.backend_up.labels(b.role, b.url).set(1 if b.up else 0)
         if was_up and not b.up:
             log.warning("proxy: %s %s out of rotation: %s", b.role, b.url, b.problem)
         elif b.up and not was_up:
             suffix = f" (engine id {b.engine_id})" if b.role == "prefill" else ""
             log.info("proxy: %s %s in rotation%s", b.role, b.url, suffix)
+            if b.role == "decode":  # D has no engine id to tell a restart by: assume one
+                self.decode.restarted(b)
         if engine_failed and b.waiting_for_token:
             log.warning(
                 "proxy: %s %s judged failed (%s) with %d requests waiting for its first token: "
@@ -152,6 +157,13 @@ class HealthWatch:
             "prefill": [b.describe() for b in self.prefill.backends],
             "decode": [b.describe() for b in self.decode.backends],
         }
+        remembered = {
+            pool.role: len(pool.prefixes)
+            for pool in (self.prefill, self.decode)
+            if pool.prefixes is not None
+        }
+        if remembered:  # prefix_aware routing: the prompt blocks it remembers per role
+            report["prefix_blocks"] = remembered
         if reasons:
             report["reason"] = "; ".join(reasons)
         return (503 if reasons else 200), report

@@ -141,7 +141,7 @@ async def _serve(
         url = await nursery.start(serve)  # announced below, with the backends
         prefill = ", ".join(f"{p.url} (bootstrap {p.bootstrap_url})" for p in config.prefill)
         log.info(
-            "proxy: listening on %s; prefill %s; decode %s; %s routing",
-            url, prefill, ", ".join(config.decode), config.routing,
+            "proxy: listening on %s; prefill %s (%s); decode %s (%s)",
+            url, prefill, proxy.prefill.routing, ", ".join(config.decode), proxy.decode.routing,
         )  # fmt: skip
         task_status.started(url)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdactors.core.prefixes import Candidate, PrefixIndex, choose
 
 __all__ = ["Backend", "Metrics", "Pool", "Role"]
 
@@ -77,26 +80,67 @@ class Backend:
 
 
 class Pool:
-    """The engines of one role and the routing rule that picks among those that are up."""
+    """The engines of one role and the routing rule that picks among those that are up:
+    ``round_robin``, ``least_outstanding`` (fewest requests in flight, ties round robin) or
+    ``prefix_aware`` (the engine that was sent the longest start of the prompt, weighed
+    against load: :mod:`pdactors.core.prefixes`; ``prefixes`` then holds what was sent where,
+    ``imbalance`` bounds how many more requests in flight the best match may have)."""
 
-    def __init__(self, role: Role, backends: list[Backend], routing: str) -> None:
+    def __init__(
+        self,
+        role: Role,
+        backends: list[Backend],
+        routing: str,
+        prefixes: PrefixIndex | None = None,
+        imbalance: int = 8,
+    ) -> None:
         self.role = role
         self.backends = backends
-        self._least_outstanding = routing == "least_outstanding"
-        self._next = 0  # round-robin cursor (also the tie-break for least_outstanding)
+        self.routing = routing
+        if routing == "prefix_aware" and prefixes is None:
+            raise ValueError("prefix_aware routing needs a PrefixIndex")
+        self.prefixes = prefixes if routing == "prefix_aware" else None
+        self.imbalance = imbalance
+        self._next = 0  # round-robin cursor (also the tie-break of the other rules)
 
     def pick(self) -> Backend | None:
-        """The next engine to use, or None when none is up. Not a checkpoint."""
+        """The next engine to use, or None when none is up (no prompt: prefix-aware routing
+        goes by load alone). Not a checkpoint."""
+        return self.route(())[0]
+
+    def route(self, prompt: Sequence[int]) -> tuple[Backend | None, str]:
+        """The engine to use for a prompt of block keys ``prompt``
+        (:func:`pdactors.core.prefixes.prefix_keys`) and why (the routing's name, or for
+        prefix-aware routing ``prefix``, ``spill`` or ``no_match``); None when none is up.
+        Nothing is remembered: :meth:`sent` says where the prompt went. Not a checkpoint."""
         n = len(self.backends)
         order = [(self._next + i) % n for i in range(n)]
         candidates = [i for i in order if self.backends[i].up]
         if not candidates:
-            return None
-        chosen = candidates[0]
-        if self._least_outstanding:
+            return None, self.routing
+        chosen, why = candidates[0], self.routing
+        if self.routing == "least_outstanding":
             chosen = min(candidates, key=lambda i: self.backends[i].outstanding)
+        elif self.prefixes is not None:
+            now = trio.current_time()
+            weighed = [
+                Candidate(i, b.outstanding, self.prefixes.matched(b.url, prompt, now))
+                for i in candidates
+                for b in (self.backends[i],)
+            ]
+            chosen, why = choose(weighed, self.imbalance)
         self._next = (chosen + 1) % n
-        return self.backends[chosen]
+        return self.backends[chosen], why
+
+    def sent(self, backend: Backend, prompt: Sequence[int]) -> None:
+        """Note that ``backend`` computes (and will cache) the prompt of keys ``prompt``."""
+        if self.prefixes is not None and prompt:
+            self.prefixes.sent(backend.url, prompt, trio.current_time())
+
+    def restarted(self, backend: Backend) -> None:
+        """``backend`` restarted (or may have): forget what it was sent. Not a checkpoint."""
+        if self.prefixes is not None:
+            self.prefixes.forget(backend.url)
 
     @property
     def any_up(self) -> bool:
@@ -135,6 +179,14 @@ class Metrics:
             "pdactors_proxy_backend_up", "1 when the engine is in rotation", ["role", "backend"],
             registry=r,
         )  # fmt: skip
+        self.routed = Counter(
+            "pdactors_proxy_routed",
+            "Engines picked, by role and why: the routing's name, or for prefix_aware the "
+            "longest prefix match (prefix), the least-loaded engine because the best match had "
+            "too many requests in flight (spill) or because no engine matched (no_match)",
+            ["role", "why"],
+            registry=r,
+        )
         pd = ["prefill", "decode"]
         self.ttft = Histogram(
             "pdactors_proxy_ttft_seconds",

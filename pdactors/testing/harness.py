@@ -1,12 +1,14 @@
 """``pdactors harness``: many requests through a 1P1D cluster (of any TP shapes), every byte
-verified on D."""
+verified on D; the workers in this process (:mod:`pdactors.testing.cluster`) or each in a
+process of its own, KV in host or GPU memory (:mod:`pdactors.testing.process_cluster`)."""
 
 from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import trio
@@ -14,8 +16,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pdactors.config import DataPlaneConfig, ReceiverConfig, SenderConfig
 from pdactors.dataplane.base import DataPlane
-from pdactors.testing.cluster import TransferOutcome, open_cluster, run_transfer
+from pdactors.errors import ConfigError
+from pdactors.testing.cluster import Cluster, TransferOutcome, open_cluster, run_transfer
 from pdactors.testing.corruption import CORRUPTIONS, CorruptingDataPlane
+from pdactors.testing.process_cluster import open_process_cluster
 from pdactors.transport import ZMQ, ZmqTransport
 from pdactors.transport.curve import curve_from_secret
 
@@ -93,6 +97,36 @@ def _progress(total: int, enabled: bool) -> Iterator[Progress | None]:
         yield progress
 
 
+class _Driven(Protocol):
+    """What the harness drives: an in-process :class:`Cluster` or a :class:`ProcessCluster`."""
+
+    async def run_transfer(self, transfer_id: str, num_blocks: int) -> TransferOutcome: ...
+
+    async def wait_settled(self) -> None: ...
+
+    def blocks_in_use(self) -> int: ...
+
+    async def descriptors_sent(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _InProcess:
+    cluster: Cluster
+
+    async def run_transfer(self, transfer_id: str, num_blocks: int) -> TransferOutcome:
+        return await run_transfer(self.cluster, transfer_id, num_blocks)
+
+    async def wait_settled(self) -> None:
+        await self.cluster.wait_settled()
+
+    def blocks_in_use(self) -> int:
+        return self.cluster.blocks_in_use()
+
+    async def descriptors_sent(self) -> int:
+        await trio.lowlevel.checkpoint()
+        return sum(n.sender.descriptors_sent for n in self.cluster.prefill)
+
+
 async def run_harness(
     *,
     requests: int = 8,
@@ -108,6 +142,8 @@ async def run_harness(
     secure: bool = False,
     checksums: bool = True,
     corrupt_every: int = 0,
+    processes: bool = False,
+    kv_device: str = "cpu",
     on_report: Callable[[HarnessReport], None] | None = None,
 ) -> HarnessReport:
     """Run ``requests`` transfers of ``blocks`` × ``layers`` × ``block_bytes`` bytes, at most
@@ -120,70 +156,117 @@ async def run_harness(
     each). ``checksums``: P sends KV checksums and D verifies them (``checksum_kv`` /
     ``verify_kv``). ``corrupt_every``: every that many requests, one write is corrupted in
     flight (a flipped byte, a short run, a run one byte off, in turn:
-    :mod:`pdactors.testing.corruption`); the run passes when each is caught. Checkpoint.
+    :mod:`pdactors.testing.corruption`); the run passes when each is caught (in-process only).
+    ``processes``: every worker in a process of its own
+    (:mod:`pdactors.testing.process_cluster`); ``kv_device``: where the workers' KV lives,
+    ``"cpu"`` or ``"cuda:N"`` (implies ``processes``). Raises :class:`KVDeviceUnavailable`
+    when that device is not there. Checkpoint.
     """
-    latencies: list[float] = []
     planes: list[CorruptingDataPlane] = []
 
     def corrupting(inner: DataPlane) -> DataPlane:
         planes.append(CorruptingDataPlane(inner, seed=len(planes)))
         return planes[-1]
 
-    outcomes: list[TransferOutcome] = []
+    secret = secrets.token_urlsafe(32) if secure else ""
     pool_blocks = blocks * concurrency
-    async with open_cluster(
-        layers=layers,
-        num_blocks=pool_blocks,
-        block_bytes=block_bytes,
-        dataplane=dataplane,
-        p_tp=p_tp,
-        d_tp=d_tp,
-        kv_heads=kv_heads,
-        sender=SenderConfig(engine_id="prefill", checksum_kv=checksums),
-        receiver=ReceiverConfig(verify_kv="on" if checksums else "off"),
-        wrap_prefill=corrupting if corrupt_every else None,
-        transport=ZmqTransport(*curve_from_secret(secrets.token_urlsafe(32))) if secure else ZMQ,
-    ) as cluster:
-        # One warm-up transfer opens the connections; it is not counted.
-        warmup = await run_transfer(cluster, "warmup", blocks)
-        next_id = iter(range(requests))
-        with _progress(requests, progress and requests >= 16) as bar:
-            task = bar.add_task("transfers", total=requests) if bar else None
-
-            async def worker() -> None:
-                for i in next_id:
-                    if corrupt_every and i % corrupt_every == corrupt_every - 1:
-                        planes[i % len(planes)].arm(CORRUPTIONS[i // corrupt_every % 3])
-                    outcome = await run_transfer(cluster, f"req-{i}", blocks)
-                    outcomes.append(outcome)
-                    latencies.append(outcome.seconds)
-                    if bar is not None and task is not None:
-                        bar.advance(task)
-
-            start = trio.current_time()
-            async with trio.open_nursery() as nursery:
-                for _ in range(concurrency):
-                    nursery.start_soon(worker)
-            seconds = trio.current_time() - start
-        # P frees its blocks when the sender releases them; give that a moment to land.
-        with trio.move_on_after(5):
-            await cluster.wait_settled()
-        leaked = cluster.blocks_in_use()
-        descriptors = sum(n.sender.descriptors_sent for n in cluster.prefill)
-        report = HarnessReport(
-            requests=requests,
-            ok=sum(o.ok for o in outcomes),
-            verified=sum(o.verified for o in outcomes),
-            failed={o.transfer_id: o.reason for o in outcomes if not o.ok},
-            # What lands on D: the model's KV once, more where D's workers replicate heads.
-            bytes_per_request=warmup.nbytes or layers * blocks * block_bytes,
-            seconds=seconds,
-            latencies=tuple(latencies),
-            blocks_leaked=leaked,
-            descriptors_per_request=descriptors / (requests + 1),  # with the warm-up
-            corrupted=sum(len(p.injected) for p in planes),
-            caught=sum("KV checksum mismatch" in o.reason for o in outcomes),
+    cluster: contextlib.AbstractAsyncContextManager[_Driven]
+    if processes or kv_device != "cpu":
+        if corrupt_every:
+            raise ConfigError("corrupt_every needs the in-process harness (processes=False)")
+        cluster = open_process_cluster(
+            layers=layers,
+            num_blocks=pool_blocks,
+            block_bytes=block_bytes,
+            dataplane=dataplane or DataPlaneConfig(),
+            p_tp=p_tp,
+            d_tp=d_tp,
+            kv_heads=kv_heads,
+            checksums=checksums,
+            secret=secret,
+            kv_device=kv_device,
         )
+    else:
+        cluster = _in_process(
+            open_cluster(
+                layers=layers,
+                num_blocks=pool_blocks,
+                block_bytes=block_bytes,
+                dataplane=dataplane,
+                p_tp=p_tp,
+                d_tp=d_tp,
+                kv_heads=kv_heads,
+                sender=SenderConfig(engine_id="prefill", checksum_kv=checksums),
+                receiver=ReceiverConfig(verify_kv="on" if checksums else "off"),
+                wrap_prefill=corrupting if corrupt_every else None,
+                transport=ZmqTransport(*curve_from_secret(secret)) if secure else ZMQ,
+            )
+        )
+    async with cluster as driven:
+        report = await _drive(driven, requests, blocks, layers * blocks * block_bytes,
+                              concurrency, progress, corrupt_every, planes)  # fmt: skip
         if on_report is not None:
             on_report(report)
     return report
+
+
+@contextlib.asynccontextmanager
+async def _in_process(
+    opened: contextlib.AbstractAsyncContextManager[Cluster],
+) -> AsyncIterator[_Driven]:
+    async with opened as cluster:
+        yield _InProcess(cluster)
+
+
+async def _drive(
+    cluster: _Driven,
+    requests: int,
+    blocks: int,
+    model_bytes: int,
+    concurrency: int,
+    progress: bool,
+    corrupt_every: int,
+    planes: list[CorruptingDataPlane],
+) -> HarnessReport:
+    latencies: list[float] = []
+    outcomes: list[TransferOutcome] = []
+    # One warm-up transfer opens the connections; it is not counted.
+    warmup = await cluster.run_transfer("warmup", blocks)
+    next_id = iter(range(requests))
+    with _progress(requests, progress and requests >= 16) as bar:
+        task = bar.add_task("transfers", total=requests) if bar else None
+
+        async def worker() -> None:
+            for i in next_id:
+                if corrupt_every and i % corrupt_every == corrupt_every - 1:
+                    planes[i % len(planes)].arm(CORRUPTIONS[i // corrupt_every % 3])
+                outcome = await cluster.run_transfer(f"req-{i}", blocks)
+                outcomes.append(outcome)
+                latencies.append(outcome.seconds)
+                if bar is not None and task is not None:
+                    bar.advance(task)
+
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for _ in range(concurrency):
+                nursery.start_soon(worker)
+        seconds = trio.current_time() - start
+    # P frees its blocks when the sender releases them; give that a moment to land.
+    with trio.move_on_after(5):
+        await cluster.wait_settled()
+    leaked = cluster.blocks_in_use()
+    descriptors = await cluster.descriptors_sent()
+    return HarnessReport(
+        requests=requests,
+        ok=sum(o.ok for o in outcomes),
+        verified=sum(o.verified for o in outcomes),
+        failed={o.transfer_id: o.reason for o in outcomes if not o.ok},
+        # What lands on D: the model's KV once, more where D's workers replicate heads.
+        bytes_per_request=warmup.nbytes or model_bytes,
+        seconds=seconds,
+        latencies=tuple(latencies),
+        blocks_leaked=leaked,
+        descriptors_per_request=descriptors / (requests + 1),  # with the warm-up
+        corrupted=sum(len(p.injected) for p in planes),
+        caught=sum("KV checksum mismatch" in o.reason for o in outcomes),
+    )

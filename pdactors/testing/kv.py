@@ -3,12 +3,15 @@
 A :class:`BlockPool` plays vLLM's block manager (a free list; double frees raise). A
 :class:`KVBuffer` is one worker's KV cache, a numpy buffer ``[layers, num_blocks, block_bytes]``
 registered as one region, whose :meth:`KVBuffer.expected` bytes let D verify every head of every
-block it received.
+block it received. :class:`KVMemory` is what a harness worker needs of its KV, wherever it
+lives (``pdactors_vllm.device_kv`` keeps it in CUDA tensors, with the same bytes:
+:func:`head_offsets`).
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -19,7 +22,41 @@ from pdactors.core.plan import packed_layout
 from pdactors.errors import PdError
 from pdactors.wire import Layout
 
-__all__ = ["BlockPool", "KVBuffer"]
+__all__ = ["BlockPool", "KVBuffer", "KVDeviceUnavailable", "KVMemory", "head_offsets"]
+
+
+class KVDeviceUnavailable(PdError):
+    """The KV device asked for is not there (no GPU, torch without CUDA, no such index)."""
+
+
+class KVMemory(Protocol):
+    """One worker's KV as the harness drives it: registered regions, the layout the actors
+    plan with, P's fill and D's check of a transfer's bytes."""
+
+    @property
+    def layout(self) -> Layout: ...
+
+    @property
+    def regions(self) -> list[tuple[int, int]]: ...
+
+    def fill(self, transfer_id: str, blocks: list[int]) -> None: ...
+
+    def verify(self, transfer_id: str, blocks: list[int], src_count: int) -> bool: ...
+
+
+def head_offsets(
+    transfer_id: str, layers: int, count: int, heads: range, total_heads: int, first_layer: int
+) -> npt.NDArray[np.uint8]:
+    """The pattern's offset of each (layer, block, head) of a transfer: ``[layers * count,
+    len(heads)]``. A head of ``n`` bytes holds ``(arange(n) + offset) % 256``, so a misplaced,
+    shifted or missing block — or head — is caught. Unique to (request, layer, block, head):
+    ``heads`` are the worker's part of the model's ``total_heads``, ``first_layer`` its first
+    model layer."""
+    seed = int.from_bytes(hashlib.blake2b(transfer_id.encode(), digest_size=4).digest())
+    cells = np.arange(layers * count, dtype=np.uint64) + np.uint64(first_layer * count)
+    cells = cells[:, None] * np.uint64(total_heads)
+    ids = cells + np.arange(heads.start, heads.stop, dtype=np.uint64)[None, :]
+    return ((seed + ids * 40503) % 251).astype(np.uint8)
 
 
 class BlockPool:
@@ -42,6 +79,17 @@ class BlockPool:
         ids = [self._free.pop() for _ in range(n)]
         self._used.update(ids)
         return ids
+
+    async def take(self, n: int) -> list[int]:
+        """Take ``n`` blocks, waiting while fewer are free (blocks a sender has not released
+        yet; the caller bounds the wait). Raises :class:`PdError` when the pool is smaller
+        than ``n``. Checkpoint."""
+        if n > self.num_blocks:
+            raise PdError(f"out of KV blocks: want {n}, the pool has {self.num_blocks}")
+        while n > len(self._free):
+            await self._freed.wait()
+        await trio.lowlevel.checkpoint()
+        return self.allocate(n)
 
     def free(self, ids: list[int]) -> None:
         for i in ids:
@@ -92,19 +140,13 @@ class KVBuffer:
         return [(self.data.ctypes.data, self.data.nbytes)]
 
     def expected(self, transfer_id: str, count: int) -> npt.NDArray[np.uint8]:
-        """The bytes P writes for ``transfer_id``: ``[layers, count, block_bytes]``.
-
-        Each head of each block holds a byte ramp shifted by an offset unique to (request,
-        layer, block, head), so a misplaced, shifted or missing block — or head — is caught;
-        this buffer's heads are its part of the model's block.
-        """
+        """The bytes P writes for ``transfer_id``: ``[layers, count, block_bytes]``
+        (:func:`head_offsets`; this buffer's heads are its part of the model's block)."""
         layers, _, block_bytes = self.data.shape
-        seed = int.from_bytes(hashlib.blake2b(transfer_id.encode(), digest_size=4).digest())
         ramp = np.arange(self.head_bytes, dtype=np.uint64).astype(np.uint8)  # wraps at 256
-        cells = np.arange(layers * count, dtype=np.uint64) + np.uint64(self.first_layer * count)
-        cells = cells[:, None] * np.uint64(self.total_heads)
-        heads = cells + np.arange(self.heads.start, self.heads.stop, dtype=np.uint64)[None, :]
-        offsets = ((seed + heads * 40503) % 251).astype(np.uint8)  # [layers * count, heads]
+        offsets = head_offsets(
+            transfer_id, layers, count, self.heads, self.total_heads, self.first_layer
+        )
         block = ramp[None, None, :] + offsets[:, :, None]  # uint8: wraps at 256 too
         return block.reshape(layers, count, block_bytes)
 

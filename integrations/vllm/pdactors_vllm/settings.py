@@ -241,10 +241,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
         as defaults: the connector sets those not set yet once, before its worker starts any
         thread. ``MC_INTRANODE_NVLINK``: Mooncake installs its intra-node NVLink transport
         only when it is set (``nvlink_intra``); ``MC_LOG_LEVEL``: Mooncake is chatty at INFO."""
-        env = {"MC_LOG_LEVEL": "ERROR"}
-        if self.protocol == "nvlink_intra":
-            env["MC_INTRANODE_NVLINK"] = "1"
-        return env
+        return DataPlaneConfig(protocol=self.protocol).mooncake_environment()
 
     @property
     def external_bootstrap(self) -> bool:
