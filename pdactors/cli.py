@@ -244,6 +244,14 @@ def proxy(
             help="CA bundle that signs the certificates of HTTPS bootstraps and engines.",
         ),
     ] = None,
+    otlp_traces_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            metavar="URL",
+            help="OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces): a span per "
+            "request, its traceparent sent to P and D (needs pdactors[tracing]).",
+        ),
+    ] = None,
     verbose: Annotated[
         bool, typer.Option("--verbose/--quiet", "-v", help="Log at INFO (--quiet: warnings only).")
     ] = True,
@@ -288,6 +296,7 @@ def proxy(
             certfile=str(certfile) if certfile else None,
             keyfile=str(keyfile) if keyfile else None,
             ca_file=str(ca_file) if ca_file else None,
+            otlp_traces_endpoint=otlp_traces_endpoint or None,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -368,6 +368,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     * ``engine_api_key``: the key the engines were started with (vLLM's ``--api-key``), sent
       to them instead of the client's. With neither key set, the client's ``Authorization``
       header is passed to the engines as it came.
+    * ``otlp_traces_endpoint``: an OTLP/HTTP traces URL (e.g.
+      ``http://collector:4318/v1/traces``): each request gets an OpenTelemetry span, whose
+      context (``traceparent``) goes to P and D (:mod:`pdactors.proxy._tracing`; needs
+      ``pdactors[tracing]``). None (the default): no spans, no header.
     """
 
     prefill: tuple[PrefillBackend, ...]
@@ -397,11 +401,13 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     certfile: str | None = None
     keyfile: str | None = None
     ca_file: str | None = None
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
             raise ConfigError("the proxy needs at least one prefill and one decode engine")
         urls = [u for p in self.prefill for u in (p.url, p.bootstrap_url)] + list(self.decode)
+        urls += [self.otlp_traces_endpoint] if self.otlp_traces_endpoint is not None else []
         for url in urls:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"{url!r} is not an http:// or https:// URL")

@@ -30,6 +30,10 @@ The events, in the order of one PD request (see ``bench/vllm_pd.py`` for the seg
 ``landed``         D's receiver got P's answer: the KV is in D's blocks
 ``reported``       the D worker reported the transfer to vLLM (``finished_recving``)
 =================  ==========================================================================
+
+Spans: P's write and D's pull, each as it ends, as a :class:`TransferSpan` (wall-clock start
+and end, bytes, peer, outcome) to the callbacks given to :func:`watch` — the vLLM connector's
+OpenTelemetry export (``pdactors_vllm.tracing``). With no watcher, the actors build none.
 """
 
 from __future__ import annotations
@@ -39,11 +43,25 @@ import os
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
-__all__ = ["ENV", "disable", "enable", "enabled", "mark", "read_timelines"]
+__all__ = [
+    "ENV",
+    "TransferSpan",
+    "disable",
+    "enable",
+    "enabled",
+    "mark",
+    "read_timelines",
+    "span_ended",
+    "unwatch",
+    "watch",
+    "watching",
+]
 
 #: The environment variable naming the sink file (read by the CLI and the vLLM adapter).
 ENV = "PDACTORS_TIMELINE"
@@ -56,6 +74,21 @@ class _Mark(msgspec.Struct, frozen=True):
     event: str
     t: float
     pid: int
+
+
+class TransferSpan(msgspec.Struct, frozen=True, kw_only=True):
+    """One side of a transfer, ended: P's write into D's blocks (``"write"``: ``peer`` is D's
+    data-plane session) or D's pull (``"pull"``: ``peer`` is P's engine id). ``start`` and
+    ``end`` are wall-clock seconds (``time.time()``); ``nbytes`` what was written (P) or what
+    P said landed (D); ``outcome`` is ``"ok"`` or why it failed."""
+
+    transfer_id: str
+    side: Literal["write", "pull"]
+    start: float
+    end: float
+    nbytes: int
+    peer: str
+    outcome: str
 
 
 _encoder = msgspec.json.Encoder()
@@ -102,6 +135,35 @@ def mark(transfer_id: str, event: str) -> None:
             os.write(fd, line)  # one write per line: O_APPEND keeps lines whole
         except OSError:
             pass  # closed by disable() meanwhile
+
+
+_watchers: tuple[Callable[[TransferSpan], None], ...] = ()
+
+
+def watch(watcher: Callable[[TransferSpan], None]) -> None:
+    """Call ``watcher`` with every :class:`TransferSpan` of this process from now on (from the
+    actors' Trio threads: it must not block, and what it raises propagates to the actor)."""
+    global _watchers
+    with _lock:
+        _watchers = (*_watchers, watcher)
+
+
+def unwatch(watcher: Callable[[TransferSpan], None]) -> None:
+    """Stop calling ``watcher`` (idempotent)."""
+    global _watchers
+    with _lock:
+        _watchers = tuple(w for w in _watchers if w != watcher)  # (bound methods: equal)
+
+
+def watching() -> bool:
+    """Whether anyone takes spans: the actors build them only then."""
+    return bool(_watchers)
+
+
+def span_ended(span: TransferSpan) -> None:
+    """Hand ``span`` to every watcher."""
+    for watcher in _watchers:
+        watcher(span)
 
 
 def read_timelines(path: str | os.PathLike[str]) -> dict[str, dict[str, float]]:

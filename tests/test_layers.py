@@ -158,3 +158,18 @@ def test_no_module_imports_one_that_imports_it_back() -> None:
 
     for name in sorted(graph):
         visit(name, ())
+
+
+def test_only_the_proxys_tracing_module_imports_opentelemetry() -> None:
+    """OpenTelemetry is optional (``pdactors[tracing]``) and costs nothing when off: one
+    module of the library names it, and imports it in functions only (its module-level
+    imports are for type checking); tests/test_tracing.py runs the proxy off without it."""
+    importers = {
+        _module_name(p) for p in SOURCES if any(m.startswith("opentelemetry") for m in _imports(p))
+    }
+    assert importers == {"pdactors.proxy._tracing"}
+    tree = ast.parse((PACKAGE / "proxy" / "_tracing.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            assert not any(n.startswith("opentelemetry") for n in names), ast.dump(node)

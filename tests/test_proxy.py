@@ -69,6 +69,7 @@ class FakeEngine:
     received: list[dict[str, Any]] = field(default_factory=list)
     dp_ranks_seen: list[str | None] = field(default_factory=list)  # X-data-parallel-rank
     auth_seen: list[str | None] = field(default_factory=list)  # Authorization
+    traceparents: list[str | None] = field(default_factory=list)  # completions' traceparent
     dp_ranks: int = 1  # DP ranks its bootstrap lists (engine ids "<engine_id>_dp<rank>")
     cancelled: list[str] = field(default_factory=list)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
@@ -125,6 +126,7 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
         engine.received.append(body)
         engine.dp_ranks_seen.append(request.headers.get("X-data-parallel-rank"))
         engine.auth_seen.append(request.headers.get("Authorization"))
+        engine.traceparents.append(request.headers.get("traceparent"))
         tid = (body.get("kv_transfer_params") or {}).get("transfer_id", "")
         try:
             if engine.hold is not None:

@@ -68,9 +68,10 @@ class PAnswers:
                     log.debug("ignored %r from P %s: another life than it asked", msg, peer.address)
                 elif failed is None:
                     timeline.mark(tid, "landed")
-                    sums = self._landed.sums(msg)  # type: ignore[arg-type]  # a PullDone
+                    assert isinstance(msg, PullDone)
+                    sums = self._landed.sums(msg)
                     self._apply(self._table.answered(tid, ok=True, peer=peer.address, epoch=epoch,
-                                                     sums=sums))  # fmt: skip
+                                                     sums=sums, nbytes=msg.nbytes))  # fmt: skip
                 else:
                     if again:  # P has more workers than we knew, or is another life of it
                         self._lookups.forget(pull.bootstrap_url)

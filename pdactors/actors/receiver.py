@@ -20,6 +20,7 @@ differs from D's is refused before the pull is sent (:mod:`pdactors.actors._comp
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -351,6 +352,12 @@ class Receiver:
         tid, pull = done.transfer_id, done.pull
         assert pull is not None
         self._ended.fire()
+        if timeline.watching():  # (wall clock: the span is compared with other processes')
+            end = time.time()
+            timeline.span_ended(timeline.TransferSpan(
+                transfer_id=tid, side="pull", start=end - (trio.current_time() - pull.started),
+                end=end, nbytes=pull.nbytes, peer=pull.engine_id, outcome=done.reason or "ok",
+            ))  # fmt: skip
         if done.ok:
             self._pull_seconds.add(trio.current_time() - pull.started)
         else:

@@ -27,6 +27,7 @@ description differs from P's is refused by name at once (:mod:`pdactors.actors._
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import msgspec
@@ -328,6 +329,12 @@ class Sender:
             log.warning("transfer %r to %r failed: %s", job.transfer_id, pull.session, error)
         now = trio.current_time()
         timeline.mark(job.transfer_id, "write_end")
+        if timeline.watching():  # (wall clock: the span is compared with other processes')
+            end = time.time()
+            timeline.span_ended(timeline.TransferSpan(
+                transfer_id=job.transfer_id, side="write", start=end - (now - start), end=end,
+                nbytes=written.nbytes, peer=pull.session, outcome=error or "ok",
+            ))  # fmt: skip
         if error is None:
             self.bytes_sent += written.nbytes
             self.descriptors_sent += written.descriptors

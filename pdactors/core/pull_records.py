@@ -75,6 +75,8 @@ class Pull:
     #: ``fence_until`` at the latest (:class:`Fence`); meanwhile the pull deadline waits too.
     fencing: set[str] = field(default_factory=set)
     fence_until: float = float("inf")
+    #: What the P workers said they wrote, over the parts that landed (``PullDone.nbytes``).
+    nbytes: int = 0
 
     @property
     def ends_at(self) -> float:

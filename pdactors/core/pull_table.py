@@ -186,6 +186,7 @@ class PullTable:
         epoch: int = 0,
         lookup_again: bool = False,
         sums: bytes | None = None,
+        nbytes: int = 0,
     ) -> list[PullEffect]:
         """P answered (``PullDone`` → ok, ``PullFailed`` → not ok), from its life ``epoch``
         (0: not said). Late answers, answers from a ``peer`` that was not asked or answered
@@ -193,7 +194,8 @@ class PullTable:
         ignored. ``peer`` may be left out for a pull sent to one P worker (else
         :class:`PeerMismatch`). ``sums``: the ``PullDone``'s checksums when D verifies (None:
         it does not); once every part has landed, a pull with any is checked
-        (:class:`Verify`) before it is delivered."""
+        (:class:`Verify`) before it is delivered. ``nbytes``: what the part wrote, added to
+        the pull's :attr:`~pdactors.core.pull_records.Pull.nbytes`."""
         event = PullEvent.ANSWER if ok else PullEvent.REFUSED
         pull = self._pulls.get(transfer_id)
         if self._rule(transfer_id, event)[1] is PullDo.NOTHING or pull is None:
@@ -208,6 +210,8 @@ class PullTable:
         pull.writing.discard(peer)
         if ok and sums is not None:
             pull.sums.append((peer, sums))
+        if ok:
+            pull.nbytes += nbytes
         pull, do = self._fire(transfer_id, event)
         return self._carry_out(pull, do, reason, PullEnd.REFUSED, why="")
 

@@ -42,6 +42,7 @@ from pdactors.proxy._legs import Legs
 from pdactors.proxy._openai import Endpoint, Failure, validate
 from pdactors.proxy._p_first import complete_p_first
 from pdactors.proxy._state import Backend, Metrics, Pool, Role
+from pdactors.proxy._tracing import RequestTracing
 from pdactors.web._auth import BearerCheck
 from pdactors.web._refusals import RefusalLog
 from pdactors.wire import KVTransferParams
@@ -67,8 +68,14 @@ class Proxy:
     """The proxy's state and its completion requests; :func:`~pdactors.proxy._serve.serve_proxy`
     runs it."""
 
-    def __init__(self, config: ProxyConfig, probe_http: httpx.AsyncClient) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        probe_http: httpx.AsyncClient,
+        tracing: RequestTracing | None = None,
+    ) -> None:
         self.config = config
+        self.tracing = tracing  # a span per request (None: tracing is off)
         self.probe_http = probe_http  # httpx, its own pool: request traffic never delays probes
         self.bootstrap = BootstrapClient(probe_http, config.bootstrap_token)
         self.refusals = RefusalLog(log, "the proxy")  # 4xx answers to clients
@@ -173,6 +180,11 @@ class Proxy:
         tid = uuid.uuid4().hex
         headers = [(b"content-type", b"application/json"), (b"x-request-id", tid.encode())]
         headers += self.engine_auth(scope["headers"])
+        span = None
+        if self.tracing is not None:  # both engines' spans join this request's trace
+            roles = {"pdactors.prefill": p.url, "pdactors.decode": d.url}
+            span = self.tracing.start(endpoint.path, tid, scope["headers"], arrived, roles)
+            headers.append((b"traceparent", span.traceparent))
         dp_rank, p_engine_id = p.pick_dp()
         p_headers = headers
         if dp_rank is not None:  # vLLM's API server sends the request to that DP engine
@@ -183,6 +195,7 @@ class Proxy:
             endpoint, body.get("stream") is True, p, d, tid, arrived + self.config.request_timeout,
             headers, p_headers, p_engine_id, state, prompt_chars=chars,
         )  # fmt: skip
+        ex.span = span
         ex.placement = self._place(ex, pin)
         reply.headers.append((PLACEMENT_HEADER, ex.placement.encode()))
         local = ex.placement == "local"  # D prefills it itself: P takes no part

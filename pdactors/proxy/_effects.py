@@ -71,6 +71,8 @@ class ExchangeEffects:
                     self.metrics.requests.labels(ex.endpoint.name, outcome).inc()
                     if latency is not None:
                         self.metrics.latency.labels(ex.p.url, ex.d.url).observe(latency)
+                    if ex.span is not None:
+                        ex.span.end(outcome, {"pdactors.placement": ex.placement})
                 case FirstChunk(ttft=ttft):
                     self.metrics.ttft.labels(ex.p.url, ex.d.url).observe(ttft)
                     if log.isEnabledFor(logging.DEBUG):

@@ -14,6 +14,7 @@ import trio
 from pdactors.core.exchange import ExchangeState, Leg
 from pdactors.proxy._openai import Endpoint, Failure
 from pdactors.proxy._state import Backend
+from pdactors.proxy._tracing import RequestSpan
 
 __all__ = ["Exchange"]
 
@@ -44,6 +45,8 @@ class Exchange:
     #: When P answered and when D's headers came (trio clock), for the debug timeline.
     p_answered: float | None = None
     d_answered: float | None = None
+    #: The request's span (:mod:`pdactors.proxy._tracing`), ended with the exchange.
+    span: RequestSpan | None = None
 
     @property
     def arrived(self) -> float:

@@ -60,6 +60,7 @@ from pdactors.bootstrap_client import tls_verify
 from pdactors.config import ProxyConfig
 from pdactors.proxy._app import make_app
 from pdactors.proxy._completions import Proxy
+from pdactors.proxy._tracing import open_tracing
 from pdactors.web._server import bind_listener, serve_http
 
 __all__ = ["serve_proxy"]
@@ -108,8 +109,11 @@ async def serve_proxy(
     """
     probe_timeout = httpx.Timeout(config.health_timeout)
     probe_limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with _open_http(probe_timeout, probe_limits, config.ca_file) as probe_http:
-        proxy = Proxy(config, probe_http)
+    async with (
+        _open_http(probe_timeout, probe_limits, config.ca_file) as probe_http,
+        open_tracing(config.otlp_traces_endpoint) as tracing,
+    ):
+        proxy = Proxy(config, probe_http, tracing)
         sock = await bind_listener(config.host, config.port, "the proxy")
         try:
             await _serve(proxy, sock, task_status)

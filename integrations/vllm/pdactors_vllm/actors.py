@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import trio
@@ -32,6 +32,9 @@ from pdactors_vllm.mailbox import Mailbox, StepWork
 from pdactors_vllm.scheduler_side import PullSpec, SendSpec
 from pdactors_vllm.settings import ConnectorSettings
 
+if TYPE_CHECKING:
+    from pdactors_vllm.tracing import TransferTracer
+
 __all__ = ["WorkerActors"]
 
 log = logging.getLogger("pdactors.vllm")
@@ -50,6 +53,7 @@ class WorkerActors:
         memory: list[tuple[int, int]],
         mailbox: Mailbox,
         hasher: RunHasher | None = None,
+        tracer: TransferTracer | None = None,
     ) -> None:
         self._settings = settings
         self._place = place
@@ -58,6 +62,7 @@ class WorkerActors:
         self._memory = memory
         self._mailbox = mailbox
         self._hasher = hasher  # the KV checksums' (None: xxh3 of host memory)
+        self._tracer = tracer  # the transfers' spans (None: tracing is off)
         self._sender: Sender | None = None
         self._receiver: Receiver | None = None
         self._sender_epoch = 0  # the last sender's (a restart's sender replaces it)
@@ -118,6 +123,8 @@ class WorkerActors:
                 _logged(sender.transfer_pending, tid)
             for req_id, send in work.streams.items():
                 self._send_req[send.transfer_id] = req_id  # a death releases it from now on
+                if self._tracer is not None:
+                    self._tracer.expect(send.transfer_id, send.traceparent)
                 _logged(sender.transfer_streaming, send.transfer_id, send.block_ids)
             if work.ready:
                 self._ready(sender, work.ready, _waiter(event))
@@ -147,6 +154,8 @@ class WorkerActors:
         # releases it too.
         self._send_req |= {send.transfer_id: r for r, send in sends.items()}
         for req_id, send in sends.items():
+            if self._tracer is not None:
+                self._tracer.expect(send.transfer_id, send.traceparent)
             ready = _logged(
                 sender.transfer_ready, send.transfer_id, send.block_ids, complete=complete
             )
@@ -166,6 +175,8 @@ class WorkerActors:
             return
         if started:
             self._recv_req[pull.transfer_id] = req_id
+            if self._tracer is not None:
+                self._tracer.expect(pull.transfer_id, pull.traceparent)
         else:  # e.g. a pull for this transfer id is in flight: it goes on, this one fails
             self._mailbox.add(failed={req_id})
 
@@ -173,6 +184,8 @@ class WorkerActors:
         readings = SenderReadings()
         while True:
             released = await sender.wait_finished()
+            if self._tracer is not None:
+                self._tracer.forget(released)
             reqs = {self._send_req.pop(tid) for tid in released if tid in self._send_req}
             self._mailbox.add(sent=reqs, count=partial(readings.add_new, sender))
 
@@ -180,6 +193,8 @@ class WorkerActors:
         readings = ReceiverReadings()
         while True:
             results = await receiver.wait_results()
+            if self._tracer is not None:
+                self._tracer.forget([*results.finished, *results.failed])
             recompute = self._settings.on_pull_failure == "recompute"
             aborted = self._aborted.intersection(results.failed)
             self._aborted -= aborted

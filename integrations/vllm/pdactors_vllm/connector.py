@@ -31,7 +31,7 @@ from pdactors_vllm.kv_report import PREFIX, kv_layout_report, show_with_vllm_log
 from pdactors_vllm.metrics import PdActorsPromMetrics, PdActorsStats
 from pdactors_vllm.model_shape import architecture_of, kv_groups, kv_heads_of, refuse_unserved
 from pdactors_vllm.scheduler_side import PdActorsMetadata, SchedulerSide
-from pdactors_vllm.settings import ConnectorSettings, settings_from_extra_config
+from pdactors_vllm.settings import ConnectorSettings, settings_from_extra_config, trace_export
 from pdactors_vllm.worker_side import WorkerPlace, WorkerSide
 
 if TYPE_CHECKING:
@@ -90,7 +90,10 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
             for key, value in self.settings.mooncake_environment().items():
                 os.environ.setdefault(key, value)
             place = _place(vllm_config, self.engine_id, self.settings.model_fingerprint)
-            self.worker_side = WorkerSide(self.settings, place)
+            trace = trace_export(
+                self.settings, vllm_config.observability_config.otlp_traces_endpoint
+            )
+            self.worker_side = WorkerSide(self.settings, place, trace)
 
     # ------------------------------------------------------------------ scheduler side
 

@@ -6,12 +6,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from pdactors.wire import BlockIds
 
-__all__ = ["NULL_BLOCK", "KVGroup", "PdActorsMetadata", "PullSpec", "SendSpec"]
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+__all__ = ["NULL_BLOCK", "KVGroup", "PdActorsMetadata", "PullSpec", "SendSpec", "traceparent"]
 
 #: vLLM's null block: a placeholder in block tables (out of a window, padding), never moved.
 NULL_BLOCK = 0
@@ -59,6 +63,7 @@ class SendSpec:
 
     transfer_id: str
     block_ids: BlockIds  # per KV-cache group
+    traceparent: str | None = None  # the request's W3C trace context (pdactors_vllm.tracing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +79,7 @@ class PullSpec:
     bootstrap_url: str
     block_ids: BlockIds  # per KV-cache group
     notify_only: bool = False
+    traceparent: str | None = None  # the request's W3C trace context (pdactors_vllm.tracing)
 
 
 @dataclass
@@ -96,3 +102,10 @@ class PdActorsMetadata(KVConnectorMetadata):
         return bool(
             self.pending or self.ready or self.eager or self.dropped or self.pulls or self.aborts
         )
+
+
+def traceparent(request: Request) -> str | None:
+    """The W3C ``traceparent`` header ``request`` came with (vLLM keeps a request's trace
+    headers only while its own tracing, ``--otlp-traces-endpoint``, is on)."""
+    headers = request.trace_headers
+    return headers.get("traceparent") if headers else None

@@ -55,7 +55,14 @@ from pdactors.errors import BadTransferParams
 from pdactors.wire import BlockIds, KVTransferParams
 from pdactors_vllm import idle
 from pdactors_vllm.idle_gate import IdleGate
-from pdactors_vllm.metadata import NULL_BLOCK, KVGroup, PdActorsMetadata, PullSpec, SendSpec
+from pdactors_vllm.metadata import (
+    NULL_BLOCK,
+    KVGroup,
+    PdActorsMetadata,
+    PullSpec,
+    SendSpec,
+    traceparent,
+)
 from pdactors_vllm.request_marks import Event, Marks, State
 from pdactors_vllm.settings import ConnectorSettings
 
@@ -181,7 +188,7 @@ class SchedulerSide:
                     group.moved(table, n, first=hit // group.block_size)
                     for group, table in zip(self.groups, tables, strict=True)
                 )
-                self._pull(request.request_id, params, wanted)
+                self._pull(request.request_id, params, wanted, trace=traceparent(request))
                 marks.transfer_id = _tid(params)
                 marks.move(Event.PULL)
             else:
@@ -225,6 +232,7 @@ class SchedulerSide:
         block_ids: BlockIds,
         *,
         notify_only: bool = False,
+        trace: str | None = None,
     ) -> None:
         assert params.remote_engine_id and params.remote_bootstrap_addr  # remote_complete
         self._meta.pulls[req_id] = PullSpec(
@@ -233,6 +241,7 @@ class SchedulerSide:
             bootstrap_url=params.remote_bootstrap_addr,
             block_ids=block_ids,
             notify_only=notify_only,
+            traceparent=trace,
         )
 
     # ------------------------------------------------------------------ each step
@@ -288,7 +297,8 @@ class SchedulerSide:
             # Only blocks vLLM keeps once the request ends: a sliding window's older blocks
             # are freed then, while the write may still be reading.
             assert transfer_id is not None  # set when the blocks were allocated
-            meta.eager[req_id] = SendSpec(transfer_id, self._sent(request, blocks))
+            meta.eager[req_id] = SendSpec(transfer_id, self._sent(request, blocks),
+                                          traceparent(request))  # fmt: skip
             entry.move(Event.SEND_EAGER)
 
     def _pulling(self) -> int:
@@ -382,7 +392,8 @@ class SchedulerSide:
             return False, None
         else:
             # The prompt's KV fills ceil(prompt / block) blocks; later blocks hold no prompt KV.
-            self._meta.ready[req_id] = SendSpec(transfer_id, self._sent(request, block_ids))
+            self._meta.ready[req_id] = SendSpec(transfer_id, self._sent(request, block_ids),
+                                                traceparent(request))  # fmt: skip
             timeline.mark(transfer_id, "p_finished")
         for_d = KVTransferParams(
             do_remote_prefill=True,

@@ -33,12 +33,28 @@ from pdactors.transport.curve import curve_from_files, curve_from_secret
 from pdactors.wire import MAX_COMPAT_FIELD
 from pdactors_vllm.errors import ConnectorConfigError
 
-__all__ = ["ConnectorSettings", "PullFailurePolicy", "settings_from_extra_config"]
+__all__ = [
+    "ConnectorSettings",
+    "PullFailurePolicy",
+    "TraceExport",
+    "settings_from_extra_config",
+    "trace_export",
+]
 
 #: What a failed pull does to D's request (setting ``on_pull_failure``).
 PullFailurePolicy = Literal["recompute", "fail"]
 
 log = logging.getLogger("pdactors.vllm")
+
+#: vLLM's (and OpenTelemetry's) variable naming the OTLP protocol of ``--otlp-traces-endpoint``.
+OTLP_PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+
+
+class TraceExport(msgspec.Struct, frozen=True):
+    """Where the connector's spans go: an OTLP ``endpoint`` over ``protocol``."""
+
+    endpoint: str
+    protocol: Literal["grpc", "http/protobuf"]
 
 
 class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -137,6 +153,12 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       ops over the KV tensors on their own CUDA stream (``wmix-64``,
       :mod:`pdactors_vllm.device_sums`). P and D must keep their KV in the same kind of
       memory for the checksums to be checked (a mix is trusted or refused as above).
+    * ``otlp_traces_endpoint``: an OTLP/HTTP traces URL (e.g.
+      ``http://collector:4318/v1/traces``): P's writes and D's pulls become OpenTelemetry
+      spans in the traces of the requests they serve (:mod:`pdactors_vllm.tracing`). Default:
+      vLLM's own ``--otlp-traces-endpoint``, spoken as vLLM speaks it
+      (``$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``: ``grpc``, vLLM's default, or
+      ``http/protobuf``); neither set: no spans. Needs ``pdactors[tracing]``.
     * ``timeline``: log each transfer's timeline at DEBUG on ``pdactors.timeline``, and append
       it as JSON lines to the file named by ``$PDACTORS_TIMELINE`` when that is set (bench);
       default false.
@@ -172,6 +194,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     compat_relax: tuple[str, ...] = ()
     on_pull_failure: PullFailurePolicy = "recompute"
     verify_kv: VerifyKv | Literal["auto"] = "auto"
+    otlp_traces_endpoint: str | None = None
     timeline: bool = False
 
     def bootstrap_token(self) -> str | None:
@@ -250,3 +273,18 @@ def settings_from_extra_config(extra: dict[str, Any]) -> ConnectorSettings:
         raise ConnectorConfigError(
             f"bad kv_connector_extra_config for PdActorsConnector: {exc}"
         ) from None
+
+
+def trace_export(settings: ConnectorSettings, vllm_endpoint: str | None) -> TraceExport | None:
+    """Where this engine's transfer spans go: ``otlp_traces_endpoint`` (OTLP/HTTP), else
+    vLLM's ``--otlp-traces-endpoint`` (``vllm_endpoint``) over vLLM's protocol
+    (``$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``, ``grpc`` by default); None: tracing is off.
+    Raises :class:`ConnectorConfigError` for a protocol vLLM would not speak either."""
+    if settings.otlp_traces_endpoint:
+        return TraceExport(settings.otlp_traces_endpoint, "http/protobuf")
+    if not vllm_endpoint:
+        return None
+    protocol = os.environ.get(OTLP_PROTOCOL_ENV, "grpc")
+    if protocol not in ("grpc", "http/protobuf"):
+        raise ConnectorConfigError(f"${OTLP_PROTOCOL_ENV} must be grpc or http/protobuf")
+    return TraceExport(vllm_endpoint, protocol)  # type: ignore[arg-type]  # checked above

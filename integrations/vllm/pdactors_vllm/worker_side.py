@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,8 +30,11 @@ from pdactors_vllm.idle_gate import Waker
 from pdactors_vllm.kv_layout import KVRegistration, layout_from_kv_caches
 from pdactors_vllm.mailbox import Mailbox, StepWork
 from pdactors_vllm.scheduler_side import PdActorsMetadata
-from pdactors_vllm.settings import ConnectorSettings
+from pdactors_vllm.settings import ConnectorSettings, TraceExport
 from pdactors_vllm.supervisor import SHUTDOWN_TIMEOUT, Supervisor
+
+if TYPE_CHECKING:
+    from pdactors_vllm.tracing import TransferTracer
 
 __all__ = ["KVRegistration", "WorkerPlace", "WorkerSide", "kv_hasher", "layout_from_kv_caches"]
 
@@ -61,9 +64,17 @@ class WorkerSide:
     :meth:`shutdown`.
     """
 
-    def __init__(self, settings: ConnectorSettings, place: WorkerPlace) -> None:
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        place: WorkerPlace,
+        trace: TraceExport | None = None,
+    ) -> None:
+        """``trace``: where the transfers' spans go (None: no spans, no OpenTelemetry)."""
         self.settings = settings
         self.place = place
+        self._trace = trace
+        self._tracer: TransferTracer | None = None
         self._waker = Waker()  # D: pings the engine core's idle gate for each result
         self._mailbox = Mailbox(on_result=self._waker.wake)
         self._actors: WorkerActors | None = None
@@ -108,8 +119,12 @@ class WorkerSide:
             log.info("KV checksums of %s: %s on %s (verify_kv %s)", self.place.engine_id,
                      repr(hasher.header) if verify != "off" else "off",
                      next(iter(kv_caches.values())).device, self.settings.verify_kv)  # fmt: skip
+        if self._trace is not None and self._tracer is None:
+            from pdactors_vllm.tracing import TransferTracer  # OpenTelemetry: only when on
+
+            self._tracer = TransferTracer(self._trace, self.place.engine_id)
         self._actors = WorkerActors(self.settings, self.place, configs, layout, memory,
-                                    self._mailbox, hasher)  # fmt: skip
+                                    self._mailbox, hasher, self._tracer)  # fmt: skip
         name = f"PdActorsConnector worker {self.place.engine_id}"
         self._supervisor = Supervisor(name, self._start_host, on_up=self._up)
         self._supervisor.start()
@@ -135,6 +150,8 @@ class WorkerSide:
         if self._supervisor is not None:
             self._supervisor.close(timeout=SHUTDOWN_TIMEOUT)
         self._waker.close()
+        if self._tracer is not None:
+            self._tracer.close()
 
     def _on_death(self, error: BaseException) -> None:
         """Called in the dead Trio thread (no Trio task runs any more): end every transfer."""
