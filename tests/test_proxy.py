@@ -75,6 +75,10 @@ class FakeEngine:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     tls: tuple[str, str] | None = None  # (certfile, keyfile): serve HTTPS
     finish: str = "length"  # whole answers' finish_reason
+    #: Which model it answers with (pdactors.core.compat.IDENTITY_FIELDS): in its bootstrap's
+    #: answer (P) and as our connector's info gauge on /metrics; None: neither (no /metrics).
+    identity: dict[str, str] | None = None
+    metrics_hold: trio.Event | None = None  # /metrics waits for it
 
     def tids(self) -> list[str]:
         return [body["kv_transfer_params"]["transfer_id"] for body in self.received]
@@ -194,14 +198,25 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
         if not engine.query_ok:
             return _json({"error": "down"}, 500)
         worker = {"0": {"0": "tcp://127.0.0.1:1"}}
+        compats = {"compats": {"0": {"0": engine.identity}}} if engine.identity else {}
         if engine.dp_ranks == 1:
-            return _json({"0": {"engine_id": engine.engine_id, "worker_addr": worker}})
+            return _json({"0": {"engine_id": engine.engine_id, "worker_addr": worker, **compats}})
         return _json(
             {
                 str(dp): {"engine_id": f"{engine.engine_id}_dp{dp}", "worker_addr": worker}
                 for dp in range(engine.dp_ranks)
             }
         )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if engine.metrics_hold is not None:
+            await engine.metrics_hold.wait()
+        if engine.identity is None:
+            return Response(b"not found", status=404)
+        labels = {"model_name": "tiny", "engine": "0", "role": "kv_consumer", **engine.identity}
+        text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        return Response(f"vllm:other 1.0\nvllm:pdactors_compat_info{{{text}}} 1.0\n".encode())
 
     return app
 
@@ -273,11 +288,13 @@ async def open_setup(
     healthy: bool = True,
     p_dp: int = 1,
     engine_tls: tuple[str, str] | None = None,
+    identities: dict[str, dict[str, str]] | None = None,
     **config: Any,
 ) -> AsyncIterator[Setup]:
-    """Fake engines (``engine_tls``: serving HTTPS) behind a proxy with ``config`` (upstream's
-    concurrent flow, disaggregated, no fall-back to D, unless ``config`` says otherwise:
-    tests/test_p_first.py, tests/test_placement.py)."""
+    """Fake engines (``engine_tls``: serving HTTPS; ``identities``: by engine name, e.g.
+    ``"d0"``, tests/test_pairs.py) behind a proxy with ``config`` (upstream's concurrent flow,
+    disaggregated, no fall-back to D, unless ``config`` says otherwise: tests/test_p_first.py,
+    tests/test_placement.py)."""
     config.setdefault("first_token", "d")
     config.setdefault("placement", "disaggregate")
     config.setdefault("fall_back_to_d", False)  # tests/test_p_first.py turns it on
@@ -288,6 +305,8 @@ async def open_setup(
         for i in range(n_p)
     ]
     d = [FakeEngine(f"d{i}", tls=engine_tls) for i in range(n_d)]
+    for engine in p + d:
+        engine.identity = (identities or {}).get(engine.name)
     async with trio.open_nursery() as nursery:
         for engine in p + d:
             await nursery.start(serve_fake, engine)

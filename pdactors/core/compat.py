@@ -20,10 +20,24 @@ from typing import Final, Literal
 from pdactors.errors import ConfigError
 from pdactors.wire import Compat
 
-__all__ = ["COMPAT_FIELDS", "Mismatch", "Verdict", "check_relax", "judge", "mismatches"]
+__all__ = [
+    "COMPAT_FIELDS",
+    "IDENTITY_FIELDS",
+    "Mismatch",
+    "Verdict",
+    "check_relax",
+    "identity",
+    "judge",
+    "mismatches",
+]
 
 #: The fields compared, in order (the first that differs is named).
 COMPAT_FIELDS: Final[tuple[str, ...]] = Compat.__struct_fields__
+
+#: The fields that say which model an engine answers with (not how its KV is laid out): what
+#: vLLM's API server process knows, exported on D's ``/metrics`` for the proxy, which pairs
+#: only a P and a D whose identities agree (:mod:`pdactors.proxy._pairs`).
+IDENTITY_FIELDS: Final[tuple[str, ...]] = ("model", "weights", "dtype")
 
 _SHORT = 24  # values longer than this are shown by their first 12 characters
 
@@ -81,6 +95,13 @@ def judge(mine: Compat | None, theirs: Compat | None, relax: Iterable[str] = ())
     found = mismatches(mine, theirs)
     refused = next((m for m in found if m.field not in relaxed), None)
     return Verdict(refused, tuple(m for m in found if m.field in relaxed))
+
+
+def identity(compat: Compat | None) -> Compat | None:
+    """``compat``'s :data:`IDENTITY_FIELDS` alone (the rest not known: not compared)."""
+    if compat is None:
+        return None
+    return Compat(**{name: getattr(compat, name) for name in IDENTITY_FIELDS})
 
 
 def check_relax(names: Iterable[str]) -> tuple[str, ...]:

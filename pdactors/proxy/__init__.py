@@ -9,7 +9,8 @@ as the IO code holds it, and the effects of its record, :mod:`pdactors.core.exch
 ``_engine_failures`` and ``_retry`` (what a failed leg tells the client, and whether D's is
 asked again), ``_p_first`` (P's token first, the fall-back to D), ``_bodies`` (what each engine
 is sent), ``_engine_http`` (h11 to the engines), ``_state`` and ``_health`` (the engines'
-pools, counters and health), ``_tracing`` (a span per request, its ``traceparent`` to both
+pools, counters and health), ``_pairs`` (which P may compute prompts for which D: their models
+compared), ``_tracing`` (a span per request, its ``traceparent`` to both
 engines; on only with an OTLP endpoint).
 """
 

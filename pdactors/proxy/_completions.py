@@ -166,14 +166,19 @@ class Proxy:
     ) -> None:
         keyed = self.prefill.prefixes is not None or self.decode.prefixes is not None
         prompt = prefix_keys(body, endpoint.chat) if keyed else []
-        (p, p_why), (d, d_why) = self.prefill.route(prompt), self.decode.route(prompt)
-        if d is None or (p is None and not self.config.fall_back_to_d):
-            why = (self.decode if d is None else self.prefill).why_none()
+        d, d_why = self.decode.route(prompt)
+        p, p_why = None, ""
+        if d is not None:  # only a P that answers with D's model: P's token is the client's
+            pair = self.watch.pairs
+            p, p_why = self.prefill.route(prompt, lambda b: pair.refusal(b, d) is None)
+        alone = None if p is not None else self._why_alone(d)
+        if d is None or (alone is not None and not self.config.fall_back_to_d):
+            why = self.decode.why_none() if d is None else self._why_no_prefill(d)
             self.metrics.requests.labels(endpoint.name, "unavailable").inc()
             await reply.failure(Failure.of(503, why, "service_unavailable", "unavailable"))
             return
         self.metrics.routed.labels("decode", d_why).inc()
-        if p is None:  # no P in rotation: D serves the request alone
+        if p is None:  # no P in rotation, or none D may be paired with: D serves it alone
             p = self._no_prefill
         else:
             self.metrics.routed.labels("prefill", p_why).inc()
@@ -196,7 +201,7 @@ class Proxy:
             headers, p_headers, p_engine_id, state, prompt_chars=chars,
         )  # fmt: skip
         ex.span = span
-        ex.placement = self._place(ex, pin)
+        ex.placement = self._place(ex, pin, alone)
         reply.headers.append((PLACEMENT_HEADER, ex.placement.encode()))
         local = ex.placement == "local"  # D prefills it itself: P takes no part
         if not local:  # P computes the prompt (and caches it); D holds it either way
@@ -225,13 +230,32 @@ class Proxy:
                 local_body = msgspec.json.encode(body)
                 await self.legs.answer_from_decode(ex, d_body, reply, local=local_body)
 
-    def _place(self, ex: Exchange, pinned: str) -> str:
-        """Where ``ex``'s prompt is computed: ``pinned`` (the operator's ``--placement`` or
-        the request's header), or for ``auto`` the placer's estimate (counted, and logged at
-        DEBUG with the figures behind it)."""
-        if ex.p is self._no_prefill:
-            self.metrics.placement.labels("local", "no_prefill").inc()
-            self.metrics.fallbacks.labels("no_prefill").inc()
+    def _why_alone(self, d: Backend | None) -> str:
+        """Why a request for ``d`` got no P: none is in rotation (``no_prefill``), or every P
+        in rotation answers with another model than D (``incompatible``)."""
+        return "incompatible" if d is not None and self.prefill.any_up else "no_prefill"
+
+    def _why_no_prefill(self, d: Backend) -> str:
+        """The 503's text for a request that got no P (without the fall-back to D)."""
+        refused = [
+            f"{b.url}: {found.reason('P')}"
+            for b in self.prefill.backends
+            if b.up and (found := self.watch.pairs.refusal(b, d)) is not None
+        ]
+        if not refused:
+            return self.prefill.why_none()
+        return (
+            f"no prefill engine answers with decode engine {d.url}'s model ({'; '.join(refused)})"
+        )
+
+    def _place(self, ex: Exchange, pinned: str, alone: str | None) -> str:
+        """Where ``ex``'s prompt is computed: on D when it has no P (``alone``: why; this wins
+        over a pin: an incompatible P's token would be another model's), else ``pinned`` (the
+        operator's ``--placement`` or the request's header), or for ``auto`` the placer's
+        estimate (counted, and logged at DEBUG with the figures behind it)."""
+        if alone is not None:
+            self.metrics.placement.labels("local", alone).inc()
+            self.metrics.fallbacks.labels(alone).inc()
             return "local"
         if pinned != "auto":
             where = "local" if pinned == "local" else "disaggregated"

@@ -7,7 +7,13 @@ from it at once (:attr:`Backend.waiting_for_token`; the request is then served a
 failed before its token: :mod:`pdactors.proxy._p_first`). A failed bootstrap only takes P out
 of the rotation: the requests at P may still get their token, and D's look-ups are cached.
 An engine that restarted (P: a new engine id; D: back in rotation after being out) has what
-prefix-aware routing remembers of it dropped (:meth:`Pool.restarted`)."""
+prefix-aware routing remembers of it dropped (:meth:`Pool.restarted`).
+
+Which model each engine answers with (:mod:`pdactors.proxy._pairs`) is read here too: P's from
+the same bootstrap answer that gives its engine ids, D's from its ``GET /metrics`` before D
+enters the rotation (a D whose ``/metrics`` gives no answer stays out, as a P whose bootstrap
+gives none does) and every :data:`~pdactors.proxy._pairs.REREAD_ROUNDS` rounds after; so no
+request is paired before both identities are known."""
 
 from __future__ import annotations
 
@@ -20,6 +26,13 @@ import trio
 from pdactors.bootstrap_client import BootstrapClient
 from pdactors.config import ProxyConfig
 from pdactors.errors import BootstrapError, BootstrapTimeout, describe
+from pdactors.proxy._pairs import (
+    REREAD_ROUNDS,
+    IdentityUnread,
+    Pairs,
+    prefill_identity,
+    read_identity,
+)
 from pdactors.proxy._state import Backend, Metrics, Pool
 
 __all__ = ["HealthWatch"]
@@ -43,6 +56,7 @@ class HealthWatch:
         self.bootstrap = bootstrap
         self.prefill, self.decode = pools
         self.metrics = metrics
+        self.pairs = Pairs()
 
     async def run(self) -> None:
         """Probe every engine each ``health_interval``, forever. Never raises."""
@@ -51,6 +65,7 @@ class HealthWatch:
             async with trio.open_nursery() as nursery:
                 for backend in backends:
                     nursery.start_soon(self._probe, backend)
+            self.pairs.report(self.prefill.backends, self.decode.backends)  # logs new refusals
             await trio.sleep(self.config.health_interval)
 
     async def _probe(self, b: Backend) -> None:
@@ -58,8 +73,35 @@ class HealthWatch:
         if problem is not None:
             self.set(b, problem, None, engine_failed=True)
             return
+        if b.role == "decode":
+            self.set(b, await self._check_identity(b), None)
+            return
         problem, engines = await self._check_bootstrap(b)
         self.set(b, problem, engines)
+
+    async def _check_identity(self, b: Backend) -> str | None:
+        """Read D's identity when due (not read since D came into rotation, or
+        :data:`REREAD_ROUNDS` rounds ago); what keeps D out of rotation (None: nothing).
+        Takes at most ``health_timeout``."""
+        if b.identity_rounds is not None and b.identity_rounds + 1 < REREAD_ROUNDS:
+            b.identity_rounds += 1
+            return None
+        try:
+            found = await read_identity(self.probe_http, b.url, self.config.health_timeout)
+        except IdentityUnread as exc:
+            if b.identity_rounds is None:
+                return f"identity not read: {exc}"
+            return None  # busy is not dead: keep what was read; asked again next round
+        if b.identity_rounds is None or found != b.identity:
+            if found is None:
+                log.info("proxy: decode %s exports no %s (an older D, or one without our "
+                         "connector): its pairs are not checked", b.url, "compat info")  # fmt: skip
+            else:
+                c = found.compat
+                log.info("proxy: decode %s answers with model %s, weights %s, dtype %s",
+                         b.url, c.model, c.weights or "?", c.dtype)  # fmt: skip
+        b.identity, b.identity_rounds = found, 0
+        return None
 
     async def _check_engine(self, b: Backend) -> str | None:
         """What is wrong with ``b``'s own ``GET /health`` (None: it answered 200 in time).
@@ -100,6 +142,7 @@ class HealthWatch:
         except BootstrapError as exc:
             return f"bootstrap: {exc}", None
         b.bootstrap_slow = False
+        b.identity = prefill_identity(answer)  # read with the engine ids: known as P enters
         engines = {
             dp: entry.engine_id for dp, entry in answer.items() if any(entry.worker_addr.values())
         }
@@ -132,6 +175,8 @@ class HealthWatch:
                 log.warning("proxy: %s engine id changed %s -> %s", b.url, old, b.engine_id)
                 self.prefill.restarted(b)  # a new engine: its prefix cache is empty
         self.metrics.backend_up.labels(b.role, b.url).set(1 if b.up else 0)
+        if not b.up:
+            b.identity_rounds = None  # D: its identity is read again before it comes back
         if was_up and not b.up:
             log.warning("proxy: %s %s out of rotation: %s", b.role, b.url, b.problem)
         elif b.up and not was_up:
@@ -164,6 +209,8 @@ class HealthWatch:
         }
         if remembered:  # prefix_aware routing: the prompt blocks it remembers per role
             report["prefix_blocks"] = remembered
+        if refused := self.pairs.report(self.prefill.backends, self.decode.backends):
+            report["incompatible"] = refused  # never paired: D serves their requests alone
         if reasons:
             report["reason"] = "; ".join(reasons)
         return (503 if reasons else 200), report

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdactors.core.prefixes import Candidate, PrefixIndex, choose
+
+if TYPE_CHECKING:
+    from pdactors.proxy._pairs import Identity
 
 __all__ = ["Backend", "Metrics", "Pool", "Role"]
 
@@ -43,6 +46,12 @@ class Backend:
     #: cancelled when P is judged failed meanwhile: the request is cut from P
     #: (:meth:`pdactors.proxy._health.HealthWatch.set`).
     waiting_for_token: set[trio.CancelScope] = field(default_factory=set)
+    #: Which model it answers with (:mod:`pdactors.proxy._pairs`): P's from its bootstrap,
+    #: D's from its ``/metrics``; None: not known (not compared).
+    identity: Identity | None = None
+    #: D only: health rounds since its identity was read; None: not read since it last came
+    #: into rotation (D enters the rotation only once it was read).
+    identity_rounds: int | None = None
     _dp_next: int = 0
 
     @property
@@ -74,6 +83,11 @@ class Backend:
             out |= {"bootstrap_url": self.bootstrap_url, "engine_id": self.engine_id}
             if len(self.dp_engines) > 1:
                 out["dp_engines"] = {str(k): v for k, v in sorted(self.dp_engines.items())}
+        if self.identity is not None:
+            c = self.identity.compat
+            out["identity"] = {"model": c.model, "weights": c.weights, "dtype": c.dtype}
+            if self.identity.relax:
+                out["identity"]["relax"] = list(self.identity.relax)
         if not self.up:
             out["problem"] = self.problem
         return out
@@ -108,14 +122,19 @@ class Pool:
         goes by load alone). Not a checkpoint."""
         return self.route(())[0]
 
-    def route(self, prompt: Sequence[int]) -> tuple[Backend | None, str]:
+    def route(
+        self, prompt: Sequence[int], usable: Callable[[Backend], bool] | None = None
+    ) -> tuple[Backend | None, str]:
         """The engine to use for a prompt of block keys ``prompt``
         (:func:`pdactors.core.prefixes.prefix_keys`) and why (the routing's name, or for
-        prefix-aware routing ``prefix``, ``spill`` or ``no_match``); None when none is up.
-        Nothing is remembered: :meth:`sent` says where the prompt went. Not a checkpoint."""
+        prefix-aware routing ``prefix``, ``spill`` or ``no_match``); None when none is up
+        (and ``usable``, when given: e.g. P compatible with the request's D). Nothing is
+        remembered: :meth:`sent` says where the prompt went. Not a checkpoint."""
         n = len(self.backends)
         order = [(self._next + i) % n for i in range(n)]
-        candidates = [i for i in order if self.backends[i].up]
+        candidates = [
+            i for i in order if self.backends[i].up and (usable is None or usable(self.backends[i]))
+        ]
         if not candidates:
             return None, self.routing
         chosen, why = candidates[0], self.routing
@@ -214,8 +233,9 @@ class Metrics:
         self.fallbacks = Counter(
             "pdactors_proxy_fallbacks",
             "Requests D served alone although they were meant for P: no P in rotation "
-            "(no_prefill), P failed before its first token (prefill_failed), or P was judged "
-            "unhealthy while they waited for its first token (p_unhealthy)",
+            "(no_prefill), no P in rotation answers with D's model (incompatible), P failed "
+            "before its first token (prefill_failed), or P was judged unhealthy while they "
+            "waited for its first token (p_unhealthy)",
             ["why"],
             registry=r,
         )

@@ -16,6 +16,7 @@ from pdactors.wire.bootstrap import BootstrapAnswer as BootstrapAnswer
 from pdactors.wire.bootstrap import BootstrapEntry as BootstrapEntry
 from pdactors.wire.bootstrap import RegisterWorker as RegisterWorker
 from pdactors.wire.bootstrap import is_curve_key as is_curve_key
+from pdactors.wire.compat import COMPAT_INFO as COMPAT_INFO
 from pdactors.wire.compat import Compat as Compat
 from pdactors.wire.kv_params import KVTransferParams as KVTransferParams
 from pdactors.wire.layout import BlockIds as BlockIds

@@ -11,7 +11,12 @@ from msgspec import Meta
 
 from pdactors.wire.limits import MAX_BLOCK_SIZE, MAX_COMPAT_FIELD
 
-__all__ = ["Compat"]
+__all__ = ["COMPAT_INFO", "Compat"]
+
+#: The info gauge on a vLLM server's ``/metrics`` (our connector's, from start-up) whose
+#: labels are the engine's identity fields (:data:`pdactors.core.compat.IDENTITY_FIELDS`),
+#: ``role`` (vLLM's ``kv_role``) and ``relax`` (its ``compat_relax``, comma-separated); value 1.
+COMPAT_INFO = "vllm:pdactors_compat_info"
 
 _Field = Annotated[str, Meta(max_length=MAX_COMPAT_FIELD)]
 

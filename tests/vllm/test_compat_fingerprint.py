@@ -126,3 +126,54 @@ def test_settings_name_relaxed_fields_and_both_actors_get_them() -> None:
     assert configs.sender is not None and configs.receiver is not None
     assert configs.sender.compat == configs.receiver.compat == Compat(weights="r1")
     assert configs.sender.compat_relax == configs.receiver.compat_relax == ("kv_dtype",)
+
+
+def _with_transfer(config: SimpleNamespace, **extra: object) -> SimpleNamespace:
+    config.kv_transfer_config = SimpleNamespace(
+        kv_role="kv_consumer", kv_connector_extra_config=extra
+    )
+    return config
+
+
+def test_the_api_servers_info_labels_are_the_workers_identity_fields(
+    model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What D's API server exports for the proxy equals, field by field, what its workers
+    register (the same functions, the same digests); a field that cannot be computed is left
+    empty and said, never a failed server."""
+    from pdactors_vllm.metrics import identity_labels
+
+    workers = engine_compat(_vllm_config(model), "", 2)
+    labels = identity_labels(_with_transfer(_vllm_config(model)))
+    assert labels == {"role": "kv_consumer", "model": workers.model, "weights": workers.weights,
+                      "dtype": workers.dtype, "relax": ""}  # fmt: skip
+    pinned = identity_labels(
+        _with_transfer(_vllm_config(model), model_fingerprint="rev-42", compat_relax=["kv_dtype"])
+    )
+    assert (pinned["weights"], pinned["relax"]) == ("rev-42", "kv_dtype")
+    broken = _with_transfer(_vllm_config(model))
+    broken.load_config = None  # the weights cannot be looked up: the rest is still exported
+    labels = identity_labels(broken)
+    assert (labels["weights"], labels["model"]) == ("", workers.model)
+    assert any("cannot compute weights" in r.message for r in caplog.records)
+
+
+def test_the_info_gauge_is_on_metrics_from_start_up(model: Path) -> None:
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram, generate_latest
+
+    from pdactors_vllm.metrics import PdActorsPromMetrics
+
+    before = set(REGISTRY._names_to_collectors)
+    config = _with_transfer(_vllm_config(model))
+    types: dict[type, type] = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
+    try:
+        PdActorsPromMetrics(config, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+        text = generate_latest(REGISTRY).decode()
+    finally:
+        for name in set(REGISTRY._names_to_collectors) - before:
+            collector = REGISTRY._names_to_collectors.get(name)
+            if collector is not None:
+                REGISTRY.unregister(collector)
+    (line,) = [x for x in text.splitlines() if x.startswith("vllm:pdactors_compat_info{")]
+    assert 'role="kv_consumer"' in line and f'weights="{weights_fingerprint(model)}"' in line
+    assert line.endswith(" 1.0")

@@ -23,7 +23,16 @@ import msgspec
 from pdactors import Compat
 from pdactors.wire import MAX_COMPAT_FIELD, PROTOCOL_VERSION
 
-__all__ = ["SAMPLES", "SAMPLE_BYTES", "engine_compat", "weights_fingerprint", "with_kv_dtype"]
+__all__ = [
+    "SAMPLES",
+    "SAMPLE_BYTES",
+    "dtype_of",
+    "engine_compat",
+    "model_digest",
+    "weights_fingerprint",
+    "weights_of",
+    "with_kv_dtype",
+]
 
 log = logging.getLogger("pdactors.vllm")
 
@@ -102,22 +111,39 @@ def _dtype(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def model_digest(model_config: Any) -> str:
+    """The ``model`` field: the architecture and a hash of the model's config."""
+    architecture = ",".join(getattr(model_config.hf_config, "architectures", None) or ["?"])
+    return f"{architecture}:{_config_hash(model_config.hf_config)}"[:MAX_COMPAT_FIELD]
+
+
+def weights_of(vllm_config: Any, model_fingerprint: str) -> str:
+    """The ``weights`` field: ``model_fingerprint``, else the local checkpoint's fingerprint
+    (none for ``load_format: dummy``), computed once per process."""
+    weights = model_fingerprint
+    if not weights and vllm_config.load_config.load_format != "dummy":
+        model = vllm_config.model_config
+        weights = _local_weights(str(model.model), model.revision)
+    return weights[:MAX_COMPAT_FIELD]
+
+
+def dtype_of(model_config: Any) -> str:
+    """The ``dtype`` field: the model's dtype (``float32``, ``bfloat16``...)."""
+    return _dtype(model_config.dtype)
+
+
 def engine_compat(vllm_config: Any, model_fingerprint: str, kv_heads: int) -> Compat:
     """This engine's description, from ``vllm_config`` (``kv_heads``: as the actors count
     them). The KV dtype is vLLM's ``cache_dtype`` until :func:`with_kv_dtype` resolves
     ``auto``."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
-    architecture = ",".join(getattr(model.hf_config, "architectures", None) or ["?"])
-    weights = model_fingerprint
-    if not weights and vllm_config.load_config.load_format != "dummy":
-        weights = _local_weights(str(model.model), model.revision)
     layout = (f"layers={model.get_total_num_hidden_layers()} kv_heads={kv_heads} "
               f"head_size={model.get_head_size()} mla={bool(model.use_mla)}")  # fmt: skip
     return Compat(
         wire=PROTOCOL_VERSION,
-        model=f"{architecture}:{_config_hash(model.hf_config)}"[:MAX_COMPAT_FIELD],
-        weights=weights[:MAX_COMPAT_FIELD],
-        dtype=_dtype(model.dtype),
+        model=model_digest(model),
+        weights=weights_of(vllm_config, model_fingerprint),
+        dtype=dtype_of(model),
         kv_dtype=str(cache.cache_dtype),
         block_size=int(cache.block_size),
         layout=layout,

@@ -3,10 +3,18 @@
 Workers report :class:`PdActorsStats` each step (``get_kv_connector_stats``), and so does D's
 scheduler side (its idle gate's sleeps); vLLM sums them across workers and hands the sum to
 :class:`PdActorsPromMetrics.observe` in the API server.
+
+From start-up (vLLM builds :class:`PdActorsPromMetrics` with its stat loggers, before any
+request) the API server also exports which model it answers with: the info gauge
+:data:`~pdactors.wire.COMPAT_INFO`, labelled with the identity fields of the compatibility
+description (:func:`identity_labels`), which the proxy reads to pair only a P and a D that
+answer alike. Not with ``--disable-log-stats`` (no stat logger, no ``/metrics`` of vLLM's).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -15,7 +23,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-__all__ = ["COUNTERS", "DURATIONS", "PdActorsPromMetrics", "PdActorsStats"]
+from pdactors.core.compat import IDENTITY_FIELDS
+from pdactors.wire import COMPAT_INFO
+from pdactors_vllm.compat import dtype_of, model_digest, weights_of
+from pdactors_vllm.settings import settings_from_extra_config
+
+__all__ = ["COUNTERS", "DURATIONS", "PdActorsPromMetrics", "PdActorsStats", "identity_labels"]
+
+log = logging.getLogger("pdactors.vllm")
 
 #: name in the stats -> (Prometheus name, help)
 COUNTERS = {
@@ -115,6 +130,18 @@ class PdActorsPromMetrics(KVConnectorPromMetrics):
             )
             for key, (name, doc) in DURATIONS.items()
         }
+        identity = identity_labels(vllm_config)
+        gauge_cls: Any = self._gauge_cls  # typed by vLLM as any of the three kinds
+        info = gauge_cls(
+            name=COMPAT_INFO,
+            documentation="Which model this engine answers with (PdActorsConnector's compatibility "
+            "description: model config digest, weights fingerprint, dtype; role and compat_relax); "
+            "always 1. The proxy pairs only a P and a D whose labels agree.",
+            multiprocess_mode="mostrecent",
+            labelnames=[*labelnames, *identity],
+        )
+        for values in per_engine_labelvalues.values():
+            info.labels(*values, *identity.values()).set(1)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, per_engine in self._counters.items():
@@ -125,3 +152,32 @@ class PdActorsPromMetrics(KVConnectorPromMetrics):
             histogram: Any = per_engine[engine_idx]
             for seconds in transfer_stats_data.get(key, ()):
                 histogram.observe(seconds)
+
+
+def identity_labels(vllm_config: Any) -> dict[str, str]:
+    """The info gauge's own labels: ``role`` (``kv_role``), the identity fields as this engine's
+    workers register them (:func:`pdactors_vllm.compat.engine_compat`) and ``relax``
+    (``compat_relax``, comma-separated). Never raises: a field that cannot be computed is
+    logged and exported empty (not compared, as in the workers' description)."""
+    transfer, model = vllm_config.kv_transfer_config, vllm_config.model_config
+    fingerprint, relax = "", ""
+    try:
+        settings = settings_from_extra_config(dict(transfer.kv_connector_extra_config or {}))
+        fingerprint, relax = settings.model_fingerprint, ",".join(settings.compat_relax)
+    except Exception as exc:  # the workers refuse a bad config by name; the gauge goes on
+        log.warning("PdActorsConnector: compat info without the connector's settings: %s", exc)
+    compute: dict[str, Callable[[], str]] = {
+        "model": lambda: model_digest(model),
+        "weights": lambda: weights_of(vllm_config, fingerprint),
+        "dtype": lambda: dtype_of(model),
+    }
+    labels = {"role": str(getattr(transfer, "kv_role", "") or "")}
+    for name in IDENTITY_FIELDS:
+        try:
+            labels[name] = compute[name]()
+        except Exception as exc:  # never break the server for a label: export what we have
+            log.warning("PdActorsConnector: compat info: cannot compute %s (%s: %s); exported "
+                        "empty (not compared)", name, type(exc).__name__, exc)  # fmt: skip
+            labels[name] = ""
+    labels["relax"] = relax
+    return labels
