@@ -23,6 +23,7 @@ from pdactors.wire import Compat
 __all__ = [
     "COMPAT_FIELDS",
     "IDENTITY_FIELDS",
+    "Identity",
     "Mismatch",
     "Verdict",
     "check_relax",
@@ -114,3 +115,13 @@ def check_relax(names: Iterable[str]) -> tuple[str, ...]:
             f"(fields: {', '.join(COMPAT_FIELDS)})"
         )
     return names
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """An engine's identity fields (the rest of ``compat`` empty) and, for D, the fields its
+    ``compat_relax`` lets differ: what the proxy pairs P and D by
+    (:mod:`pdactors.proxy._pairs`)."""
+
+    compat: Compat
+    relax: tuple[str, ...] = ()

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, Final
 
 import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdactors.core.compat import IDENTITY_FIELDS, Mismatch, identity, judge
+from pdactors.core.compat import IDENTITY_FIELDS, Identity, Mismatch, identity, judge
 from pdactors.errors import describe
 from pdactors.proxy._state import Backend
 from pdactors.wire import COMPAT_INFO, MAX_COMPAT_FIELD, BootstrapAnswer, Compat
@@ -50,15 +49,6 @@ log = logging.getLogger("pdactors.proxy")
 REREAD_ROUNDS: Final = 10
 #: The most of D's ``/metrics`` answer read (vLLM's is some hundreds of KB).
 MAX_METRICS_BYTES: Final = 16 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class Identity:
-    """An engine's identity fields (the rest of ``compat`` empty) and, for D, the fields its
-    ``compat_relax`` lets differ."""
-
-    compat: Compat
-    relax: tuple[str, ...] = ()
 
 
 class IdentityUnread(Exception):

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import Any, Final, Literal
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdactors.core.compat import Identity
 from pdactors.core.prefixes import Candidate, PrefixIndex, choose
-
-if TYPE_CHECKING:
-    from pdactors.proxy._pairs import Identity
 
 __all__ = ["Backend", "Metrics", "Pool", "Role"]
 

@@ -21,12 +21,12 @@ class CrashingConnector(PdActorsConnector):
         meta = self._get_connector_metadata()
         assert isinstance(meta, PdActorsMetadata)
         worker = self.worker_side
-        if worker is None or worker.host is None or not worker.host.alive:
+        host = worker.host if worker is not None else None  # read once: it may be restarting
+        if worker is None or host is None or not host.alive:
             return
         doomed = {p.transfer_id for p in meta.pulls.values() if p.transfer_id.startswith("crash-")}
         if doomed - self._crashed:
             self._crashed |= doomed
-            host = worker.host
 
             async def crash() -> None:
                 raise RuntimeError("injected by the test: the connector's Trio thread dies")

@@ -167,14 +167,22 @@ def vllm_server(
         _kill(process)
 
 
+class PortTaken(RuntimeError):
+    """A server exited at start because a port it was given was taken meanwhile (a port from
+    :func:`free_port` is free when chosen, not reserved): start again on fresh ports."""
+
+
 def wait_healthy(servers: list[Server], timeout: float = STARTUP_TIMEOUT) -> None:
-    """Wait until every server answers ``/health``; raise with its log when one dies."""
+    """Wait until every server answers ``/health``; raise with its log when one dies
+    (:class:`PortTaken` when it died binding a port someone else took meanwhile)."""
     deadline = time.monotonic() + timeout
     pending = list(servers)
     while pending:
         for server in list(pending):
             if server.process.poll() is not None:
-                raise RuntimeError(f"{server.name} exited:\n{server.tail()}")
+                log = server.log.read_text(errors="replace")
+                kind = PortTaken if "Address already in use" in log else RuntimeError
+                raise kind(f"{server.name} exited:\n{server.tail()}")
             try:
                 if httpx.get(f"{server.url}/health", timeout=2, trust_env=False).is_success:
                     pending.remove(server)

@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ pytest.importorskip("vllm")
 
 from pdactors_vllm.tiny_model import ensure_tiny_model, find_eos_first_prompts
 from tests.vllm.servers import (
+    PortTaken,
     Server,
     completion,
     free_port,
@@ -110,15 +111,23 @@ def start_cluster(
     engine_args: tuple[str, ...] = (),
 ) -> Iterator[Cluster]:
     """A single server, a P (engine id ``prefill-e2e``, ``p_extra`` in its extra config) and a
-    D (``d_config``), all with ``engine_args``; stopped on exit."""
-    bootstrap_port = free_port()
-    p_config = producer_config("prefill-e2e", bootstrap_port, **p_extra)
-    specs = {
-        "single": {"core": 0, "extra_args": engine_args},
-        "prefill": {"core": 0, "kv_transfer_config": p_config, "extra_args": engine_args},
-        "decode": {"core": 1, "kv_transfer_config": d_config, "extra_args": engine_args},
-    }
-    with servers(specs, model, logs) as s:
+    D (``d_config``), all with ``engine_args``; stopped on exit. Started again on fresh ports
+    (twice at most) when a port chosen free was taken before a server bound it."""
+    with ExitStack() as stack:
+        for attempt in range(3):
+            bootstrap_port = free_port()
+            p_config = producer_config("prefill-e2e", bootstrap_port, **p_extra)
+            specs = {
+                "single": {"core": 0, "extra_args": engine_args},
+                "prefill": {"core": 0, "kv_transfer_config": p_config, "extra_args": engine_args},
+                "decode": {"core": 1, "kv_transfer_config": d_config, "extra_args": engine_args},
+            }
+            try:
+                s = stack.enter_context(servers(specs, model, logs))
+                break
+            except PortTaken:
+                if attempt == 2:
+                    raise
         yield Cluster(s["single"], s["prefill"], s["decode"], f"http://127.0.0.1:{bootstrap_port}")
 
 
