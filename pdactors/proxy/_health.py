@@ -175,8 +175,11 @@ class HealthWatch:
                 log.warning("proxy: %s engine id changed %s -> %s", b.url, old, b.engine_id)
                 self.prefill.restarted(b)  # a new engine: its prefix cache is empty
         self.metrics.backend_up.labels(b.role, b.url).set(1 if b.up else 0)
-        if not b.up:
-            b.identity_rounds = None  # D: its identity is read again before it comes back
+        if not b.up and b.identity_rounds is not None:
+            # D: its identity is read again at the next round (perhaps it restarted), but a
+            # read that fails then keeps the one known: only a D never read waits out of
+            # rotation for it (a D frozen a moment must come back as soon as it answers).
+            b.identity_rounds = REREAD_ROUNDS
         if was_up and not b.up:
             log.warning("proxy: %s %s out of rotation: %s", b.role, b.url, b.problem)
         elif b.up and not was_up:
