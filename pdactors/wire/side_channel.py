@@ -18,6 +18,7 @@ from pdactors.wire.compat import Compat
 from pdactors.wire.layout import Layout, WireBlockIds
 from pdactors.wire.limits import (
     MAX_BLOCK_IDS,
+    MAX_ID,
     MAX_KV_HEADS,
     MAX_PP_SIZE,
     MAX_REASON,
@@ -72,6 +73,11 @@ class PullRequest(_Msg, frozen=True, tag="pull"):
     pulls of an earlier life of the same D session (:mod:`pdactors.core.epochs`).
     ``fence``: D fences its blocks against a write that may land after it lost P; P says
     :class:`Writing` before it writes them (False: an older D, which is sent no such notice).
+    ``done_to`` / ``done_token``: D's fast completion path (issue 28): once the whole pull has
+    landed, P's write thread itself sends the 8 bytes of ``done_token`` (little-endian) to
+    the ZMQ PULL socket at ``done_to`` (``"tcp://host:port"``), with no Trio loop on either
+    side; the :class:`PullDone` on the side channel still follows and stays the authority for
+    every failure path (``""``: D asks for no such notice; an older P ignores both fields).
     """
 
     transfer_id: Id
@@ -90,6 +96,8 @@ class PullRequest(_Msg, frozen=True, tag="pull"):
     p_epoch: Epoch = 0
     d_epoch: Epoch = 0
     fence: bool = False
+    done_to: Annotated[str, Meta(max_length=MAX_ID)] = ""
+    done_token: U64 = 0
 
 
 class CancelPull(_Msg, frozen=True, tag="cancel"):
