@@ -72,12 +72,18 @@ class World:
         )
         self.p = self.p_stack.enter_context(server)
         wait_healthy([self.p])
+        # One prefill before the tests' own: a fresh P's first one is slow enough on two busy
+        # cores to miss a health round, which took it out of the proxy's rotation mid-test.
+        completion(self.p, prompt_ids(300, seed=1), max_tokens=1)
         return self.p
 
     def restart_p(self) -> Server:
-        """Reap the killed P's process group; start P again on the same ports."""
+        """Reap the killed P's process group; start P again on the same ports; return once
+        the proxy has it in rotation again (a request sent before would go to D alone)."""
         self.p_stack.close()
-        return self.start_p()
+        p = self.start_p()
+        _wait_for("P back in the proxy's rotation", lambda: _proxy_health(self)["prefill"][0]["up"])
+        return p
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +289,6 @@ def test_eight_requests_in_flight_survive_a_p_killed_or_stopped(world: World, fa
     assert p is not None
     prompts = [prompt_ids(250 + 20 * i, seed=300 + i) for i in range(8)]
     max_tokens = 64
-    # (after a restart, P is back in the proxy's rotation within a health round)
     _wait_for("P in rotation", lambda: _proxy_health(world)["prefill"][0]["up"])
     reasons = ("prefill_failed", "p_unhealthy")
     recovered_before = _retries(world) + sum(_fallbacks(world, why) for why in reasons)
