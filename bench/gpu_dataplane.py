@@ -97,10 +97,17 @@ class TimedPlane:
         self.inner.register(regions)
 
     async def write(
-        self, peer: str, src: Any, dst: Any, lengths: Any, *, before: Any = None
+        self,
+        peer: str,
+        src: Any,
+        dst: Any,
+        lengths: Any,
+        *,
+        before: Any = None,
+        after: Any = None,
     ) -> None:
         start = time.perf_counter()
-        await self.inner.write(peer, src, dst, lengths, before=before)
+        await self.inner.write(peer, src, dst, lengths, before=before, after=after)
         self.times.append(time.perf_counter() - start)
 
 

@@ -247,10 +247,17 @@ class TimedPlane:
         self.inner.register(regions)
 
     async def write(
-        self, peer: str, src: Any, dst: Any, lengths: Any, *, before: Any = None
+        self,
+        peer: str,
+        src: Any,
+        dst: Any,
+        lengths: Any,
+        *,
+        before: Any = None,
+        after: Any = None,
     ) -> None:
         start = now()
-        await self.inner.write(peer, src, dst, lengths, before=before)
+        await self.inner.write(peer, src, dst, lengths, before=before, after=after)
         self.log.append((start, now(), int(lengths.sum())))
 
 

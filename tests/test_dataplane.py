@@ -366,7 +366,7 @@ def one_block_writes(pair: Pair, count: int, size: int = 4 * KiB) -> tuple[Any, 
     """``count`` registered source and target blocks, and ``write(i)``: block i to block i."""
     src_buf, dst_buf = pair.buffers(count * size)
 
-    async def write(i: int, before: Any = None) -> None:
+    async def write(i: int, before: Any = None, after: Any = None) -> None:
         at = np.uint64(i * size)
         await pair.p.write(
             pair.d.session,
@@ -374,6 +374,7 @@ def one_block_writes(pair: Pair, count: int, size: int = 4 * KiB) -> tuple[Any, 
             u64([addr(dst_buf) + at]),
             u64([size]),
             before=before,
+            after=after,
         )
 
     return src_buf.reshape(count, size), dst_buf.reshape(count, size), write
@@ -552,3 +553,145 @@ async def test_nothing_is_kept_per_peer_once_its_writes_end() -> None:
         await plane.write("d:gone", one, one, one)
     assert plane.statistics().writes == 60
     assert plane._per_peer == {}
+
+
+# ---------------------------------------------------------------------- after (issue 28)
+
+
+@pytest.fixture
+async def split_pair(engines: tuple[Any, Any]) -> AsyncIterator[Pair]:
+    """Writes cut into pieces of 2 descriptors (one engine call each)."""
+    config = DataPlaneConfig(max_descriptors_per_call=2)
+    made = make_pair(engines, config)
+    try:
+        yield made
+    finally:
+        made.p.close()
+        made.d.close()
+
+
+def scattered(pair: Pair, count: int, size: int = 4 * KiB) -> tuple[Any, Any, Any, Any, Any]:
+    """Registered buffers and ``count`` one-block descriptors, block i to block i."""
+    src, dst = pair.buffers(count * size)
+    offsets = np.arange(count, dtype=np.uint64) * np.uint64(size)
+    return src, dst, addr(src) + offsets, addr(dst) + offsets, np.full(count, size, np.uint64)
+
+
+async def test_after_runs_once_when_the_last_of_several_calls_landed(split_pair: Pair) -> None:
+    src, dst, s, d, n = scattered(split_pair, 9)
+    trio_thread = threading.get_ident()
+    seen: list[tuple[int, bool]] = []
+
+    def after() -> None:  # every byte is in D's memory by now
+        seen.append((threading.get_ident(), bool(np.array_equal(dst, src))))
+
+    with trio.fail_after(TIMEOUT):
+        await split_pair.p.write(split_pair.d.session, s, d, n, after=after)
+    assert split_pair.p_engine.call_sizes == [2, 2, 2, 2, 1]
+    assert len(seen) == 1 and seen[0][0] != trio_thread and seen[0][1]
+
+
+async def test_after_never_runs_when_a_piece_failed(split_pair: Pair) -> None:
+    """The piece before it landed, the one after it is never sent: no ``after``."""
+    src, dst, s, d, n = scattered(split_pair, 6)
+    d[2] += np.uint64(1 << 40)  # beyond D's registered memory: that piece's call fails
+    ran: list[str] = []
+    with trio.fail_after(TIMEOUT), pytest.raises(TransferError):
+        await split_pair.p.write(split_pair.d.session, s, d, n, after=lambda: ran.append("x"))
+    with trio.fail_after(TIMEOUT):  # the rest of what went out has ended
+        while split_pair.p_engine.finished < len(split_pair.p_engine.call_sizes):
+            await trio.sleep(0.001)
+    assert ran == [] and split_pair.p.statistics().failures == 1
+    assert split_pair.p_engine.call_sizes == [2, 2]
+    np.testing.assert_array_equal(dst[: 2 * 4 * KiB], src[: 2 * 4 * KiB])
+
+
+async def test_after_never_runs_when_before_raised(pair: Pair) -> None:
+    src, dst, write = one_block_writes(pair, 1)
+    ran: list[str] = []
+
+    def broken() -> None:
+        raise RuntimeError("CUDA error")
+
+    with trio.fail_after(TIMEOUT), pytest.raises(DataPlaneError, match="not complete"):
+        await write(0, broken, lambda: ran.append("x"))
+    assert ran == [] and pair.p_engine.call_sizes == [] and not dst.any() and src.any()
+
+
+async def test_writes_sharing_a_call_each_run_their_after_once(pair: Pair) -> None:
+    src, dst, write = one_block_writes(pair, 8)
+    pair.p_engine.gate = gate = threading.Event()
+    ran: list[int] = []
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write, 0, None, partial(ran.append, 0))
+            await wait_for_call(pair.p_engine)
+            for i in range(1, 8):
+                nursery.start_soon(write, i, None, partial(ran.append, i))
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+    assert pair.p_engine.call_sizes == [1, 7]
+    assert sorted(ran) == list(range(8))
+    np.testing.assert_array_equal(dst, src)
+
+
+async def test_a_cancelled_queued_write_runs_no_after(pair: Pair) -> None:
+    src, dst, write = one_block_writes(pair, 2)
+    pair.p_engine.gate = gate = threading.Event()
+    ran: list[int] = []
+    cancelled = trio.CancelScope()
+
+    async def cancelled_write() -> None:
+        with cancelled:
+            await write(1, None, partial(ran.append, 1))
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write, 0, None, partial(ran.append, 0))
+            await wait_for_call(pair.p_engine)
+            nursery.start_soon(cancelled_write)
+            await trio.testing.wait_all_tasks_blocked()
+            cancelled.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+    assert cancelled.cancelled_caught and ran == [0] and pair.p_engine.call_sizes == [1]
+    np.testing.assert_array_equal(dst[0], src[0])
+    assert not dst[1].any()
+
+
+async def test_an_after_that_raises_is_logged_and_the_write_succeeds(
+    pair: Pair, caplog: pytest.LogCaptureFixture
+) -> None:
+    src, dst, write = one_block_writes(pair, 1)
+
+    def broken() -> None:
+        raise RuntimeError("the notice's socket is gone")
+
+    with trio.fail_after(TIMEOUT):
+        await write(0, None, broken)
+    np.testing.assert_array_equal(dst, src)
+    assert "after-landing callback raised" in caplog.text and "socket is gone" in caplog.text
+    assert pair.p.statistics().failures == 0
+
+
+async def test_an_empty_write_runs_its_after_in_a_worker_thread(pair: Pair) -> None:
+    empty = u64([])
+    seen: list[int] = []
+    with trio.fail_after(TIMEOUT):
+        await pair.p.write(pair.d.session, empty, empty, empty, after=lambda: seen.append(1))
+    assert seen == [1] and pair.p_engine.call_sizes == []
+
+
+async def test_after_runs_once_per_write_under_concurrent_calls() -> None:
+    """Pieces of one write land in calls that return at once in several threads: each write's
+    ``after`` still runs exactly once."""
+    config = DataPlaneConfig(workers=4, max_descriptors_per_call=1, max_calls_per_peer=4)
+    plane = MooncakeDataPlane(_NullEngine(), config, "p:1")
+    five = u64([1, 2, 3, 4, 5])
+    ran: list[int] = []
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            for i in range(40):
+                write = partial(plane.write, f"d:{i % 3}", five, five, five)
+                nursery.start_soon(partial(write, after=partial(ran.append, i)))
+    assert sorted(ran) == list(range(40))

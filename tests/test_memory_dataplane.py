@@ -41,6 +41,21 @@ async def test_a_write_moves_the_bytes_into_registered_memory_only() -> None:
     assert dst[16:].sum() == 0 and p.writes == 1 and p.bytes == 16
 
 
+async def test_after_runs_once_the_bytes_moved_and_never_for_a_failed_write() -> None:
+    fabric = MemoryFabric()
+    p, d = fabric.open(), fabric.open()
+    src, dst = np.ones(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)
+    p.register([(src.ctypes.data, 8)])
+    d.register([(dst.ctypes.data, 8)])
+    seen: list[int] = []
+    s, t = _addrs(src.ctypes.data), _addrs(dst.ctypes.data)
+    await p.write(d.session, s, t, _addrs(8), after=lambda: seen.append(int(dst.sum())))
+    assert seen == [8]
+    with pytest.raises(TransferError):
+        await p.write(d.session, s, t + 4, _addrs(8), after=lambda: seen.append(-1))
+    assert seen == [8]
+
+
 async def test_a_cancelled_write_moves_nothing() -> None:
     fabric = MemoryFabric()
     p, d = fabric.open(), fabric.open()

@@ -4,6 +4,10 @@ The IO half of a :class:`~pdactors.core.send_table.StartSend`: plan the transfer
 layout to D's, hand the descriptors to the data plane, count what went out. The streamed write
 takes its layers from the send table's record of the transfer
 (:meth:`~pdactors.core.send_table.SendTable.take_layers`), which also says when P is done.
+
+The write after which D's pull has all its bytes (the whole write, or a streamed transfer's
+last) carries the pull's fast completion notice as the data plane's ``after``
+(:mod:`pdactors.actors._done_notices`), when the pull asked for one.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
+from pdactors.actors._done_notices import DoneNotices
 from pdactors.actors._pull_check import pull_heads
 from pdactors.config import SenderConfig
 from pdactors.core.plan import matching_regions, plan_transfer
@@ -92,12 +97,14 @@ class _HashedFirst:
 @dataclass(eq=False)
 class KvWriter:
     """Writes P's blocks (laid out as ``layout``) into D's through ``dataplane``; with
-    ``checksum_kv``, hashes what it writes with ``hasher``."""
+    ``checksum_kv``, hashes what it writes with ``hasher``; sends D's fast completion notices
+    through ``notices`` (None: none)."""
 
     config: SenderConfig
     layout: Layout
     dataplane: DataPlane
     hasher: RunHasher = field(default_factory=Xxh3Hasher)
+    notices: DoneNotices | None = None
 
     async def write(
         self,
@@ -105,10 +112,13 @@ class KvWriter:
         written: Written,
         regions: Sequence[int] | None = None,
         before: Complete | None = None,
+        *,
+        last: bool = True,
     ) -> None:
         """Write ``regions`` (default all) of the job's blocks into D's, once ``before()``
-        (in the engine's worker thread) says they are complete. Raises what the plan or the
-        data plane raise (:data:`PULL_ERRORS`)."""
+        (in the engine's worker thread) says they are complete; ``last``: D's pull has all
+        its bytes once this write landed (it carries the pull's fast notice). Raises what the
+        plan or the data plane raise (:data:`PULL_ERRORS`)."""
         pull = job.pull
         assert pull.layout is not None  # attached when the pull arrived
         d_layout = matching_regions(self.layout, pull.layout)  # P's layers in D's memory
@@ -127,7 +137,10 @@ class KvWriter:
         if self.config.checksum_kv and len(lengths):  # P's blocks stay unchanged until the end
             seed = transfer_seed(job.transfer_id)
             hashed = _HashedFirst(before, self.hasher, seed, src, dst, lengths)
-        await self.dataplane.write(pull.session, src, dst, lengths, before=hashed or before)
+        after = self.notices.after(pull) if last and self.notices is not None else None
+        await self.dataplane.write(
+            pull.session, src, dst, lengths, before=hashed or before, after=after
+        )
         if hashed is not None:
             if hashed.sums is None:  # a data plane that skipped ``before``: no sums to vouch
                 raise DataPlaneError("the write ended without hashing its KV (before not run)")
@@ -143,9 +156,12 @@ class KvWriter:
         Ends only once P said it is done with its blocks (ready or dropped), even after a
         failed write: the blocks are released when this write ends, and P may be computing
         into them until then. ``ready_timeout`` is the last resort for a P whose step never
-        ends.
+        ends. The write that completes D's pull (the last layer's when P reported every
+        layer, else the rest's) carries its fast notice: a P that drops the transfer after
+        every layer was written sends it and then ``PullFailed`` (every byte did land).
         """
         tid = job.transfer_id
+        every = set(range(len(self.layout.regions)))
         done: set[int] = set()
         error: str | None = None
         with trio.move_on_after(self.config.ready_timeout):
@@ -156,8 +172,9 @@ class KvWriter:
                     todo = [r for r in regions if r not in done]
                     if error is not None or not todo:
                         continue
+                    last = done.union(todo) >= every  # rest will be empty (see the docstring)
                     try:
-                        await self.write(job, written, todo, complete)
+                        await self.write(job, written, todo, complete, last=last)
                     except PULL_ERRORS as exc:
                         error = str(exc) or type(exc).__name__  # no more writes; wait for P
                     done.update(todo)

@@ -23,6 +23,7 @@ import trio
 
 from pdactors._once import Every
 from pdactors._pulse import Pulse
+from pdactors.actors._done_notices import DoneNotices, DoneNoticeStats
 from pdactors.transport import PeerUnreachable, Router
 from pdactors.wire import ErrorReply, Msg, PullFailed, encode_frames
 
@@ -47,13 +48,19 @@ class SideChannelStats:
     ``bad_frames``: frames that did not decode or broke a limit; ``answers_withheld``: bad
     frames not answered (their sender had not sent the bytes an answer takes);
     ``peers_cut_off``: peers cut off for not reading their replies; ``dropped``: messages from
-    cut-off peers and replies to peers that were gone or cut off.
+    cut-off peers and replies to peers that were gone or cut off. Beside the side channel,
+    D's fast completion notices (:mod:`pdactors.actors._done_notices`): ``notices_sent`` by
+    P's write threads, ``notices_dropped`` (the ``PullDone`` that follows them stands), and
+    ``notices_refused`` (pulls whose ``done_to`` was no ``tcp://host:port``).
     """
 
     bad_frames: int = 0
     answers_withheld: int = 0
     peers_cut_off: int = 0
     dropped: int = 0
+    notices_sent: int = 0
+    notices_dropped: int = 0
+    notices_refused: int = 0
 
 
 class Refusals:
@@ -196,5 +203,7 @@ class Outbox:
             else:
                 await trio.lowlevel.checkpoint()
 
-    def statistics(self, refusals: Refusals) -> SideChannelStats:
-        return SideChannelStats(refusals.bad_frames, refusals.withheld, self.cut_off, self.dropped)
+    def statistics(self, refusals: Refusals, notices: DoneNotices | None) -> SideChannelStats:
+        sent = notices.statistics() if notices is not None else DoneNoticeStats()
+        return SideChannelStats(refusals.bad_frames, refusals.withheld, self.cut_off,
+                                self.dropped, sent.sent, sent.dropped, sent.refused)  # fmt: skip

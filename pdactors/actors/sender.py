@@ -36,6 +36,7 @@ import trio
 from pdactors import timeline
 from pdactors._pulse import Pulse
 from pdactors.actors._compat import PeerCompat, refuse_pull
+from pdactors.actors._done_notices import DoneNotices, open_done_notices
 from pdactors.actors._durations import Durations, DurationStatistics
 from pdactors.actors._epoch_fence import EpochFence
 from pdactors.actors._kv_writes import PULL_ERRORS, KvWriter, Written
@@ -96,6 +97,7 @@ class Sender:
         router: Router,
         nursery: trio.Nursery,
         hasher: RunHasher | None = None,
+        notices: DoneNotices | None = None,
     ) -> None:
         check_layout(layout)
         self.config = config
@@ -116,7 +118,7 @@ class Sender:
         self._fence = EpochFence(log)  # this life's epoch, and the D sessions' latest
         self._finished: set[str] = set()
         self._finished_changed = Pulse()
-        self._writer = KvWriter(config, layout, dataplane, hasher or Xxh3Hasher())
+        self._writer = KvWriter(config, layout, dataplane, hasher or Xxh3Hasher(), notices)
         self._ticks = Ticks(self._table, config.tick_interval, self._apply)
         self.bytes_sent = 0
         self.descriptors_sent = 0
@@ -215,8 +217,9 @@ class Sender:
         return self._write_seconds.statistics()
 
     def side_channel_statistics(self) -> SideChannelStats:
-        """What the side channel refused: bad frames, unanswered ones, peers cut off."""
-        return self._outbox.statistics(self._refusals)
+        """What the side channel refused: bad frames, unanswered ones, peers cut off; and
+        D's fast completion notices the write threads sent and dropped."""
+        return self._outbox.statistics(self._refusals, self._writer.notices)
 
     # ------------------------------------------------------------------ the loops
 
@@ -396,11 +399,12 @@ async def serve_sender(
     :class:`~pdactors.errors.BootstrapError` when registration never succeeds.
     """
     async with (
+        open_done_notices() as notices,  # closed once the nursery's writes have ended
         transport.open_router(config.host, config.port, liveness=config.liveness) as router,
         open_bootstrap_client(config.bootstrap_token, config.bootstrap_ca_file) as client,
         trio.open_nursery() as nursery,
     ):
-        sender = Sender(config, dataplane, layout, router, nursery, hasher)
+        sender = Sender(config, dataplane, layout, router, nursery, hasher, notices)
         if config.bootstrap_url is not None:
             await register_sender(client, config, router, nursery, epoch=sender.epoch,
                                   replaces=replaces, unreachable=sender.unreachable)  # fmt: skip

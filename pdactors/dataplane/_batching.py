@@ -4,6 +4,8 @@ fit (:meth:`~pdactors.dataplane.mooncake.MooncakeDataPlane.write` says when call
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +25,14 @@ __all__ = [
     "Write",
     "batch_call",
     "descriptors",
+    "landed",
+    "run_after",
 ]
+
+log = logging.getLogger("pdactors.dataplane")
+
+#: Guards :attr:`Write.unlanded`: two calls carrying pieces of one write may return at once.
+_LANDED = threading.Lock()
 
 
 class EngineWriter(Protocol):
@@ -46,6 +55,8 @@ class Write:
     nbytes: int
     pending: int  # pieces not yet landed
     before: Callable[[], object] | None = None  # run in the thread before the first call
+    after: Callable[[], object] | None = None  # run in the thread once every piece landed
+    unlanded: int = 0  # with ``after``: pieces not yet landed, counted in the threads
     running: int = 0  # pieces in an engine call now
     code: int = 0
     error: str | None = None
@@ -118,12 +129,38 @@ BEFORE_FAILED = -10_000
 RAISED = -10_001
 
 
+def run_after(after: Callable[[], object]) -> None:
+    """Run a write's ``after`` (its bytes landed): what it raises is logged, never the
+    write's failure."""
+    try:
+        after()
+    except Exception:
+        log.exception("a write's after-landing callback raised (the write itself succeeded)")
+
+
+def landed(pieces: list[Piece]) -> list[Callable[[], object]]:
+    """Count ``pieces`` as landed (their engine call returned 0, in this worker thread); the
+    ``after`` of each write whose last piece this was. A piece lands at most once, so each is
+    returned once, and never that of a write a piece of which failed or was dropped."""
+    if all(piece.write.after is None for piece in pieces):
+        return []
+    complete = []
+    with _LANDED:
+        for piece in pieces:
+            job = piece.write
+            if job.after is not None:
+                job.unlanded -= 1
+                if job.unlanded == 0:
+                    complete.append(job.after)
+    return complete
+
+
 def batch_call(
     engine: EngineWriter, peer: str, batch: list[Piece]
 ) -> Callable[[], tuple[int, dict[int, str]]]:
     """The worker thread's work: run the writes' ``before`` waits, then one engine call for
-    the pieces whose wait succeeded. Returns the engine's code and, by ``id`` of the write,
-    the waits that raised."""
+    the pieces whose wait succeeded, then the ``after`` of each write whose last piece landed
+    in it. Returns the engine's code and, by ``id`` of the write, the waits that raised."""
 
     def call() -> tuple[int, dict[int, str]]:
         unready: dict[int, str] = {}
@@ -147,6 +184,9 @@ def batch_call(
             dst = np.concatenate([piece.dst for piece in pieces])
             lengths = np.concatenate([piece.lengths for piece in pieces])
         rc = engine.batch_transfer_sync_write(peer, src.tolist(), dst.tolist(), lengths.tolist())
+        if rc == 0:
+            for after in landed(pieces):
+                run_after(after)
         return int(rc), unready
 
     return call

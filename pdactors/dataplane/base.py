@@ -34,12 +34,16 @@ class DataPlane(Protocol):
         lengths: Addrs,
         *,
         before: Callable[[], object] | None = None,
+        after: Callable[[], object] | None = None,
     ) -> None:
         """Write ``lengths[i]`` bytes from local ``src[i]`` to ``peer``'s ``dst[i]``.
 
         Checkpoint. Runs in a worker thread; splits into chunks below the engine's per-peer
         descriptor limit. ``before`` (blocking) runs in that thread right before the first
         engine call: a wait for the KV to be complete, e.g. a CUDA event's ``synchronize``.
-        Raises TransferError (naming peer and byte count) on failure, DataPlaneError when
-        ``before`` raised.
+        ``after`` runs in a worker thread right after the write's last bytes landed, once,
+        and only when every byte did (never for a failed or cancelled write); what it raises
+        is logged and swallowed (e.g. D's fast completion notice, issue 28). Raises
+        TransferError (naming peer and byte count) on failure, DataPlaneError when ``before``
+        raised.
         """

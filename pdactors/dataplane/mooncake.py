@@ -41,6 +41,7 @@ from pdactors.dataplane._batching import (
     Write,
     batch_call,
     descriptors,
+    run_after,
 )
 from pdactors.dataplane._intervals import merged, uncovered
 from pdactors.errors import DataPlaneError, TransferError
@@ -163,6 +164,7 @@ class MooncakeDataPlane:
         lengths: Addrs,
         *,
         before: Callable[[], object] | None = None,
+        after: Callable[[], object] | None = None,
     ) -> None:
         """Write ``lengths[i]`` bytes from local ``src[i]`` to ``peer``'s ``dst[i]``.
 
@@ -170,6 +172,10 @@ class MooncakeDataPlane:
         engine call, e.g. ``torch.cuda.Event.synchronize`` for KV a GPU is still computing.
         The wait then costs no hop of its own: the thread that saw the KV complete makes the
         call. If it raises, the write fails with :class:`DataPlaneError` and sends nothing.
+        ``after``: a callable the worker thread whose engine call landed the write's last
+        piece runs right after that call returned 0 (a write with nothing to move: in a
+        worker thread of its own), once; never for a write that fails or is cancelled before
+        every piece landed. What it raises is logged, never the write's failure.
 
         Checkpoint, even when there is nothing to write. The descriptors are cut into pieces of
         at most ``max_descriptors_per_call`` and queued for ``peer``. Engine calls run in worker
@@ -198,14 +204,17 @@ class MooncakeDataPlane:
             )
         self._live_engine()
         if count == 0:
-            await trio.lowlevel.checkpoint()
+            if after is None:
+                await trio.lowlevel.checkpoint()
+            else:
+                await trio.to_thread.run_sync(run_after, after, limiter=self._limiter)
             return
         queue = self._per_peer.get(peer)
         if queue is None:
             queue = self._per_peer[peer] = PeerQueue(self._config.max_calls_per_peer)
         queue.writes += 1
         try:
-            await self._write(peer, queue, src, dst, lengths, before)
+            await self._write(peer, queue, src, dst, lengths, before, after)
         finally:
             queue.writes -= 1
             if not queue.writes:  # no write left to queue behind: a restarted D is a new peer
@@ -219,10 +228,12 @@ class MooncakeDataPlane:
         dst: Addrs,
         lengths: Addrs,
         before: Callable[[], object] | None,
+        after: Callable[[], object] | None,
     ) -> None:
         count = len(lengths)
         step = self._config.max_descriptors_per_call
-        job = Write(int(lengths.sum()), pending=-(-count // step), before=before)
+        pieces = -(-count // step)
+        job = Write(int(lengths.sum()), pieces, before=before, after=after, unlanded=pieces)
         for start in range(0, count, step):
             stop = start + step
             queue.pieces.append(Piece(job, src[start:stop], dst[start:stop], lengths[start:stop]))

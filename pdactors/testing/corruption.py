@@ -79,38 +79,42 @@ class CorruptingDataPlane:
         lengths: Addrs,
         *,
         before: Callable[[], object] | None = None,
+        after: Callable[[], object] | None = None,
     ) -> None:
         kind = self.by_source.pop(int(src[0]), None) if len(src) and self.by_source else None
         if kind is None and self.armed and len(lengths):
             kind = self.armed.popleft()
         if kind is None:
-            await self.inner.write(peer, src, dst, lengths, before=before)
+            await self.inner.write(peer, src, dst, lengths, before=before, after=after)
             return
         i = self.random.randrange(len(lengths))
         s, d, n = int(src[i]), int(dst[i]), int(lengths[i])
         if kind == "flip" or n == 1:
             await self.inner.write(peer, src, dst, lengths, before=before)
             k = self.random.randrange(n)
-            await self._poison(peer, s + k, d + k, 1)
+            await self._poison(peer, s + k, d + k, 1, after)
         elif kind == "truncate":
             tail = 1 + self.random.randrange(min(n - 1, _SCRATCH))
             short = lengths.copy()
             short[i] = n - tail
             await self.inner.write(peer, src, dst, short, before=before)
-            await self._poison(peer, s + n - tail, d + n - tail, tail)
+            await self._poison(peer, s + n - tail, d + n - tail, tail, after)
         else:  # shift
             keep = np.arange(len(lengths)) != i
             if keep.any():  # ``before`` goes with the first write that moves bytes
                 await self.inner.write(peer, src[keep], dst[keep], lengths[keep], before=before)
                 before = None
             await self.inner.write(peer, _addrs(s), _addrs(d + 1), _addrs(n - 1), before=before)
-            await self._poison(peer, s, d, 1)
+            await self._poison(peer, s, d, 1, after)  # ``after``: once the corruption landed
         self.injected.append((kind, i, d))
 
-    async def _poison(self, peer: str, src: int, dst: int, n: int) -> None:
+    async def _poison(
+        self, peer: str, src: int, dst: int, n: int, after: Callable[[], object] | None
+    ) -> None:
         """Write the complement of P's ``n`` bytes at ``src`` to ``dst`` at ``peer``."""
         theirs = np.frombuffer(
             memoryview((ctypes.c_char * n).from_address(src)).cast("B"), np.uint8
         )
         np.invert(theirs, out=self._scratch[:n])
-        await self.inner.write(peer, _addrs(self._scratch.ctypes.data), _addrs(dst), _addrs(n))
+        scratch = _addrs(self._scratch.ctypes.data)
+        await self.inner.write(peer, scratch, _addrs(dst), _addrs(n), after=after)

@@ -47,6 +47,7 @@ class FaultyDataPlane:
         lengths: Addrs,
         *,
         before: Callable[[], object] | None = None,
+        after: Callable[[], object] | None = None,
     ) -> None:
         self.writes_started += 1
         if self.gate is not None:
@@ -54,7 +55,7 @@ class FaultyDataPlane:
         if self.fail_writes > 0:
             self.fail_writes -= 1
             raise TransferError(peer, int(lengths.sum()), -1, "injected fault")
-        await self.inner.write(peer, src, dst, lengths, before=before)
+        await self.inner.write(peer, src, dst, lengths, before=before, after=after)
 
 
 @dataclass

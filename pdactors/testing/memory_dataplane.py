@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from pdactors.dataplane._batching import run_after
 from pdactors.dataplane._intervals import merged
 from pdactors.dataplane.base import Addrs
 from pdactors.errors import DataPlaneError, TransferError
@@ -87,10 +88,12 @@ class MemoryDataPlane:
         lengths: Addrs,
         *,
         before: Callable[[], object] | None = None,
+        after: Callable[[], object] | None = None,
     ) -> None:
         """Copy ``lengths[i]`` bytes from ``src[i]`` here to ``dst[i]`` at ``peer``.
 
-        Checkpoint (one, before any byte moves: a cancelled write moves nothing). Raises
+        ``after`` runs here (no engine threads) once every byte moved; what it raises is
+        logged. Checkpoint (one, before any byte moves: a cancelled write moves nothing). Raises
         :class:`TransferError` when the peer is unknown or closed or a range is not registered
         on its side, :class:`DataPlaneError` when the arrays differ in length, this plane is
         closed, or ``before`` raised.
@@ -121,6 +124,8 @@ class MemoryDataPlane:
             ctypes.memmove(d, s, n)
         self.writes += 1
         self.bytes += nbytes
+        if after is not None:
+            run_after(after)
 
     def close(self) -> None:
         """Leave the fabric: later writes to this session fail as to a dead peer."""
