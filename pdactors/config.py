@@ -248,6 +248,7 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
       counted and logged once, and so are sums of a kind the receiver's ``hasher`` cannot
       compute (named in the log line). ``"require"``: such a P's pulls fail. ``"off"``: no
       check.
+    * ``fast_done``: with ``verify_kv`` off, P's write thread tells D its KV landed (issue 28).
     """
 
     engine_id: str = "decode"
@@ -264,6 +265,7 @@ class ReceiverConfig(msgspec.Struct, frozen=True, kw_only=True):
     compat: Compat | None = None
     compat_relax: tuple[str, ...] = ()
     verify_kv: VerifyKv = "on"
+    fast_done: bool = True
 
     def __post_init__(self) -> None:
         check_relax(self.compat_relax)

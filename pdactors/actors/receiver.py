@@ -15,13 +15,15 @@ P was lost (:mod:`pdactors.actors._lookups`). P's answers go to the pulls' recor
 own (:mod:`pdactors.core.epochs`); an answer from another life of P is ignored. The actor
 sleeps until the earliest pull deadline. A P whose registered compatibility description
 differs from D's is refused before the pull is sent (:mod:`pdactors.actors._compat`).
+A pull started with ``on_landed`` may be reported landed by P's write thread telling a thread
+of D's, before its ``PullDone`` (:mod:`pdactors.actors._landed_notices`); its end then comes in
+``PullResults.early`` only (:mod:`pdactors.actors._pull_results`).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import msgspec
 import trio
@@ -31,9 +33,11 @@ from pdactors._pulse import Pulse
 from pdactors.actors._compat import PeerCompat
 from pdactors.actors._durations import Durations, DurationStatistics
 from pdactors.actors._landed import KvCheckStats, LandedCheck
+from pdactors.actors._landed_notices import LandedNoticeStats, PullLatches, open_latches
 from pdactors.actors._lookups import Lookups
 from pdactors.actors._p_answers import PAnswers
 from pdactors.actors._p_connections import PConnections, Peer
+from pdactors.actors._pull_results import PullReports, PullResults, Waiter, end_span
 from pdactors.actors._write_fences import WriteFences
 from pdactors.bootstrap_client import BootstrapClient, open_bootstrap_client
 from pdactors.config import ReceiverConfig
@@ -62,24 +66,6 @@ __all__ = ["PullResults", "Receiver", "serve_receiver"]
 log = logging.getLogger("pdactors.receiver")
 
 
-@dataclass(frozen=True, slots=True)
-class PullResults:
-    """Pulls that ended since the last :meth:`Receiver.take_results`."""
-
-    finished: frozenset[str]
-    failed: dict[str, str]
-
-
-class _Waiter:
-    """How an awaiting :meth:`Receiver.pull` hears its pull's end (kept in the pull's record)."""
-
-    __slots__ = ("done", "result")
-
-    def __init__(self) -> None:
-        self.done = trio.Event()
-        self.result: Completed | None = None
-
-
 class Receiver:
     """Handle of a running receiver actor; call its methods from the actor's trio thread."""
 
@@ -92,7 +78,10 @@ class Receiver:
         nursery: trio.Nursery,
         transport: Transport = ZMQ,
         hasher: RunHasher | None = None,
+        latches: PullLatches | None = None,
     ) -> None:
+        """``latches``: the pulls' latches on P's landed notices (None: no fast completion
+        path); :func:`serve_receiver` opens and closes them."""
         check_layout(layout)
         self.config = config
         self.layout = layout
@@ -105,9 +94,8 @@ class Receiver:
         self._lookups = Lookups(client, config.lookup_timeout)
         self._compat = PeerCompat(config.compat, config.compat_relax, "D", log)
         self._links = PConnections(config, transport, nursery, self._on_answer, self._lost)
-        self._finished: set[str] = set()
-        self._failed: dict[str, str] = {}
-        self._results_changed = Pulse()
+        self._reports = PullReports()
+        self._latches = latches or PullLatches(None, config)
         self._ended = Pulse()  # fired whenever any pull ends
         self._fences = WriteFences(config, self._session, transport, nursery, self._table,
                                    self._apply, self._ended)  # fmt: skip
@@ -128,42 +116,40 @@ class Receiver:
         bootstrap_url: str,
         engine_id: str,
         block_ids: BlockIdsLike,
+        on_landed: Callable[[], None] | None = None,
     ) -> None:
         """Ask P (``engine_id``, found at ``bootstrap_url``) to write ``transfer_id`` into
         ``block_ids`` (a list of ids, or one per KV-cache group:
         :func:`~pdactors.wire.block_groups`). Never blocks; the end is reported by
-        :meth:`take_results`.
+        :meth:`take_results`. ``on_landed`` (blocking-free, thread-safe) may report the KV
+        landed first, from another thread, when P's notice comes before its ``PullDone``
+        (one P worker, ``verify_kv`` off, ``fast_done`` on); the end then comes in ``early``.
 
         Raises :class:`~pdactors.errors.DuplicateTransfer` when that transfer id is already in
         flight (the pull in flight is not disturbed).
         """
-        self._start(transfer_id, bootstrap_url, engine_id, block_groups(block_ids), None)
+        groups = block_groups(block_ids)
+        self._start(transfer_id, bootstrap_url, engine_id, groups, None, on_landed)
 
-    def _start(
-        self, tid: str, url: str, engine_id: str, block_ids: BlockIds, waiter: object
-    ) -> None:
-        self._table.start(
-            tid,
-            trio.current_time(),
-            bootstrap_url=url,
-            engine_id=engine_id,
-            block_ids=block_ids,
-            waiter=waiter,
-        )
+    def _start(self, tid: str, url: str, engine_id: str, block_ids: BlockIds, waiter: object,
+               on_landed: Callable[[], None] | None = None) -> None:  # fmt: skip
+        self._table.start(tid, trio.current_time(), bootstrap_url=url, engine_id=engine_id,
+                          block_ids=block_ids, waiter=waiter, on_landed=on_landed)  # fmt: skip
         pull = self._table.get(tid)
         assert pull is not None
         self._sleep.deadline = min(self._sleep.deadline, pull.deadline)
         self._nursery.start_soon(self._run_pull, tid)
 
     def abort(self, transfer_id: str, reason: str = "aborted by D") -> None:
-        """Give up on ``transfer_id``: it ends as failed, and P is told to free its blocks."""
+        """Give up on ``transfer_id``: it ends as failed, and P is told to free its blocks
+        (unless P's landed notice came first: it was reported landed, and ends in ``early``)."""
+        if (pull := self._table.get(transfer_id)) is not None:
+            self._latches.close(pull)
         self._apply(self._table.abort(transfer_id, reason))
 
     def take_results(self) -> PullResults:
         """The pulls that ended since the last call (vLLM's ``finished_recving`` / failed)."""
-        results = PullResults(frozenset(self._finished), self._failed)
-        self._finished, self._failed = set(), {}
-        return results
+        return self._reports.take()
 
     def pull_statistics(self) -> DurationStatistics:
         """How many pulls were delivered, and how long the recent ones took (start to P's
@@ -174,13 +160,14 @@ class Receiver:
         """What the checks of landed KV against P's checksums found (``verify_kv``)."""
         return self._landed.statistics()
 
+    def landed_notice_statistics(self) -> LandedNoticeStats | None:
+        """What P's landed notices did (None: no fast completion path)."""
+        return self._latches.statistics()
+
     async def wait_results(self) -> PullResults:
         """Wait until some pull started with :meth:`start_pull` ends, then take the results.
         Checkpoint."""
-        while not (self._finished or self._failed):
-            await self._results_changed.wait()
-        await trio.lowlevel.checkpoint()
-        return self.take_results()
+        return await self._reports.wait()
 
     async def wait_ended(self, transfer_id: str) -> None:
         """Wait until the pull of ``transfer_id`` has ended (at once if none is in flight). An
@@ -212,7 +199,7 @@ class Receiver:
         :class:`~pdactors.errors.DuplicateTransfer` at once when that transfer id is already in
         flight. If this task is cancelled, the pull is aborted (and P told).
         """
-        waiter = _Waiter()
+        waiter = Waiter()
         self._start(transfer_id, bootstrap_url, engine_id, block_groups(block_ids), waiter)
         try:
             await waiter.done.wait()
@@ -256,6 +243,7 @@ class Receiver:
                     self._links.send_soon(peer, encode_frames(CancelPull(tid, refused)))
                 return self._apply(self._table.fail(tid, refused))
         ranks = self.config.ranks
+        done_to, done_token = self._latches.open(pull, len(peers))
         request = PullRequest(
             transfer_id=tid,
             session=self._session,
@@ -271,6 +259,8 @@ class Receiver:
             compat=self.config.compat,
             d_epoch=self.epoch,
             fence=self.config.fence_timeout > 0,
+            done_to=done_to,
+            done_token=done_token,
         )
         epochs = [epoch for _, _, _, epoch in workers]  # each P worker's, as D looked it up
         # Recorded before the send: P's answer may arrive before this task runs again.
@@ -304,6 +294,9 @@ class Receiver:
         ``peer`` registered); returns the ids of the others."""
         self._lookups.forget_address(peer.address)
         pulls = self._table.on_peer(peer.address)
+        for tid in pulls:  # a notice after the loss is not taken: the pull fails
+            if (pull := self._table.get(tid)) is not None:
+                self._latches.close(pull)
         effects = self._table.peer_lost(peer.address, reason, trio.current_time())
         fenced: set[str] = set()
         for fence in [e for e in effects if isinstance(e, Fence)]:
@@ -351,28 +344,21 @@ class Receiver:
     def _completed(self, done: Completed) -> None:
         tid, pull = done.transfer_id, done.pull
         assert pull is not None
+        self._latches.close(pull)
         self._ended.fire()
-        if timeline.watching():  # (wall clock: the span is compared with other processes')
-            end = time.time()
-            timeline.span_ended(timeline.TransferSpan(
-                transfer_id=tid, side="pull", start=end - (trio.current_time() - pull.started),
-                end=end, nbytes=pull.nbytes, peer=pull.engine_id, outcome=done.reason or "ok",
-            ))  # fmt: skip
+        end_span(done, trio.current_time())
         if done.ok:
             self._pull_seconds.add(trio.current_time() - pull.started)
         else:
-            log.info("pull %s failed (%s): %r", tid, done.end.value, done.reason)  # P's text
+            what = "ended, its KV landed already," if pull.landed_early else "failed"
+            log.info("pull %s %s (%s): %r", tid, what, done.end.value, done.reason)  # P's text
             if done.end.p_may_have_moved:
                 self._lookups.forget(pull.bootstrap_url)  # look P up again next time
-        if isinstance(pull.waiter, _Waiter):
+        if isinstance(pull.waiter, Waiter):
             pull.waiter.result = done
             pull.waiter.done.set()
             return
-        if done.ok:
-            self._finished.add(tid)
-        else:
-            self._failed[tid] = done.reason
-        self._results_changed.fire()
+        self._reports.add(done, landed_early=pull.landed_early)
 
 
 async def serve_receiver(
@@ -393,14 +379,16 @@ async def serve_receiver(
     """
     receiver: Receiver | None = None
     try:
-        async with (
-            open_bootstrap_client(config.bootstrap_token, config.bootstrap_ca_file) as client,
-            trio.open_nursery() as nursery,
-        ):
-            receiver = Receiver(config, dataplane, layout, client, nursery, transport, hasher)
-            nursery.start_soon(receiver._serve_deadlines)
-            log.info("receiver %s rank %s ready", config.engine_id, config.ranks)
-            task_status.started(receiver)
+        with open_latches(config, dataplane.session) as latches:
+            async with (
+                open_bootstrap_client(config.bootstrap_token, config.bootstrap_ca_file) as client,
+                trio.open_nursery() as nursery,
+            ):
+                receiver = Receiver(config, dataplane, layout, client, nursery, transport,
+                                    hasher, latches)  # fmt: skip
+                nursery.start_soon(receiver._serve_deadlines)
+                log.info("receiver %s rank %s ready", config.engine_id, config.ranks)
+                task_status.started(receiver)
     finally:
         if receiver is not None and (fenced := receiver._table.fenced_pulls()):
             # Their blocks go back with whatever reuses D's memory next: say which.

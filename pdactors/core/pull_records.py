@@ -7,6 +7,7 @@ returns these effects for the receiver actor to carry out.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdactors.core.pull_rules import PullState
@@ -77,6 +78,12 @@ class Pull:
     fence_until: float = float("inf")
     #: What the P workers said they wrote, over the parts that landed (``PullDone.nbytes``).
     nbytes: int = 0
+    #: The engine's "it landed" callback (from a thread), for P's landed notice (issue 28);
+    #: ``done_token``: the latch opened for it when the pull was sent, until the actor closed
+    #: it (0: none); ``landed_early``: the notice had completed it (the pull was reported).
+    on_landed: Callable[[], None] | None = None
+    done_token: int = 0
+    landed_early: bool = False
 
     @property
     def ends_at(self) -> float:

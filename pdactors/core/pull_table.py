@@ -40,7 +40,7 @@ refusal of a pull meant for another life (``lookup_again``): that P wrote nothin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdactors.core.pull_records import (
     Completed,
@@ -119,8 +119,10 @@ class PullTable:
         engine_id: str = "",
         block_ids: BlockIds = (),
         waiter: object = None,
+        on_landed: Callable[[], None] | None = None,
     ) -> Pull:
-        """A new pull; it must end within ``timeout`` seconds from ``now``.
+        """A new pull; it must end within ``timeout`` seconds from ``now``. ``waiter`` and
+        ``on_landed`` are kept for the actor (:class:`Pull`).
 
         Raises :class:`~pdactors.errors.DuplicateTransfer` (and changes nothing) when
         ``transfer_id`` is in flight.
@@ -136,6 +138,7 @@ class PullTable:
             now + self.timeout,
             state,
             waiter=waiter,
+            on_landed=on_landed,
         )
         self._pulls[transfer_id] = pull
         return pull

@@ -1,7 +1,9 @@
 """The worker's actors in its Trio thread: they start there, take each step's work, and put
 their results into the :class:`~pdactors_vllm.mailbox.Mailbox` for vLLM's thread.
 
-Everything here runs in the Trio thread (``release_all`` once it has died).
+Everything here runs in the Trio thread (``release_all`` once it has died), but a pull's
+``on_landed`` (:meth:`WorkerActors._landed_early`), which the receiver's notices thread calls
+when P says the KV landed before its ``PullDone`` reached the Trio thread (issue 28).
 """
 
 from __future__ import annotations
@@ -164,12 +166,14 @@ class WorkerActors:
                 self._mailbox.add(sent={req_id})
 
     def _start_pull(self, receiver: Receiver, req_id: str, pull: PullSpec) -> None:
+        tid = pull.transfer_id
         started = _logged(
             receiver.start_pull,
-            pull.transfer_id,
+            tid,
             bootstrap_url=pull.bootstrap_url,
             engine_id=pull.engine_id,
             block_ids=pull.block_ids,
+            on_landed=None if pull.notify_only else partial(self._landed_early, req_id, tid),
         )
         if pull.notify_only:
             return
@@ -179,6 +183,13 @@ class WorkerActors:
                 self._tracer.expect(pull.transfer_id, pull.traceparent)
         else:  # e.g. a pull for this transfer id is in flight: it goes on, this one fails
             self._mailbox.add(failed={req_id})
+
+    def _landed_early(self, req_id: str, tid: str) -> None:
+        """The receiver's notices thread: P says the KV of ``tid`` landed whole. vLLM hears of
+        it now; the receiver reports the pull's end later in ``early`` only (never again as
+        received, nor as failed), where :meth:`_collect_received` forgets it."""
+        landed = {req_id: tid} if timeline.enabled() else None
+        self._mailbox.add(recved={req_id}, landed=landed, count=_one_received)
 
     async def _collect_sent(self, sender: Sender) -> None:
         readings = SenderReadings()
@@ -194,7 +205,10 @@ class WorkerActors:
         while True:
             results = await receiver.wait_results()
             if self._tracer is not None:
-                self._tracer.forget([*results.finished, *results.failed])
+                self._tracer.forget([*results.finished, *results.failed, *results.early])
+            for tid in results.early:  # vLLM was told in _landed_early
+                self._recv_req.pop(tid, None)
+            self._aborted -= results.early
             recompute = self._settings.on_pull_failure == "recompute"
             aborted = self._aborted.intersection(results.failed)
             self._aborted -= aborted
@@ -227,6 +241,10 @@ class WorkerActors:
 
             landed = {r: t for t, r in ok_tids.items()} if timeline.enabled() else None
             self._mailbox.add(recved=ok_tids.values(), failed=failed, landed=landed, count=count)
+
+
+def _one_received(counters: TransferCounters) -> None:
+    counters.received += 1
 
 
 def _waiter(event: torch.cuda.Event | None) -> Callable[[], object] | None:

@@ -1,0 +1,262 @@
+"""D's fast completion path (issue 28 item 1, "C"): P's write thread says a pull's KV landed
+straight to a thread of D's, which tells the engine at once, with no Trio loop on either side.
+
+A pull that asks for it carries ``done_to`` (this object's :attr:`LandedNotices.address`) and a
+``done_token`` (:meth:`LandedNotices.open_latch`). Once the pull's whole KV has landed (its
+engine call returned 0), P's write thread sends the token's 8 bytes (little-endian) from a PUSH
+socket to the PULL socket here; the side channel's ``PullDone`` still follows and stays the
+authority for every failure path.
+
+The notice may be lost, repeated, late or forged by anyone who reaches the port, so it only
+ever *completes an open latch*: one per pull, opened by the receiver (Trio) just before the
+pull is sent, closed by it (:meth:`LandedNotices.close_latch`) when the pull leaves its waiting
+state any other way (D's abort, P's loss) or ends. Under one lock, whoever comes first decides,
+as between ``PullDone`` and D's abort in the pull table: the thread completes a latch only
+while it is open, and ``close_latch`` says whether the thread had (the pull was then reported
+landed through its ``on_landed``, and its later end in Trio only cleans up). A token with no
+open latch (late, repeated, forged: 64 random bits) and any other message change nothing but a
+counter.
+
+The PULL socket is owned by the thread; the Trio side stops it through an inproc PAIR socket,
+never by touching the thread's sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from pdactors.config import ReceiverConfig
+from pdactors.core.pull_records import Pull
+
+__all__ = [
+    "LandedNoticeStats",
+    "LandedNotices",
+    "PullLatches",
+    "open_latches",
+    "session_host",
+]
+
+log = logging.getLogger("pdactors.receiver")
+
+TOKEN_BYTES = 8
+#: A peer whose message is longer is disconnected by libzmq (a notice is 8 bytes).
+_MAX_MESSAGE = 64
+#: Notices read per wake-up before the thread looks at its stop socket again.
+_BATCH = 1024
+#: How long :meth:`LandedNotices.close` waits for the thread (it is woken at once; only an
+#: ``on_landed`` that blocks can hold it).
+JOIN_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class LandedNoticeStats:
+    """What the notices thread saw: latches it completed, well-formed notices that matched no
+    open latch (late, repeated or forged), malformed messages, and latches open now."""
+
+    landed_early: int
+    ignored: int
+    malformed: int
+    open: int
+
+
+class LandedNotices:
+    """A thread reading P's "landed" notices on a ZMQ PULL socket bound to ``tcp://host:0``.
+
+    Raises ``zmq.ZMQError`` when it cannot bind. :meth:`close` stops it (also on leaving a
+    ``with`` block). Every method may be called from any thread but the notices thread.
+    """
+
+    def __init__(self, host: str, *, context: zmq.Context[Any] | None = None) -> None:
+        ctx = context or zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._open: dict[int, Callable[[], None]] = {}
+        self._completed: set[int] = set()  # by the thread, until close_latch hears of it
+        self._landed_early = self._ignored = self._malformed = 0
+        notices: zmq.Socket[bytes] = ctx.socket(zmq.PULL)
+        notices.setsockopt(zmq.LINGER, 0)
+        notices.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
+        stop: zmq.Socket[bytes] = ctx.socket(zmq.PAIR)
+        stop.setsockopt(zmq.LINGER, 0)
+        inner: zmq.Socket[bytes] = ctx.socket(zmq.PAIR)
+        inner.setsockopt(zmq.LINGER, 0)
+        try:
+            if ":" in host:  # an IPv6 address
+                notices.setsockopt(zmq.IPV6, 1)
+                host = f"[{host}]"
+            notices.bind(f"tcp://{host}:0")
+            #: Where P sends the notices (``PullRequest.done_to``): ``"tcp://host:port"``.
+            self.address: str = notices.getsockopt_string(zmq.LAST_ENDPOINT)
+            control = f"inproc://pdactors-landed-{secrets.token_hex(8)}"
+            stop.bind(control)
+            inner.connect(control)
+        except BaseException:
+            for socket in (notices, stop, inner):
+                socket.close(linger=0)
+            raise
+        self._stop: zmq.Socket[bytes] | None = stop
+        # From here on only the thread touches ``notices`` and ``inner`` (its start is the
+        # memory barrier ZMQ asks for when a socket changes threads); it closes them.
+        self._thread = threading.Thread(
+            target=self._serve, args=(notices, inner), name="pdactors-landed", daemon=False
+        )
+        self._thread.start()
+
+    def __enter__(self) -> LandedNotices:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the latches
+
+    def open_latch(self, on_landed: Callable[[], None]) -> int:
+        """A new latch for one pull; returns its token (64 random bits, never 0, unique among
+        the latches not closed yet). Until :meth:`close_latch`, a notice carrying it calls
+        ``on_landed`` once, in the notices thread (what it raises is logged)."""
+        with self._lock:
+            while True:
+                token = secrets.randbits(64)
+                if token and token not in self._open and token not in self._completed:
+                    self._open[token] = on_landed
+                    return token
+
+    def close_latch(self, token: int) -> bool:
+        """Close ``token``'s latch: from now on its notice changes nothing. Returns whether
+        the thread had completed it (its ``on_landed`` was called, or is being called: the
+        pull was reported landed)."""
+        with self._lock:
+            if self._open.pop(token, None) is not None:
+                return False
+            if token in self._completed:
+                self._completed.discard(token)
+                return True
+            return False
+
+    def statistics(self) -> LandedNoticeStats:
+        with self._lock:
+            return LandedNoticeStats(
+                self._landed_early, self._ignored, self._malformed, len(self._open)
+            )
+
+    # ------------------------------------------------------------------ the thread
+
+    def close(self) -> None:
+        """Stop the thread and wait for it (at most :data:`JOIN_TIMEOUT`); idempotent. It
+        closes its own sockets as it exits."""
+        stop, self._stop = self._stop, None
+        if stop is None:
+            return
+        try:
+            stop.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the thread is gone already (it logged why)
+            log.debug("the landed notices thread was not told to stop: %s", exc)
+        finally:
+            self._thread.join(JOIN_TIMEOUT)
+            stop.close(linger=0)
+        if self._thread.is_alive():
+            log.warning("the landed notices thread (%s) did not stop within %g s: an "
+                        "on_landed callback blocks", self.address, JOIN_TIMEOUT)  # fmt: skip
+
+    def _serve(self, notices: zmq.Socket[bytes], stop: zmq.Socket[bytes]) -> None:
+        poller = zmq.Poller()
+        poller.register(notices, zmq.POLLIN)
+        poller.register(stop, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if stop in ready:
+                    return
+                for _ in range(_BATCH):
+                    try:
+                        frames = notices.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._notice(frames)
+        except zmq.ZMQError as exc:  # the context was terminated under it: no more notices
+            log.error("the landed notices thread (%s) stopped: %s; pulls are reported "
+                      "through the side channel only", self.address, exc)  # fmt: skip
+        finally:
+            notices.close(linger=0)
+            stop.close(linger=0)
+
+    def _notice(self, frames: list[bytes]) -> None:
+        if len(frames) != 1 or len(frames[0]) != TOKEN_BYTES:
+            with self._lock:
+                self._malformed += 1
+            return
+        token = int.from_bytes(frames[0], "little")
+        with self._lock:
+            on_landed = self._open.pop(token, None)
+            if on_landed is None:
+                self._ignored += 1
+                return
+            self._completed.add(token)
+            self._landed_early += 1
+        try:
+            on_landed()
+        except Exception as exc:  # the engine's callback: the pull stays reported; go on
+            log.error("on_landed of a pull failed: %r", exc, exc_info=exc)
+
+
+class PullLatches:
+    """The receiver's latches on ``notices`` (None, or ``config`` has ``fast_done`` off or
+    ``verify_kv`` on: no fast completion path). Trio thread only."""
+
+    def __init__(self, notices: LandedNotices | None, config: ReceiverConfig) -> None:
+        self.notices = notices if config.fast_done and config.verify_kv == "off" else None
+
+    def open(self, pull: Pull, peers: int) -> tuple[str, int]:
+        """Open ``pull``'s latch if it may take the fast completion path (a callback, one P
+        worker): where P sends its notice and the token (``("", 0)``: it may not). Before the
+        pull is sent: the notice may overtake the task that sends it."""
+        if self.notices is None or pull.on_landed is None or peers != 1:
+            return "", 0
+        pull.done_token = self.notices.open_latch(pull.on_landed)
+        return self.notices.address, pull.done_token
+
+    def close(self, pull: Pull) -> None:
+        """Close ``pull``'s latch, if open (D aborts, loses P, or the pull ends): from now on
+        P's notice changes nothing, and ``pull.landed_early`` says whether it had come. This
+        decides, as the table's first answer does."""
+        if pull.done_token and self.notices is not None:
+            pull.landed_early = self.notices.close_latch(pull.done_token)
+        pull.done_token = 0
+
+    def statistics(self) -> LandedNoticeStats | None:
+        return None if self.notices is None else self.notices.statistics()
+
+
+def session_host(session: str) -> str:
+    """The host of a data plane's ``"host:port"`` session (an IPv6 address unbracketed)."""
+    host = session.rpartition(":")[0] or session
+    return host.removeprefix("[").removesuffix("]")
+
+
+@contextmanager
+def open_latches(config: ReceiverConfig, session: str) -> Iterator[PullLatches]:
+    """A receiver's :class:`PullLatches` for the block, with a :class:`LandedNotices` on the
+    host of its data plane's ``session`` when ``config`` asks for the fast path and it can bind
+    there (else none, logged: pulls are then reported through the side channel only)."""
+    if not (config.fast_done and config.verify_kv == "off"):
+        yield PullLatches(None, config)
+        return
+    host = session_host(session)
+    try:
+        notices = LandedNotices(host)
+    except zmq.ZMQError as exc:
+        log.warning("no fast completion path: cannot bind tcp://%s:0 for P's landed notices "
+                    "(%s); pulls are reported through the side channel only",
+                    host, exc)  # fmt: skip
+        yield PullLatches(None, config)
+        return
+    with notices:
+        log.info("P's landed notices are read at %s", notices.address)
+        yield PullLatches(notices, config)
