@@ -193,7 +193,9 @@ async def decode(args: argparse.Namespace) -> None:
     async with open_mooncake(cfg) as plane, trio.open_nursery() as nursery:
         plane.register([(d_t.data_ptr(), d_t.numel())])
         url = await nursery.start(serve_bootstrap, BootstrapConfig())
-        receiver = await nursery.start(serve_receiver, ReceiverConfig(), plane, d_layout)
+        d_config = ReceiverConfig(verify_kv="off") if args.notice else ReceiverConfig()
+        receiver = await nursery.start(serve_receiver, d_config, plane, d_layout)
+        noticed: list[float] = []  # --notice: pull sent to P's landed notice heard, per pull
         child = subprocess.Popen(  # noqa: ASYNC220 (starting it does not block; reads go to threads)
             [sys.executable, __file__, *sys.argv[1:], "--role", "prefill", "--bootstrap", url,
              "--d-session", plane.session, "--d-ptr", str(d_t.data_ptr())],
@@ -204,16 +206,24 @@ async def decode(args: argparse.Namespace) -> None:
             assert line.strip() == "READY", line
 
             async def pull(i: int) -> float:
+                heard: list[float] = []
+                landed = (lambda: heard.append(time.perf_counter())) if args.notice else None
                 start = time.perf_counter()
-                await receiver.pull(f"w-{i}", bootstrap_url=url, engine_id="p", block_ids=dst)
-                return time.perf_counter() - start
+                await receiver.pull(
+                    f"w-{i}", bootstrap_url=url, engine_id="p", block_ids=dst, on_landed=landed
+                )
+                end = time.perf_counter()
+                noticed.extend(t - start for t in heard)
+                return end - start
 
             await pull(0)
             expected = torch.empty_like(d_t)
             pattern(expected)
             torch.cuda.synchronize()
             ok = bool(torch.equal(d_t[:, dst, :], expected[:, src, :]))
+            noticed.clear()
             ours = [await pull(1 + i) for i in range(args.iters)]
+            ours_noticed = list(noticed)
             todo = iter(range(1 + args.iters, 1 + args.iters + args.requests))
             start = time.perf_counter()
 
@@ -260,6 +270,14 @@ async def decode(args: argparse.Namespace) -> None:
         f" empty pull (control plane only) p50 {c * 1e3:.3f} ms",
         file=sys.stderr,
     )
+    if args.notice:
+        n = statistics.median(ours_noticed) if ours_noticed else float("nan")
+        print(
+            f"# {args.scenario}, the same pulls: D knows from P's landed notice p50"
+            f" {n * 1e3:.3f} ms ({len(ours_noticed)} of {len(ours)} heard), from P's PullDone"
+            f" {o * 1e3:.3f} ms; notice / raw {n / r:.2f}, PullDone / raw {o / r:.2f}",
+            file=sys.stderr,
+        )
     print(
         f"| {args.scenario} | {result['descriptors']} | {ok} | {o * 1e3:.3f} | {r * 1e3:.3f}"
         f" | {nbytes / o / 1e9:.1f} | {nbytes / r / 1e9:.1f} | {r / o:.3f}"
@@ -282,6 +300,10 @@ def parse() -> argparse.Namespace:
     )
     ap.add_argument("--role", choices=["decode", "prefill"], default="decode")
     ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="whole")
+    ap.add_argument(
+        "--notice", action="store_true",
+        help="D asks for P's landed notice (verify_kv off) and says when it came",
+    )  # fmt: skip
     ap.add_argument("--protocol", default="nvlink_intra")
     ap.add_argument("--p-device", default="cuda:0", help="P's GPU")
     ap.add_argument("--d-device", default="cuda:1", help="D's GPU (may be P's: two processes)")

@@ -369,3 +369,55 @@ async def test_a_forged_token_changes_nothing() -> None:
         assert landed.calls.count == 0 and receiver.in_flight == 1
         await router.send(identity, encode_frames(PullDone("t")))
         assert await results(receiver) == ({"t"}, {}, set())
+
+
+# ------------------------------------------------- both halves: a real P, a real D
+
+
+async def test_a_real_p_and_d_report_the_kv_landed_from_ps_write_thread() -> None:
+    """P's half and D's together, through real Mooncake TCP and real ZMQ: a pull with a callback
+    (``verify_kv`` off) is reported landed by D's notices thread, once, with every byte of it
+    in D's blocks already, and comes back in ``early`` only; a pull without one, or one that
+    D verifies, goes as before."""
+    from pdactors.testing import open_cluster
+
+    reported: list[tuple[str, int, bool]] = []
+
+    async with open_cluster(
+        layers=4, num_blocks=64, block_bytes=4096, receiver=ReceiverConfig(verify_kv="off")
+    ) as cluster:
+        p, d = cluster.prefill[0], cluster.decode[0]
+
+        async def pull(tid: str, *, callback: bool) -> PullResults:
+            src = p.owned[tid] = p.pool.allocate(8)  # freed once P's sender released it
+            p.kv.fill(tid, src)
+            p.sender.transfer_pending(tid)
+            p.sender.transfer_ready(tid, src)
+            dst = d.pool.allocate(8)
+
+            def landed() -> None:  # in D's notices thread: P's write has returned
+                reported.append((tid, threading.get_ident(), d.kv.verify(tid, dst, 8)))
+
+            d.receiver.start_pull(
+                tid, bootstrap_url=cluster.bootstrap_url, engine_id=p.engine_id, block_ids=dst,
+                on_landed=landed if callback else None,
+            )  # fmt: skip
+            with trio.fail_after(10):
+                results = await d.receiver.wait_results()
+            assert d.kv.verify(tid, dst, 8)
+            d.pool.free(dst)
+            return results
+
+        fast = await pull("fast", callback=True)
+        assert fast == PullResults(frozenset(), {}, early=frozenset({"fast"}))
+        assert [(tid, ok) for tid, _, ok in reported] == [("fast", True)]
+        assert reported[0][1] != threading.get_ident()
+        stats = d.receiver.landed_notice_statistics()
+        assert stats is not None and stats.landed_early == 1
+        assert p.sender.side_channel_statistics().notices_sent == 1
+
+        plain = await pull("plain", callback=False)
+        assert plain == PullResults(frozenset({"plain"}), {})
+        assert len(reported) == 1
+        assert p.sender.side_channel_statistics().notices_sent == 1
+        await cluster.wait_settled()

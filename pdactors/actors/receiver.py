@@ -191,23 +191,26 @@ class Receiver:
         bootstrap_url: str,
         engine_id: str,
         block_ids: BlockIdsLike,
+        on_landed: Callable[[], None] | None = None,
     ) -> None:
-        """Pull ``transfer_id`` into ``block_ids`` (as for :meth:`start_pull`) and wait for
-        its end. Checkpoint.
+        """Pull ``transfer_id`` into ``block_ids`` (as for :meth:`start_pull`, ``on_landed``
+        too) and wait for its end. Checkpoint.
 
-        Raises :class:`~pdactors.errors.PullFailedError` when it does not land, and
+        Raises :class:`~pdactors.errors.PullFailedError` when it does not land (a pull that
+        ``on_landed`` reported landed did land, whatever ended it after), and
         :class:`~pdactors.errors.DuplicateTransfer` at once when that transfer id is already in
         flight. If this task is cancelled, the pull is aborted (and P told).
         """
         waiter = Waiter()
-        self._start(transfer_id, bootstrap_url, engine_id, block_groups(block_ids), waiter)
+        groups = block_groups(block_ids)
+        self._start(transfer_id, bootstrap_url, engine_id, groups, waiter, on_landed)
         try:
             await waiter.done.wait()
         finally:
             if waiter.result is None:
                 self.abort(transfer_id, "the waiting task was cancelled")
         assert waiter.result is not None
-        if not waiter.result.ok:
+        if not waiter.result.ok and not (waiter.result.pull and waiter.result.pull.landed_early):
             raise PullFailedError(transfer_id, waiter.result.reason)
 
     # ------------------------------------------------------------------ the work

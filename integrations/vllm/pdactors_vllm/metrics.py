@@ -50,6 +50,11 @@ COUNTERS = {
     ),
     "expired": ("vllm:pdactors_transfers_expired", "Finished prefills no D pulled in time (P)."),
     "received": ("vllm:pdactors_pulls_received", "KV pulls that landed (D workers)."),
+    "landed_early": (
+        "vllm:pdactors_pulls_landed_early",
+        "Of the pulls received, those P's write thread reported landed before its side-channel "
+        "answer (D, the fast completion path: verify_kv off).",
+    ),
     "failed": (
         "vllm:pdactors_pulls_failed",
         "KV pulls that failed, timed out or were aborted (D).",
