@@ -128,7 +128,13 @@ async def prefill(args: argparse.Namespace) -> None:
     )
     async with open_mooncake(cfg) as plane, trio.open_nursery() as nursery:
         plane.register([(p_t.data_ptr(), p_t.numel())])
-        config = SenderConfig(engine_id="p", bootstrap_url=args.bootstrap, unclaimed_ttl=3600)
+        config = SenderConfig(  # no checksums: the data plane alone (and P's default hasher
+            # reads host memory: on GPU KV it would read device pointers, and crash)
+            engine_id="p",
+            bootstrap_url=args.bootstrap,
+            unclaimed_ttl=3600,
+            checksum_kv=False,
+        )
         timed = TimedPlane(plane)
         sender = await nursery.start(serve_sender, config, timed, p_layout)
         for i in range(args.iters + args.requests + 1):

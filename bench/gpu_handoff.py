@@ -241,12 +241,27 @@ def _event_waiter(event: Any) -> Callable[[], float]:
 
 
 class TimedPlane:
-    """P's data plane, logging each write as the sender awaits it: (start, end, bytes)."""
+    """P's data plane, logging each write as the sender awaits it: (start, end, bytes), and
+    each engine call in its worker thread: (start, end)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.session = inner.session
         self.log: list[tuple[float, float, int]] = []
+        self.calls: list[tuple[float, float]] = []
+        engine, calls = inner._engine, self.calls
+
+        class Engine:  # the engine call itself, timed in the worker thread
+            def batch_transfer_sync_write(self, *a: Any) -> int:
+                start = now()
+                rc = engine.batch_transfer_sync_write(*a)
+                calls.append((start, now()))
+                return int(rc)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(engine, name)
+
+        inner._engine = Engine()
 
     def register(self, regions: list[tuple[int, int]]) -> None:
         self.inner.register(regions)
@@ -326,7 +341,7 @@ async def prefill(args: argparse.Namespace) -> None:
                 while sender.transfer_state(tid) is None:  # noqa: ASYNC110 (D's pull is not here yet)
                     await trio.sleep(0.0002)
                 sender.transfer_pending(tid)
-            first_write = len(timed.log)
+            first_write, first_call = len(timed.log), len(timed.calls)
             if mode.startswith("layerwise"):
                 sender.transfer_streaming(tid, src)
                 rec["streamed"] = sender.transfer_state(tid) is SendState.SENDING
@@ -368,12 +383,14 @@ async def prefill(args: argparse.Namespace) -> None:
                 while tid not in released:
                     released |= await sender.wait_finished()
                 rec["writes"] = timed.log[first_write:]
+                rec["calls"] = timed.calls[first_call:]
             else:
                 rec["t_ready"] = now()
                 sender.transfer_ready(tid, [] if mode == "control" else src)
                 while tid not in released:
                     released |= await sender.wait_finished()
                 rec["writes"] = timed.log[first_write:]
+                rec["calls"] = timed.calls[first_call:]
             records.append(rec)
             # The next request's bytes (a raw write asks D nothing) must not land in D's
             # blocks while D still checks this one's.
@@ -492,7 +509,7 @@ def report(
     rows: dict[str, dict[str, float]] = {}
     for mode in args.modes:
         mine = [r for r in recs if r["mode"] == mode]
-        tails, last_write, reply, before = [], [], [], []
+        tails, last_write, reply, before, to_call, in_call, after_call = [], [], [], [], [], [], []
         for r in mine:
             done = r["t_done"] if mode == "raw" else known[r["tid"]]
             tails.append(done - r["t_end"])
@@ -500,6 +517,11 @@ def report(
             if writes:
                 last_write.append(writes[-1][1] - r["t_end"])
                 reply.append(done - writes[-1][1])
+            if calls := r.get("calls"):  # the engine call that ended last, in its thread
+                start, end = max(calls, key=lambda c: c[1])
+                to_call.append(start - r["t_end"])
+                in_call.append(end - start)
+                after_call.append(done - end)
             if mode != "control":
                 landed = sum(b for _, end, b in writes if end <= r["t_end"])
                 before.append(landed / nbytes)
@@ -512,6 +534,9 @@ def report(
             "before": statistics.median(before) if before else float("nan"),
             "writes": statistics.median(len(r.get("writes") or []) for r in mine),
             "streamed": sum(bool(r.get("streamed")) for r in mine),
+            "to_call": statistics.median(to_call) if to_call else float("nan"),
+            "in_call": statistics.median(in_call) if in_call else float("nan"),
+            "after_call": statistics.median(after_call) if after_call else float("nan"),
         }
     base = rows["control"]["tail50"] if "control" in rows else 0.0
     eager = rows["eager"]["tail50"] if "eager" in rows else float("nan")
@@ -548,6 +573,15 @@ def report(
             f" | {row['streamed']} | {row['before']:.2f} | {hidden}"
             f" | {row['tail50'] / raw_whole:.2f} | {vs_eager} |"
         )
+    print("# where the tail goes (p50 ms, in P's worker thread and D): last layer's end ->")
+    print("| mode | the last engine call starts | that call | its end -> D knows |")
+    print("|---|---|---|---|")
+    for mode, row in rows.items():
+        if row["in_call"] == row["in_call"]:  # (not NaN: the mode made engine calls)
+            print(
+                f"| {mode} | {ms(row['to_call'])} | {ms(row['in_call'])}"
+                f" | {ms(row['after_call'])} |"
+            )
     for mode in ("eager", "eager_notice"):
         if mode in rows:
             tail, target = rows[mode]["tail50"], 1e-4 + raw_whole
