@@ -12,7 +12,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from types import SimpleNamespace
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import trio
@@ -27,7 +27,7 @@ from pdactors.actors._landed_notices import (
 from pdactors.actors.receiver import Receiver
 from pdactors.bootstrap_client import BootstrapClient
 from pdactors.dataplane import DataPlane
-from pdactors.transport import MemoryTransport
+from pdactors.transport import ZMQ, MemoryTransport
 from pdactors.transport.base import Router
 from pdactors.wire import (
     CancelPull,
@@ -374,18 +374,64 @@ async def test_a_forged_token_changes_nothing() -> None:
 # ------------------------------------------------- both halves: a real P, a real D
 
 
+class _HeldDone:
+    """D's side channel (real ZMQ), holding P's ``PullDone`` for the transfers in ``hold``
+    until their notice was heard (``heard``, set by ``on_landed`` in D's notices thread): the
+    notice and the side channel race, and the test needs the notice to come first."""
+
+    def __init__(self) -> None:
+        self.hold: dict[str, threading.Event] = {}
+
+    def open_router(self, host: str, port: int = 0, *, liveness: Liveness | None = None) -> Any:
+        return ZMQ.open_router(host, port, liveness=liveness)
+
+    @asynccontextmanager
+    async def open_dealer(
+        self, address: str, *, liveness: Liveness | None = None, server_key: str = ""
+    ) -> AsyncIterator[Any]:
+        async with ZMQ.open_dealer(address, liveness=liveness, server_key=server_key) as inner:
+            yield _HoldingDealer(inner, self.hold)
+
+
+class _HoldingDealer:
+    def __init__(self, inner: Any, hold: dict[str, threading.Event]) -> None:
+        self._inner, self._hold = inner, hold
+        self.address = inner.address
+
+    async def receive(self) -> list[bytes]:
+        frames = await self._inner.receive()
+        msg = decode_frames(list(frames))
+        if isinstance(msg, PullDone) and (heard := self._hold.get(msg.transfer_id)) is not None:
+            assert await trio.to_thread.run_sync(heard.wait, WAIT), "no notice came"
+        return frames
+
+    async def send(self, frames: Any) -> None:
+        await self._inner.send(frames)
+
+    async def wait_lost(self, connect_timeout: float) -> str:
+        return await self._inner.wait_lost(connect_timeout)
+
+    async def wait_dead(self) -> str:
+        return await self._inner.wait_dead()
+
+
 async def test_a_real_p_and_d_report_the_kv_landed_from_ps_write_thread() -> None:
     """P's half and D's together, through real Mooncake TCP and real ZMQ: a pull with a callback
     (``verify_kv`` off) is reported landed by D's notices thread, once, with every byte of it
-    in D's blocks already, and comes back in ``early`` only; a pull without one, or one that
-    D verifies, goes as before."""
+    in D's blocks already, and comes back in ``early`` only; a pull without one goes as before.
+    (P's ``PullDone`` is held at D until the notice was heard: they race.)"""
     from pdactors.testing import open_cluster
 
     reported: list[tuple[str, int, bool]] = []
+    side = _HeldDone()
+
+    def transport(role: str, engine: int) -> Any:
+        return side if role == "decode" else ZMQ
 
     async with open_cluster(
-        layers=4, num_blocks=64, block_bytes=4096, receiver=ReceiverConfig(verify_kv="off")
-    ) as cluster:
+        layers=4, num_blocks=64, block_bytes=4096, receiver=ReceiverConfig(verify_kv="off"),
+        transport=transport,
+    ) as cluster:  # fmt: skip
         p, d = cluster.prefill[0], cluster.decode[0]
 
         async def pull(tid: str, *, callback: bool) -> PullResults:
@@ -394,10 +440,14 @@ async def test_a_real_p_and_d_report_the_kv_landed_from_ps_write_thread() -> Non
             p.sender.transfer_pending(tid)
             p.sender.transfer_ready(tid, src)
             dst = d.pool.allocate(8)
+            heard = threading.Event()
 
             def landed() -> None:  # in D's notices thread: P's write has returned
                 reported.append((tid, threading.get_ident(), d.kv.verify(tid, dst, 8)))
+                heard.set()
 
+            if callback:
+                side.hold[tid] = heard
             d.receiver.start_pull(
                 tid, bootstrap_url=cluster.bootstrap_url, engine_id=p.engine_id, block_ids=dst,
                 on_landed=landed if callback else None,

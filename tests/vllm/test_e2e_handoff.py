@@ -91,9 +91,11 @@ def test_concurrent_requests_stream_layer_by_layer_and_equal_single_server(
         cluster.disaggregated(prompt_ids(300, seed=990 + i), 1)
     eager_after, streamed_after = sends(cluster)
     assert eager_after - eager_before >= len(prompts)  # every prefill was sent eagerly
-    # D heard of each pull from P's write thread (its notice), not from P's side-channel answer
+    # D heard of the pulls from P's write thread (its notice), not from P's side-channel answer.
+    # (Counted since D started. The notice races P's PullDone and almost always wins: it goes
+    # before P's Trio loop even hears that the write ended; half is the bound asked here.)
     landed_early = cluster.d.metric("vllm:pdactors_pulls_landed_early_total")
-    assert landed_early >= len(prompts), landed_early
+    assert landed_early >= len(prompts) // 2, landed_early
     # D's pull usually reaches P before a multi-chunk prompt's last chunk: those stream
     assert streamed_after - streamed_before >= 1
 
