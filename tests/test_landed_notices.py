@@ -2,12 +2,13 @@
 by a thread of D's, reports the pull once, only while its latch is open, and never makes the
 pull's later end in Trio a second report.
 
-First :class:`LandedNotices` alone, fed by a real PUSH socket on 127.0.0.1; then the receiver,
+First :class:`LandedNotices` alone, fed by a real UDP socket on 127.0.0.1; then the receiver,
 with P played by the test on the in-memory side channel and the notice sent for real.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -16,9 +17,9 @@ from typing import Any, cast
 
 import pytest
 import trio
-import zmq
 
 from pdactors import Liveness, PullResults, ReceiverConfig
+from pdactors.actors._done_notices import notice_address
 from pdactors.actors._landed_notices import (
     LandedNotices,
     open_latches,
@@ -46,17 +47,26 @@ def token_bytes(token: int) -> bytes:
     return token.to_bytes(8, "little")
 
 
+class Pusher:
+    """P's side of the notice: a UDP socket sending datagrams to one ``udp://ip:port``."""
+
+    def __init__(self, address: str) -> None:
+        target = notice_address(address)
+        assert target is not None, address
+        self.target = target
+        self.socket = socket.socket(target.family, socket.SOCK_DGRAM)
+
+    def send(self, datagram: bytes) -> None:
+        assert self.socket.sendto(datagram, self.target.sockaddr) == len(datagram)
+
+
 @contextmanager
-def pusher(address: str) -> Iterator[zmq.Socket[bytes]]:
-    """P's side of the notice: a PUSH socket connected to ``address``."""
-    socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
-    socket.setsockopt(zmq.LINGER, int(WAIT * 1000))  # what is queued still goes out
-    socket.setsockopt(zmq.SNDTIMEO, int(WAIT * 1000))
-    socket.connect(address)
+def pusher(address: str) -> Iterator[Pusher]:
+    made = Pusher(address)
     try:
-        yield socket
+        yield made
     finally:
-        socket.close()
+        made.socket.close()
 
 
 class Calls:
@@ -74,9 +84,9 @@ class Calls:
         assert self.event.wait(WAIT), "on_landed was not called in time"
 
 
-def sentinel(notices: LandedNotices, push: zmq.Socket[bytes]) -> None:
-    """Send a notice for a fresh latch and wait for it: every notice sent before it on
-    ``push`` has been read (one connection keeps its order)."""
+def sentinel(notices: LandedNotices, push: Pusher) -> None:
+    """Send a notice for a fresh latch and wait for it: every notice sent before it from
+    ``push`` has been read (on loopback, one socket's datagrams to another arrive in order)."""
     last = Calls()
     token = notices.open_latch(last)
     push.send(token_bytes(token))
@@ -91,7 +101,7 @@ def notices() -> Iterator[LandedNotices]:
 
 
 def test_a_token_completes_its_latch_once(notices: LandedNotices) -> None:
-    assert notices.address.startswith("tcp://127.0.0.1:")
+    assert notices.address.startswith("udp://127.0.0.1:")
     calls = Calls()
     token = notices.open_latch(calls)
     assert token != 0
@@ -106,6 +116,21 @@ def test_a_token_completes_its_latch_once(notices: LandedNotices) -> None:
     assert (stats.landed_early, stats.ignored, stats.malformed, stats.open) == (2, 1, 0, 0)
 
 
+def test_an_ipv6_host_gets_a_bracketed_address() -> None:
+    try:
+        notices = LandedNotices("::1")
+    except OSError as exc:
+        pytest.skip(f"cannot bind ::1: {exc}")
+    with notices:
+        assert notices.address.startswith("udp://[::1]:")
+        calls = Calls()
+        token = notices.open_latch(calls)
+        with pusher(notices.address) as push:
+            push.send(token_bytes(token))
+            calls.wait()
+        assert notices.close_latch(token)
+
+
 def test_forged_and_malformed_notices_change_nothing_but_counters(
     notices: LandedNotices,
 ) -> None:
@@ -113,16 +138,18 @@ def test_forged_and_malformed_notices_change_nothing_but_counters(
     token = notices.open_latch(calls)
     forged = token ^ 1
     with pusher(notices.address) as push, pusher(notices.address) as big:
-        big.send(b"x" * 1000)  # over the size limit: libzmq drops that peer, nothing counts
+        big.send(token_bytes(token) + b"x" * 992)  # 1,000 bytes: read cut short, malformed
+        sentinel(notices, big)  # ... and the thread lives on
         push.send(token_bytes(forged))
         push.send(token_bytes(0))
         push.send(b"short")
+        push.send(b"")
         push.send(b"nine bytes")
-        push.send_multipart([token_bytes(token), token_bytes(token)])  # two frames
+        push.send(token_bytes(token) * 2)  # two tokens in one datagram
         sentinel(notices, push)
     assert calls.count == 0
     stats = notices.statistics()
-    assert (stats.landed_early, stats.ignored, stats.malformed, stats.open) == (1, 2, 3, 1)
+    assert (stats.landed_early, stats.ignored, stats.malformed, stats.open) == (2, 2, 5, 1)
     assert not notices.close_latch(token)  # still open: nothing completed it
 
 
@@ -175,11 +202,10 @@ def test_close_stops_the_thread_and_frees_the_port() -> None:
     notices.close()
     assert not thread.is_alive()
     notices.close()  # again: nothing
-    socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PULL)
-    try:
-        socket.bind(notices.address)  # the port was closed with the thread's socket
-    finally:
-        socket.close(linger=0)
+    target = notice_address(notices.address)
+    assert target is not None
+    with socket.socket(target.family, socket.SOCK_DGRAM) as sock:
+        sock.bind(target.sockaddr)  # the port was closed with the thread's socket
 
 
 def test_sessions_name_their_host() -> None:
@@ -276,7 +302,7 @@ async def test_a_notice_before_p_answers_reports_the_pull_once() -> None:
     async with memory.open_router("p", 1) as router, open_receiver(memory) as receiver:
         landed = Landed()
         identity, request = await pull_at_p(receiver, router, "t", landed.calls)
-        assert request.done_to.startswith("tcp://127.0.0.1:") and request.done_token
+        assert request.done_to.startswith("udp://127.0.0.1:") and request.done_token
         await notify(request)
         await landed.wait()
         assert receiver.in_flight == 1  # Trio has not heard of it yet
@@ -416,10 +442,10 @@ class _HoldingDealer:
 
 
 async def test_a_real_p_and_d_report_the_kv_landed_from_ps_write_thread() -> None:
-    """P's half and D's together, through real Mooncake TCP and real ZMQ: a pull with a callback
-    (``verify_kv`` off) is reported landed by D's notices thread, once, with every byte of it
-    in D's blocks already, and comes back in ``early`` only; a pull without one goes as before.
-    (P's ``PullDone`` is held at D until the notice was heard: they race.)"""
+    """P's half and D's together, through real Mooncake TCP, real ZMQ and real UDP: a pull with
+    a callback (``verify_kv`` off) is reported landed by D's notices thread, once, with every
+    byte of it in D's blocks already, and comes back in ``early`` only; a pull without one goes
+    as before. (P's ``PullDone`` is held at D until the notice was heard: they race.)"""
     from pdactors.testing import open_cluster
 
     reported: list[tuple[str, int, bool]] = []

@@ -3,8 +3,8 @@ straight to a thread of D's, which tells the engine at once, with no Trio loop o
 
 A pull that asks for it carries ``done_to`` (this object's :attr:`LandedNotices.address`) and a
 ``done_token`` (:meth:`LandedNotices.open_latch`). Once the pull's whole KV has landed (its
-engine call returned 0), P's write thread sends the token's 8 bytes (little-endian) from a PUSH
-socket to the PULL socket here; the side channel's ``PullDone`` still follows and stays the
+engine call returned 0), P's write thread sends the token's 8 bytes (little-endian) as one UDP
+datagram to the socket here; the side channel's ``PullDone`` still follows and stays the
 authority for every failure path.
 
 The notice may be lost, repeated, late or forged by anyone who reaches the port, so it only
@@ -14,24 +14,24 @@ state any other way (D's abort, P's loss) or ends. Under one lock, whoever comes
 as between ``PullDone`` and D's abort in the pull table: the thread completes a latch only
 while it is open, and ``close_latch`` says whether the thread had (the pull was then reported
 landed through its ``on_landed``, and its later end in Trio only cleans up). A token with no
-open latch (late, repeated, forged: 64 random bits) and any other message change nothing but a
-counter.
+open latch (late, repeated, forged: 64 random bits) and any other datagram change nothing but
+a counter.
 
-The PULL socket is owned by the thread; the Trio side stops it through an inproc PAIR socket,
-never by touching the thread's sockets.
+The UDP socket is owned by the thread, which blocks in ``poll`` on it (one kernel hop from P's
+write thread, one thread woken); the Trio side stops it through a socket pair, never by
+touching the thread's socket.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import select
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
-
-import zmq
 
 from pdactors.config import ReceiverConfig
 from pdactors.core.pull_records import Pull
@@ -47,7 +47,7 @@ __all__ = [
 log = logging.getLogger("pdactors.receiver")
 
 TOKEN_BYTES = 8
-#: A peer whose message is longer is disconnected by libzmq (a notice is 8 bytes).
+#: Bytes read per datagram: a longer one is cut there (and is malformed: a notice is 8 bytes).
 _MAX_MESSAGE = 64
 #: Notices read per wake-up before the thread looks at its stop socket again.
 _BATCH = 1024
@@ -59,7 +59,7 @@ JOIN_TIMEOUT = 5.0
 @dataclass(frozen=True, slots=True)
 class LandedNoticeStats:
     """What the notices thread saw: latches it completed, well-formed notices that matched no
-    open latch (late, repeated or forged), malformed messages, and latches open now."""
+    open latch (late, repeated or forged), malformed datagrams, and latches open now."""
 
     landed_early: int
     ignored: int
@@ -68,42 +68,36 @@ class LandedNoticeStats:
 
 
 class LandedNotices:
-    """A thread reading P's "landed" notices on a ZMQ PULL socket bound to ``tcp://host:0``.
+    """A thread reading P's "landed" notices on a UDP socket bound to ``host``, port 0.
 
-    Raises ``zmq.ZMQError`` when it cannot bind. :meth:`close` stops it (also on leaving a
-    ``with`` block). Every method may be called from any thread but the notices thread.
+    ``host`` is resolved once, here (the first address ``getaddrinfo`` gives). Raises
+    ``OSError`` (``socket.gaierror`` among them) when it cannot resolve or bind. :meth:`close`
+    stops it (also on leaving a ``with`` block). Every method may be called from any thread but
+    the notices thread.
     """
 
-    def __init__(self, host: str, *, context: zmq.Context[Any] | None = None) -> None:
-        ctx = context or zmq.Context.instance()
+    def __init__(self, host: str) -> None:
         self._lock = threading.Lock()
         self._open: dict[int, Callable[[], None]] = {}
         self._completed: set[int] = set()  # by the thread, until close_latch hears of it
         self._landed_early = self._ignored = self._malformed = 0
-        notices: zmq.Socket[bytes] = ctx.socket(zmq.PULL)
-        notices.setsockopt(zmq.LINGER, 0)
-        notices.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
-        stop: zmq.Socket[bytes] = ctx.socket(zmq.PAIR)
-        stop.setsockopt(zmq.LINGER, 0)
-        inner: zmq.Socket[bytes] = ctx.socket(zmq.PAIR)
-        inner.setsockopt(zmq.LINGER, 0)
+        family, _, proto, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_DGRAM)[0]
+        notices = socket.socket(family, socket.SOCK_DGRAM, proto)
+        stop, inner = socket.socketpair()
         try:
-            if ":" in host:  # an IPv6 address
-                notices.setsockopt(zmq.IPV6, 1)
-                host = f"[{host}]"
-            notices.bind(f"tcp://{host}:0")
-            #: Where P sends the notices (``PullRequest.done_to``): ``"tcp://host:port"``.
-            self.address: str = notices.getsockopt_string(zmq.LAST_ENDPOINT)
-            control = f"inproc://pdactors-landed-{secrets.token_hex(8)}"
-            stop.bind(control)
-            inner.connect(control)
+            notices.bind(sockaddr)
+            notices.setblocking(False)
+            stop.setblocking(False)
+            ip, port = notices.getsockname()[:2]
+            bracketed = f"[{ip}]" if family == socket.AF_INET6 else ip
+            #: Where P sends the notices (``PullRequest.done_to``): ``"udp://ip:port"``.
+            self.address: str = f"udp://{bracketed}:{port}"
         except BaseException:
-            for socket in (notices, stop, inner):
-                socket.close(linger=0)
+            for sock in (notices, stop, inner):
+                sock.close()
             raise
-        self._stop: zmq.Socket[bytes] | None = stop
-        # From here on only the thread touches ``notices`` and ``inner`` (its start is the
-        # memory barrier ZMQ asks for when a socket changes threads); it closes them.
+        self._stop: socket.socket | None = stop
+        # From here on only the thread touches ``notices`` and ``inner``; it closes them.
         self._thread = threading.Thread(
             target=self._serve, args=(notices, inner), name="pdactors-landed", daemon=False
         )
@@ -155,44 +149,45 @@ class LandedNotices:
         if stop is None:
             return
         try:
-            stop.send(b"", zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # the thread is gone already (it logged why)
+            stop.send(b"\0")
+        except OSError as exc:  # the thread is gone already (it logged why)
             log.debug("the landed notices thread was not told to stop: %s", exc)
         finally:
             self._thread.join(JOIN_TIMEOUT)
-            stop.close(linger=0)
+            stop.close()
         if self._thread.is_alive():
             log.warning("the landed notices thread (%s) did not stop within %g s: an "
                         "on_landed callback blocks", self.address, JOIN_TIMEOUT)  # fmt: skip
 
-    def _serve(self, notices: zmq.Socket[bytes], stop: zmq.Socket[bytes]) -> None:
-        poller = zmq.Poller()
-        poller.register(notices, zmq.POLLIN)
-        poller.register(stop, zmq.POLLIN)
+    def _serve(self, notices: socket.socket, stop: socket.socket) -> None:
+        poller = select.poll()
+        poller.register(notices, select.POLLIN)
+        poller.register(stop, select.POLLIN)
+        stop_fd = stop.fileno()
         try:
             while True:
-                ready = dict(poller.poll())
-                if stop in ready:
+                ready = poller.poll()
+                if any(fd == stop_fd for fd, _ in ready):
                     return
                 for _ in range(_BATCH):
                     try:
-                        frames = notices.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
+                        datagram = notices.recv(_MAX_MESSAGE, socket.MSG_DONTWAIT)
+                    except BlockingIOError:
                         break
-                    self._notice(frames)
-        except zmq.ZMQError as exc:  # the context was terminated under it: no more notices
+                    self._notice(datagram)
+        except OSError as exc:  # the socket broke under it: no more notices
             log.error("the landed notices thread (%s) stopped: %s; pulls are reported "
                       "through the side channel only", self.address, exc)  # fmt: skip
         finally:
-            notices.close(linger=0)
-            stop.close(linger=0)
+            notices.close()
+            stop.close()
 
-    def _notice(self, frames: list[bytes]) -> None:
-        if len(frames) != 1 or len(frames[0]) != TOKEN_BYTES:
+    def _notice(self, datagram: bytes) -> None:
+        if len(datagram) != TOKEN_BYTES:
             with self._lock:
                 self._malformed += 1
             return
-        token = int.from_bytes(frames[0], "little")
+        token = int.from_bytes(datagram, "little")
         with self._lock:
             on_landed = self._open.pop(token, None)
             if on_landed is None:
@@ -251,8 +246,8 @@ def open_latches(config: ReceiverConfig, session: str) -> Iterator[PullLatches]:
     host = session_host(session)
     try:
         notices = LandedNotices(host)
-    except zmq.ZMQError as exc:
-        log.warning("no fast completion path: cannot bind tcp://%s:0 for P's landed notices "
+    except OSError as exc:  # socket.gaierror too: the host does not resolve
+        log.warning("no fast completion path: cannot bind udp://%s:0 for P's landed notices "
                     "(%s); pulls are reported through the side channel only",
                     host, exc)  # fmt: skip
         yield PullLatches(None, config)

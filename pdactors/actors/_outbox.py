@@ -51,7 +51,7 @@ class SideChannelStats:
     cut-off peers and replies to peers that were gone or cut off. Beside the side channel,
     D's fast completion notices (:mod:`pdactors.actors._done_notices`): ``notices_sent`` by
     P's write threads, ``notices_dropped`` (the ``PullDone`` that follows them stands), and
-    ``notices_refused`` (pulls whose ``done_to`` was no ``tcp://host:port``).
+    ``notices_refused`` (pulls whose ``done_to`` was no numeric ``udp://ip:port``).
     """
 
     bad_frames: int = 0

@@ -74,10 +74,12 @@ class PullRequest(_Msg, frozen=True, tag="pull"):
     ``fence``: D fences its blocks against a write that may land after it lost P; P says
     :class:`Writing` before it writes them (False: an older D, which is sent no such notice).
     ``done_to`` / ``done_token``: D's fast completion path (issue 28): once the whole pull has
-    landed, P's write thread itself sends the 8 bytes of ``done_token`` (little-endian) to
-    the ZMQ PULL socket at ``done_to`` (``"tcp://host:port"``), with no Trio loop on either
-    side; the :class:`PullDone` on the side channel still follows and stays the authority for
-    every failure path (``""``: D asks for no such notice; an older P ignores both fields).
+    landed, P's write thread itself sends the 8 bytes of ``done_token`` (little-endian) as
+    one UDP datagram to ``done_to`` (``"udp://ip:port"``: a numeric IPv4 address, or an IPv6
+    one in brackets, ``"udp://[::1]:7"``; P looks no name up and sends nothing to any other
+    form), with no Trio loop on either side; the datagram may be lost, and the
+    :class:`PullDone` on the side channel still follows and stays the authority for every
+    failure path (``""``: D asks for no such notice; an older P ignores both fields).
     """
 
     transfer_id: Id
