@@ -16,6 +16,7 @@ import httpx
 import msgspec
 import trio
 
+from pdactors._http_client import async_client
 from pdactors.errors import BootstrapError, BootstrapTimeout, RankHeld, describe
 from pdactors.wire import BootstrapAnswer, BootstrapEntry, RegisterWorker
 
@@ -136,7 +137,7 @@ async def open_bootstrap_client(
 
     Proxy settings in the environment are ignored: the registry is always dialled directly.
     """
-    async with httpx.AsyncClient(trust_env=False, verify=tls_verify(ca_file)) as http:
+    async with async_client(verify=tls_verify(ca_file)) as http:
         yield BootstrapClient(http, token)
 
 

@@ -182,3 +182,35 @@ async def test_the_proxy_speaks_https_to_engines_and_verifies_them(pki: Pki) -> 
             resp = await blind.client.post("/v1/completions", json=completion_body())
             assert resp.status_code in (502, 503), resp.text
             assert not blind.p[0].received and not blind.d[0].received
+
+
+async def test_a_tls_handshake_cancelled_leaves_no_socket_to_the_gc() -> None:
+    """httpcore closes the TCP stream when a handshake fails, not when it is cancelled: the
+    proxy's and the bootstrap client's httpx clients close it themselves (else the garbage
+    collector's ResourceWarning fails whichever test runs when it collects the socket)."""
+    import gc
+    from functools import partial
+
+    from pdactors._http_client import async_client
+
+    accepted: list[trio.SocketStream] = []
+
+    async def silent(stream: trio.SocketStream) -> None:  # accepts, never answers a hello
+        accepted.append(stream)
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        (listener,) = await nursery.start(partial(trio.serve_tcp, silent, 0, host="127.0.0.1"))
+        port = listener.socket.getsockname()[1]
+        async with async_client(verify=tls_verify(None)) as http:
+            with trio.move_on_after(0.5):
+                await http.get(f"https://127.0.0.1:{port}/health")
+            await wait_until_accepted(accepted)
+        nursery.cancel_scope.cancel()
+    gc.collect()  # a socket left open raises its ResourceWarning here (an error in tests)
+
+
+async def wait_until_accepted(accepted: list[trio.SocketStream]) -> None:
+    with trio.fail_after(5):
+        while not accepted:
+            await trio.sleep(0.01)

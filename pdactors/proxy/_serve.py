@@ -56,6 +56,7 @@ from typing import Final
 import httpx
 import trio
 
+from pdactors._http_client import async_client
 from pdactors.bootstrap_client import tls_verify
 from pdactors.config import ProxyConfig
 from pdactors.proxy._app import make_app
@@ -78,9 +79,7 @@ async def _open_http(
     timeouts: httpx.Timeout, limits: httpx.Limits, ca_file: str | None = None
 ) -> AsyncIterator[httpx.AsyncClient]:
     # Proxy settings in the environment are ignored: engines are always dialled directly.
-    client = httpx.AsyncClient(
-        trust_env=False, timeout=timeouts, limits=limits, verify=tls_verify(ca_file)
-    )
+    client = async_client(timeout=timeouts, limits=limits, verify=tls_verify(ca_file))
     try:
         yield client
     finally:
