@@ -109,5 +109,6 @@ def actor_configs(
             compat=place.compat,
             compat_relax=s.compat_relax,
             verify_kv=verify,
+            fast_done=s.fast_done,
         )
     return ActorConfigs(plane, bootstrap, sender, receiver)

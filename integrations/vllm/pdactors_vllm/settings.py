@@ -153,6 +153,12 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       ops over the KV tensors on their own CUDA stream (``wmix-64``,
       :mod:`pdactors_vllm.device_sums`). P and D must keep their KV in the same kind of
       memory for the checksums to be checked (a mix is trusted or refused as above).
+    * ``fast_done``: with ``verify_kv`` off (the default for KV on a GPU), P's write thread
+      tells D's worker that its KV landed with one UDP datagram to D's ``host`` (a port D
+      binds), ahead of P's side-channel answer, which still follows and decides every failure
+      (issue 28; on one H200 it took the hand-off's tail from 1.0-2.1 ms to 0.19-0.78 ms:
+      docs/benchmarks.md). Default true; false where UDP from P to D is blocked, to save
+      the datagram (a lost one only costs the fast path).
     * ``otlp_traces_endpoint``: an OTLP/HTTP traces URL (e.g.
       ``http://collector:4318/v1/traces``): P's writes and D's pulls become OpenTelemetry
       spans in the traces of the requests they serve (:mod:`pdactors_vllm.tracing`). Default:
@@ -194,6 +200,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     compat_relax: tuple[str, ...] = ()
     on_pull_failure: PullFailurePolicy = "recompute"
     verify_kv: VerifyKv | Literal["auto"] = "auto"
+    fast_done: bool = default_of(ReceiverConfig, "fast_done")
     otlp_traces_endpoint: str | None = None
     timeline: bool = False
 
