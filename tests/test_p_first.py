@@ -21,8 +21,6 @@ from tests.test_proxy import (
     wait_health,
 )
 
-pytestmark = pytest.mark.filterwarnings(r"ignore:Async generator 'http(x|core)\._:ResourceWarning")
-
 
 def completion_text(resp: httpx.Response, stream: bool) -> str:
     """A completion's text, streamed (its events' texts joined) or whole."""

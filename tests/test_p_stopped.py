@@ -36,8 +36,6 @@ from tests.test_proxy import (
     wait_health,
 )
 
-pytestmark = pytest.mark.filterwarnings(r"ignore:Async generator 'http(x|core)\._:ResourceWarning")
-
 #: The proxy's health_timeout in open_setup: P's verdict comes this long after its /health
 #: stopped answering.
 HEALTH_TIMEOUT = 1.0

@@ -22,8 +22,6 @@ from pdactors.core.prefixes import (
 )
 from tests.test_proxy import TIMEOUT, Setup, eventually, eventually_health, open_setup
 
-pytestmark = pytest.mark.filterwarnings(r"ignore:Async generator 'http(x|core)\._:ResourceWarning")
-
 
 def turn(conversation: str, n: int) -> str:
     """Turn ``n`` of a conversation: every turn's prompt starts with the one before it."""

@@ -39,7 +39,6 @@ TIMEOUT = 10.0
 # httpx and httpcore nest async generators: a stream closed before its end (a client that
 # hangs up, the proxy cancelling D) leaves the inner ones to the garbage collector, and trio
 # warns about each one (it still finalizes them).
-pytestmark = pytest.mark.filterwarnings(r"ignore:Async generator 'http(x|core)\._:ResourceWarning")
 
 
 # --------------------------------------------------------------------------- stand-in engines
