@@ -124,8 +124,9 @@ async def prefill(args: argparse.Namespace) -> None:
     p_layout = packed_layout(p_t.data_ptr(), args.layers, pool, args.block_bytes)
     d_layout = packed_layout(args.d_ptr, args.layers, pool, args.block_bytes)
     cfg = DataPlaneConfig(
-        protocol=args.protocol, workers=args.workers, max_calls_per_peer=args.calls_per_peer
-    )
+        protocol=args.protocol, workers=args.workers, max_calls_per_peer=args.calls_per_peer,
+        inline_max_bytes=args.inline_max_bytes,
+    )  # fmt: skip
     async with open_mooncake(cfg) as plane, trio.open_nursery() as nursery:
         plane.register([(p_t.data_ptr(), p_t.numel())])
         config = SenderConfig(  # no checksums: the data plane alone (and P's default hasher
@@ -194,8 +195,9 @@ async def decode(args: argparse.Namespace) -> None:
     src = block_ids(args, pool, scattered, 1)
     d_layout = packed_layout(d_t.data_ptr(), args.layers, pool, args.block_bytes)
     cfg = DataPlaneConfig(
-        protocol=args.protocol, workers=args.workers, max_calls_per_peer=args.calls_per_peer
-    )
+        protocol=args.protocol, workers=args.workers, max_calls_per_peer=args.calls_per_peer,
+        inline_max_bytes=args.inline_max_bytes,
+    )  # fmt: skip
     async with open_mooncake(cfg) as plane, trio.open_nursery() as nursery:
         plane.register([(d_t.data_ptr(), d_t.numel())])
         url = await nursery.start(serve_bootstrap, BootstrapConfig())
@@ -271,7 +273,8 @@ async def decode(args: argparse.Namespace) -> None:
     w, t = statistics.median(result["ours_write"]), statistics.median(result["raw_in_thread"])
     e, c = statistics.median(result["ours_engine"]), statistics.median(empty)
     print(
-        f"# {args.scenario}: inside our sender: write p50 {w * 1e3:.3f} ms, of which the engine"
+        f"# {args.scenario} (inline_max_bytes {args.inline_max_bytes}): inside our sender:"
+        f" write p50 {w * 1e3:.3f} ms, of which the engine"
         f" call {e * 1e3:.3f} ms; raw call in a worker thread p50 {t * 1e3:.3f} ms;"
         f" empty pull (control plane only) p50 {c * 1e3:.3f} ms",
         file=sys.stderr,
@@ -306,6 +309,10 @@ def parse() -> argparse.Namespace:
     )
     ap.add_argument("--role", choices=["decode", "prefill"], default="decode")
     ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="whole")
+    ap.add_argument(
+        "--inline-max-bytes", type=int, default=0,
+        help="DataPlaneConfig.inline_max_bytes: calls up to this size made in the Trio thread",
+    )  # fmt: skip
     ap.add_argument(
         "--notice", action="store_true",
         help="D asks for P's landed notice (verify_kv off) and says when it came",

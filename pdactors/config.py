@@ -57,7 +57,12 @@ class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How to start the Mooncake Transfer Engine.
 
     ``max_descriptors_per_call`` × ``max_calls_per_peer`` bounds the descriptors in flight to
-    one peer (Mooncake's TCP transport breaks a peer's path past 2048).
+    one peer (Mooncake's TCP transport breaks a peer's path past 2048). ``inline_max_bytes``:
+    an engine call of at most this many bytes whose writes wait for nothing (no ``before``, or
+    one whose ``ready()`` says the KV is complete) is made in the Trio thread itself, blocking
+    it for the call, instead of in a worker thread: for fast transports (``nvlink_intra``)
+    where the hand-off to the thread and back costs more than the call (issue 28: 0.39 ms for
+    a 0.13 ms call on an H200 host). 0 (default): every call goes to a worker thread.
     """
 
     protocol: Protocol = "tcp"
@@ -66,8 +71,11 @@ class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True):
     workers: int = 2
     max_descriptors_per_call: int = 1024
     max_calls_per_peer: int = 1
+    inline_max_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if self.inline_max_bytes < 0:
+            raise ConfigError("inline_max_bytes must be >= 0")
         if self.workers < 1:
             raise ConfigError("workers must be >= 1")
         if self.max_descriptors_per_call < 1 or self.max_calls_per_peer < 1:

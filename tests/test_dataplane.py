@@ -695,3 +695,107 @@ async def test_after_runs_once_per_write_under_concurrent_calls() -> None:
                 write = partial(plane.write, f"d:{i % 3}", five, five, five)
                 nursery.start_soon(partial(write, after=partial(ran.append, i)))
     assert sorted(ran) == list(range(40))
+
+
+# ---------------------------------------------------------- calls in the Trio thread (issue 28)
+
+
+@pytest.fixture
+async def inline_pair(engines: tuple[Any, Any]) -> AsyncIterator[Pair]:
+    """Calls of at most 8 KiB whose writes wait for nothing are made in the Trio thread."""
+    made = make_pair(engines, DataPlaneConfig(inline_max_bytes=8 * KiB))
+    try:
+        yield made
+    finally:
+        made.p.close()
+        made.d.close()
+
+
+def call_threads(pair: Pair) -> list[int]:
+    """The threads P's engine calls are made in, from now on."""
+    threads: list[int] = []
+    engine = pair.p_engine
+    call = engine.batch_transfer_sync_write
+
+    def spy(target: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
+        threads.append(threading.get_ident())
+        return call(target, src, dst, lengths)
+
+    engine.batch_transfer_sync_write = spy  # type: ignore[method-assign]
+    return threads
+
+
+class _Event:
+    """A ``before`` with a ``ready`` probe, as a CUDA event's wait is given one."""
+
+    def __init__(self, done: bool) -> None:
+        self.done, self.waited = done, 0
+
+    def __call__(self) -> None:
+        self.waited += 1
+
+    def ready(self) -> bool:
+        return self.done
+
+
+async def test_a_small_call_that_waits_for_nothing_is_made_in_the_trio_thread(
+    inline_pair: Pair,
+) -> None:
+    src, dst, write = one_block_writes(inline_pair, 4)
+    threads, trio_thread = call_threads(inline_pair), threading.get_ident()
+    after: list[int] = []
+    with trio.fail_after(TIMEOUT):
+        await write(0, after=lambda: after.append(threading.get_ident()))
+        await write(1, before=_Event(done=True))  # the KV is complete: nothing to wait for
+    assert threads == [*after, trio_thread] == [trio_thread] * 2
+    assert inline_pair.p.statistics().inline_calls == 2
+    np.testing.assert_array_equal(dst[:2], src[:2])
+
+
+async def test_a_call_that_may_wait_or_is_large_goes_to_a_worker_thread(
+    inline_pair: Pair,
+) -> None:
+    src, dst, write = one_block_writes(inline_pair, 3, size=4 * KiB)
+    threads, trio_thread = call_threads(inline_pair), threading.get_ident()
+    pending = _Event(done=False)
+    with trio.fail_after(TIMEOUT):
+        await write(0, before=pending)  # the KV may not be complete yet: the thread waits
+        await write(1, before=lambda: None)  # a wait with no probe
+        big_src, big_dst = inline_pair.buffers(16 * KiB)  # over inline_max_bytes
+        await inline_pair.p.write(
+            inline_pair.d.session, u64([addr(big_src)]), u64([addr(big_dst)]), u64([16 * KiB])
+        )
+    assert len(threads) == 3 and trio_thread not in threads
+    assert pending.waited == 1 and inline_pair.p.statistics().inline_calls == 0
+    np.testing.assert_array_equal(dst[:2], src[:2])
+    np.testing.assert_array_equal(big_dst, big_src)
+
+
+async def test_a_failed_call_in_the_trio_thread_fails_its_write_as_in_a_thread(
+    inline_pair: Pair,
+) -> None:
+    src, _ = inline_pair.buffers(4 * KiB)
+    with trio.fail_after(TIMEOUT), pytest.raises(TransferError) as info:
+        await inline_pair.p.write(
+            inline_pair.d.session, u64([addr(src)]), u64([1 << 40]), u64([4 * KiB])
+        )
+    assert info.value.nbytes == 4 * KiB and inline_pair.p.statistics().inline_calls == 1
+    assert inline_pair.p.statistics().failures == 1
+
+
+async def test_the_actors_move_every_byte_with_calls_in_the_trio_thread() -> None:
+    """The actors' transfers through a data plane making every call in the Trio thread (the
+    KV is complete, no checksums): every byte lands, every block comes back."""
+    from pdactors import ReceiverConfig, SenderConfig
+    from pdactors.testing import open_cluster, run_transfer
+
+    plane = DataPlaneConfig(inline_max_bytes=1 << 30)
+    async with open_cluster(
+        dataplane=plane, sender=SenderConfig(engine_id="p", checksum_kv=False),
+        receiver=ReceiverConfig(verify_kv="off"),
+    ) as cluster:  # fmt: skip
+        outcomes = [await run_transfer(cluster, f"t{i}", 4 + i) for i in range(4)]
+        assert all(o.ok and o.verified for o in outcomes), outcomes
+        stats = cluster.prefill[0].dataplane.statistics()
+        assert stats.inline_calls == stats.calls >= 4
+        await cluster.wait_settled()

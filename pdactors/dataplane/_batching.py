@@ -25,6 +25,7 @@ __all__ = [
     "Write",
     "batch_call",
     "descriptors",
+    "inline",
     "landed",
     "run_after",
 ]
@@ -117,6 +118,26 @@ def may_wait(before: Callable[[], object] | None) -> bool:
     source runs) joins a batch like a write without one: giving each such write an engine
     call of its own cost 2.5x the control plane's throughput at 64 in flight."""
     return before is not None and bool(getattr(before, "may_wait", True))
+
+
+def inline(batch: list[Piece], max_bytes: int) -> bool:
+    """Whether the call carrying ``batch`` may be made in the Trio thread itself: at most
+    ``max_bytes`` bytes (0: never) and no write waiting for its KV — its ``before`` is None,
+    or has a ``ready()`` saying the KV is complete (a CUDA event's ``query``). A ``before``
+    without one (a wait, or hashing the runs) goes to a worker thread."""
+    if not max_bytes or sum(int(piece.lengths.sum()) for piece in batch) > max_bytes:
+        return False
+    return all(_ready(piece.write.before) for piece in batch)
+
+
+def _ready(before: Callable[[], object] | None) -> bool:
+    if before is None:
+        return True
+    ready = getattr(before, "ready", None)
+    try:
+        return ready is not None and bool(ready())
+    except Exception:  # a probe that fails says nothing: the thread will wait and see
+        return False
 
 
 def descriptors(batch: list[Piece]) -> int:

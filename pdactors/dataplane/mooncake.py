@@ -41,6 +41,7 @@ from pdactors.dataplane._batching import (
     Write,
     batch_call,
     descriptors,
+    inline,
     run_after,
 )
 from pdactors.dataplane._intervals import merged, uncovered
@@ -70,7 +71,9 @@ class DataPlaneStatistics:
 
     ``writes``, ``bytes`` and ``descriptors`` count writes that completed; ``failures`` counts
     writes that failed; ``calls`` counts engine calls (one may carry several writes), failed
-    ones included; ``registrations`` and ``registered_bytes`` describe the memory registered.
+    ones included, and ``inline_calls`` those made in the Trio thread
+    (``DataPlaneConfig.inline_max_bytes``); ``registrations`` and ``registered_bytes``
+    describe the memory registered.
     """
 
     writes: int
@@ -80,6 +83,7 @@ class DataPlaneStatistics:
     calls: int
     registrations: int
     registered_bytes: int
+    inline_calls: int = 0
 
 
 class MooncakeDataPlane:
@@ -99,6 +103,7 @@ class MooncakeDataPlane:
         # Sorted, disjoint (addr, length) intervals, one per register_memory call that worked.
         self._registered: list[tuple[int, int]] = []
         self._writes = self._bytes = self.descriptors = self._failures = self._calls = 0
+        self._inline_calls = 0
 
     @property
     def session(self) -> str:
@@ -125,6 +130,7 @@ class MooncakeDataPlane:
             calls=self._calls,
             registrations=len(self._registered),
             registered_bytes=sum(length for _, length in self._registered),
+            inline_calls=self._inline_calls,
         )
 
     def register(self, regions: list[tuple[int, int]]) -> None:
@@ -270,10 +276,16 @@ class MooncakeDataPlane:
         jobs = {id(piece.write): piece.write for piece in batch}
         result: tuple[int, dict[int, str]] | None = None
         failure = ""
+        call = batch_call(engine, peer, batch)
         try:
-            result = await trio.to_thread.run_sync(
-                batch_call(engine, peer, batch), limiter=self._limiter, abandon_on_cancel=False
-            )
+            if inline(batch, self._config.inline_max_bytes):
+                self._inline_calls += 1
+                result = call()  # in the Trio thread: no hand-off to a thread and back
+                await trio.lowlevel.cancel_shielded_checkpoint()  # (the call is done)
+            else:
+                result = await trio.to_thread.run_sync(
+                    call, limiter=self._limiter, abandon_on_cancel=False
+                )
         except trio.Cancelled:
             raise  # only while waiting for a worker thread: the call never started
         except Exception as exc:  # the engine call itself raised: each write it carried fails

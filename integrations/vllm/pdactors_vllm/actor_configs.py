@@ -67,8 +67,9 @@ def actor_configs(
     hung = s.heartbeat_timeout
     liveness = Liveness(heartbeat_timeout=hung, connect_timeout=hung)
     plane = DataPlaneConfig(
-        protocol=s.protocol, device_name=s.device_name, hostname=s.host, workers=s.sender_workers
-    )
+        protocol=s.protocol, device_name=s.device_name, hostname=s.host,
+        workers=s.sender_workers, inline_max_bytes=s.inline_max_bytes,
+    )  # fmt: skip
     bootstrap = sender = receiver = None
     if place.runs_bootstrap:
         bootstrap = BootstrapConfig(

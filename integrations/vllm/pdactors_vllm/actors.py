@@ -251,8 +251,23 @@ def _one_received(counters: TransferCounters) -> None:
 def _waiter(event: torch.cuda.Event | None) -> Callable[[], object] | None:
     """What the sender's write thread calls to wait for the forward's kernels up to ``event``
     (None on a CPU, where the forward is synchronous). The wait happens in the thread that
-    then makes the engine call: no hop between the GPU finishing and the write starting."""
-    return None if event is None else event.synchronize
+    then makes the engine call: no hop between the GPU finishing and the write starting. Its
+    ``ready`` (the event's ``query``) lets the data plane make a small call in the Trio thread
+    once the kernels are done (``inline_max_bytes``)."""
+    return None if event is None else _EventWait(event)
+
+
+class _EventWait:
+    __slots__ = ("_event",)
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self._event = event
+
+    def __call__(self) -> None:
+        self._event.synchronize()
+
+    def ready(self) -> bool:
+        return bool(self._event.query())  # type: ignore[no-untyped-call]
 
 
 def _logged(fn: Callable[..., None], *args: Any, **kwargs: Any) -> bool:
