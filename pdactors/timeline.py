@@ -166,6 +166,25 @@ def span_ended(span: TransferSpan) -> None:
         watcher(span)
 
 
+def span_done(
+    transfer_id: str,
+    side: Literal["write", "pull"],
+    seconds: float,
+    *,
+    nbytes: int,
+    peer: str,
+    outcome: str,
+) -> None:
+    """A side of a transfer that took ``seconds`` (on the actor's clock) and ends now, to the
+    watchers, if any; the span is stamped with the wall clock (spans are compared with other
+    processes')."""
+    if not _watchers:
+        return
+    end = time.time()
+    span_ended(TransferSpan(transfer_id=transfer_id, side=side, start=end - seconds, end=end,
+                            nbytes=nbytes, peer=peer, outcome=outcome))  # fmt: skip
+
+
 def read_timelines(path: str | os.PathLike[str]) -> dict[str, dict[str, float]]:
     """A sink file → ``{transfer id: {event: first time it happened}}``."""
     out: dict[str, dict[str, float]] = defaultdict(dict)

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from pdactors.wire import Layout
+import msgspec
+
+from pdactors.core.plan import check_layout
+from pdactors.errors import PlanError
+from pdactors.wire import Layout, LayoutUnknown, PullFailed, PullRequest
 
 __all__ = ["LayoutCache", "layout_bytes"]
 
@@ -47,6 +51,23 @@ class LayoutCache:
             len(self._layouts) > self.max_entries or self.nbytes > self.max_bytes
         ):
             self._drop(next(iter(self._layouts)))
+
+    def attach(self, pull: PullRequest, peer: bytes) -> PullRequest | PullFailed | LayoutUnknown:
+        """``pull`` with its layout: the one it carries (checked, then remembered as ``peer``'s)
+        or the one remembered under its ``layout_id``; else the answer to send ``peer``. The
+        pull keeps its layout: an eviction before the write cannot fail it."""
+        tid = pull.transfer_id
+        if pull.layout is not None:
+            try:
+                check_layout(pull.layout)
+            except PlanError as exc:
+                return PullFailed(tid, f"bad layout: {exc}")
+            self.put(pull.layout_id, pull.layout, peer)
+            return pull
+        known = self.get(pull.layout_id)
+        if known is None:
+            return LayoutUnknown(tid, pull.layout_id)
+        return msgspec.structs.replace(pull, layout=known)
 
     def forget_peer(self, peer: bytes) -> None:
         """``peer`` is gone: forget the layouts it sent."""

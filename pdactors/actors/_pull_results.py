@@ -11,7 +11,6 @@ An awaiting caller hears its own pull's end through a :class:`Waiter`.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import trio
@@ -79,10 +78,6 @@ class Waiter:
 def end_span(done: Completed, now: float) -> None:
     """The pull's span to the timeline's watchers, if any (``now``: Trio's clock)."""
     pull = done.pull
-    if pull is None or not timeline.watching():
-        return
-    end = time.time()  # wall clock: the span is compared with other processes'
-    timeline.span_ended(timeline.TransferSpan(
-        transfer_id=done.transfer_id, side="pull", start=end - (now - pull.started), end=end,
-        nbytes=pull.nbytes, peer=pull.engine_id, outcome=done.reason or "ok",
-    ))  # fmt: skip
+    if pull is not None:
+        timeline.span_done(done.transfer_id, "pull", now - pull.started, nbytes=pull.nbytes,
+                           peer=pull.engine_id, outcome=done.reason or "ok")  # fmt: skip

@@ -27,10 +27,8 @@ description differs from P's is refused by name at once (:mod:`pdactors.actors._
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 
-import msgspec
 import trio
 
 from pdactors import timeline
@@ -61,7 +59,6 @@ from pdactors.core.send_table import (
 )
 from pdactors.dataplane.base import DataPlane
 from pdactors.dataplane.checksum import RunHasher, Xxh3Hasher
-from pdactors.errors import PlanError
 from pdactors.transport import ZMQ, Router, Transport
 from pdactors.wire import (
     BlockIdsLike,
@@ -69,7 +66,6 @@ from pdactors.wire import (
     ErrorReply,
     FrameError,
     Layout,
-    LayoutUnknown,
     PullFailed,
     PullRequest,
     Writing,
@@ -290,18 +286,10 @@ class Sender:
         tid = pull.transfer_id
         if (refused := self._compat.refusal(f"D {identity.hex()}", pull.compat)) is not None:
             return refuse_pull(self._table, identity, tid, now, refused)  # frees P's blocks
-        if pull.layout is not None:
-            try:
-                check_layout(pull.layout)
-            except PlanError as exc:
-                return [Reply(identity, PullFailed(tid, f"bad layout: {exc}"))]
-            self._layouts.put(pull.layout_id, pull.layout, identity)
-        else:
-            known = self._layouts.get(pull.layout_id)
-            if known is None:
-                return [Reply(identity, LayoutUnknown(tid, pull.layout_id))]
-            # The pull keeps its layout: an eviction before the write cannot fail it.
-            pull = msgspec.structs.replace(pull, layout=known)
+        attached = self._layouts.attach(pull, identity)
+        if not isinstance(attached, PullRequest):
+            return [Reply(identity, attached)]
+        pull = attached
         try:
             pull_heads(self.config, pull)
             expected = expected_pulls(self.config, pull)
@@ -332,12 +320,8 @@ class Sender:
             log.warning("transfer %r to %r failed: %s", job.transfer_id, pull.session, error)
         now = trio.current_time()
         timeline.mark(job.transfer_id, "write_end")
-        if timeline.watching():  # (wall clock: the span is compared with other processes')
-            end = time.time()
-            timeline.span_ended(timeline.TransferSpan(
-                transfer_id=job.transfer_id, side="write", start=end - (now - start), end=end,
-                nbytes=written.nbytes, peer=pull.session, outcome=error or "ok",
-            ))  # fmt: skip
+        timeline.span_done(job.transfer_id, "write", now - start, nbytes=written.nbytes,
+                           peer=pull.session, outcome=error or "ok")  # fmt: skip
         if error is None:
             self.bytes_sent += written.nbytes
             self.descriptors_sent += written.descriptors
