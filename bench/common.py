@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
@@ -134,3 +135,37 @@ def placed(proxy_url: str | None) -> dict[str, float]:
             where = line.split('placement="', 1)[1].split('"', 1)[0]
             counts[where] = counts.get(where, 0.0) + float(line.rsplit(" ", 1)[1])
     return counts
+
+
+class TimedPlane:
+    """A sender's Mooncake data plane, timing each write as the sender awaits it (``writes``:
+    start, end, bytes) and each engine call in its worker thread (``calls``: start, end), on
+    ``clock`` (the wall clock where times are compared across processes)."""
+
+    def __init__(self, inner: MooncakeDataPlane, clock: Callable[[], float]) -> None:
+        self.inner, self.session, self.clock = inner, inner.session, clock
+        self.writes: list[tuple[float, float, int]] = []
+        self.calls: list[tuple[float, float]] = []
+        engine, calls = inner._engine, self.calls
+
+        class Engine:  # the engine call itself, timed in the worker thread
+            def batch_transfer_sync_write(self, *a: Any) -> int:
+                start = clock()
+                rc = engine.batch_transfer_sync_write(*a)
+                calls.append((start, clock()))
+                return int(rc)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(engine, name)
+
+        inner._engine = Engine()  # type: ignore[assignment]
+
+    def register(self, regions: list[tuple[int, int]]) -> None:
+        self.inner.register(regions)
+
+    async def write(
+        self, peer: str, src: Any, dst: Any, lengths: Any, *, before: Any = None, after: Any = None
+    ) -> None:
+        start = self.clock()
+        await self.inner.write(peer, src, dst, lengths, before=before, after=after)
+        self.writes.append((start, self.clock(), int(lengths.sum())))

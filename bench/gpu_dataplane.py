@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import trio
+from common import TimedPlane
 
 from pdactors import (
     BootstrapConfig,
@@ -70,47 +71,6 @@ def pattern(t: Any) -> None:
     t.copy_(((ramp + idx * 7) % 256).to(torch.uint8))
 
 
-class TimedPlane:
-    """Wraps P's data plane to time each write as the sender sees it (await included)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.session = inner.session
-        self.times: list[float] = []
-        self.engine_times: list[float] = []
-        engine = inner._engine
-        outer = self
-
-        class Engine:  # times the engine call itself, inside the worker thread
-            def batch_transfer_sync_write(self, *a: Any) -> int:
-                start = time.perf_counter()
-                rc = engine.batch_transfer_sync_write(*a)
-                outer.engine_times.append(time.perf_counter() - start)
-                return int(rc)
-
-            def __getattr__(self, name: str) -> Any:
-                return getattr(engine, name)
-
-        inner._engine = Engine()
-
-    def register(self, regions: list[tuple[int, int]]) -> None:
-        self.inner.register(regions)
-
-    async def write(
-        self,
-        peer: str,
-        src: Any,
-        dst: Any,
-        lengths: Any,
-        *,
-        before: Any = None,
-        after: Any = None,
-    ) -> None:
-        start = time.perf_counter()
-        await self.inner.write(peer, src, dst, lengths, before=before, after=after)
-        self.times.append(time.perf_counter() - start)
-
-
 async def prefill(args: argparse.Namespace) -> None:
     """Child: P's sender over ``--p-device``, then raw writes into D's memory when asked."""
     import torch
@@ -136,7 +96,7 @@ async def prefill(args: argparse.Namespace) -> None:
             unclaimed_ttl=3600,
             checksum_kv=False,
         )
-        timed = TimedPlane(plane)
+        timed = TimedPlane(plane, time.perf_counter)
         sender = await nursery.start(serve_sender, config, timed, p_layout)
         for i in range(args.iters + args.requests + 1):
             sender.transfer_ready(f"w-{i}", src)
@@ -173,8 +133,8 @@ async def prefill(args: argparse.Namespace) -> None:
                     "raw_total": total,
                     "descriptors": plan.descriptors,
                     "raw_in_thread": threaded,
-                    "ours_write": timed.times[1 : 1 + args.iters],
-                    "ours_engine": timed.engine_times[1 : 1 + args.iters],
+                    "ours_write": [e - s for s, e, _ in timed.writes[1 : 1 + args.iters]],
+                    "ours_engine": [e - s for s, e in timed.calls[1 : 1 + args.iters]],
                 }
             ),
             flush=True,

@@ -63,6 +63,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 import numpy as np
 import trio
+from common import TimedPlane
 
 from pdactors import (
     BootstrapConfig,
@@ -240,47 +241,6 @@ def _event_waiter(event: Any) -> Callable[[], float]:
     return wait
 
 
-class TimedPlane:
-    """P's data plane, logging each write as the sender awaits it: (start, end, bytes), and
-    each engine call in its worker thread: (start, end)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.session = inner.session
-        self.log: list[tuple[float, float, int]] = []
-        self.calls: list[tuple[float, float]] = []
-        engine, calls = inner._engine, self.calls
-
-        class Engine:  # the engine call itself, timed in the worker thread
-            def batch_transfer_sync_write(self, *a: Any) -> int:
-                start = now()
-                rc = engine.batch_transfer_sync_write(*a)
-                calls.append((start, now()))
-                return int(rc)
-
-            def __getattr__(self, name: str) -> Any:
-                return getattr(engine, name)
-
-        inner._engine = Engine()
-
-    def register(self, regions: list[tuple[int, int]]) -> None:
-        self.inner.register(regions)
-
-    async def write(
-        self,
-        peer: str,
-        src: Any,
-        dst: Any,
-        lengths: Any,
-        *,
-        before: Any = None,
-        after: Any = None,
-    ) -> None:
-        start = now()
-        await self.inner.write(peer, src, dst, lengths, before=before, after=after)
-        self.log.append((start, now(), int(lengths.sum())))
-
-
 def plane_config(args: argparse.Namespace) -> DataPlaneConfig:
     return DataPlaneConfig(
         protocol=args.protocol, workers=args.workers, max_calls_per_peer=args.calls_per_peer
@@ -305,7 +265,7 @@ async def prefill(args: argparse.Namespace) -> None:
             engine_id="p", bootstrap_url=args.bootstrap, unclaimed_ttl=3600,
             checksum_kv=args.checksums == "on",
         )  # fmt: skip
-        timed = TimedPlane(plane)
+        timed = TimedPlane(plane, now)
         sender = await nursery.start(
             partial(serve_sender, hasher=kv_hasher(args, kv)), config, timed, p_layout
         )
@@ -341,7 +301,7 @@ async def prefill(args: argparse.Namespace) -> None:
                 while sender.transfer_state(tid) is None:  # noqa: ASYNC110 (D's pull is not here yet)
                     await trio.sleep(0.0002)
                 sender.transfer_pending(tid)
-            first_write, first_call = len(timed.log), len(timed.calls)
+            first_write, first_call = len(timed.writes), len(timed.calls)
             if mode.startswith("layerwise"):
                 sender.transfer_streaming(tid, src)
                 rec["streamed"] = sender.transfer_state(tid) is SendState.SENDING
@@ -382,14 +342,14 @@ async def prefill(args: argparse.Namespace) -> None:
             elif kind in ("eager", "layerwise"):
                 while tid not in released:
                     released |= await sender.wait_finished()
-                rec["writes"] = timed.log[first_write:]
+                rec["writes"] = timed.writes[first_write:]
                 rec["calls"] = timed.calls[first_call:]
             else:
                 rec["t_ready"] = now()
                 sender.transfer_ready(tid, [] if mode == "control" else src)
                 while tid not in released:
                     released |= await sender.wait_finished()
-                rec["writes"] = timed.log[first_write:]
+                rec["writes"] = timed.writes[first_write:]
                 rec["calls"] = timed.calls[first_call:]
             records.append(rec)
             # The next request's bytes (a raw write asks D nothing) must not land in D's
