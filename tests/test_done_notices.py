@@ -25,7 +25,7 @@ from pdactors import Liveness, PullFailedError
 from pdactors.actors._done_notices import DoneNotices, NoticeAddress, notice_address
 from pdactors.testing import Cluster, FaultyDataPlane, open_cluster, run_transfer
 from pdactors.transport import ZMQ, Dealer, Router
-from pdactors.wire import PullRequest, decode_frames, encode_frames
+from pdactors.wire import Msg, PullRequest, decode_frames, encode_frames
 from tests.conftest import settled, wait_until
 
 SMALL = {"layers": 4, "num_blocks": 64, "block_bytes": 4096}
@@ -242,12 +242,16 @@ def test_close_closes_every_socket_and_later_sends_do_nothing(inbox: Inbox) -> N
 # ---------------------------------------------------------------------- through the actors
 
 
-class _Asking:
-    """D's side channel, with ``done_to`` / ``done_token`` put into each pull it sends:
-    ``notices[transfer_id] = (done_to, done_token)``."""
+class HookedSide:
+    """D's side channel over real ZMQ, with a hook on each message D's dealers send
+    (:meth:`outgoing`, which may replace it) and receive (:meth:`incoming`, awaited before D
+    gets it). P's routers are plain."""
 
-    def __init__(self) -> None:
-        self.notices: dict[str, tuple[str, int]] = {}
+    def outgoing(self, msg: Msg) -> Msg:
+        return msg
+
+    async def incoming(self, msg: Msg) -> None:
+        await trio.lowlevel.checkpoint()
 
     def open_router(
         self, host: str, port: int = 0, *, liveness: Liveness | None = None
@@ -264,26 +268,26 @@ class _Asking:
         self, address: str, liveness: Liveness | None, server_key: str
     ) -> AsyncIterator[Dealer]:
         async with ZMQ.open_dealer(address, liveness=liveness, server_key=server_key) as inner:
-            yield _AskingDealer(inner, self)
+            yield _HookedDealer(inner, self)
 
 
-class _AskingDealer:
-    def __init__(self, inner: Dealer, owner: _Asking) -> None:
-        self._inner, self._owner = inner, owner
+class _HookedDealer:
+    def __init__(self, inner: Dealer, hooks: HookedSide) -> None:
+        self._inner, self._hooks = inner, hooks
 
     @property
     def address(self) -> str:
         return self._inner.address
 
     async def receive(self) -> list[bytes]:
-        return await self._inner.receive()
+        frames = await self._inner.receive()
+        await self._hooks.incoming(decode_frames(list(frames)))
+        return frames
 
     async def send(self, frames: Sequence[bytes]) -> None:
         msg = decode_frames(list(frames))
-        if isinstance(msg, PullRequest) and msg.transfer_id in self._owner.notices:
-            done_to, token = self._owner.notices[msg.transfer_id]
-            msg = msgspec.structs.replace(msg, done_to=done_to, done_token=token)
-            frames = encode_frames(msg)
+        if (replaced := self._hooks.outgoing(msg)) is not msg:
+            frames = encode_frames(replaced)
         await self._inner.send(frames)
 
     async def wait_lost(self, connect_timeout: float) -> str:
@@ -291,6 +295,20 @@ class _AskingDealer:
 
     async def wait_dead(self) -> str:
         return await self._inner.wait_dead()
+
+
+class _Asking(HookedSide):
+    """D's side channel, with ``done_to`` / ``done_token`` put into each pull it sends:
+    ``notices[transfer_id] = (done_to, done_token)``."""
+
+    def __init__(self) -> None:
+        self.notices: dict[str, tuple[str, int]] = {}
+
+    def outgoing(self, msg: Msg) -> Msg:
+        if isinstance(msg, PullRequest) and msg.transfer_id in self.notices:
+            done_to, token = self.notices[msg.transfer_id]
+            return msgspec.structs.replace(msg, done_to=done_to, done_token=token)
+        return msg
 
 
 @asynccontextmanager

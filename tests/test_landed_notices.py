@@ -32,12 +32,14 @@ from pdactors.transport import ZMQ, MemoryTransport
 from pdactors.transport.base import Router
 from pdactors.wire import (
     CancelPull,
+    Msg,
     PullDone,
     PullFailed,
     PullRequest,
     decode_frames,
     encode_frames,
 )
+from tests.test_done_notices import HookedSide
 from tests.test_receiver import LAYOUT, _Bootstrap
 
 WAIT = 5.0  # seconds: every wait for the other thread or socket is bounded by it
@@ -400,7 +402,7 @@ async def test_a_forged_token_changes_nothing() -> None:
 # ------------------------------------------------- both halves: a real P, a real D
 
 
-class _HeldDone:
+class _HeldDone(HookedSide):
     """D's side channel (real ZMQ), holding P's ``PullDone`` for the transfers in ``hold``
     until their notice was heard (``heard``, set by ``on_landed`` in D's notices thread): the
     notice and the side channel race, and the test needs the notice to come first."""
@@ -408,37 +410,9 @@ class _HeldDone:
     def __init__(self) -> None:
         self.hold: dict[str, threading.Event] = {}
 
-    def open_router(self, host: str, port: int = 0, *, liveness: Liveness | None = None) -> Any:
-        return ZMQ.open_router(host, port, liveness=liveness)
-
-    @asynccontextmanager
-    async def open_dealer(
-        self, address: str, *, liveness: Liveness | None = None, server_key: str = ""
-    ) -> AsyncIterator[Any]:
-        async with ZMQ.open_dealer(address, liveness=liveness, server_key=server_key) as inner:
-            yield _HoldingDealer(inner, self.hold)
-
-
-class _HoldingDealer:
-    def __init__(self, inner: Any, hold: dict[str, threading.Event]) -> None:
-        self._inner, self._hold = inner, hold
-        self.address = inner.address
-
-    async def receive(self) -> list[bytes]:
-        frames = await self._inner.receive()
-        msg = decode_frames(list(frames))
-        if isinstance(msg, PullDone) and (heard := self._hold.get(msg.transfer_id)) is not None:
+    async def incoming(self, msg: Msg) -> None:
+        if isinstance(msg, PullDone) and (heard := self.hold.get(msg.transfer_id)) is not None:
             assert await trio.to_thread.run_sync(heard.wait, WAIT), "no notice came"
-        return frames
-
-    async def send(self, frames: Any) -> None:
-        await self._inner.send(frames)
-
-    async def wait_lost(self, connect_timeout: float) -> str:
-        return await self._inner.wait_lost(connect_timeout)
-
-    async def wait_dead(self) -> str:
-        return await self._inner.wait_dead()
 
 
 async def test_a_real_p_and_d_report_the_kv_landed_from_ps_write_thread() -> None:

@@ -202,11 +202,11 @@ class LandedNotices:
 
 
 class PullLatches:
-    """The receiver's latches on ``notices`` (None, or ``config`` has ``fast_done`` off or
-    ``verify_kv`` on: no fast completion path). Trio thread only."""
+    """The receiver's latches on ``notices`` (None: no fast completion path; see
+    :func:`open_latches`). Trio thread only."""
 
-    def __init__(self, notices: LandedNotices | None, config: ReceiverConfig) -> None:
-        self.notices = notices if config.fast_done and config.verify_kv == "off" else None
+    def __init__(self, notices: LandedNotices | None) -> None:
+        self.notices = notices
 
     def open(self, pull: Pull, peers: int) -> tuple[str, int]:
         """Open ``pull``'s latch if it may take the fast completion path (a callback, one P
@@ -241,7 +241,7 @@ def open_latches(config: ReceiverConfig, session: str) -> Iterator[PullLatches]:
     host of its data plane's ``session`` when ``config`` asks for the fast path and it can bind
     there (else none, logged: pulls are then reported through the side channel only)."""
     if not (config.fast_done and config.verify_kv == "off"):
-        yield PullLatches(None, config)
+        yield PullLatches(None)
         return
     host = session_host(session)
     try:
@@ -250,8 +250,8 @@ def open_latches(config: ReceiverConfig, session: str) -> Iterator[PullLatches]:
         log.warning("no fast completion path: cannot bind udp://%s:0 for P's landed notices "
                     "(%s); pulls are reported through the side channel only",
                     host, exc)  # fmt: skip
-        yield PullLatches(None, config)
+        yield PullLatches(None)
         return
     with notices:
         log.info("P's landed notices are read at %s", notices.address)
-        yield PullLatches(notices, config)
+        yield PullLatches(notices)

@@ -95,7 +95,7 @@ class Receiver:
         self._compat = PeerCompat(config.compat, config.compat_relax, "D", log)
         self._links = PConnections(config, transport, nursery, self._on_answer, self._lost)
         self._reports = PullReports()
-        self._latches = latches or PullLatches(None, config)
+        self._latches = latches or PullLatches(None)
         self._ended = Pulse()  # fired whenever any pull ends
         self._fences = WriteFences(config, self._session, transport, nursery, self._table,
                                    self._apply, self._ended)  # fmt: skip
