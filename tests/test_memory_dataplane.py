@@ -10,7 +10,7 @@ import trio.testing
 from pdactors import Liveness, PullFailedError, ReceiverConfig, SenderConfig
 from pdactors.errors import DataPlaneError, TransferError
 from pdactors.testing import open_cluster, run_transfer
-from pdactors.testing.memory_dataplane import MemoryFabric
+from pdactors.testing.memory_dataplane import MemoryDataPlane, MemoryFabric
 from pdactors.transport import MemoryTransport
 
 SMALL = {"layers": 4, "num_blocks": 32, "block_bytes": 1024}
@@ -41,12 +41,18 @@ async def test_a_write_moves_the_bytes_into_registered_memory_only() -> None:
     assert dst[16:].sum() == 0 and p.writes == 1 and p.bytes == 16
 
 
-async def test_after_runs_once_the_bytes_moved_and_never_for_a_failed_write() -> None:
+def _eight_bytes() -> tuple[MemoryDataPlane, MemoryDataPlane, np.ndarray, np.ndarray]:
+    """P and D on one fabric, P's 8 bytes of ones and D's 8 zeroed bytes registered."""
     fabric = MemoryFabric()
     p, d = fabric.open(), fabric.open()
     src, dst = np.ones(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)
     p.register([(src.ctypes.data, 8)])
     d.register([(dst.ctypes.data, 8)])
+    return p, d, src, dst
+
+
+async def test_after_runs_once_the_bytes_moved_and_never_for_a_failed_write() -> None:
+    p, d, src, dst = _eight_bytes()
     seen: list[int] = []
     s, t = _addrs(src.ctypes.data), _addrs(dst.ctypes.data)
     await p.write(d.session, s, t, _addrs(8), after=lambda: seen.append(int(dst.sum())))
@@ -57,11 +63,7 @@ async def test_after_runs_once_the_bytes_moved_and_never_for_a_failed_write() ->
 
 
 async def test_a_cancelled_write_moves_nothing() -> None:
-    fabric = MemoryFabric()
-    p, d = fabric.open(), fabric.open()
-    src, dst = np.ones(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)
-    p.register([(src.ctypes.data, 8)])
-    d.register([(dst.ctypes.data, 8)])
+    p, d, src, dst = _eight_bytes()
     with trio.CancelScope() as scope:
         scope.cancel()
         await p.write(d.session, _addrs(src.ctypes.data), _addrs(dst.ctypes.data), _addrs(8))
