@@ -46,3 +46,15 @@ async def settled(cluster: Cluster, *, within: float = 5) -> None:
     """Wait until every block of the cluster is back (P frees when its sender releases)."""
     with trio.fail_after(within):
         await cluster.wait_settled()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Last in the output (CI shows its tail): what each vLLM server was doing when a failure
+    passed through it (``tests.vllm.servers.post_mortem``)."""
+    import sys
+
+    servers = sys.modules.get("tests.vllm.servers")
+    for report in getattr(servers, "POST_MORTEMS", []):
+        terminalreporter.write_sep("=", "vLLM server post-mortem")
+        terminalreporter.write_line(report[-6000:])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 STARTUP_TIMEOUT = 240.0
 
@@ -163,8 +165,63 @@ def vllm_server(
     server = Server(name, f"http://127.0.0.1:{port}", process, log)
     try:
         yield server
+    except BaseException as exc:
+        if not isinstance(exc, (GeneratorExit, pytest.skip.Exception)):
+            POST_MORTEMS.append(post_mortem(server, exc))
+        raise
     finally:
         _kill(process)
+
+
+#: What :func:`post_mortem` found for each server a failure passed through while it ran:
+#: ``tests/conftest.py`` prints them at the end of the run (CI shows only the output's tail).
+POST_MORTEMS: list[str] = []
+
+
+def post_mortem(server: Server, exc: BaseException, lines: int = 8) -> str:
+    """What ``server`` was doing when ``exc`` passed through it: its log's last ``lines``
+    and the Python stacks of every process of its group (``py-spy dump``, the busy threads'
+    innermost frames), so a hang in CI can be told from a slow start."""
+    report = [f"=== {server.name} (exit code {server.process.poll()}): {exc!r:.200}"]
+    report.append(server.tail(lines))
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    for pid in _group(server.process.pid):
+        try:
+            dump = subprocess.run(
+                [spy, "dump", "--pid", str(pid)],
+                capture_output=True, text=True, timeout=30,
+            )  # fmt: skip
+            text = dump.stdout or dump.stderr
+        except (OSError, subprocess.TimeoutExpired) as error:
+            text = f"py-spy: {error}"
+        report.append(f"--- py-spy dump --pid {pid}\n{_busy_stacks(text)}")
+    return "\n".join(report)
+
+
+def _group(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+                pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def _busy_stacks(dump: str, frames: int = 6) -> str:
+    """``dump`` (py-spy's text) with only the main thread and the busy ones, each cut to its
+    innermost ``frames`` frames."""
+    head, *threads = dump.split("\nThread ")
+    kept = head.splitlines()[:1]  # "Process PID: command line"
+    for block in threads:
+        title, *stack = block.splitlines()
+        if "(idle)" not in title or "MainThread" in title:
+            kept += [f"Thread {title}", *stack[:frames]]
+    return "\n".join(kept)
 
 
 class PortTaken(RuntimeError):
@@ -207,11 +264,13 @@ def servers(
         yield started
 
 
-def post_completion(server: Server, prompt: str | list[int], **body: Any) -> httpx.Response:
+def post_completion(
+    server: Server, prompt: str | list[int], *, timeout: float = 120, **body: Any
+) -> httpx.Response:
     """POST /v1/completions (greedy); returns the response whatever its status."""
     payload = {"model": "tiny", "prompt": prompt, "temperature": 0, **body}
     url = f"{server.url}/v1/completions"
-    return httpx.post(url, json=payload, timeout=120, trust_env=False)
+    return httpx.post(url, json=payload, timeout=timeout, trust_env=False)
 
 
 def proxied_completion(proxy_url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -222,9 +281,11 @@ def proxied_completion(proxy_url: str, prompt: list[int], max_tokens: int) -> di
     return dict(resp.json())
 
 
-def completion(server: Server, prompt: str | list[int], **body: Any) -> dict[str, Any]:
+def completion(
+    server: Server, prompt: str | list[int], *, timeout: float = 120, **body: Any
+) -> dict[str, Any]:
     """POST /v1/completions (greedy) and return the JSON answer; raises on HTTP errors."""
-    response = post_completion(server, prompt, **body)
+    response = post_completion(server, prompt, timeout=timeout, **body)
     response.raise_for_status()
     return dict(response.json())
 

