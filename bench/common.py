@@ -139,13 +139,15 @@ def placed(proxy_url: str | None) -> dict[str, float]:
 
 class TimedPlane:
     """A sender's Mooncake data plane, timing each write as the sender awaits it (``writes``:
-    start, end, bytes) and each engine call in its worker thread (``calls``: start, end), on
-    ``clock`` (the wall clock where times are compared across processes)."""
+    start, end, bytes), each engine call in its worker thread (``calls``: start, end) and each
+    write's ``after`` (``afters``: start, end), on ``clock`` (the wall clock where times are
+    compared across processes)."""
 
     def __init__(self, inner: MooncakeDataPlane, clock: Callable[[], float]) -> None:
         self.inner, self.session, self.clock = inner, inner.session, clock
         self.writes: list[tuple[float, float, int]] = []
         self.calls: list[tuple[float, float]] = []
+        self.afters: list[tuple[float, float]] = []
         engine, calls = inner._engine, self.calls
 
         class Engine:  # the engine call itself, timed in the worker thread
@@ -166,6 +168,34 @@ class TimedPlane:
     async def write(
         self, peer: str, src: Any, dst: Any, lengths: Any, *, before: Any = None, after: Any = None
     ) -> None:
+        if after is not None:
+            after = self._timed(after)
         start = self.clock()
         await self.inner.write(peer, src, dst, lengths, before=before, after=after)
         self.writes.append((start, self.clock(), int(lengths.sum())))
+
+    def _timed(self, after: Callable[[], object]) -> Callable[[], None]:
+        def timed() -> None:
+            start = self.clock()
+            after()
+            self.afters.append((start, self.clock()))
+
+        return timed
+
+    def stages(self, first: int, count: int) -> dict[str, list[float]]:
+        """Writes ``first`` to ``first + count`` (one at a time, each in one engine call),
+        cut in stages, in seconds: ``to_call`` (the write's start to its call's),
+        ``call``, ``after`` (its ``after``, if it had one) and ``from_call`` (the call's end
+        to the write's return, the ``after`` left out)."""
+        out: dict[str, list[float]] = {"to_call": [], "call": [], "after": [], "from_call": []}
+        for start, end, _ in self.writes[first : first + count]:
+            calls = [c for c in self.calls if start <= c[0] and c[1] <= end]
+            afters = [a for a in self.afters if start <= a[0] and a[1] <= end]
+            if len(calls) != 1:
+                continue
+            spent = sum(e - s for s, e in afters)
+            out["to_call"].append(calls[0][0] - start)
+            out["call"].append(calls[0][1] - calls[0][0])
+            out["after"].append(spent)
+            out["from_call"].append(end - calls[0][1] - spent)
+        return out

@@ -43,6 +43,7 @@ from pdactors import (
     serve_bootstrap,
     serve_receiver,
     serve_sender,
+    timeline,
 )
 from pdactors.core.plan import packed_layout, plan_transfer
 
@@ -61,6 +62,15 @@ def tensor(args: argparse.Namespace, pool: int, device: str) -> Any:
     return kv_tensor((args.layers, pool, args.block_bytes), device)
 
 
+def sync(device: str) -> None:
+    """Wait for ``device``'s queued work (nothing to wait for on a CPU: the bench runs there
+    too, over ``--protocol tcp``, to try it out)."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
 def pattern(t: Any) -> None:
     """Every (layer, block) gets a byte ramp offset by its index: checkable on D."""
     import torch
@@ -73,12 +83,11 @@ def pattern(t: Any) -> None:
 
 async def prefill(args: argparse.Namespace) -> None:
     """Child: P's sender over ``--p-device``, then raw writes into D's memory when asked."""
-    import torch
 
     pool, scattered = SCENARIOS[args.scenario]
     p_t = tensor(args, pool, args.p_device)
     pattern(p_t)
-    torch.cuda.synchronize()
+    sync(args.p_device)
     src = block_ids(args, pool, scattered, 1)
     dst = block_ids(args, pool, scattered, 2)
     p_layout = packed_layout(p_t.data_ptr(), args.layers, pool, args.block_bytes)
@@ -135,6 +144,7 @@ async def prefill(args: argparse.Namespace) -> None:
                     "raw_in_thread": threaded,
                     "ours_write": [e - s for s, e, _ in timed.writes[1 : 1 + args.iters]],
                     "ours_engine": [e - s for s, e in timed.calls[1 : 1 + args.iters]],
+                    "stages": timed.stages(1, args.iters),
                 }
             ),
             flush=True,
@@ -150,7 +160,7 @@ async def decode(args: argparse.Namespace) -> None:
     pool, scattered = SCENARIOS[args.scenario]
     d_t = tensor(args, pool, args.d_device)
     d_t.zero_()
-    torch.cuda.synchronize()
+    sync(args.d_device)
     dst = block_ids(args, pool, scattered, 2)
     src = block_ids(args, pool, scattered, 1)
     d_layout = packed_layout(d_t.data_ptr(), args.layers, pool, args.block_bytes)
@@ -187,7 +197,7 @@ async def decode(args: argparse.Namespace) -> None:
             await pull(0)
             expected = torch.empty_like(d_t)
             pattern(expected)
-            torch.cuda.synchronize()
+            sync(args.d_device)
             ok = bool(torch.equal(d_t[:, dst, :], expected[:, src, :]))
             noticed.clear()
             ours = [await pull(1 + i) for i in range(args.iters)]
@@ -221,11 +231,11 @@ async def decode(args: argparse.Namespace) -> None:
         b = torch.empty_like(a, device=args.d_device)
         for _ in range(3):
             b.copy_(a)
-        torch.cuda.synchronize()
+        sync(args.p_device), sync(args.d_device)
         t0 = time.perf_counter()
         for _ in range(20):
             b.copy_(a)
-        torch.cuda.synchronize()
+        sync(args.p_device), sync(args.d_device)
         peer = (time.perf_counter() - t0) / 20
         nursery.cancel_scope.cancel()
     nbytes = args.layers * args.blocks * args.block_bytes
@@ -239,6 +249,15 @@ async def decode(args: argparse.Namespace) -> None:
         f" empty pull (control plane only) p50 {c * 1e3:.3f} ms",
         file=sys.stderr,
     )
+    stages = ", ".join(
+        f"{name} {statistics.median(values) * 1e3:.3f}"
+        for name, values in result["stages"].items()
+        if values
+    )
+    print(f"# {args.scenario}: the write inside the sender in stages, p50 ms: {stages}",
+          file=sys.stderr)  # fmt: skip
+    if args.timeline:
+        print_segments(args)
     if args.notice:
         n = statistics.median(ours_noticed) if ours_noticed else float("nan")
         print(
@@ -255,6 +274,32 @@ async def decode(args: argparse.Namespace) -> None:
         f" | {result['raw_total'] / ours_total:.3f} | {nbytes / peer / 1e9:.1f} |",
         flush=True,
     )
+
+
+#: The timeline's segments of one pull (``--timeline``): a pull with blocks, an empty one.
+SEGMENTS = {
+    "w": [("pull_sent", "pull_at_p"), ("pull_at_p", "write_start"),
+          ("write_start", "write_end"), ("write_end", "landed")],
+    "e": [("pull_sent", "pull_at_p"), ("pull_at_p", "landed")],
+}  # fmt: skip
+
+
+def print_segments(args: argparse.Namespace) -> None:
+    """Where a pull's time goes, p50 of the timed pulls, from both processes' marks."""
+    marks = timeline.read_timelines(args.timeline)
+    for kind, segments in SEGMENTS.items():
+        cut = []
+        for a, b in segments:
+            spans = [
+                m[b] - m[a]
+                for i in range(1, args.iters)
+                if a in (m := marks.get(f"{kind}-{i}", {})) and b in m
+            ]
+            if spans:
+                cut.append(f"{a} -> {b} {statistics.median(spans) * 1e3:.3f}")
+        what = "pull" if kind == "w" else "empty pull"
+        print(f"# {args.scenario}: a {what} on the timeline, p50 ms: {', '.join(cut)}",
+              file=sys.stderr)  # fmt: skip
 
 
 HEADER = (
@@ -277,6 +322,14 @@ def parse() -> argparse.Namespace:
         "--notice", action="store_true",
         help="D asks for P's landed notice (verify_kv off) and says when it came",
     )  # fmt: skip
+    ap.add_argument(
+        "--timeline", default="",
+        help="a file for both processes' timeline marks: print where a pull's time goes",
+    )  # fmt: skip
+    ap.add_argument(
+        "--profile", default="",
+        help="a directory: each process runs under cProfile and leaves ROLE.prof there",
+    )  # fmt: skip
     ap.add_argument("--protocol", default="nvlink_intra")
     ap.add_argument("--p-device", default="cuda:0", help="P's GPU")
     ap.add_argument("--d-device", default="cuda:1", help="D's GPU (may be P's: two processes)")
@@ -297,11 +350,16 @@ def parse() -> argparse.Namespace:
 
 if __name__ == "__main__":
     ns = parse()
+    if ns.timeline:
+        timeline.enable(ns.timeline)
     for name, value in DataPlaneConfig(protocol=ns.protocol).mooncake_environment().items():
         os.environ.setdefault(name, value)  # nvlink_intra: the intra-node NVLink transport
-    if ns.role == "prefill":
-        trio.run(prefill, ns)
+    if ns.header and ns.role == "decode":
+        print(HEADER + "\n|" + "---|" * 12, flush=True)
+    main = prefill if ns.role == "prefill" else decode
+    if ns.profile:
+        import cProfile
+
+        cProfile.run("trio.run(main, ns)", os.path.join(ns.profile, f"{ns.role}.prof"))
     else:
-        if ns.header:
-            print(HEADER + "\n|" + "---|" * 12, flush=True)
-        trio.run(decode, ns)
+        trio.run(main, ns)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 28's GPU measurements in one device call (the device README: one H200, wheels carried
+# in .whl/, which git ignores): the pull's stages and timeline, calls in the Trio thread on and
+# off, alone and under load, a cProfile of both processes, the data plane's own cost.
+#   run: bash bench/gpu_runs.sh   (carry [".whl"]; $OUT collects the profiles)
+# Not yet run: no device was lent in the session that wrote it (2026-12-04, second session).
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:.:integrations/vllm:bench MC_INTRANODE_NVLINK=1 MC_LOG_LEVEL=ERROR PYTHONUNBUFFERED=1
+nvidia-smi -L; lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-200
+G="--p-device cuda:0 --d-device cuda:0"
+B="python bench/gpu_dataplane.py $G --notice"
+echo "## latency, no timeline"
+for sc in whole per-layer; do for inl in 0 1073741824; do
+  $B --scenario $sc --inline-max-bytes $inl 2>&1 | grep -v "^WARNING\|^E1204\|Logging before"
+done; done
+echo "## timeline"
+for sc in whole per-layer; do for inl in 0 1073741824; do
+  rm -f /tmp/tl.jsonl; $B --scenario $sc --inline-max-bytes $inl --timeline /tmp/tl.jsonl 2>&1 | grep "timeline"
+done; done
+echo "## under load: 4 workers, 2 calls/peer, concurrency 4, 256 requests"
+for sc in whole per-layer; do for inl in 0 1073741824; do
+  $B --scenario $sc --inline-max-bytes $inl --workers 4 --calls-per-peer 2 --concurrency 4 --requests 256 2>&1 | grep "^|\|inside"
+done; done
+echo "## profile"
+mkdir -p $OUT/prof
+$B --scenario whole --inline-max-bytes 1073741824 --iters 400 --profile $OUT/prof 2>&1 | grep "^|"
+for r in prefill decode; do
+  python - $OUT/prof/$r.prof <<'PY'
+import pstats, sys
+print("=== ", sys.argv[1])
+pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(25)
+PY
+done 2>&1 | grep -v "^$" | cut -c1-160
+echo "## write_overhead"
+python bench/write_overhead.py 2>&1 | tail -5
