@@ -289,6 +289,47 @@ def test_a_dead_trio_thread_fails_its_pulls_then_the_actors_come_back(pair: Pair
     run_step(pair.p, PdActorsMetadata(dropped=["t8"]))  # P's side of the dead pull
 
 
+def test_a_pull_told_landed_by_ps_notice_is_not_failed_when_the_trio_thread_dies() -> None:
+    """P's landed notice told vLLM that D's KV landed (the notices thread); D's Trio thread
+    dies before P's PullDone reaches it: the pull is not reported failed as well (its KV did
+    land, and vLLM already counts the request as received)."""
+    workers = Pair(d_only={"verify_kv": "off"})  # the fast completion path (issue 28)
+    try:
+        p_host, d_host = workers.p.host, workers.d.host
+        sender = workers.p._actors._sender  # type: ignore[union-attr]
+        assert p_host is not None and d_host is not None and sender is not None
+        run_step(workers.p, PdActorsMetadata(pending=["n1"]))
+        workers.pull("dreq-n1", "n1", (3,))
+        deadline = time.monotonic() + 10
+        while not p_host.run_sync(sender.pulls_waiting, "n1"):  # the pull reached P
+            assert time.monotonic() < deadline, "D's pull did not reach P"
+            time.sleep(0.01)
+        frozen, thaw = threading.Event(), threading.Event()
+
+        async def freeze_then_die() -> None:  # P's PullDone cannot reach D's Trio tasks
+            frozen.set()
+            thaw.wait(20)
+            raise RuntimeError("injected: the Trio thread dies")
+
+        d_host.post(d_host.nursery.start_soon, freeze_then_die)
+        assert frozen.wait(10)
+        run_step(workers.p, PdActorsMetadata(ready={"preq-n1": SendSpec("n1", (2,))}))
+        told = wait_for(workers.d, "recved", "dreq-n1")  # by the notice, D's loop frozen
+        assert "dreq-n1" not in told["failed"]
+        thaw.set()
+        deadline = time.monotonic() + 20
+        while (now := workers.d.host) is d_host or now is None or not now.alive:
+            assert time.monotonic() < deadline, "the actors did not restart"
+            time.sleep(0.05)
+        _, _, failed = workers.d.get_transfer_results()  # the death's reports came before
+        assert "dreq-n1" not in failed
+        for name in workers.p_kv:
+            assert torch.equal(workers.d_kv[name][3], workers.p_kv[name][2])
+    finally:
+        workers.p.shutdown()
+        workers.d.shutdown()
+
+
 def hybrid_caches() -> dict[str, torch.Tensor]:
     """vLLM's hybrid KV cache manager with one sliding-window and one full-attention layer
     (a group each): both layers are views of one tensor (a block id belongs to one group at a

@@ -70,6 +70,9 @@ class WorkerActors:
         self._sender_epoch = 0  # the last sender's (a restart's sender replaces it)
         self._send_req: dict[str, str] = {}  # transfer id -> P request id
         self._recv_req: dict[str, str] = {}  # transfer id -> D request id
+        #: pulls vLLM was told of by P's landed notice (the notices thread adds, the Trio
+        #: thread removes once the receiver reports them in ``early``): never failed after
+        self._told_early: set[str] = set()
         #: pulls of requests aborted on D (their failure is no pull failure: nothing falls back)
         self._aborted: set[str] = set()
 
@@ -109,11 +112,13 @@ class WorkerActors:
             task_status.started()
 
     def release_all(self) -> tuple[set[str], set[str]]:
-        """After the Trio thread died: (P requests whose blocks may be freed, D requests whose
-        pull failed), forgotten here."""
+        """After the Trio thread died (its receiver's notices thread stopped with it): (P
+        requests whose blocks may be freed, D requests whose pull failed), forgotten here. A
+        pull vLLM was told had landed (P's notice) did land: it is not among the failed."""
         sends, self._send_req = set(self._send_req.values()), {}
-        pulls, self._recv_req = set(self._recv_req.values()), {}
-        self._aborted = set()
+        told = self._told_early
+        pulls = {req for tid, req in self._recv_req.items() if tid not in told}
+        self._recv_req, self._aborted, self._told_early = {}, set(), set()
         return sends, pulls
 
     def apply(self, work: StepWork, event: torch.cuda.Event | None = None) -> None:
@@ -189,6 +194,7 @@ class WorkerActors:
         it now; the receiver reports the pull's end later in ``early`` only (never again as
         received, nor as failed), where :meth:`_collect_received` forgets it."""
         landed = {req_id: tid} if timeline.enabled() else None
+        self._told_early.add(tid)  # before vLLM can hear of it: a death now fails it not
         self._mailbox.add(recved={req_id}, landed=landed, count=_one_received)
 
     async def _collect_sent(self, sender: Sender) -> None:
@@ -208,6 +214,7 @@ class WorkerActors:
                 self._tracer.forget([*results.finished, *results.failed, *results.early])
             for tid in results.early:  # vLLM was told in _landed_early
                 self._recv_req.pop(tid, None)
+                self._told_early.discard(tid)
             self._aborted -= results.early
             recompute = self._settings.on_pull_failure == "recompute"
             aborted = self._aborted.intersection(results.failed)
