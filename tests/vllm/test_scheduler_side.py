@@ -453,6 +453,20 @@ def test_bad_settings_are_refused_with_a_clear_error() -> None:
         make_scheduler(kv_role="kv_producer", extra_config={"protocol": "carrier-pigeon"})
 
 
+def test_gil_switch_ms_reaches_the_engine_cores_process() -> None:
+    """The scheduler side lives in the engine core's process: its connector threads (the
+    idle gate's listener) wait for the GIL behind the engine loop too."""
+    import sys
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        make_scheduler(kv_role="kv_consumer", extra_config={"gil_switch_ms": 0.25})
+        assert sys.getswitchinterval() == pytest.approx(0.00025)
+    finally:
+        sys.setswitchinterval(before)
+
+
 # ------------------------------------------------------------------ sliding-window KV groups
 
 WINDOW = 32

@@ -514,3 +514,22 @@ def test_a_restarted_p_worker_takes_its_rank_back_at_once_by_its_predecessors_ep
         assert "dreq-r" not in wait_for(pair.d, "recved", "dreq-r")["failed"]
     finally:
         worker.shutdown()
+
+
+def test_gil_switch_ms_lowers_the_processes_switch_interval_and_never_raises_it() -> None:
+    import sys
+
+    before = sys.getswitchinterval()
+    place = WorkerPlace("gil-w", True, False, RankInfo(), True)
+    try:
+        sys.setswitchinterval(0.005)
+        WorkerSide(ConnectorSettings(bootstrap_port=free_port()), place)
+        assert sys.getswitchinterval() == 0.005  # default 0: Python's own
+        WorkerSide(ConnectorSettings(bootstrap_port=free_port(), gil_switch_ms=0.5), place)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        WorkerSide(ConnectorSettings(bootstrap_port=free_port(), gil_switch_ms=2), place)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)  # a shorter one is kept
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert({"gil_switch_ms": -1}, ConnectorSettings)
+    finally:
+        sys.setswitchinterval(before)

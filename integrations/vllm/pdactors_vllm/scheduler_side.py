@@ -54,6 +54,7 @@ from pdactors import timeline
 from pdactors.errors import BadTransferParams
 from pdactors.wire import BlockIds, KVTransferParams
 from pdactors_vllm import idle
+from pdactors_vllm.gil import lower_switch_interval
 from pdactors_vllm.idle_gate import IdleGate
 from pdactors_vllm.metadata import (
     NULL_BLOCK,
@@ -106,6 +107,7 @@ class SchedulerSide:
             timeline.enable()
         if settings.idle_wait_ms > 0 or settings.quiet_busy_waits:
             idle.install(busy=settings.quiet_busy_waits)  # this is the engine core's process
+        lower_switch_interval(settings.gil_switch_ms)
 
     # ------------------------------------------------------------------ D: how much is remote
 

@@ -163,6 +163,11 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       (issue 28; on one H200 it took the hand-off's tail from 1.0-2.1 ms to 0.19-0.78 ms:
       docs/benchmarks.md). Default true; false where UDP from P to D is blocked, to save
       the datagram (a lost one only costs the fast path).
+    * ``gil_switch_ms``: CPython's GIL switch interval (ms) for the engine's processes where
+      the connector runs (the worker's, the engine core's), lowered to this if longer: each
+      wake-up of a connector thread (the actors', a write's, D's landed notices) waits for the
+      GIL while the forward or the engine loop runs Python, up to the interval (5 ms by
+      default): see :mod:`pdactors_vllm.gil`. Default 0: Python's own.
     * ``otlp_traces_endpoint``: an OTLP/HTTP traces URL (e.g.
       ``http://collector:4318/v1/traces``): P's writes and D's pulls become OpenTelemetry
       spans in the traces of the requests they serve (:mod:`pdactors_vllm.tracing`). Default:
@@ -206,6 +211,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     on_pull_failure: PullFailurePolicy = "recompute"
     verify_kv: VerifyKv | Literal["auto"] = "auto"
     fast_done: bool = default_of(ReceiverConfig, "fast_done")
+    gil_switch_ms: Annotated[float, Meta(ge=0)] = 0.0
     otlp_traces_endpoint: str | None = None
     timeline: bool = False
 

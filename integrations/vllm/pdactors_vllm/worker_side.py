@@ -26,6 +26,7 @@ from pdactors_vllm.actors import WorkerActors
 from pdactors_vllm.compat import with_kv_dtype
 from pdactors_vllm.counters import TransferCounters
 from pdactors_vllm.device_sums import TorchRunHasher
+from pdactors_vllm.gil import lower_switch_interval
 from pdactors_vllm.idle_gate import Waker
 from pdactors_vllm.kv_layout import KVRegistration, layout_from_kv_caches
 from pdactors_vllm.mailbox import Mailbox, StepWork
@@ -87,6 +88,7 @@ class WorkerSide:
             timeline.enable()
         if settings.quiet_busy_waits:
             idle.install(busy=True)  # the worker's own wait for each step's input
+        lower_switch_interval(settings.gil_switch_ms)
 
     @property
     def host(self) -> TrioHost | None:
