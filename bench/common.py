@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -135,6 +136,20 @@ def placed(proxy_url: str | None) -> dict[str, float]:
             where = line.split('placement="', 1)[1].split('"', 1)[0]
             counts[where] = counts.get(where, 0.0) + float(line.rsplit(" ", 1)[1])
     return counts
+
+
+def busy_python() -> None:
+    """Keep a daemon thread running Python for the rest of the process, as a vLLM worker's
+    forward does between its ops: every other thread then waits for the GIL after each
+    blocking call, up to the switch interval (``pdactors_vllm.gil``)."""
+
+    def spin() -> None:
+        x = 0
+        while True:
+            for _ in range(1000):
+                x += 1
+
+    threading.Thread(target=spin, name="busy-python", daemon=True).start()
 
 
 class TimedPlane:

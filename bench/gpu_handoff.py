@@ -63,7 +63,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 import numpy as np
 import trio
-from common import TimedPlane
+from common import TimedPlane, busy_python
 
 from pdactors import (
     BootstrapConfig,
@@ -591,6 +591,14 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3, help="rounds not counted")
     ap.add_argument("--workers", type=int, default=2, help="DataPlaneConfig.workers")
     ap.add_argument("--calls-per-peer", type=int, default=1, help="max_calls_per_peer")
+    ap.add_argument(
+        "--busy-python", action="store_true",
+        help="a thread in P and in D runs Python all along, as a vLLM forward holds the GIL",
+    )  # fmt: skip
+    ap.add_argument(
+        "--gil-switch-ms", type=float, default=0,
+        help="the GIL switch interval in P and D (the connector's gil_switch_ms; 0: Python's)",
+    )  # fmt: skip
     ap.add_argument("--bootstrap", default="")
     ap.add_argument("--d-session", default="")
     ap.add_argument("--d-ptr", type=int, default=0)
@@ -609,4 +617,8 @@ if __name__ == "__main__":
     ns = parse()
     for name, value in plane_config(ns).mooncake_environment().items():
         os.environ.setdefault(name, value)  # nvlink_intra: the intra-node NVLink transport
+    if ns.gil_switch_ms:
+        sys.setswitchinterval(ns.gil_switch_ms / 1000)
+    if ns.busy_python:
+        busy_python()
     trio.run(prefill if ns.role == "prefill" else decode, ns)

@@ -21,6 +21,10 @@ echo "## under load: 4 workers, 2 calls/peer, concurrency 4, 256 requests"
 for sc in whole per-layer; do for inl in 0 1073741824; do
   $B --scenario $sc --inline-max-bytes $inl --workers 4 --calls-per-peer 2 --concurrency 4 --requests 256 2>&1 | grep "^|\|inside"
 done; done
+echo "## the hand-off with a thread running Python beside the actors (as a vLLM forward), GIL interval 5 / 0.5 / 0.1 ms"
+H="python bench/gpu_handoff.py $G --layer-ms 0.5 --checksums off --modes eager_notice,layerwise_notice --requests 30"
+$H 2>&1 | grep "^|"
+for ms in 5 0.5 0.1; do $H --busy-python --gil-switch-ms $ms 2>&1 | grep "^|"; done
 echo "## profile"
 mkdir -p $OUT/prof
 $B --scenario whole --inline-max-bytes 1073741824 --iters 400 --profile $OUT/prof 2>&1 | grep "^|"
