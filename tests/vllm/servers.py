@@ -166,7 +166,7 @@ def vllm_server(
     try:
         yield server
     except BaseException as exc:
-        if not isinstance(exc, (GeneratorExit, pytest.skip.Exception)):
+        if not isinstance(exc, (GeneratorExit, pytest.skip.Exception, PortTaken)):
             POST_MORTEMS.append(post_mortem(server, exc))
         raise
     finally:
