@@ -95,9 +95,10 @@ async def open_pair(
 CLK = os.sysconf("SC_CLK_TCK")
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """User + system CPU seconds of every live process in process group ``pgid``."""
-    total = 0
+def group_stats(pgid: int) -> dict[int, list[str]]:
+    """Every live process of process group ``pgid``: pid -> the fields of its
+    ``/proc/PID/stat`` after the name (state ppid pgrp ... utime stime ...)."""
+    members = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -105,9 +106,15 @@ def group_cpu_seconds(pgid: int) -> float:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid:  # fields after the name: state ppid pgrp ...
-            total += int(fields[11]) + int(fields[12])  # utime stime
-    return total / CLK
+        if int(fields[2]) == pgid:
+            members[int(pid)] = fields
+    return members
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every live process in process group ``pgid``."""
+    ticks = sum(int(f[11]) + int(f[12]) for f in group_stats(pgid).values())  # utime stime
+    return ticks / CLK
 
 
 @contextmanager
@@ -138,18 +145,20 @@ def placed(proxy_url: str | None) -> dict[str, float]:
     return counts
 
 
-def busy_python() -> None:
-    """Keep a daemon thread running Python for the rest of the process, as a vLLM worker's
-    forward does between its ops: every other thread then waits for the GIL after each
-    blocking call, up to the switch interval (``pdactors_vllm.gil``)."""
+def busy_python() -> threading.Event:
+    """Start a daemon thread running Python until the returned event is set, as a vLLM
+    worker's forward does between its ops: every other thread then waits for the GIL after
+    each blocking call, up to the switch interval (``pdactors_vllm.gil``)."""
+    stop = threading.Event()
 
     def spin() -> None:
         x = 0
-        while True:
+        while not stop.is_set():
             for _ in range(1000):
                 x += 1
 
     threading.Thread(target=spin, name="busy-python", daemon=True).start()
+    return stop
 
 
 class TimedPlane:

@@ -17,6 +17,8 @@ import sys
 import threading
 import time
 
+from common import busy_python
+
 
 def wakeups(datagrams: int, busy: bool) -> list[float]:
     """Seconds from each send to the reader running Python with its datagram."""
@@ -24,31 +26,20 @@ def wakeups(datagrams: int, busy: bool) -> list[float]:
     rx.bind(("127.0.0.1", 0))
     tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     late: list[float] = []
-    stop = threading.Event()
 
     def reader() -> None:
         for _ in range(datagrams):
             sent = float(rx.recv(64))
             late.append(time.perf_counter() - sent)
 
-    def spin() -> None:
-        x = 0
-        while not stop.is_set():
-            for _ in range(1000):
-                x += 1
-
-    threads = [threading.Thread(target=reader)]
-    if busy:
-        threads.append(threading.Thread(target=spin))
-    for t in threads:
-        t.start()
+    thread = threading.Thread(target=reader)
+    thread.start()
+    stop = busy_python() if busy else threading.Event()
     for _ in range(datagrams):
         time.sleep(0.002)
         tx.sendto(repr(time.perf_counter()).encode(), rx.getsockname())
-    threads[0].join()
+    thread.join()
     stop.set()
-    for t in threads[1:]:
-        t.join()
     rx.close()
     tx.close()
     return sorted(late)

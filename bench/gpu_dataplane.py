@@ -231,11 +231,13 @@ async def decode(args: argparse.Namespace) -> None:
         b = torch.empty_like(a, device=args.d_device)
         for _ in range(3):
             b.copy_(a)
-        sync(args.p_device), sync(args.d_device)
+        sync(args.p_device)
+        sync(args.d_device)
         t0 = time.perf_counter()
         for _ in range(20):
             b.copy_(a)
-        sync(args.p_device), sync(args.d_device)
+        sync(args.p_device)
+        sync(args.d_device)
         peer = (time.perf_counter() - t0) / 20
         nursery.cancel_scope.cancel()
     nbytes = args.layers * args.blocks * args.block_bytes

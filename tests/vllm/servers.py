@@ -25,6 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.common import group_stats
+
 STARTUP_TIMEOUT = 240.0
 
 
@@ -185,7 +187,7 @@ def post_mortem(server: Server, exc: BaseException, lines: int = 8) -> str:
     report = [f"=== {server.name} (exit code {server.process.poll()}): {exc!r:.200}"]
     report.append(server.tail(lines))
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    for pid in _group(server.process.pid):
+    for pid in sorted(group_stats(server.process.pid)):
         try:
             dump = subprocess.run(
                 [spy, "dump", "--pid", str(pid)],
@@ -196,20 +198,6 @@ def post_mortem(server: Server, exc: BaseException, lines: int = 8) -> str:
             text = f"py-spy: {error}"
         report.append(f"--- py-spy dump --pid {pid}\n{_busy_stacks(text)}")
     return "\n".join(report)
-
-
-def _group(pgid: int) -> list[int]:
-    """The live processes of process group ``pgid``."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
-                pids.append(int(entry.name))
-    return sorted(pids)
 
 
 def _busy_stacks(dump: str, frames: int = 6) -> str:
