@@ -210,6 +210,32 @@ def test_close_stops_the_thread_and_frees_the_port() -> None:
         sock.bind(target.sockaddr)  # the port was closed with the thread's socket
 
 
+def test_close_stops_the_thread_behind_a_full_receive_buffer() -> None:
+    """The wake-up datagram of ``close`` is lost when the socket's buffer is full (here: a
+    flood while ``on_landed`` holds the thread); the thread still stops, at the first datagram
+    it takes after ``close`` began, and ``close`` returns once it has."""
+    entered, release = threading.Event(), threading.Event()
+
+    def on_landed() -> None:
+        entered.set()
+        assert release.wait(WAIT)
+
+    notices = LandedNotices("127.0.0.1")
+    thread = notices._thread
+    token = notices.open_latch(on_landed)
+    with pusher(notices.address) as push:
+        push.send(token_bytes(token))
+        assert entered.wait(WAIT)
+        for _ in range(5000):  # far beyond a default receive buffer of small datagrams
+            push.send(b"flooding")
+    closer = threading.Thread(target=notices.close)
+    closer.start()
+    release.set()
+    closer.join(WAIT)
+    assert not closer.is_alive() and not thread.is_alive()
+    assert notices.statistics().malformed < 5000  # it stopped reading the flood
+
+
 def test_sessions_name_their_host() -> None:
     assert session_host("127.0.0.1:15000") == "127.0.0.1"
     assert session_host("[::1]:15000") == "::1"

@@ -17,18 +17,23 @@ landed through its ``on_landed``, and its later end in Trio only cleans up). A t
 open latch (late, repeated, forged: 64 random bits) and any other datagram change nothing but
 a counter.
 
-The UDP socket is owned by the thread, which blocks in ``poll`` on it (one kernel hop from P's
-write thread, one thread woken); the Trio side stops it through a socket pair, never by
-touching the thread's socket.
+The UDP socket is owned by the thread, which blocks in ``recv`` on it: one kernel hop from P's
+write thread, one thread woken, and one system call, so one wait for the GIL, before the
+notice is in hand (blocking in ``poll`` first made that two waits: each call gives the GIL up
+and must take it back, up to the switch interval each while another thread runs Python;
+``bench/gil_wakeup.py --readers recv poll``). :meth:`LandedNotices.close` stops it without
+touching its socket: it raises a flag and sends an empty datagram there from a socket of its
+own, again until the thread has gone (a datagram lost to a full receive buffer leaves the
+thread datagrams to read, and it checks the flag before each).
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-import select
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,11 +54,11 @@ log = logging.getLogger("pdactors.receiver")
 TOKEN_BYTES = 8
 #: Bytes read per datagram: a longer one is cut there (and is malformed: a notice is 8 bytes).
 _MAX_MESSAGE = 64
-#: Notices read per wake-up before the thread looks at its stop socket again.
-_BATCH = 1024
 #: How long :meth:`LandedNotices.close` waits for the thread (it is woken at once; only an
 #: ``on_landed`` that blocks can hold it).
 JOIN_TIMEOUT = 5.0
+#: How often :meth:`LandedNotices.close` sends its wake-up datagram again while it waits.
+_WAKE_AGAIN = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,23 +88,24 @@ class LandedNotices:
         self._landed_early = self._ignored = self._malformed = 0
         family, _, proto, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_DGRAM)[0]
         notices = socket.socket(family, socket.SOCK_DGRAM, proto)
-        stop, inner = socket.socketpair()
+        wake = socket.socket(family, socket.SOCK_DGRAM, proto)
         try:
             notices.bind(sockaddr)
-            notices.setblocking(False)
-            stop.setblocking(False)
-            ip, port = notices.getsockname()[:2]
+            wake.setblocking(False)
+            self._where: tuple[object, ...] = notices.getsockname()
+            ip, port = self._where[:2]
             bracketed = f"[{ip}]" if family == socket.AF_INET6 else ip
             #: Where P sends the notices (``PullRequest.done_to``): ``"udp://ip:port"``.
             self.address: str = f"udp://{bracketed}:{port}"
         except BaseException:
-            for sock in (notices, stop, inner):
+            for sock in (notices, wake):
                 sock.close()
             raise
-        self._stop: socket.socket | None = stop
-        # From here on only the thread touches ``notices`` and ``inner``; it closes them.
+        self._stopping = False  # read by the thread before each datagram it takes
+        self._wake: socket.socket | None = wake
+        # From here on only the thread touches ``notices``; it closes it.
         self._thread = threading.Thread(
-            target=self._serve, args=(notices, inner), name="pdactors-landed", daemon=False
+            target=self._serve, args=(notices,), name="pdactors-landed", daemon=False
         )
         self._thread.start()
 
@@ -144,43 +150,37 @@ class LandedNotices:
 
     def close(self) -> None:
         """Stop the thread and wait for it (at most :data:`JOIN_TIMEOUT`); idempotent. It
-        closes its own sockets as it exits."""
-        stop, self._stop = self._stop, None
-        if stop is None:
+        closes its own socket as it exits."""
+        wake, self._wake = self._wake, None
+        if wake is None:
             return
+        self._stopping = True
+        deadline = time.monotonic() + JOIN_TIMEOUT
         try:
-            stop.send(b"\0")
-        except OSError as exc:  # the thread is gone already (it logged why)
-            log.debug("the landed notices thread was not told to stop: %s", exc)
+            while self._thread.is_alive() and (left := deadline - time.monotonic()) > 0:
+                try:
+                    wake.sendto(b"", self._where)
+                except OSError as exc:  # a full buffer: the thread has datagrams to read
+                    log.debug("the landed notices thread's wake-up was not sent: %s", exc)
+                self._thread.join(min(_WAKE_AGAIN, left))
         finally:
-            self._thread.join(JOIN_TIMEOUT)
-            stop.close()
+            wake.close()
         if self._thread.is_alive():
             log.warning("the landed notices thread (%s) did not stop within %g s: an "
                         "on_landed callback blocks", self.address, JOIN_TIMEOUT)  # fmt: skip
 
-    def _serve(self, notices: socket.socket, stop: socket.socket) -> None:
-        poller = select.poll()
-        poller.register(notices, select.POLLIN)
-        poller.register(stop, select.POLLIN)
-        stop_fd = stop.fileno()
+    def _serve(self, notices: socket.socket) -> None:
         try:
             while True:
-                ready = poller.poll()
-                if any(fd == stop_fd for fd, _ in ready):
+                datagram = notices.recv(_MAX_MESSAGE)
+                if self._stopping:
                     return
-                for _ in range(_BATCH):
-                    try:
-                        datagram = notices.recv(_MAX_MESSAGE, socket.MSG_DONTWAIT)
-                    except BlockingIOError:
-                        break
-                    self._notice(datagram)
+                self._notice(datagram)
         except OSError as exc:  # the socket broke under it: no more notices
             log.error("the landed notices thread (%s) stopped: %s; pulls are reported "
                       "through the side channel only", self.address, exc)  # fmt: skip
         finally:
             notices.close()
-            stop.close()
 
     def _notice(self, datagram: bytes) -> None:
         if len(datagram) != TOKEN_BYTES:
