@@ -3,7 +3,7 @@
 # in .whl/, which git ignores): the pull's stages and timeline, calls in the Trio thread on and
 # off, alone and under load, a cProfile of both processes, the data plane's own cost.
 #   run: bash bench/gpu_runs.sh   (carry [".whl"]; $OUT collects the profiles)
-# Not yet run: no device was lent in the session that wrote it (2026-12-04, second session).
+# Not yet run: no device was lent in the sessions that wrote it (2026-12-04 and 05).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:.:integrations/vllm:bench MC_INTRANODE_NVLINK=1 MC_LOG_LEVEL=ERROR PYTHONUNBUFFERED=1
 nvidia-smi -L; lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-200
@@ -37,3 +37,5 @@ PY
 done 2>&1 | grep -v "^$" | cut -c1-160
 echo "## write_overhead"
 python bench/write_overhead.py 2>&1 | tail -5
+echo "## GIL wake-up on this host's CPUs: a blocking recv against poll-then-recv (D's notices thread blocks in recv since 2026-12-05)"
+python bench/gil_wakeup.py --intervals-ms 5 0.5 --readers recv poll 2>&1 | tail -10
