@@ -31,14 +31,15 @@ def wakeups(datagrams: int, busy: bool, kind: str = "recv") -> list[float]:
     tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     late: list[float] = []
 
-    def reader() -> None:
+    def blocking_reader() -> None:
+        while len(late) < datagrams:
+            sent = float(rx.recv(64))
+            late.append(time.perf_counter() - sent)
+
+    def polling_reader() -> None:
         poller = select.poll()
         poller.register(rx, select.POLLIN)
         while len(late) < datagrams:
-            if kind == "recv":
-                sent = float(rx.recv(64))
-                late.append(time.perf_counter() - sent)
-                continue
             poller.poll()
             while True:
                 try:
@@ -47,7 +48,7 @@ def wakeups(datagrams: int, busy: bool, kind: str = "recv") -> list[float]:
                     break
                 late.append(time.perf_counter() - sent)
 
-    thread = threading.Thread(target=reader)
+    thread = threading.Thread(target=blocking_reader if kind == "recv" else polling_reader)
     thread.start()
     stop = busy_python() if busy else threading.Event()
     for _ in range(datagrams):

@@ -4,7 +4,8 @@
 # off, alone and under load, a cProfile of both processes, the data plane's own cost.
 #   run: bash bench/gpu_runs.sh   (carry [".whl"]; $OUT collects the profiles)
 #   its plumbing, on a CPU (this machine's packages, Mooncake TCP, host memory):
-#   GPU_RUNS_SITE= GPU_RUNS_DEVICES="--p-device cpu --d-device cpu --protocol tcp" bash bench/gpu_runs.sh
+#   GPU_RUNS_SITE= GPU_RUNS_DEVICES="--p-device cpu --d-device cpu --protocol tcp --layers 4 --blocks 8" \
+#     bash bench/gpu_runs.sh
 # Not yet run on a GPU: no device was lent in the sessions that wrote it (2026-12-04 and 05).
 SITE=${GPU_RUNS_SITE-/tmp/site}  # where the carried wheels go; empty: none installed
 OUT=${OUT:-/tmp/gpu-runs-out}

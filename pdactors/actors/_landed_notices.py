@@ -88,8 +88,9 @@ class LandedNotices:
         self._landed_early = self._ignored = self._malformed = 0
         family, _, proto, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_DGRAM)[0]
         notices = socket.socket(family, socket.SOCK_DGRAM, proto)
-        wake = socket.socket(family, socket.SOCK_DGRAM, proto)
+        wake: socket.socket | None = None
         try:
+            wake = socket.socket(family, socket.SOCK_DGRAM, proto)
             notices.bind(sockaddr)
             wake.setblocking(False)
             self._where: tuple[object, ...] = notices.getsockname()
@@ -98,8 +99,9 @@ class LandedNotices:
             #: Where P sends the notices (``PullRequest.done_to``): ``"udp://ip:port"``.
             self.address: str = f"udp://{bracketed}:{port}"
         except BaseException:
-            for sock in (notices, wake):
-                sock.close()
+            notices.close()
+            if wake is not None:
+                wake.close()
             raise
         self._stopping = False  # read by the thread before each datagram it takes
         self._wake: socket.socket | None = wake
