@@ -19,6 +19,10 @@ nvidia-smi -L; lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-200
 T="timeout 90"
 G=${GPU_RUNS_DEVICES:-"--p-device cuda:0 --d-device cuda:0"}
 B="$T python bench/gpu_dataplane.py $G --notice"
+echo "## the hand-off targets: the tail after the last layer, per layer time (t=${SECONDS}s)"
+for ms in 0.2 0.5 1.0 2.0; do
+  $T python bench/gpu_handoff.py $G --layer-ms $ms --checksums off --modes raw,eager,eager_notice,layerwise,layerwise_notice --requests 30 2>&1 | grep "^|\|^#\|inside"
+done
 echo "## latency, no timeline (t=${SECONDS}s)"
 for sc in whole per-layer; do for inl in 0 1073741824; do
   $B --scenario $sc --inline-max-bytes $inl 2>&1 | grep -v "^WARNING\|^E1204\|Logging before"
