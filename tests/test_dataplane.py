@@ -783,6 +783,45 @@ async def test_a_failed_call_in_the_trio_thread_fails_its_write_as_in_a_thread(
     assert inline_pair.p.statistics().failures == 1
 
 
+async def test_a_small_write_behind_a_call_in_flight_queues_for_the_peers_call(
+    inline_pair: Pair,
+) -> None:
+    """A write that could be made at once in the Trio thread still keeps the per-peer limit:
+    with the peer's one call in a worker thread, it queues and goes in the next call."""
+    src, dst, write = one_block_writes(inline_pair, 2)
+    threads, trio_thread = call_threads(inline_pair), threading.get_ident()
+    inline_pair.p_engine.gate = gate = threading.Event()
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(write, 0, before=_Event(done=False)))  # to a thread
+            await wait_for_call(inline_pair.p_engine)
+            nursery.start_soon(write, 1)
+            await trio.testing.wait_all_tasks_blocked()
+            assert inline_pair.p_engine.call_sizes == [1]  # write 1 waits for the free call
+            gate.set()
+    assert inline_pair.p_engine.call_sizes == [1, 1] and threads[1] == trio_thread
+    assert inline_pair.p_engine.max_in_flight == 1
+    np.testing.assert_array_equal(dst, src)
+
+
+async def test_a_ready_write_whose_wait_raises_fails_without_a_call_in_the_trio_thread(
+    inline_pair: Pair,
+) -> None:
+    class Broken(_Event):
+        def __call__(self) -> None:
+            raise RuntimeError("the stream died")
+
+    _, _, write = one_block_writes(inline_pair, 1)
+    after: list[int] = []
+    with trio.fail_after(TIMEOUT), pytest.raises(DataPlaneError, match="the stream died"):
+        await write(0, before=Broken(done=True), after=lambda: after.append(1))
+    stats = inline_pair.p.statistics()
+    assert inline_pair.p_engine.call_sizes == [] and after == []
+    assert (stats.failures, stats.writes, stats.inline_calls) == (1, 0, 1)
+    await write(0)  # the data plane goes on
+    assert inline_pair.p.statistics().writes == 1
+
+
 async def test_the_actors_move_every_byte_with_calls_in_the_trio_thread() -> None:
     """The actors' transfers through a data plane making every call in the Trio thread (the
     KV is complete, no checksums): every byte lands, every block comes back."""

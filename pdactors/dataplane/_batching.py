@@ -27,6 +27,7 @@ __all__ = [
     "descriptors",
     "inline",
     "landed",
+    "ready",
     "run_after",
 ]
 
@@ -127,10 +128,12 @@ def inline(batch: list[Piece], max_bytes: int) -> bool:
     without one (a wait, or hashing the runs) goes to a worker thread."""
     if not max_bytes or sum(int(piece.lengths.sum()) for piece in batch) > max_bytes:
         return False
-    return all(_ready(piece.write.before) for piece in batch)
+    return all(ready(piece.write.before) for piece in batch)
 
 
-def _ready(before: Callable[[], object] | None) -> bool:
+def ready(before: Callable[[], object] | None) -> bool:
+    """Whether a write's ``before`` has nothing to wait for: None, or its ``ready()`` says
+    the KV is complete."""
     if before is None:
         return True
     ready = getattr(before, "ready", None)

@@ -42,6 +42,7 @@ from pdactors.dataplane._batching import (
     batch_call,
     descriptors,
     inline,
+    ready,
     run_after,
 )
 from pdactors.dataplane._intervals import merged, uncovered
@@ -183,7 +184,9 @@ class MooncakeDataPlane:
         worker thread of its own), once; never for a write that fails or is cancelled before
         every piece landed. What it raises is logged, never the write's failure.
 
-        Checkpoint, even when there is nothing to write. The descriptors are cut into pieces of
+        Checkpoint, even when there is nothing to write, but for a write made at once in the
+        Trio thread (``inline_max_bytes``: its KV complete, one call's worth, nothing queued
+        to its peer), which is a cancel point only. The descriptors are cut into pieces of
         at most ``max_descriptors_per_call`` and queued for ``peer``. Engine calls run in worker
         threads (at most ``workers`` for the whole data plane, at most ``max_calls_per_peer``
         in flight to one peer), and each call carries as many queued pieces, from any writes
@@ -216,6 +219,10 @@ class MooncakeDataPlane:
                 await trio.to_thread.run_sync(run_after, after, limiter=self._limiter)
             return
         queue = self._per_peer.get(peer)
+        if self._at_once(queue, count, lengths, before):
+            await trio.lowlevel.checkpoint_if_cancelled()
+            self._write_at_once(peer, src, dst, lengths, before, after)
+            return
         if queue is None:
             queue = self._per_peer[peer] = PeerQueue(self._config.max_calls_per_peer)
         queue.writes += 1
@@ -225,6 +232,57 @@ class MooncakeDataPlane:
             queue.writes -= 1
             if not queue.writes:  # no write left to queue behind: a restarted D is a new peer
                 del self._per_peer[peer]
+
+    def _at_once(
+        self,
+        queue: PeerQueue | None,
+        count: int,
+        lengths: Addrs,
+        before: Callable[[], object] | None,
+    ) -> bool:
+        """Whether a write can be made at once in the Trio thread, in one engine call of its
+        own: calls that small are made there (``inline_max_bytes``), its KV is complete, it
+        fits one call, and no piece to its peer waits while a call to it is free (nothing
+        queued to overtake, the per-peer limit kept)."""
+        limit = self._config.inline_max_bytes
+        return (
+            limit > 0
+            and count <= self._config.max_descriptors_per_call
+            and (queue is None or (queue.free_calls > 0 and not queue.pieces))
+            and int(lengths.sum()) <= limit
+            and ready(before)
+        )
+
+    def _write_at_once(
+        self,
+        peer: str,
+        src: Addrs,
+        dst: Addrs,
+        lengths: Addrs,
+        before: Callable[[], object] | None,
+        after: Callable[[], object] | None,
+    ) -> None:
+        """The write of :meth:`_at_once`: its engine call here, in the Trio thread, with no
+        queue, no worker thread and no schedule point (the call blocks the loop anyway;
+        yielding after it only delays what the caller does with the landed write). Fails as
+        a write through the queue fails."""
+        self._calls += 1
+        self._inline_calls += 1
+        nbytes = int(lengths.sum())
+        job = Write(nbytes, 1, before=before, after=after, unlanded=1)
+        try:
+            rc, unready = batch_call(self._live_engine(), peer, [Piece(job, src, dst, lengths)])()
+            failure = unready.get(id(job), f"engine call of {len(lengths)} descriptors failed")
+        except Exception as exc:
+            rc, unready, failure = RAISED, {}, f"the engine call raised {exc!r}"
+        if unready or rc != 0:
+            self._failures += 1
+            if unready:
+                raise DataPlaneError(f"write of {nbytes} bytes to {peer}: {failure}")
+            raise TransferError(peer, nbytes, rc, failure)
+        self._writes += 1
+        self._bytes += nbytes
+        self.descriptors += len(lengths)
 
     async def _write(
         self,
