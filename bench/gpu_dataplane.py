@@ -317,8 +317,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--role", choices=["decode", "prefill"], default="decode")
     ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="whole")
     ap.add_argument(
-        "--inline-max-bytes", type=int, default=0,
-        help="DataPlaneConfig.inline_max_bytes: calls up to this size made in the Trio thread",
+        "--inline-max-bytes", type=int, default=None,
+        help="DataPlaneConfig.inline_max_bytes: calls up to this size made in the Trio thread"
+        " (default: the protocol's, 256 MiB for nvlink_intra, else 0)",
     )  # fmt: skip
     ap.add_argument(
         "--notice", action="store_true",

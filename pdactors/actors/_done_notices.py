@@ -16,6 +16,7 @@ worker threads only, each send under one lock.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import re
@@ -50,9 +51,12 @@ class NoticeAddress(NamedTuple):
     sockaddr: tuple[str, int] | tuple[str, int, int, int]
 
 
+@functools.lru_cache(maxsize=256)
 def notice_address(done_to: str) -> NoticeAddress | None:
     """Where ``done_to`` sends a notice, or None when it is no ``udp://ip:port`` (an IPv4
-    literal or a bracketed IPv6 one, no zone; port 1 to 65535). Never looks a name up."""
+    literal or a bracketed IPv6 one, no zone; port 1 to 65535). Never looks a name up.
+    Cached: a D's address comes back with each of its pulls, and this is on the write's
+    path."""
     match = _ADDRESS.fullmatch(done_to)
     if match is None or int(match.group(3)) > 65535:
         return None

@@ -244,7 +244,7 @@ class MooncakeDataPlane:
         own: calls that small are made there (``inline_max_bytes``), its KV is complete, it
         fits one call, and no piece to its peer waits while a call to it is free (nothing
         queued to overtake, the per-peer limit kept)."""
-        limit = self._config.inline_max_bytes
+        limit = self._config.inline_limit
         return (
             limit > 0
             and count <= self._config.max_descriptors_per_call
@@ -336,7 +336,7 @@ class MooncakeDataPlane:
         failure = ""
         call = batch_call(engine, peer, batch)
         try:
-            if inline(batch, self._config.inline_max_bytes):
+            if inline(batch, self._config.inline_limit):
                 self._inline_calls += 1
                 result = call()  # in the Trio thread: no hand-off to a thread and back
                 await trio.lowlevel.cancel_shielded_checkpoint()  # (the call is done)

@@ -19,6 +19,8 @@ pytest.importorskip("vllm")
 import torch
 
 from pdactors import RankInfo, SenderConfig, timeline
+from pdactors.config import INLINE_MAX_BYTES
+from pdactors_vllm.actor_configs import actor_configs
 from pdactors_vllm.scheduler_side import PdActorsMetadata, PullSpec, SendSpec
 from pdactors_vllm.settings import ConnectorSettings
 from pdactors_vllm.worker_side import WorkerPlace, WorkerSide, layout_from_kv_caches
@@ -472,6 +474,24 @@ def test_mooncakes_environment_follows_the_settings() -> None:
     assert ConnectorSettings().mooncake_environment() == {"MC_LOG_LEVEL": "ERROR"}
     nvlink = ConnectorSettings(protocol="nvlink_intra").mooncake_environment()
     assert nvlink == {"MC_LOG_LEVEL": "ERROR", "MC_INTRANODE_NVLINK": "1"}
+
+
+@pytest.mark.parametrize(
+    ("settings", "limit"),
+    [
+        ({}, 0),  # tcp: a call takes milliseconds; never in the Trio thread
+        ({"protocol": "rdma"}, 0),
+        ({"protocol": "nvlink_intra"}, INLINE_MAX_BYTES["nvlink_intra"]),
+        ({"protocol": "nvlink_intra", "inline_max_bytes": 0}, 0),
+        ({"inline_max_bytes": 4096}, 4096),
+    ],
+)
+def test_calls_in_the_trio_thread_follow_the_protocol_unless_set(
+    settings: dict[str, Any], limit: int
+) -> None:
+    place = WorkerPlace("prefill-i", True, False, RankInfo(), False)
+    configs = actor_configs(ConnectorSettings(**settings), place, host_kv=False)
+    assert configs.plane.inline_limit == limit
 
 
 def test_a_restarted_p_worker_takes_its_rank_back_at_once_by_its_predecessors_epoch(

@@ -155,8 +155,9 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       memory for the checksums to be checked (a mix is trusted or refused as above).
     * ``inline_max_bytes``: (P) an engine call of at most this many bytes whose KV is
       complete is made in the sender's Trio thread, blocking it for the call, instead of in a
-      worker thread (:class:`~pdactors.DataPlaneConfig`); for ``nvlink_intra``, where the
-      hand-off to the thread and back costs more than the call. Default 0: never.
+      worker thread (:class:`~pdactors.DataPlaneConfig`): for ``nvlink_intra``, where the
+      hand-off to the thread and back costs more than the call. 0: never. Default: by
+      protocol (256 MiB for ``nvlink_intra``, 0 for the others).
     * ``fast_done``: with ``verify_kv`` off (the default for KV on a GPU), P's write thread
       tells D's worker that its KV landed with one UDP datagram to D's ``host`` (a port D
       binds), ahead of P's side-channel answer, which still follows and decides every failure
@@ -194,7 +195,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     side_channel_key_file: str | None = None
     side_channel_peer_keys: str | None = None
     sender_workers: int = default_of(DataPlaneConfig, "workers")
-    inline_max_bytes: int = default_of(DataPlaneConfig, "inline_max_bytes")
+    inline_max_bytes: int | None = default_of(DataPlaneConfig, "inline_max_bytes")
     ready_timeout: float = default_of(SenderConfig, "ready_timeout")
     unclaimed_ttl: float = default_of(SenderConfig, "unclaimed_ttl")
     pull_timeout: float = default_of(ReceiverConfig, "pull_timeout")
