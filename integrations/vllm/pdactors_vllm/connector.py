@@ -13,6 +13,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -26,6 +27,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from pdactors import RankInfo
 from pdactors_vllm.compat import engine_compat
 from pdactors_vllm.errors import ConnectorConfigError, WrongRoleError
+from pdactors_vllm.gil import default_switch_ms
 from pdactors_vllm.idle_gate import IdleGate
 from pdactors_vllm.kv_report import PREFIX, kv_layout_report, show_with_vllm_logs
 from pdactors_vllm.metrics import PdActorsPromMetrics, PdActorsStats
@@ -70,7 +72,11 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
             # Also here: vLLM skips the layout hook when VLLM_KV_CACHE_LAYOUT is set.
             refuse_unserved(vllm_config)
         transfer = self._kv_transfer_config
-        self.settings = settings_from_extra_config(dict(transfer.kv_connector_extra_config))
+        settings = settings_from_extra_config(dict(transfer.kv_connector_extra_config))
+        if settings.gil_switch_ms is None:  # by where the engine runs (pdactors_vllm.gil)
+            device = vllm_config.device_config.device_type
+            settings = msgspec.structs.replace(settings, gil_switch_ms=default_switch_ms(device))
+        self.settings = settings
         apply_pull_failure_policy(transfer, self.settings)
         assert transfer.engine_id is not None  # vLLM fills in a uuid when none is given
         self.engine_id = transfer.engine_id
