@@ -822,6 +822,29 @@ async def test_a_ready_write_whose_wait_raises_fails_without_a_call_in_the_trio_
     assert inline_pair.p.statistics().writes == 1
 
 
+async def test_an_engine_call_that_raises_in_the_trio_thread_fails_only_its_write(
+    inline_pair: Pair,
+) -> None:
+    src, dst, write = one_block_writes(inline_pair, 2)
+    engine = inline_pair.p_engine
+    call = engine.batch_transfer_sync_write
+
+    def broken(*args: Any) -> int:
+        raise RuntimeError("binding blew up")
+
+    engine.batch_transfer_sync_write = broken  # type: ignore[method-assign]
+    after: list[int] = []
+    with trio.fail_after(TIMEOUT), pytest.raises(TransferError, match="binding blew up"):
+        await write(0, after=lambda: after.append(0))
+    engine.batch_transfer_sync_write = call  # type: ignore[method-assign]
+    with trio.fail_after(TIMEOUT):
+        await write(1, after=lambda: after.append(1))
+    assert after == [1]
+    np.testing.assert_array_equal(dst[1], src[1])
+    stats = inline_pair.p.statistics()
+    assert (stats.failures, stats.writes, stats.inline_calls) == (1, 1, 2)
+
+
 async def test_the_actors_move_every_byte_with_calls_in_the_trio_thread() -> None:
     """The actors' transfers through a data plane making every call in the Trio thread (the
     KV is complete, no checksums): every byte lands, every block comes back."""

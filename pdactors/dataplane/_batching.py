@@ -27,6 +27,7 @@ __all__ = [
     "descriptors",
     "inline",
     "landed",
+    "not_complete",
     "ready",
     "run_after",
 ]
@@ -153,6 +154,11 @@ BEFORE_FAILED = -10_000
 RAISED = -10_001
 
 
+def not_complete(exc: Exception) -> str:
+    """Why a write whose ``before`` raised ``exc`` failed."""
+    return f"the KV was not complete: {type(exc).__name__}: {exc}"
+
+
 def run_after(after: Callable[[], object]) -> None:
     """Run a write's ``after`` (its bytes landed): what it raises is logged, never the
     write's failure."""
@@ -194,7 +200,7 @@ def batch_call(
                 try:
                     job.before()
                 except Exception as exc:  # the KV never became complete: that write fails
-                    unready[id(job)] = f"the KV was not complete: {type(exc).__name__}: {exc}"
+                    unready[id(job)] = not_complete(exc)
                 job.before = None  # once per write (a second, concurrent run is harmless)
         pieces = [piece for piece in batch if id(piece.write) not in unready]
         if not pieces:

@@ -42,6 +42,7 @@ from pdactors.dataplane._batching import (
     batch_call,
     descriptors,
     inline,
+    not_complete,
     ready,
     run_after,
 )
@@ -266,23 +267,40 @@ class MooncakeDataPlane:
         queue, no worker thread and no schedule point (the call blocks the loop anyway;
         yielding after it only delays what the caller does with the landed write). Fails as
         a write through the queue fails."""
+        engine = self._live_engine()
         self._calls += 1
         self._inline_calls += 1
         nbytes = int(lengths.sum())
-        job = Write(nbytes, 1, before=before, after=after, unlanded=1)
+        rc, error = 0, None
         try:
-            rc, unready = batch_call(self._live_engine(), peer, [Piece(job, src, dst, lengths)])()
-            failure = unready.get(id(job), f"engine call of {len(lengths)} descriptors failed")
-        except Exception as exc:
-            rc, unready, failure = RAISED, {}, f"the engine call raised {exc!r}"
-        if unready or rc != 0:
+            if before is not None:
+                before()
+        except Exception as exc:  # as in a worker thread: the KV never became complete
+            rc, error = BEFORE_FAILED, not_complete(exc)
+        else:
+            try:
+                rc = engine.batch_transfer_sync_write(
+                    peer, src.tolist(), dst.tolist(), lengths.tolist()
+                )
+            except Exception as exc:
+                rc, error = RAISED, f"the engine call raised {exc!r}"
+            if rc == 0 and after is not None:
+                run_after(after)
+            elif rc not in (0, RAISED):
+                error = f"engine call of {len(lengths)} descriptors failed"
+        self._count(peer, nbytes, len(lengths), rc, error)
+
+    def _count(self, peer: str, nbytes: int, count: int, code: int, error: str | None) -> None:
+        """Count a write that ended: done (``error`` None), or failed with ``code`` (raised
+        here: :class:`DataPlaneError` when its wait failed, else :class:`TransferError`)."""
+        if error is not None:
             self._failures += 1
-            if unready:
-                raise DataPlaneError(f"write of {nbytes} bytes to {peer}: {failure}")
-            raise TransferError(peer, nbytes, rc, failure)
+            if code == BEFORE_FAILED:
+                raise DataPlaneError(f"write of {nbytes} bytes to {peer}: {error}")
+            raise TransferError(peer, nbytes, code, error)
         self._writes += 1
         self._bytes += nbytes
-        self.descriptors += len(lengths)
+        self.descriptors += count
 
     async def _write(
         self,
@@ -314,14 +332,7 @@ class MooncakeDataPlane:
                 with trio.CancelScope(shield=True):
                     while job.running:
                         await job.changed.wait()
-        if job.error is not None:
-            self._failures += 1
-            if job.code == BEFORE_FAILED:
-                raise DataPlaneError(f"write of {job.nbytes} bytes to {peer}: {job.error}")
-            raise TransferError(peer, job.nbytes, job.code, job.error)
-        self._writes += 1
-        self._bytes += job.nbytes
-        self.descriptors += count
+        self._count(peer, job.nbytes, count, job.code, job.error)
 
     async def _call(self, peer: str, queue: PeerQueue) -> None:
         """Make one engine call to ``peer`` carrying the pieces at the head of its queue."""
