@@ -14,8 +14,6 @@ from pdactors.bootstrap_client import open_bootstrap_client as open_bootstrap_cl
 from pdactors.config import BootstrapConfig as BootstrapConfig
 from pdactors.config import DataPlaneConfig as DataPlaneConfig
 from pdactors.config import Liveness as Liveness
-from pdactors.config import PrefillBackend as PrefillBackend
-from pdactors.config import ProxyConfig as ProxyConfig
 from pdactors.config import RankInfo as RankInfo
 from pdactors.config import ReceiverConfig as ReceiverConfig
 from pdactors.config import SenderConfig as SenderConfig
@@ -38,6 +36,8 @@ from pdactors.errors import PlanError as PlanError
 from pdactors.errors import PullFailedError as PullFailedError
 from pdactors.errors import TransferError as TransferError
 from pdactors.proxy import serve_proxy as serve_proxy
+from pdactors.proxy_config import PrefillBackend as PrefillBackend
+from pdactors.proxy_config import ProxyConfig as ProxyConfig
 from pdactors.wire import BlockLayout as BlockLayout
 from pdactors.wire import Compat as Compat
 from pdactors.wire import KVTransferParams as KVTransferParams

@@ -13,13 +13,8 @@ import typer
 
 from pdactors._cli_setup import setup
 from pdactors._cli_tools import chaos, harness
-from pdactors.config import (
-    DEFAULT_BOOTSTRAP_PORT,
-    ROUTINGS,
-    BootstrapConfig,
-    ProxyConfig,
-    default_of,
-)
+from pdactors.config import DEFAULT_BOOTSTRAP_PORT, BootstrapConfig, default_of
+from pdactors.proxy_config import ROUTINGS, ProxyConfig
 
 app = typer.Typer(
     help="pdactors: prefill/decode disaggregation for vLLM as Trio actors.",
@@ -262,8 +257,9 @@ def proxy(
     logging.getLogger("httpx").setLevel(logging.WARNING)  # else a line per engine call
     import trio
 
-    from pdactors.config import PrefillBackend, ProxyConfig, Secret
+    from pdactors.config import Secret
     from pdactors.proxy import serve_proxy
+    from pdactors.proxy_config import PrefillBackend, ProxyConfig
 
     try:
         backends = tuple(PrefillBackend.parse(p) for p in prefill)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import msgspec
 
-from pdactors.config import DataPlaneConfig, Protocol, ProxyConfig, Routing, default_of
+from pdactors.config import DataPlaneConfig, Protocol, default_of
 from pdactors.deploy.errors import BadDeployConfig
 from pdactors.deploy.k8s_config import K8sConfig
+from pdactors.proxy_config import ProxyConfig, Routing
 
 __all__ = ["LaunchConfig"]
 

@@ -19,9 +19,9 @@ import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 from quart_trio import QuartTrio
 
-from pdactors.config import ProxyConfig
 from pdactors.errors import PdError
 from pdactors.proxy._openai import Failure
+from pdactors.proxy_config import ProxyConfig
 
 __all__ = [
     "MAX_SMALL_PIECES",

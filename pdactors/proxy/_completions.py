@@ -22,7 +22,6 @@ import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope
 
 from pdactors.bootstrap_client import BootstrapClient, tls_verify
-from pdactors.config import Placement, ProxyConfig
 from pdactors.core.exchange import ExchangeState
 from pdactors.core.placement import EngineLoad, Placer, prompt_size
 from pdactors.core.prefixes import PrefixIndex, prefix_keys
@@ -43,6 +42,7 @@ from pdactors.proxy._openai import Endpoint, Failure, validate
 from pdactors.proxy._p_first import complete_p_first
 from pdactors.proxy._state import Backend, Metrics, Pool, Role
 from pdactors.proxy._tracing import RequestTracing
+from pdactors.proxy_config import Placement, ProxyConfig
 from pdactors.web._auth import BearerCheck
 from pdactors.web._refusals import RefusalLog
 from pdactors.wire import KVTransferParams

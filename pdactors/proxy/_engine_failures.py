@@ -14,12 +14,12 @@ from typing import Final
 import httpx
 import msgspec
 
-from pdactors.config import ProxyConfig
 from pdactors.errors import describe
 from pdactors.proxy._engine_http import ConnectFailed, EngineError
 from pdactors.proxy._health import HealthWatch
 from pdactors.proxy._openai import Failure
 from pdactors.proxy._state import Backend, Metrics
+from pdactors.proxy_config import ProxyConfig
 
 __all__ = ["ERROR_EVENT", "EngineFailures"]
 

@@ -24,7 +24,6 @@ import httpx
 import trio
 
 from pdactors.bootstrap_client import BootstrapClient
-from pdactors.config import ProxyConfig
 from pdactors.errors import BootstrapError, BootstrapTimeout, describe
 from pdactors.proxy._pairs import (
     REREAD_ROUNDS,
@@ -34,6 +33,7 @@ from pdactors.proxy._pairs import (
     read_identity,
 )
 from pdactors.proxy._state import Backend, Metrics, Pool
+from pdactors.proxy_config import ProxyConfig
 
 __all__ = ["HealthWatch"]
 

@@ -18,7 +18,6 @@ from typing import Final
 
 import trio
 
-from pdactors.config import ProxyConfig
 from pdactors.core.placement import Placer
 from pdactors.proxy._asgi import Reply
 from pdactors.proxy._effects import ExchangeEffects
@@ -29,6 +28,7 @@ from pdactors.proxy._health import HealthWatch
 from pdactors.proxy._openai import Failure
 from pdactors.proxy._retry import retry_reason
 from pdactors.proxy._state import Backend, Metrics
+from pdactors.proxy_config import ProxyConfig
 
 __all__ = ["Legs"]
 

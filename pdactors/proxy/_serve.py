@@ -58,10 +58,10 @@ import trio
 
 from pdactors._http_client import async_client
 from pdactors.bootstrap_client import tls_verify
-from pdactors.config import ProxyConfig
 from pdactors.proxy._app import make_app
 from pdactors.proxy._completions import Proxy
 from pdactors.proxy._tracing import open_tracing
+from pdactors.proxy_config import ProxyConfig
 from pdactors.web._server import bind_listener, serve_http
 
 __all__ = ["serve_proxy"]
