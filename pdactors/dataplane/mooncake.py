@@ -91,6 +91,7 @@ class MooncakeDataPlane:
     def __init__(self, engine: MooncakeEngine, config: DataPlaneConfig, session: str) -> None:
         self._engine: MooncakeEngine | None = engine
         self._config = config
+        self._inline_limit = config.inline_limit  # (the protocol's default resolved once)
         self._session = session
         self._limiter = trio.CapacityLimiter(config.workers)
         self._per_peer: dict[str, PeerQueue] = {}
@@ -212,9 +213,9 @@ class MooncakeDataPlane:
                 await trio.to_thread.run_sync(run_after, after, limiter=self._limiter)
             return
         queue = self._per_peer.get(peer)
-        if self._at_once(queue, count, lengths, before):
+        if (nbytes := self._at_once(queue, count, lengths, before)) is not None:
             await trio.lowlevel.checkpoint_if_cancelled()
-            self._write_at_once(peer, src, dst, lengths, before, after)
+            self._write_at_once(peer, src, dst, lengths, nbytes, before, after)
             return
         if queue is None:
             queue = self._per_peer[peer] = PeerQueue(self._config.max_calls_per_peer)
@@ -232,19 +233,18 @@ class MooncakeDataPlane:
         count: int,
         lengths: Addrs,
         before: Callable[[], object] | None,
-    ) -> bool:
-        """Whether a write can be made at once in the Trio thread, in one engine call of its
-        own: calls that small are made there (``inline_max_bytes``), its KV is complete, it
-        fits one call, and no piece to its peer waits while a call to it is free (nothing
-        queued to overtake, the per-peer limit kept)."""
-        limit = self._config.inline_limit
-        return (
-            limit > 0
-            and count <= self._config.max_descriptors_per_call
-            and (queue is None or (queue.free_calls > 0 and not queue.pieces))
-            and int(lengths.sum()) <= limit
-            and ready(before)
-        )
+    ) -> int | None:
+        """The write's bytes if it can be made at once in the Trio thread, in one engine call
+        of its own (else None): calls that small are made there (``inline_max_bytes``), its KV
+        is complete, it fits one call, and no piece to its peer waits while a call to it is
+        free (nothing queued to overtake, the per-peer limit kept)."""
+        limit = self._inline_limit
+        if not limit or count > self._config.max_descriptors_per_call:
+            return None
+        if queue is not None and (not queue.free_calls or queue.pieces):
+            return None
+        nbytes = int(lengths.sum())
+        return nbytes if nbytes <= limit and ready(before) else None
 
     def _write_at_once(
         self,
@@ -252,17 +252,17 @@ class MooncakeDataPlane:
         src: Addrs,
         dst: Addrs,
         lengths: Addrs,
+        nbytes: int,
         before: Callable[[], object] | None,
         after: Callable[[], object] | None,
     ) -> None:
-        """The write of :meth:`_at_once`: its engine call here, in the Trio thread, with no
-        queue, no worker thread and no schedule point (the call blocks the loop anyway;
-        yielding after it only delays what the caller does with the landed write). Fails as
-        a write through the queue fails."""
+        """The write of :meth:`_at_once` (``nbytes``: what it returned): its engine call here,
+        in the Trio thread, with no queue, no worker thread and no schedule point (the call
+        blocks the loop anyway; yielding after it only delays what the caller does with the
+        landed write). Fails as a write through the queue fails."""
         engine = self._live_engine()
         self._calls += 1
         self._inline_calls += 1
-        nbytes = int(lengths.sum())
         rc, error = 0, None
         try:
             if before is not None:
@@ -339,7 +339,7 @@ class MooncakeDataPlane:
         failure = ""
         call = batch_call(engine, peer, batch)
         try:
-            if inline(batch, self._config.inline_limit):
+            if inline(batch, self._inline_limit):
                 self._inline_calls += 1
                 result = call()  # in the Trio thread: no hand-off to a thread and back
                 await trio.lowlevel.cancel_shielded_checkpoint()  # (the call is done)
