@@ -81,8 +81,8 @@ def condition(monkeypatch: pytest.MonkeyPatch):
     class Condition(shm_broadcast.SpinCondition):
         pass
 
-    assert idle._install_idle_wait(Condition)
     yields: list[None] = []
+    assert idle._install_idle_wait(Condition, lambda: yields.append(None))
     monkeypatch.setattr(shm_broadcast, "sched_yield", lambda: yields.append(None))
     context = zmq.Context()
     address = f"inproc://idle-{id(context)}"
@@ -123,3 +123,34 @@ def test_during_an_idle_step_a_reader_blocks_on_the_writers_ping_not_a_spin(cond
     assert reader.busy_loop_s == busy  # vLLM's setting is back
     reader.wait(timeout_ms=2)  # a caller's shorter timeout is kept
     assert polls[-1] == 2 and yields == []
+
+
+def test_a_busy_reader_spins_then_naps_and_each_read_starts_a_new_wait(
+    condition, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``quiet_busy_waits``: a reader's wait spins for SPIN_S, then naps; the first call after
+    a read starts a new wait that spins again, however soon it comes (a decode step's worker
+    waits again well under a millisecond after its last read: taken for the same wait, every
+    step napped)."""
+    reader, _writer, yields, _polls = condition
+    monkeypatch.setattr(idle, "_busy_quiet", True)
+    reader.last_read = clock.now  # vLLM's record_read, on the fake clock
+
+    def waits(seconds: float, step: float = 1e-6) -> tuple[int, int]:
+        """Call wait until ``seconds`` pass: (spins, naps)."""
+        spins, naps, end = len(yields), len(clock.naps), clock.now + seconds
+        while clock.now < end:
+            before = len(yields)
+            reader.wait(timeout_ms=None)
+            if len(yields) > before:
+                clock.now += step  # a spin: a microsecond
+        return len(yields) - spins, len(clock.naps) - naps
+
+    spins, naps = waits(0.005)  # a 5 ms forward
+    assert spins == pytest.approx(idle.SPIN_S / 1e-6, rel=0.05) and naps > 0
+    assert max(clock.naps) <= idle.NAP
+    for _step in range(3):  # reads, then waits again 0.1 ms later: a new wait each time
+        clock.now += 0.0001
+        reader.last_read = clock.now
+        spins, naps = waits(0.0001)
+        assert (naps, spins) == (0, pytest.approx(100, abs=2))

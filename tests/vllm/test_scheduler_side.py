@@ -758,3 +758,38 @@ def test_the_connector_only_reads_vllms_kv_transfer_params_and_forgets_ended_req
         step(sched)
     assert request.kv_transfer_params == sent
     assert connector_of(sched).scheduler_side._marks == {}
+
+
+# ------------------------------------------------------------------- idle steps
+
+
+def test_an_empty_step_is_idle_only_while_a_transfers_end_is_owed() -> None:
+    """The worker waits up to ``idle_wait_ms`` in an idle step's ``get_finished`` for a
+    transfer's end. An empty step with none owed — the one vLLM's async scheduling plans
+    after a request's end — is not idle: a wait there held the next request back 20 ms."""
+    sched = make_scheduler(kv_role="kv_consumer", block_size=BS)
+    sched.add_request(make_request("plain", 20, max_tokens=2))
+    while request_status(sched, "plain") is not None:
+        assert not meta_of(step(sched)).idle
+    empty = step(sched)
+    assert empty.scheduled.total_num_scheduled_tokens == 0 and not meta_of(empty).idle
+    sched.add_request(make_request("d1", 40, max_tokens=2, kv_transfer_params=d_params("t1")))
+    step(sched)  # D's pull goes to the worker; the request waits for its KV
+    assert meta_of(step(sched)).idle
+    step(sched, finished_recving={"d1"})
+    while request_status(sched, "d1") is not None:
+        assert not meta_of(step(sched)).idle
+    assert free_blocks(sched) == total_blocks(sched)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "at-finish"])
+def test_p_is_idle_while_it_keeps_blocks_for_a_write(eager: bool) -> None:
+    extra = {} if eager else NOT_EAGER
+    sched = make_scheduler(kv_role="kv_producer", block_size=BS, extra_config=extra)
+    params = {"do_remote_decode": True, "transfer_id": "t1"}
+    sched.add_request(make_request("p1", 40, max_tokens=1, kv_transfer_params=params))
+    step(sched)  # the prompt's step ends the request; vLLM keeps its blocks for the write
+    assert meta_of(step(sched)).idle
+    step(sched, finished_sending={"p1"})
+    assert free_blocks(sched) == total_blocks(sched)
+    assert not meta_of(step(sched)).idle

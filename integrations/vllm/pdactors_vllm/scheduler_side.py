@@ -103,6 +103,9 @@ class SchedulerSide:
         self.gate = gate
         #: req id -> the connector's marks on it, from its first hook to request_finished
         self._marks: dict[str, Marks] = {}
+        #: P: req ids whose blocks vLLM keeps for a write (request_finished said so) until
+        #: the worker reports the write ended (``finished_sending``)
+        self._held: set[str] = set()
         if settings.timeline:
             timeline.enable()
         if settings.idle_wait_ms > 0 or settings.quiet_busy_waits:
@@ -249,13 +252,16 @@ class SchedulerSide:
     # ------------------------------------------------------------------ each step
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None) -> PdActorsMetadata:
-        """This step's metadata. A step that schedules no token (every request waits for KV)
-        is marked ``idle`` when quiet idle steps are on."""
+        """This step's metadata. A step that schedules no token while a transfer's end is
+        owed (D's pull in flight, P's blocks kept for a write) is marked ``idle`` when quiet
+        idle steps are on: the worker waits for that end. Any other empty step (under async
+        scheduling, the one planned after the last request ended) is not: waiting there
+        would only delay the next request."""
         meta, self._meta = self._meta, PdActorsMetadata()
         if scheduler_output is not None and self._marks:
             self._plan_eager(scheduler_output, meta)
         scheduled = getattr(scheduler_output, "total_num_scheduled_tokens", None)
-        meta.idle = scheduled == 0 and self.settings.idle_wait_ms > 0
+        meta.idle = scheduled == 0 and self.settings.idle_wait_ms > 0 and self._owed()
         if self.gate is not None:
             quiet = scheduled == 0 and not meta.has_work()
             if quiet and self.gate.sleep(self._pulling()) is not None:
@@ -303,6 +309,10 @@ class SchedulerSide:
                                           traceparent(request))  # fmt: skip
             entry.move(Event.SEND_EAGER)
 
+    def _owed(self) -> bool:
+        """A transfer's end is still to come: a pull in flight, or blocks kept for a write."""
+        return bool(self._held) or self._pulling() > 0
+
     def _pulling(self) -> int:
         """D: how many requests wait for their pull."""
         return sum(marks.state is State.PULLING for marks in self._marks.values())
@@ -322,6 +332,7 @@ class SchedulerSide:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         idle.end()
+        self._held.difference_update(output.finished_sending or ())
         for req_id in output.finished_recving or ():
             marks = self._marks.get(req_id)
             if marks is not None and marks.state is State.PULLING:
@@ -377,6 +388,7 @@ class SchedulerSide:
         if marks.state is State.EAGER:
             # The KV went to the worker with this step's forward: the blocks stay until it
             # reports the write ended (an abort's drop waits for a write in flight).
+            self._held.add(req_id)
             if not delivers:
                 self._meta.dropped.append(transfer_id)
                 return True, None
@@ -397,6 +409,7 @@ class SchedulerSide:
             self._meta.ready[req_id] = SendSpec(transfer_id, self._sent(request, block_ids),
                                                 traceparent(request))  # fmt: skip
             timeline.mark(transfer_id, "p_finished")
+            self._held.add(req_id)
         for_d = KVTransferParams(
             do_remote_prefill=True,
             do_remote_decode=False,
