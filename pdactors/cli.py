@@ -159,10 +159,10 @@ def proxy(
     placement: Annotated[
         str,
         typer.Option(
-            metavar="auto|disaggregate|local",
+            metavar="auto|disaggregate|local|whole-on-p",
             help="auto: per request, P or D computes the prompt, whichever the proxy's "
             "measurements say costs less; disaggregate: P computes every prompt; local: D "
-            "serves each request whole.",
+            "serves each request whole; whole-on-p: a P serves each request whole.",
         ),
     ] = default_of(ProxyConfig, "placement"),
     placement_stall_weight: Annotated[
@@ -181,6 +181,13 @@ def proxy(
             "first token, D serves the request alone (instead of a 503/502).",
         ),
     ] = default_of(ProxyConfig, "fall_back_to_d"),
+    fall_back_to_p: Annotated[
+        bool,
+        typer.Option(
+            "--fall-back-to-p/--no-fall-back-to-p",
+            help="With no D in rotation, a P serves each request whole (instead of a 503).",
+        ),
+    ] = default_of(ProxyConfig, "fall_back_to_p"),
     health_interval: Annotated[
         float, typer.Option(metavar="SECONDS", help="Seconds between health checks.")
     ] = default_of(ProxyConfig, "health_interval"),
@@ -281,6 +288,7 @@ def proxy(
             placement=placement,  # type: ignore[arg-type]  # checked by ProxyConfig
             placement_stall_weight=placement_stall_weight,
             fall_back_to_d=fall_back_to_d,
+            fall_back_to_p=fall_back_to_p,
             health_interval=health_interval,
             health_timeout=health_timeout,
             request_timeout=request_timeout,

@@ -27,7 +27,7 @@ ROUTINGS: tuple[str, ...] = get_args(Routing)
 #: Who computes the client's first token (:class:`ProxyConfig`'s ``first_token``).
 FirstToken = Literal["p", "d"]
 #: Where the proxy has a request's prompt computed (:class:`ProxyConfig`'s ``placement``).
-Placement = Literal["auto", "disaggregate", "local"]
+Placement = Literal["auto", "disaggregate", "local", "whole-on-p"]
 
 
 class PrefillBackend(msgspec.Struct, frozen=True):
@@ -89,12 +89,17 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     * ``placement``: ``"auto"`` (the default): per request, P computes the prompt or D
       computes the request whole, whichever the proxy's estimates say costs less
       (:mod:`pdactors.core.placement`); ``"disaggregate"``: P computes every prompt;
-      ``"local"``: D computes each request whole (an ordinary request to D; P takes no part).
+      ``"local"``: D computes each request whole (an ordinary request to D; P takes no part);
+      ``"whole-on-p"``: a P serves each request whole (an ordinary request to P, which
+      vLLM serves on a ``kv_producer`` engine; D takes no part).
     * ``placement_stall_weight``: for ``"auto"``, what a millisecond of pause to a request D
       is decoding counts for against a millisecond of the new request's time to first token.
     * ``fall_back_to_d``: when no P is in rotation, or a P fails (or is judged failed by the
       health loop) before its first token (the P-first flow, nothing sent to the client yet),
       D serves the request alone instead of the client getting a 503 or 502; default true.
+    * ``fall_back_to_p``: when no D is in rotation (dead, restarting, out of rotation), a P
+      serves each request whole (as ``"whole-on-p"``) instead of the client getting a 503;
+      default true.
     * ``first_token``: ``"p"`` (the default): the client's first token is P's answer, D
       continues after it (:mod:`pdactors.proxy._p_first`); ``"d"``: upstream's flow, P and D
       asked at once and D computing every token the client gets.
@@ -121,6 +126,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     placement: Placement = "auto"
     placement_stall_weight: float = 0.25
     fall_back_to_d: bool = True
+    fall_back_to_p: bool = True
     health_interval: float = 2.0
     health_timeout: float = 2.0
     request_timeout: float = 600.0

@@ -272,3 +272,58 @@ async def test_a_d_whose_kv_did_not_come_is_asked_again_for_the_same_continuatio
             assert m[total("completions", "ok")] == 1
             d = (await s.client.get("/health")).json()["decode"][0]
             assert (d["waiting_tokens"], d["prefills"], d["outstanding"]) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_with_no_d_in_rotation_p_serves_whole(stream: bool) -> None:
+    """The shipped defaults: D gone (here: its /health fails), P serves every request whole,
+    as the client sent it (no transfer params), and the model list comes from P."""
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p", placement="auto", fall_back_to_d=True) as s:
+            s.d[0].healthy = False
+            await wait_health(s, 503)  # D out of rotation
+            body = completion_body(stream=stream)
+            resp = await s.client.post("/v1/completions", json=body)
+            assert resp.status_code == 200
+            assert resp.headers["x-pdactors-placement"] == "whole-on-p"
+            assert s.p[0].received == [body] and s.d[0].received == []
+            assert completion_text(resp, stream).startswith("p0")
+            assert (await s.client.get("/v1/models")).status_code == 200
+            m = await s.metrics()
+            assert m[("pdactors_proxy_fallbacks_total", (("why", "no_decode"),))] == 1
+            placed = (("placement", "whole-on-p"), ("reason", "no_decode"))
+            assert m[("pdactors_proxy_placement_total", placed)] == 1
+            assert m[total("completions", "ok")] == 1
+            health = (await s.client.get("/health")).json()
+            assert health["prefill"][0]["waiting_tokens"] == 0  # every count given back
+            s.d[0].healthy = True
+            await wait_health(s, 200)  # D is back: disaggregated again, P's token first
+            resp = await s.client.post("/v1/completions", json=completion_body())
+            assert resp.status_code == 200
+            assert resp.headers["x-pdactors-placement"] != "whole-on-p"
+            assert len(s.d[0].received) == 1
+
+
+async def test_without_the_fall_back_to_p_no_d_is_a_503() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p", placement="auto", fall_back_to_p=False) as s:
+            s.d[0].healthy = False
+            await wait_health(s, 503)
+            resp = await s.client.post("/v1/completions", json=completion_body())
+            assert resp.status_code == 503 and "no decode engine" in resp.text
+            assert s.p[0].received == []
+
+
+async def test_whole_on_p_pinned_by_header_with_d_up() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p", placement="auto") as s:
+            headers = {"x-pdactors-placement": "whole-on-p"}
+            body = chat_body()
+            resp = await s.client.post("/v1/chat/completions", json=body, headers=headers)
+            assert resp.status_code == 200
+            assert resp.headers["x-pdactors-placement"] == "whole-on-p"
+            assert s.p[0].received == [body] and s.d[0].received == []
+            m = await s.metrics()
+            placed = (("placement", "whole-on-p"), ("reason", "pinned"))
+            assert m[("pdactors_proxy_placement_total", placed)] == 1
+            assert ("pdactors_proxy_fallbacks_total", (("why", "pinned"),)) not in m

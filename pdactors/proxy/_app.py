@@ -88,8 +88,11 @@ def make_app(proxy: Proxy) -> QuartTrio:
 
 
 async def _models(proxy: Proxy, incoming: bytes | None) -> Response:
-    """A healthy D's model list (its answer as it came), with the engines' authorization."""
+    """A healthy D's model list (its answer as it came), with the engines' authorization; a
+    healthy P's while no D is (P then serves requests whole: ``fall_back_to_p``)."""
     d = next((b for b in proxy.decode.backends if b.up), None)
+    if d is None and proxy.config.fall_back_to_p:
+        d = next((b for b in proxy.prefill.backends if b.up), None)
     if d is None:
         return Failure.of(503, proxy.decode.why_none(), "service_unavailable", "").response()
     timeout = proxy.config.health_timeout
@@ -101,7 +104,7 @@ async def _models(proxy: Proxy, incoming: bytes | None) -> Response:
             return proxy.legs.failures.transport_failure(d, exc).response()
         content_type = resp.headers.get("content-type", "application/json")
         return Response(resp.content, status=resp.status_code, content_type=content_type)
-    message = f"decode engine {d.url} sent no model list within {timeout:g} s"
+    message = f"{d.role} engine {d.url} sent no model list within {timeout:g} s"
     return Failure.of(504, message, "timeout", "").response()
 
 

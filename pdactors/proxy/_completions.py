@@ -167,17 +167,25 @@ class Proxy:
         keyed = self.prefill.prefixes is not None or self.decode.prefixes is not None
         prompt = prefix_keys(body, endpoint.chat) if keyed else []
         d, d_why = self.decode.route(prompt)
+        whole = self._why_whole_on_p(pin, d)
+        if whole is not None:  # a P serves it whole, in D's place
+            d, d_why = self.prefill.route(prompt)
+            if d is None:
+                self.metrics.requests.labels(endpoint.name, "unavailable").inc()
+                no = Failure.of(503, self.prefill.why_none(), "service_unavailable", "unavailable")
+                await reply.failure(no)
+                return
         p, p_why = None, ""
-        if d is not None:  # only a P that answers with D's model: P's token is the client's
+        if d is not None and whole is None:  # only a P that answers with D's model
             pair = self.watch.pairs
             p, p_why = self.prefill.route(prompt, lambda b: pair.refusal(b, d) is None)
-        alone = None if p is not None else self._why_alone(d)
+        alone = None if p is not None or whole is not None else self._why_alone(d)
         if d is None or (alone is not None and not self.config.fall_back_to_d):
             why = self.decode.why_none() if d is None else self._why_no_prefill(d)
             self.metrics.requests.labels(endpoint.name, "unavailable").inc()
             await reply.failure(Failure.of(503, why, "service_unavailable", "unavailable"))
             return
-        self.metrics.routed.labels("decode", d_why).inc()
+        self.metrics.routed.labels("decode" if whole is None else "prefill", d_why).inc()
         if p is None:  # no P in rotation, or none D may be paired with: D serves it alone
             p = self._no_prefill
         else:
@@ -201,12 +209,13 @@ class Proxy:
             headers, p_headers, p_engine_id, state, prompt_chars=chars,
         )  # fmt: skip
         ex.span = span
-        ex.placement = self._place(ex, pin, alone)
+        ex.placement = self._place(ex, pin, alone, whole)
         reply.headers.append((PLACEMENT_HEADER, ex.placement.encode()))
-        local = ex.placement == "local"  # D prefills it itself: P takes no part
+        # One engine serves it whole (D, or a P in D's place): the other takes no part.
+        local = ex.placement in ("local", "whole-on-p")
         if not local:  # P computes the prompt (and caches it); D holds it either way
             self.prefill.sent(p, prompt)
-        self.decode.sent(d, prompt)
+        (self.decode if whole is None else self.prefill).sent(d, prompt)
         with self.legs.admitted(ex, with_p=not local):
             self.legs.prefill_sent(ex, "d" if local else "p")
             if local:
@@ -230,6 +239,16 @@ class Proxy:
                 local_body = msgspec.json.encode(body)
                 await self.legs.answer_from_decode(ex, d_body, reply, local=local_body)
 
+    def _why_whole_on_p(self, pin: str, d: Backend | None) -> str | None:
+        """Why a P serves the request whole: the operator or the request pinned it
+        (``pinned``), or no D is in rotation (``no_decode``, with ``fall_back_to_p``); None:
+        it does not."""
+        if pin == "whole-on-p":
+            return "pinned"
+        if d is None and self.config.fall_back_to_p and self.prefill.any_up:
+            return "no_decode"
+        return None
+
     def _why_alone(self, d: Backend | None) -> str:
         """Why a request for ``d`` got no P: none is in rotation (``no_prefill``), or every P
         in rotation answers with another model than D (``incompatible``)."""
@@ -248,11 +267,17 @@ class Proxy:
             f"no prefill engine answers with decode engine {d.url}'s model ({'; '.join(refused)})"
         )
 
-    def _place(self, ex: Exchange, pinned: str, alone: str | None) -> str:
-        """Where ``ex``'s prompt is computed: on D when it has no P (``alone``: why; this wins
-        over a pin: an incompatible P's token would be another model's), else ``pinned`` (the
-        operator's ``--placement`` or the request's header), or for ``auto`` the placer's
-        estimate (counted, and logged at DEBUG with the figures behind it)."""
+    def _place(self, ex: Exchange, pinned: str, alone: str | None, whole: str | None) -> str:
+        """Where ``ex``'s prompt is computed: on a P serving it whole (``whole``: why), on D
+        when it has no P (``alone``: why; this wins over a pin: an incompatible P's token
+        would be another model's), else ``pinned`` (the operator's ``--placement`` or the
+        request's header), or for ``auto`` the placer's estimate (counted, and logged at
+        DEBUG with the figures behind it)."""
+        if whole is not None:
+            self.metrics.placement.labels("whole-on-p", whole).inc()
+            if whole != "pinned":
+                self.metrics.fallbacks.labels(whole).inc()
+            return "whole-on-p"
         if alone is not None:
             self.metrics.placement.labels("local", alone).inc()
             self.metrics.fallbacks.labels(alone).inc()

@@ -230,10 +230,11 @@ class Metrics:
         )
         self.fallbacks = Counter(
             "pdactors_proxy_fallbacks",
-            "Requests D served alone although they were meant for P: no P in rotation "
-            "(no_prefill), no P in rotation answers with D's model (incompatible), P failed "
-            "before its first token (prefill_failed), or P was judged unhealthy while they "
-            "waited for its first token (p_unhealthy)",
+            "Requests one engine served alone although they were meant for two: D, as no P "
+            "is in rotation (no_prefill), no P in rotation answers with D's model "
+            "(incompatible), P failed before its first token (prefill_failed), or P was "
+            "judged unhealthy while they waited for its first token (p_unhealthy); a P, as "
+            "no D is in rotation (no_decode)",
             ["why"],
             registry=r,
         )
