@@ -28,6 +28,7 @@ from pdactors.deploy import (
     plan_deployment,
 )
 from pdactors.deploy.plan import free_port
+from pdactors.deploy.supervise import _wait_healthy
 
 SERVER = textwrap.dedent(
     """
@@ -115,6 +116,20 @@ async def test_child_crash_at_startup_stops_the_rest(tmp_path: Path) -> None:
     (died,) = matched.exceptions
     assert isinstance(died, ChildDied) and died.name == "bad" and died.code == 3
     assert not any(alive(pid) for pid in rec.pids())
+
+
+async def test_the_health_wait_leaves_a_childs_death_to_its_supervisor(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The one cause, once: a child that exited before the health wait polled it is reported
+    by its supervisor's ChildDied alone; the wait raising one as well reported the same death
+    twice when both saw it before the cancel (once in 25 minutes of a loaded full suite)."""
+    crashed = await trio.lowlevel.open_process([sys.executable, "-c", "raise SystemExit(3)"])
+    await crashed.wait()
+    bad = child("bad", free_port(), mode="crash")
+    with trio.move_on_after(2) as waited:  # a supervisor's ChildDied would cancel it
+        await _wait_healthy([bad], {"bad": crashed}, 30, lambda *a: None)
+    assert waited.cancelled_caught
 
 
 async def test_cancel_kills_a_child_that_ignores_sigterm(tmp_path: Path) -> None:

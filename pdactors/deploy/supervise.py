@@ -105,10 +105,11 @@ async def _wait_healthy(
     processes: dict[str, trio.Process],
     limit: float,
     progress: Callable[[str, float, bool], None],
-    log_dir: Path,
 ) -> None:
-    """Poll each child's ``/health`` until all answer; :class:`ChildDied` if one exits first,
-    :class:`NotHealthy` (naming the others) after ``limit`` seconds."""
+    """Poll each child's ``/health`` until all answer; :class:`NotHealthy` (naming the others)
+    after ``limit`` seconds. A child that exits first is reported by its own supervisor
+    (:func:`_supervise` raises :class:`ChildDied`, which cancels this wait): raising it here
+    too reported one death twice when both saw it before the cancel (a loaded machine)."""
     start = trio.current_time()
     pending = {c.name: c for c in children}
     async with httpx.AsyncClient(trust_env=False, timeout=2) as http:
@@ -116,8 +117,7 @@ async def _wait_healthy(
             while pending:
                 for name, child in list(pending.items()):
                     if processes[name].returncode is not None:
-                        code = processes[name].returncode
-                        raise ChildDied(name, code, log_dir / f"{name}.log")
+                        await trio.sleep_forever()  # its supervisor raises ChildDied
                     try:
                         ok = (await http.get(child.health_url)).is_success
                     except httpx.HTTPError:
@@ -156,9 +156,9 @@ async def launch(
         proxy = [c for c in plan.children if c.name == "proxy"]
         for child in servers:
             processes[child.name] = await nursery.start(start, child)
-        await _wait_healthy(servers, processes, startup_timeout, progress, log_dir)
+        await _wait_healthy(servers, processes, startup_timeout, progress)
         for child in proxy:  # the proxy's /health needs its backends up
             processes[child.name] = await nursery.start(start, child)
-        await _wait_healthy(proxy, processes, startup_timeout, progress, log_dir)
+        await _wait_healthy(proxy, processes, startup_timeout, progress)
         await when_ready(plan)
         nursery.cancel_scope.cancel()
