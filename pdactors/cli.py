@@ -173,6 +173,14 @@ def proxy(
             "ms of the new request's time to first token.",
         ),
     ] = default_of(ProxyConfig, "placement_stall_weight"),
+    slo_tpot_ms: Annotated[
+        float,
+        typer.Option(
+            metavar="MS",
+            help="auto: the time-per-output-token objective; once D's decode step nears it, "
+            "a P serves the next requests whole (0: never).",
+        ),
+    ] = default_of(ProxyConfig, "slo_tpot_ms"),
     fall_back_to_d: Annotated[
         bool,
         typer.Option(
@@ -287,6 +295,7 @@ def proxy(
             first_token=first_token,  # type: ignore[arg-type]  # checked by ProxyConfig
             placement=placement,  # type: ignore[arg-type]  # checked by ProxyConfig
             placement_stall_weight=placement_stall_weight,
+            slo_tpot_ms=slo_tpot_ms,
             fall_back_to_d=fall_back_to_d,
             fall_back_to_p=fall_back_to_p,
             health_interval=health_interval,

@@ -92,6 +92,11 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
       ``"local"``: D computes each request whole (an ordinary request to D; P takes no part);
       ``"whole-on-p"``: a P serves each request whole (an ordinary request to P, which
       vLLM serves on a ``kv_producer`` engine; D takes no part).
+    * ``slo_tpot_ms``: the operator's objective for the time per output token (ms). With
+      ``"auto"``, once D's decode step (the mean gap between its streams' chunks) reaches 80 %
+      of it while D decodes, and a P decodes faster, the next requests are served whole by P
+      (P prefills and decodes them; D takes no part) until D's step falls back: P shares the
+      decodes that would otherwise all wait on D. 0: never. Default 25.
     * ``placement_stall_weight``: for ``"auto"``, what a millisecond of pause to a request D
       is decoding counts for against a millisecond of the new request's time to first token.
     * ``fall_back_to_d``: when no P is in rotation, or a P fails (or is judged failed by the
@@ -125,6 +130,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     first_token: FirstToken = "p"
     placement: Placement = "auto"
     placement_stall_weight: float = 0.25
+    slo_tpot_ms: float = 25.0
     fall_back_to_d: bool = True
     fall_back_to_p: bool = True
     health_interval: float = 2.0
@@ -165,6 +171,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"placement must be one of {allowed}, not {self.placement!r}")
         if not self.placement_stall_weight >= 0:
             raise ConfigError("placement_stall_weight must be >= 0")
+        if not self.slo_tpot_ms >= 0:
+            raise ConfigError("slo_tpot_ms must be >= 0")
         if self.first_token not in get_args(FirstToken):
             raise ConfigError(f"first_token must be 'p' or 'd', not {self.first_token!r}")
         timeouts = (self.health_interval, self.health_timeout, self.request_timeout)

@@ -137,6 +137,38 @@ def test_the_choice_not_taken_is_taken_once_in_a_while() -> None:
     assert all(d.where == "local" for i, d in enumerate(wheres) if i not in explored)
 
 
+def test_a_d_whose_decode_step_nears_the_tpot_objective_sheds_requests_to_p_whole() -> None:
+    """Roles per request: D's step (its streams' mean chunk gap) at 80 % of the objective or
+    more, D decoding, P decoding faster (or not at all): P serves the request whole."""
+    placer = Placer(stall_weight=0.25)
+    busy = EngineLoad(0, 12)
+    placer.steps(D, 0.021, gaps=63)  # 21 ms per token on D: 84 % of 25 ms
+    shed = placer.decide(500, P, idle(), D, busy, slo_tpot_ms=25)
+    assert (shed.where, shed.reason) == ("whole-on-p", "d_decode_full")
+    assert shed.whole_ms is not None and shed.whole_ms <= shed.disaggregated_ms
+    # below 80 % of the objective, no objective, or D not decoding: D's roles as before
+    assert placer.decide(500, P, idle(), D, busy, slo_tpot_ms=30).where != "whole-on-p"
+    assert placer.decide(500, P, idle(), D, busy).where != "whole-on-p"
+    assert placer.decide(500, P, idle(), D, idle(), slo_tpot_ms=25).where != "whole-on-p"
+    # P decoding as slowly as D: nothing to gain
+    placer.steps(P, 0.022, gaps=63)
+    p_busy = EngineLoad(0, 12)
+    assert placer.decide(500, P, p_busy, D, busy, slo_tpot_ms=25).where != "whole-on-p"
+    # ... though P decoding faster still takes it
+    placer.steps(P, 0.010, gaps=63)
+    assert placer.decide(500, P, p_busy, D, busy, slo_tpot_ms=25).where == "whole-on-p"
+
+
+def test_ps_decodes_count_against_the_prompts_it_computes() -> None:
+    """A prompt P computes while P decodes (requests it serves whole) waits for P's step and
+    pauses P's decodes, as on D."""
+    placer = Placer(stall_weight=0.25)
+    placer.steps(P, 0.010, gaps=63)
+    quiet = placer.decide(500, P, idle(), D, EngineLoad(0, 4))
+    decoding = placer.decide(500, P, EngineLoad(0, 4), D, EngineLoad(0, 4))
+    assert decoding.disaggregated_ms > quiet.disaggregated_ms + 10
+
+
 # --------------------------------------------------------------------------- in the proxy
 
 

@@ -1,4 +1,5 @@
-"""Placement per request: have P compute the prompt (disaggregated) or let D do it (local).
+"""Placement per request: have P compute the prompt (disaggregated), let D do it (local), or
+let P serve the request whole (``whole-on-p``).
 
 The proxy's ``placement="auto"`` asks :class:`Placer` for each request. It estimates, from what
 the proxy measured while it ran, what each choice costs in milliseconds of the client's wait:
@@ -15,6 +16,14 @@ the proxy measured while it ran, what each choice costs in milliseconds of the c
 
 The cheaper one wins, except that once in 16 decisions the choice not taken for that long is
 taken (reason ``explore``): each model keeps following what its engine does now.
+
+**Roles per request.** Both choices leave the decode to D, so at high rates D's decode steps
+slow past the operator's TPOT objective while P idles between prefills. When D is decoding
+and its decode step (the mean gap between the chunks of its last streams) has reached
+:data:`_SHED_SHARE` of ``slo_tpot_ms``, and P's own step (P decodes the requests it serves
+whole) is shorter, the request goes to P whole (reason ``d_decode_full``): P prefills and
+decodes it, D takes no part. P's decodes then count against P as D's do against D: a prompt
+P computes waits for P's running step and pauses each request P decodes.
 
 ``stall_weight`` is what a millisecond of delay to a decoding request is worth against a
 millisecond of TTFT: a pause of ``t`` ms adds ``t / L`` to the mean TPOT of a request of ``L``
@@ -36,7 +45,7 @@ from typing import Any, Final, Literal
 
 __all__ = ["CostModel", "Decision", "EngineLoad", "Placer", "TokenCount", "prompt_size"]
 
-Where = Literal["local", "disaggregated"]
+Where = Literal["local", "disaggregated", "whole-on-p"]
 
 #: Before any measurement: time to first token ≈ 20 ms + 0.1 ms per prompt token (a small
 #: model on one CPU core), and D's catch-up ≈ 20 ms + 0.02 ms per token.
@@ -52,6 +61,9 @@ _CHARS_PER_TOKEN_PRIOR: Final = 4.0
 #: One decision in this many takes the choice the estimates did not pick (when the other one
 #: has not been taken for that long): the engine's model is refreshed by what it does now.
 _EXPLORE: Final = 16
+#: D's decode step, as a share of the TPOT objective, from which a request whose D is
+#: decoding goes to P whole (P's own step being shorter).
+_SHED_SHARE: Final = 0.8
 
 
 class CostModel:
@@ -139,6 +151,7 @@ class Decision:
     tokens: int
     local_ms: float
     disaggregated_ms: float
+    whole_ms: float | None = None  # P serving it whole (None: not weighed)
 
 
 @dataclass(slots=True)
@@ -146,7 +159,7 @@ class EngineLoad:
     """What the proxy knows of one engine's load when it places a request."""
 
     waiting_tokens: int  # prompt tokens sent to it whose first token has not come back
-    decoding: int  # requests in flight on it that it decodes (D only)
+    decoding: int  # requests in flight on it that it decodes
 
 
 class Placer:
@@ -164,15 +177,29 @@ class Placer:
     def _model(self, url: str) -> CostModel:
         return self._ttft.setdefault(url, CostModel(*_PRIOR_TTFT))
 
-    def decide(self, tokens: int, p_url: str, p: EngineLoad, d_url: str, d: EngineLoad) -> Decision:
+    def decide(
+        self,
+        tokens: int,
+        p_url: str,
+        p: EngineLoad,
+        d_url: str,
+        d: EngineLoad,
+        *,
+        slo_tpot_ms: float | None = None,
+    ) -> Decision:
+        """Where a prompt of ``tokens`` goes, P and D loaded as given. ``slo_tpot_ms``: the
+        TPOT objective, from which P may serve the request whole (None: it may not)."""
         p_model, d_model = self._model(p_url), self._model(d_url)
         catch_up = self._catch_up.setdefault(d_url, CostModel(*_PRIOR_CATCH_UP))
         w = self.stall_weight
-        disaggregated = p_model.predict(p.waiting_tokens + tokens) + w * catch_up.predict(tokens)
-        local = d_model.predict(d.waiting_tokens + tokens)
-        if d.decoding:
-            _, per_token = d_model.fit()
-            local += self._step_ms.get(d_url, 0.0) + w * d.decoding * per_token * tokens
+        on_p = p_model.predict(p.waiting_tokens + tokens) + self._decodes(p_url, p, tokens)
+        disaggregated = on_p + w * catch_up.predict(tokens)
+        local = d_model.predict(d.waiting_tokens + tokens) + self._decodes(d_url, d, tokens)
+        if slo_tpot_ms is not None and d.decoding:
+            d_step = self._step_ms.get(d_url)
+            p_step = self._step_ms.get(p_url, 0.0) if p.decoding else 0.0
+            if d_step is not None and d_step >= _SHED_SHARE * slo_tpot_ms and p_step < d_step:
+                return Decision("whole-on-p", "d_decode_full", tokens, local, disaggregated, on_p)
         where: Where = "local" if local < disaggregated else "disaggregated"
         if where == "local":
             reason = "d_idle" if not d.decoding else "p_queue" if p.waiting_tokens else "short"
@@ -190,6 +217,15 @@ class Placer:
         self._skipped[choices[where]] = 0
         self._skipped[choices[other]] = self._skipped.get(choices[other], 0) + 1
         return Decision(where, reason, tokens, local, disaggregated)
+
+    def _decodes(self, url: str, load: EngineLoad, tokens: int) -> float:
+        """What an engine's decodes add to a prompt it computes: the running step it waits
+        for, and ``stall_weight`` times the pause the prompt puts on each of them."""
+        if not load.decoding:
+            return 0.0
+        _, per_token = self._model(url).fit()
+        step = self._step_ms.get(url, 0.0)
+        return step + self.stall_weight * load.decoding * per_token * tokens
 
     # ------------------------------------------------------------------ what it learns
 

@@ -210,12 +210,14 @@ class Proxy:
         )  # fmt: skip
         ex.span = span
         ex.placement = self._place(ex, pin, alone, whole)
+        if ex.placement == "whole-on-p" and whole is None:  # auto: P serves it whole
+            ex.p, ex.d = self._no_prefill, ex.p
         reply.headers.append((PLACEMENT_HEADER, ex.placement.encode()))
         # One engine serves it whole (D, or a P in D's place): the other takes no part.
         local = ex.placement in ("local", "whole-on-p")
         if not local:  # P computes the prompt (and caches it); D holds it either way
             self.prefill.sent(p, prompt)
-        (self.decode if whole is None else self.prefill).sent(d, prompt)
+        (self.prefill if ex.placement == "whole-on-p" else self.decode).sent(ex.d, prompt)
         with self.legs.admitted(ex, with_p=not local):
             self.legs.prefill_sent(ex, "d" if local else "p")
             if local:
@@ -286,11 +288,14 @@ class Proxy:
             where = "local" if pinned == "local" else "disaggregated"
             self.metrics.placement.labels(where, "pinned").inc()
             return where
-        p_load = EngineLoad(ex.p.waiting_tokens, 0)
+        # P's count holds its legs until their token (prefills) and the requests it serves
+        # whole; D's also those whose prompt is still at a P (incoming).
+        p_load = EngineLoad(ex.p.waiting_tokens, ex.p.outstanding - ex.p.prefills)
         decoding = ex.d.outstanding - ex.d.prefills - ex.d.incoming
         d_load = EngineLoad(ex.d.waiting_tokens, decoding)
         tokens = ex.state.prompt_tokens
-        decision = self.placer.decide(tokens, ex.p.url, p_load, ex.d.url, d_load)
+        slo = self.config.slo_tpot_ms or None
+        decision = self.placer.decide(tokens, ex.p.url, p_load, ex.d.url, d_load, slo_tpot_ms=slo)
         self.metrics.placement.labels(decision.where, decision.reason).inc()
         if log.isEnabledFor(logging.DEBUG):
             log.debug(

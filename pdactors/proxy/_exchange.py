@@ -39,7 +39,8 @@ class Exchange:
     state: ExchangeState
     p_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     d_scopes: list[trio.CancelScope] = field(default_factory=list)
-    #: ``"disaggregated"`` or ``"local"`` (D computes the prompt).
+    #: ``"disaggregated"``, ``"local"`` (D computes the prompt) or ``"whole-on-p"`` (a P
+    #: serves it whole, as :attr:`d`).
     placement: str = "disaggregated"
     prompt_chars: int = 0  # a text prompt's characters (0 for token ids)
     #: When P answered and when D's headers came (trio clock), for the debug timeline.
