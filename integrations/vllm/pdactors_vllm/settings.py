@@ -102,17 +102,18 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
       connection at once too). It also bounds a new connection's handshake: a P that accepts
       but does not answer within it is judged hung. Raise it on hosts so oversubscribed that
       a process can get no CPU for seconds.
-    * ``idle_wait_ms``: on a step with nothing to compute (every request waits for KV), the
-      worker waits up to this long for the next transfer result instead of returning at once,
-      and the engine core naps instead of spinning (see :mod:`pdactors_vllm.idle`);
-      default 20, 0 turns it off.
+    * ``idle_wait_ms``: on a step with nothing to compute while a transfer's end is owed (a
+      pull in flight on D, blocks kept for a write on P), the worker waits up to this long for
+      the next transfer result instead of returning at once, and the engine core naps instead
+      of spinning (see :mod:`pdactors_vllm.idle`); default 20, 0 turns it off.
     * ``idle_sleep_ms``: D only: when a step would compute nothing and every request waits for
       its pull, the engine core sleeps until a pull ends or new input comes (either wakes it
       at once) or this long passes, instead of stepping every ``idle_wait_ms`` (see
       :mod:`pdactors_vllm.idle_gate`); default 500, 0 turns it off.
     * ``quiet_busy_waits``: on every other step too, vLLM's engine core (waiting for the
-      worker's output) and worker (waiting for the next step) spin for 0.2 ms, then nap 5 %
-      of the time waited so far (at most 0.5 ms) instead of spinning a CPU all along: P and D
+      worker's output) and worker (waiting for the next step) spin for 0.2 ms of each wait,
+      then nap 5 % of the time waited so far (at most 0.5 ms) instead of spinning a CPU all
+      along: P and D
       sharing a host's cores then stop taking each other's CPU (see
       :mod:`pdactors_vllm.idle`); default true.
     * ``eager_send``: P hands the KV to the sender at the end of the step that completes the
