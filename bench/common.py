@@ -134,7 +134,7 @@ def worktree(rev: str) -> Iterator[Path]:
 
 def placed(proxy_url: str | None) -> dict[str, float]:
     """The proxy's requests so far by placement (``pdactors_proxy_placement_total``)."""
-    counts: dict[str, float] = {"local": 0.0, "disaggregated": 0.0}
+    counts: dict[str, float] = {"local": 0.0, "disaggregated": 0.0, "whole-on-p": 0.0}
     if proxy_url is None:
         return counts
     text = httpx.get(f"{proxy_url}/metrics", timeout=10, trust_env=False).text

@@ -212,7 +212,7 @@ def main() -> None:
         print(
             "| rate req/s | setup | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms |"
             " TPOT p99 ms | SLO met | goodput req/s | failed | CPU % P / D / R0 / R1 |"
-            " local / disaggregated |"
+            " local / disaggregated / whole-on-p |"
         )
         print("|---" * 12 + "|")
         measured: dict[tuple[float, str], Stats] = {}
@@ -225,7 +225,9 @@ def main() -> None:
                 results, seconds = open_loop(setups[name], arrivals)
                 placed_after = placed(proxy_url if name == pd_name else None)
                 where = (
-                    " / ".join(f"{placed_after[k] - placed_before[k]:.0f}" for k in placed_after)
+                    " / ".join(
+                        f"{placed_after[k] - placed_before.get(k, 0):.0f}" for k in placed_after
+                    )
                     if name == pd_name and proxy_url
                     else "–"
                 )

@@ -107,7 +107,7 @@ def test_concurrent_flow_effects() -> None:
     assert ex.d_chunk(None) == []
     assert ex.prefill_ended(12.0, answered=True) == [Unhold("p", TOKENS, 25, 2.0), Release("p")]
     # D's step is learnt from the stream's span: 3 chunks, 2 gaps in 2 s.
-    assert ex.end("ok", 13.0) == [Release("d"), Step(1.0, 2), Ended("ok", 3.0)]
+    assert ex.end("ok", 13.0) == [Release("d"), Step(1.0, 2, 1.0), Ended("ok", 3.0)]
     assert ex.over and ex.outcome == "ok"
     assert ex.prefill_ended(13.1, answered=False) == []  # P's leg in its grace: nothing left
     assert ex.end("cancelled", 13.2) == []  # an echo
@@ -144,6 +144,13 @@ def test_p_first_token_then_ds_second_chunk() -> None:
     ex.d_sent = 0.3
     ex.d_answered()
     assert ex.d_chunk(0.5) == [SecondChunk(0.5, pytest.approx(0.2), 12)]
+    ex.d_chunk(None)
+    ex.d_chunk(None)
+    # D's step from its own 3 chunks (2 gaps in 0.2 s); the client's time per chunk from P's
+    # token at 0.3, D's catch-up included (3 gaps in 0.4 s).
+    (step,) = [e for e in ex.end("ok", 0.7) if isinstance(e, Step)]
+    assert (step.seconds, step.gaps) == (pytest.approx(0.1), 2)
+    assert step.per_chunk == pytest.approx(0.4 / 3)
 
 
 def test_p_first_falls_back_to_d() -> None:

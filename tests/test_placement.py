@@ -159,6 +159,19 @@ def test_a_d_whose_decode_step_nears_the_tpot_objective_sheds_requests_to_p_whol
     assert placer.decide(500, P, p_busy, D, busy, slo_tpot_ms=25).where == "whole-on-p"
 
 
+def test_what_ds_clients_got_per_token_decides_not_ds_own_step() -> None:
+    """In the P-first flow a client's tokens after P's wait for D's catch-up too: D stepping
+    at 8 ms while its clients got a token every 22 ms (a queue before D's first chunk) is a
+    D whose requests miss a 25 ms objective."""
+    placer = Placer(stall_weight=0.25)
+    busy = EngineLoad(0, 12)
+    placer.steps(D, 0.008, gaps=63, per_chunk=0.022)
+    assert placer.decide(500, P, idle(), D, busy, slo_tpot_ms=25).where == "whole-on-p"
+    assert placer.describe()["step_ms"][D] == pytest.approx(8, abs=0.01)  # what D steps at
+    placer.steps(D, 0.008, gaps=63, per_chunk=0.009)
+    assert placer.decide(500, P, idle(), D, busy, slo_tpot_ms=25).where != "whole-on-p"
+
+
 def test_ps_decodes_count_against_the_prompts_it_computes() -> None:
     """A prompt P computes while P decodes (requests it serves whole) waits for P's step and
     pauses P's decodes, as on D."""

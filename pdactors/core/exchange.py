@@ -127,10 +127,13 @@ class SecondChunk:
 @dataclass(frozen=True)
 class Step:
     """D's stream ended well after ``gaps`` gaps between its chunks, ``seconds`` each on
-    average (D's decode step, as the client sees it)."""
+    average (D's decode step, as the client sees it); ``per_chunk``: the mean gap from the
+    client's first chunk (P's token, where it went first) to the end, D's catch-up included
+    (the time per output token the client got)."""
 
     seconds: float
     gaps: int
+    per_chunk: float | None = None
 
 
 Effect = Admit | Hold | Unhold | Release | CancelLegs | Ended | FirstChunk | SecondChunk | Step
@@ -313,7 +316,10 @@ class ExchangeState:
             effects.append(CancelLegs())
         if outcome == "ok" and self._d_first is not None and self._d_chunks > 1:
             gaps = self._d_chunks - 1  # (a failed stream's last gap may be a stall: not learnt)
-            effects.append(Step((now - self._d_first) / gaps, gaps))
+            first = self._d_first if self.first_sent is None else self.first_sent
+            client_gaps = gaps + (first < self._d_first)  # P's token first: one gap more
+            per_chunk = (now - first) / client_gaps
+            effects.append(Step((now - self._d_first) / gaps, gaps, per_chunk))
         effects.append(Ended(outcome, now - self.arrived if outcome == "ok" else None))
         return effects
 

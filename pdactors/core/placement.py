@@ -17,13 +17,14 @@ the proxy measured while it ran, what each choice costs in milliseconds of the c
 The cheaper one wins, except that once in 16 decisions the choice not taken for that long is
 taken (reason ``explore``): each model keeps following what its engine does now.
 
-**Roles per request.** Both choices leave the decode to D, so at high rates D's decode steps
-slow past the operator's TPOT objective while P idles between prefills. When D is decoding
-and its decode step (the mean gap between the chunks of its last streams) has reached
-:data:`_SHED_SHARE` of ``slo_tpot_ms``, and P's own step (P decodes the requests it serves
-whole) is shorter, the request goes to P whole (reason ``d_decode_full``): P prefills and
-decodes it, D takes no part. P's decodes then count against P as D's do against D: a prompt
-P computes waits for P's running step and pauses each request P decodes.
+**Roles per request.** Both choices leave the decode to D, so at high rates D's clients get
+their tokens slower than the operator's TPOT objective while P idles between prefills. When D
+is decoding and the time per token its last streams' clients got (the mean gap from a
+client's first chunk, P's token in the P-first flow, to its last: D's catch-up included) has
+reached :data:`_SHED_SHARE` of ``slo_tpot_ms``, and P's clients got theirs faster (P decodes
+the requests it serves whole), the request goes to P whole (reason ``d_decode_full``): P
+prefills and decodes it, D takes no part. P's decodes then count against P as D's do against
+D: a prompt P computes waits for P's running step and pauses each request P decodes.
 
 ``stall_weight`` is what a millisecond of delay to a decoding request is worth against a
 millisecond of TTFT: a pause of ``t`` ms adds ``t / L`` to the mean TPOT of a request of ``L``
@@ -170,6 +171,9 @@ class Placer:
         self._ttft: dict[str, CostModel] = {}  # engine URL -> its time to a first token
         self._catch_up: dict[str, CostModel] = {}  # D URL -> its P-first continuation
         self._step_ms: dict[str, float] = {}  # D URL -> mean gap between its chunks
+        #: decoding engine URL -> the mean time per chunk its clients got, from their first
+        #: (P's token, in the P-first flow) to the last: what a TPOT objective is met by
+        self._tpot_ms: dict[str, float] = {}
         self.count = TokenCount()
         #: (choice, its engine's URL) -> decisions since that choice was last taken
         self._skipped: dict[tuple[Where, str], int] = {}
@@ -196,9 +200,9 @@ class Placer:
         disaggregated = on_p + w * catch_up.predict(tokens)
         local = d_model.predict(d.waiting_tokens + tokens) + self._decodes(d_url, d, tokens)
         if slo_tpot_ms is not None and d.decoding:
-            d_step = self._step_ms.get(d_url)
-            p_step = self._step_ms.get(p_url, 0.0) if p.decoding else 0.0
-            if d_step is not None and d_step >= _SHED_SHARE * slo_tpot_ms and p_step < d_step:
+            d_tpot = self._tpot_ms.get(d_url)
+            p_tpot = self._tpot_ms.get(p_url, 0.0) if p.decoding else 0.0
+            if d_tpot is not None and d_tpot >= _SHED_SHARE * slo_tpot_ms and p_tpot < d_tpot:
                 return Decision("whole-on-p", "d_decode_full", tokens, local, disaggregated, on_p)
         where: Where = "local" if local < disaggregated else "disaggregated"
         if where == "local":
@@ -239,13 +243,20 @@ class Placer:
         model = self._catch_up.setdefault(d_url, CostModel(*_PRIOR_CATCH_UP))
         model.observe(tokens, seconds * 1e3)
 
-    def steps(self, d_url: str, seconds: float, gaps: int = 1) -> None:
+    def steps(
+        self, d_url: str, seconds: float, gaps: int = 1, per_chunk: float | None = None
+    ) -> None:
         """One of D's streams had ``gaps`` gaps between its chunks, ``seconds`` each on
-        average: as many updates of the running mean (each keeps 0.9 of the mean before)."""
-        ms = seconds * 1e3
-        old = self._step_ms.get(d_url)
+        average, and its client ``per_chunk`` seconds per chunk from its first (None: as
+        ``seconds``): as many updates of each running mean (each keeps 0.9 of the mean
+        before)."""
         keep = 0.9**gaps
-        self._step_ms[d_url] = ms if old is None else keep * old + (1 - keep) * ms
+        for means, ms in (
+            (self._step_ms, seconds * 1e3),
+            (self._tpot_ms, (seconds if per_chunk is None else per_chunk) * 1e3),
+        ):
+            old = means.get(d_url)
+            means[d_url] = ms if old is None else keep * old + (1 - keep) * ms
 
     def describe(self) -> dict[str, Any]:
         """The fitted models, for ``GET /health``'s detail and the logs."""
@@ -257,4 +268,5 @@ class Placer:
                 for a, b in [m.fit()]
             }
         out["step_ms"] = {url: round(ms, 2) for url, ms in self._step_ms.items()}
+        out["tpot_ms"] = {url: round(ms, 2) for url, ms in self._tpot_ms.items()}
         return out

@@ -81,8 +81,8 @@ class ExchangeEffects:
                     self.metrics.second_chunk.labels(ex.p.url, ex.d.url).observe(since)
                     if caught_up is not None:
                         self.placer.caught_up(ex.d.url, tokens, caught_up)
-                case Step(seconds=seconds, gaps=gaps):
-                    self.placer.steps(ex.d.url, seconds, gaps)
+                case Step(seconds=seconds, gaps=gaps, per_chunk=per_chunk):
+                    self.placer.steps(ex.d.url, seconds, gaps, per_chunk)
 
     @staticmethod
     def _queue(ex: Exchange, engine: Backend, tokens: int, requests: int) -> None:

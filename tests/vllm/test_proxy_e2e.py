@@ -10,6 +10,7 @@ in front of our servers, KV moved and answers equal.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -508,3 +509,38 @@ def test_upstream_proxy_concurrent_requests_equal_single_server(
         got = list(pool.map(lambda p: run(upstream, p), prompts))
     assert got == want
     moved.check(sum(map(len, prompts)))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_whole_on_p_equals_single_server_and_leaves_d_out(setup: Setup, stream: bool) -> None:
+    """A request P serves whole (the placement the proxy takes with no D in rotation, or once
+    D's decode step nears the TPOT objective): vLLM serves a plain request on a kv_producer
+    engine, the answer equal to a single server's, D never asked."""
+    prompt = PROMPTS["ids-300"]
+    want = setup.single.completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, temperature=0
+    )
+    d_requests = setup.d.metric("vllm:request_success_total")
+    p_prompt = setup.p.metric("vllm:prompt_tokens_total")
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    headers = {"x-pdactors-placement": "whole-on-p"}
+    url = f"{setup.proxy_url}/v1/completions"
+    if stream:
+        with httpx.stream(
+            "POST", url, json={**body, "stream": True}, headers=headers, timeout=120,
+            trust_env=False,
+        ) as resp:  # fmt: skip
+            assert resp.status_code == 200
+            placement = resp.headers["x-pdactors-placement"]
+            events = [line.removeprefix("data: ") for line in resp.iter_lines()]
+        chunks = [json.loads(e) for e in events if e.startswith("{")]
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    else:
+        resp = httpx.post(url, json=body, headers=headers, timeout=120, trust_env=False)
+        assert resp.status_code == 200
+        placement = resp.headers["x-pdactors-placement"]
+        text = resp.json()["choices"][0]["text"]
+    assert placement == "whole-on-p"
+    assert text == want.choices[0].text
+    assert setup.d.metric("vllm:request_success_total") == d_requests  # D took no part
+    assert setup.p.metric("vllm:prompt_tokens_total") - p_prompt == len(prompt)
