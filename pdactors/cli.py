@@ -177,8 +177,8 @@ def proxy(
         float,
         typer.Option(
             metavar="MS",
-            help="auto: the time-per-output-token objective; once D's decode step nears it, "
-            "a P serves the next requests whole (0: never).",
+            help="auto: the time-per-output-token objective; once what D's clients get per "
+            "token nears it, a P serves the next requests whole (0: never).",
         ),
     ] = default_of(ProxyConfig, "slo_tpot_ms"),
     fall_back_to_d: Annotated[

@@ -93,9 +93,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
       ``"whole-on-p"``: a P serves each request whole (an ordinary request to P, which
       vLLM serves on a ``kv_producer`` engine; D takes no part).
     * ``slo_tpot_ms``: the operator's objective for the time per output token (ms). With
-      ``"auto"``, once D's decode step (the mean gap between its streams' chunks) reaches 80 %
-      of it while D decodes, and a P decodes faster, the next requests are served whole by P
-      (P prefills and decodes them; D takes no part) until D's step falls back: P shares the
+      ``"auto"``, once the time per token D's clients got (from their first chunk to their
+      last, D's catch-up after P's token included) reaches 80 % of it while D decodes, and
+      P's clients got theirs faster, the next requests are served whole by P (P prefills and
+      decodes them; D takes no part) until D's clients get theirs faster again: P shares the
       decodes that would otherwise all wait on D. 0: never. Default 25.
     * ``placement_stall_weight``: for ``"auto"``, what a millisecond of pause to a request D
       is decoding counts for against a millisecond of the new request's time to first token.

@@ -32,6 +32,7 @@ from pdactors_vllm.idle_gate import IdleGate
 from pdactors_vllm.kv_report import PREFIX, kv_layout_report, show_with_vllm_logs
 from pdactors_vllm.metrics import PdActorsPromMetrics, PdActorsStats
 from pdactors_vllm.model_shape import architecture_of, kv_groups, kv_heads_of, refuse_unserved
+from pdactors_vllm.quiet_steps import QuietSteps
 from pdactors_vllm.scheduler_side import PdActorsMetadata, SchedulerSide
 from pdactors_vllm.settings import ConnectorSettings, settings_from_extra_config, trace_export
 from pdactors_vllm.worker_side import WorkerPlace, WorkerSide
@@ -85,12 +86,12 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
         show_with_vllm_logs()
         groups = kv_groups(kv_cache_config, architecture_of(vllm_config.model_config))
         self._groups = groups
+        self.quiet: QuietSteps | None = None  # the engine core's (scheduler role only)
         if role == KVConnectorRole.SCHEDULER:
             block_size = vllm_config.cache_config.block_size
+            self.scheduler_side = SchedulerSide(self.settings, self.engine_id, block_size, groups)
             gate = IdleGate.of(self.settings) if transfer.is_kv_consumer else None
-            self.scheduler_side = SchedulerSide(
-                self.settings, self.engine_id, block_size, groups, gate
-            )
+            self.quiet = QuietSteps(self.settings, gate)
         else:
             # The edge: before this worker's Trio thread (and Mooncake's) exists.
             for key, value in self.settings.mooncake_environment().items():
@@ -119,9 +120,16 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler().build_connector_meta(scheduler_output)
+        side = self._scheduler()
+        meta = side.build_connector_meta(scheduler_output)
+        if self.quiet is not None:
+            scheduled = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+            self.quiet.step(meta, scheduled, side.pulling())
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.quiet is not None:
+            self.quiet.output()
         self._scheduler().update_connector_output(connector_output)
 
     def request_finished(
@@ -218,10 +226,8 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.worker_side is not None:
             stats = PdActorsStats(data=self.worker_side.take_counters())
-        elif self.scheduler_side is not None and self.scheduler_side.gate is not None:
-            stats = PdActorsStats(
-                data={"idle_sleep_seconds": self.scheduler_side.gate.take_sleeps()}
-            )
+        elif self.quiet is not None and self.quiet.gate is not None:
+            stats = PdActorsStats(data={"idle_sleep_seconds": self.quiet.gate.take_sleeps()})
         else:
             return None
         return None if stats.is_empty() else stats
@@ -258,8 +264,8 @@ class PdActorsConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()
-        if self.scheduler_side is not None and self.scheduler_side.gate is not None:
-            self.scheduler_side.gate.close()  # D's idle gate's socket
+        if self.quiet is not None:
+            self.quiet.close()
 
 
 def apply_pull_failure_policy(transfer: Any, settings: ConnectorSettings) -> None:

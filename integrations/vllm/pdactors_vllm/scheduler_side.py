@@ -1,4 +1,6 @@
-"""Scheduler side of PdActorsConnector: pure bookkeeping, no IO, no threads.
+"""Scheduler side of PdActorsConnector: pure bookkeeping, no IO, no threads. (What its idle
+marks do in the engine core's process — vLLM's waits patched, D's sleep between idle steps —
+is :mod:`pdactors_vllm.quiet_steps`, installed beside it by the connector.)
 
 It turns vLLM's scheduler hooks into one :class:`PdActorsMetadata` per step, which vLLM hands to
 every worker. Observable behaviour follows upstream's MooncakeConnector (the same
@@ -53,9 +55,6 @@ from vllm.v1.request import RequestStatus
 from pdactors import timeline
 from pdactors.errors import BadTransferParams
 from pdactors.wire import BlockIds, KVTransferParams
-from pdactors_vllm import idle
-from pdactors_vllm.gil import lower_switch_interval
-from pdactors_vllm.idle_gate import IdleGate
 from pdactors_vllm.metadata import (
     NULL_BLOCK,
     KVGroup,
@@ -90,17 +89,15 @@ class SchedulerSide:
         engine_id: str,
         block_size: int,
         groups: Sequence[KVGroup] | None = None,
-        gate: IdleGate | None = None,
     ) -> None:
         """``groups``: vLLM's KV-cache groups, in order (default: one full-attention group of
-        ``block_size``); ``gate``: D's sleep between idle steps (:mod:`pdactors_vllm.idle_gate`)."""
+        ``block_size``)."""
         self.settings = settings
         self.engine_id = engine_id
         self.groups = tuple(groups) if groups else (KVGroup(block_size),)
         #: P computes, and D pulls, the prompt but its last token (recurrent state)
         self.holds_back_last = any(g.state and g.transfer for g in self.groups)
         self._meta = PdActorsMetadata()
-        self.gate = gate
         #: req id -> the connector's marks on it, from its first hook to request_finished
         self._marks: dict[str, Marks] = {}
         #: P: req ids whose blocks vLLM keeps for a write (request_finished said so) until
@@ -108,9 +105,6 @@ class SchedulerSide:
         self._held: set[str] = set()
         if settings.timeline:
             timeline.enable()
-        if settings.idle_wait_ms > 0 or settings.quiet_busy_waits:
-            idle.install(busy=settings.quiet_busy_waits)  # this is the engine core's process
-        lower_switch_interval(settings.gil_switch_ms)
 
     # ------------------------------------------------------------------ D: how much is remote
 
@@ -262,16 +256,6 @@ class SchedulerSide:
             self._plan_eager(scheduler_output, meta)
         scheduled = getattr(scheduler_output, "total_num_scheduled_tokens", None)
         meta.idle = scheduled == 0 and self.settings.idle_wait_ms > 0 and self._owed()
-        if self.gate is not None:
-            quiet = scheduled == 0 and not meta.has_work()
-            if quiet and self.gate.sleep(self._pulling()) is not None:
-                meta.idle = False  # the engine core waited: the worker answers at once,
-                meta.slept = True  # then waits quietly: the next step may be as late
-            meta.wake = self.gate.address
-        if meta.idle:
-            idle.begin()
-        else:
-            idle.end()
         return meta
 
     def _plan_eager(self, out: SchedulerOutput, meta: PdActorsMetadata) -> None:
@@ -311,9 +295,9 @@ class SchedulerSide:
 
     def _owed(self) -> bool:
         """A transfer's end is still to come: a pull in flight, or blocks kept for a write."""
-        return bool(self._held) or self._pulling() > 0
+        return bool(self._held) or self.pulling() > 0
 
-    def _pulling(self) -> int:
+    def pulling(self) -> int:
         """D: how many requests wait for their pull."""
         return sum(marks.state is State.PULLING for marks in self._marks.values())
 
@@ -331,7 +315,6 @@ class SchedulerSide:
         return any(marks.state is State.EAGER for marks in self._marks.values())
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        idle.end()
         self._held.difference_update(output.finished_sending or ())
         for req_id in output.finished_recving or ():
             marks = self._marks.get(req_id)
