@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import sys
 import textwrap
@@ -130,6 +131,30 @@ async def test_the_health_wait_leaves_a_childs_death_to_its_supervisor(
     with trio.move_on_after(2) as waited:  # a supervisor's ChildDied would cancel it
         await _wait_healthy([bad], {"bad": crashed}, 30, lambda *a: None)
     assert waited.cancelled_caught
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+async def test_sigterm_or_sighup_stops_every_child(tmp_path: Path, sig: signal.Signals) -> None:
+    """What ``timeout``, systemd, ``docker stop`` and Kubernetes send (SIGTERM), or a closed
+    terminal (SIGHUP), stops the deployment as Ctrl-C does: every child, even one that
+    ignores SIGTERM itself, within its shutdown bound; launch says which signal it was."""
+    rec = Recorder()
+    plan = Plan(
+        [child("stubborn", free_port(), mode="stubborn"), child("proxy", free_port())], "u", "m"
+    )
+
+    async def ready(p: Plan) -> None:
+        os.kill(os.getpid(), sig)  # as the service manager would
+        await trio.sleep_forever()
+
+    with trio.fail_after(30):
+        by = await launch(
+            plan, startup_timeout=20, shutdown_timeout=1, out=rec.out, progress=rec.progress,
+            log_dir=tmp_path, when_ready=ready, stop_on=(signal.SIGTERM, signal.SIGHUP),
+        )  # fmt: skip
+    assert by is sig
+    assert len(rec.pids()) == 2
+    assert not any(alive(pid) for pid in rec.pids())
 
 
 async def test_cancel_kills_a_child_that_ignores_sigterm(tmp_path: Path) -> None:

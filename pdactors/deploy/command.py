@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -264,6 +265,7 @@ def launch_command(
     if config.model is None:
         view.add("tiny model", "built once, then cached")
     result: list[Smoke] = []
+    stopped: list[signal.Signals] = []  # the signal that stopped it (SIGTERM, SIGHUP)
 
     async def ready(plan: Plan) -> None:
         view.say(f"[bold]proxy: {plan.proxy_url}[/]")
@@ -291,7 +293,7 @@ def launch_command(
             )
             for child in plan.children:
                 view.add(child.name, child.base_url)
-            await launch(
+            by = await launch(
                 plan,
                 startup_timeout=config.startup_timeout,
                 shutdown_timeout=config.shutdown_timeout,
@@ -299,7 +301,10 @@ def launch_command(
                 progress=view.progress,
                 when_ready=ready,
                 out=(lambda line: print(line, flush=True)) if verbose else None,
+                stop_on=(signal.SIGTERM, signal.SIGHUP),
             )
+            if by is not None:
+                stopped.append(by)
 
     try:
         trio.run(main)
@@ -310,6 +315,9 @@ def launch_command(
         _report_failure(console, group)
         console.print(f"[red]deployment ended; logs in {logs}[/]")
         raise typer.Exit(1) from None
+    if stopped:
+        console.print(f"stopped by {stopped[0].name}; every component is stopped")
+        raise typer.Exit(1 if smoke else 0)
     if smoke:
         (outcome,) = result
         for line in outcome.lines():

@@ -139,11 +139,15 @@ async def launch(
     progress: Callable[[str, float, bool], None],
     when_ready: Callable[[Plan], Awaitable[None]],
     out: Callable[[str], None] | None = None,
-) -> None:
+    stop_on: tuple[signal.Signals, ...] = (),
+) -> signal.Signals | None:
     """Start ``plan``'s children, wait until all are healthy, then run ``when_ready``.
 
     Each child's output goes to ``log_dir/<name>.log`` (``log_dir`` must exist), and with
-    ``out`` also line by line, prefixed ``[name]``. Returns when ``when_ready`` returns;
+    ``out`` also line by line, prefixed ``[name]``. Returns when ``when_ready`` returns (None),
+    or when this process receives one of the signals ``stop_on`` (that signal; what
+    ``timeout``, systemd, ``docker stop`` and Kubernetes send is SIGTERM, a closed terminal
+    SIGHUP: without this they end the launcher at once and leave its children running);
     raises (in an exception group) :class:`~pdactors.deploy.errors.ChildDied` if a child exits
     first, and :class:`~pdactors.deploy.errors.NotHealthy` if they are not healthy within
     ``startup_timeout``. The proxy (the child named ``proxy``) starts once the others are
@@ -151,7 +155,10 @@ async def launch(
     """
     processes: dict[str, trio.Process] = {}
     start = partial(_supervise, grace=shutdown_timeout, log_dir=log_dir, out=out)
+    received: list[signal.Signals] = []
     async with trio.open_nursery() as nursery:
+        if stop_on:
+            await nursery.start(_stop_on, stop_on, nursery.cancel_scope, received)
         servers = [c for c in plan.children if c.name != "proxy"]
         proxy = [c for c in plan.children if c.name == "proxy"]
         for child in servers:
@@ -162,3 +169,21 @@ async def launch(
         await _wait_healthy(proxy, processes, startup_timeout, progress)
         await when_ready(plan)
         nursery.cancel_scope.cancel()
+    return received[0] if received else None
+
+
+async def _stop_on(
+    signals: tuple[signal.Signals, ...],
+    scope: trio.CancelScope,
+    received: list[signal.Signals],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Cancel ``scope`` at the first of ``signals`` this process receives (noted in
+    ``received``); the handlers are in place when it has started."""
+    with trio.open_signal_receiver(*signals) as arrivals:
+        task_status.started()
+        async for signum in arrivals:
+            received.append(signal.Signals(signum))
+            scope.cancel()
+            return

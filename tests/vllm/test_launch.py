@@ -66,7 +66,10 @@ def test_smoke_checks_answers_and_exits_clean(tmp_path: Path) -> None:
     assert deployment_processes() == []
 
 
-def test_ctrl_c_stops_everything_in_bounded_time() -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "SIGTERM"])
+def test_ctrl_c_or_sigterm_stops_everything_in_bounded_time(sig: signal.Signals) -> None:
+    """Ctrl-C, and SIGTERM (what ``timeout``, systemd, ``docker stop`` and Kubernetes send;
+    it used to end the launcher at once and leave P, D and the proxy running)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdactors.cli", "launch", "--proxy-port", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV,
@@ -89,12 +92,12 @@ def test_ctrl_c_stops_everything_in_bounded_time() -> None:
         reader.start()
         assert len(deployment_processes()) >= 3
         start = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         try:
             code = proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             told = "".join(said)
-            message = f"launch still running 60 s after Ctrl-C; it said:\n{told}"
+            message = f"launch still running 60 s after {sig.name}; it said:\n{told}"
             raise AssertionError(message) from None
         assert code == 0, "".join(said)
         assert time.monotonic() - start < 60
