@@ -113,8 +113,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     * ``quiet_busy_waits``: on every other step too, vLLM's engine core (waiting for the
       worker's output) and worker (waiting for the next step) spin for 0.2 ms of each wait,
       then nap 5 % of the time waited so far (at most 0.5 ms) instead of spinning a CPU all
-      along: P and D
-      sharing a host's cores then stop taking each other's CPU (see
+      along: P and D sharing a host's cores then stop taking each other's CPU (see
       :mod:`pdactors_vllm.idle`); default true.
     * ``eager_send``: P hands the KV to the sender at the end of the step that completes the
       prompt (``wait_for_save``) when that step also ends the request (``max_tokens`` 1, as
