@@ -62,8 +62,8 @@ _CHARS_PER_TOKEN_PRIOR: Final = 4.0
 #: One decision in this many takes the choice the estimates did not pick (when the other one
 #: has not been taken for that long): the engine's model is refreshed by what it does now.
 _EXPLORE: Final = 16
-#: D's decode step, as a share of the TPOT objective, from which a request whose D is
-#: decoding goes to P whole (P's own step being shorter).
+#: The time per token D's clients got, as a share of the TPOT objective, from which a request
+#: whose D is decoding goes to P whole (P's clients getting theirs faster).
 _SHED_SHARE: Final = 0.8
 
 
