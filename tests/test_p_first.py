@@ -327,3 +327,14 @@ async def test_whole_on_p_pinned_by_header_with_d_up() -> None:
             placed = (("placement", "whole-on-p"), ("reason", "pinned"))
             assert m[("pdactors_proxy_placement_total", placed)] == 1
             assert ("pdactors_proxy_fallbacks_total", (("why", "pinned"),)) not in m
+
+
+async def test_whole_on_p_with_no_p_in_rotation_is_a_503_naming_p() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p", placement="auto") as s:
+            s.p[0].healthy = False
+            await wait_health(s, 503)
+            headers = {"x-pdactors-placement": "whole-on-p"}
+            resp = await s.client.post("/v1/completions", json=completion_body(), headers=headers)
+            assert resp.status_code == 503 and "no prefill engine" in resp.text
+            assert s.p[0].received == [] and s.d[0].received == []

@@ -170,18 +170,14 @@ class Proxy:
         whole = self._why_whole_on_p(pin, d)
         if whole is not None:  # a P serves it whole, in D's place
             d, d_why = self.prefill.route(prompt)
-            if d is None:
-                self.metrics.requests.labels(endpoint.name, "unavailable").inc()
-                no = Failure.of(503, self.prefill.why_none(), "service_unavailable", "unavailable")
-                await reply.failure(no)
-                return
         p, p_why = None, ""
         if d is not None and whole is None:  # only a P that answers with D's model
             pair = self.watch.pairs
             p, p_why = self.prefill.route(prompt, lambda b: pair.refusal(b, d) is None)
         alone = None if p is not None or whole is not None else self._why_alone(d)
         if d is None or (alone is not None and not self.config.fall_back_to_d):
-            why = self.decode.why_none() if d is None else self._why_no_prefill(d)
+            pool = self.decode if whole is None else self.prefill  # the role d was to have
+            why = pool.why_none() if d is None else self._why_no_prefill(d)
             self.metrics.requests.labels(endpoint.name, "unavailable").inc()
             await reply.failure(Failure.of(503, why, "service_unavailable", "unavailable"))
             return
