@@ -21,6 +21,7 @@ from pdactors.core.exchange import (
     ExchangeState,
     FirstChunk,
     Hold,
+    Migrate,
     Release,
     SecondChunk,
     Step,
@@ -65,6 +66,7 @@ FIRE: dict[Event, Callable[[ExchangeState], list[Effect]]] = {
     Event.P_FAILED: lambda ex: ex.prefill_failed(Cause("prefill_error")),
     Event.FALL_BACK: lambda ex: ex.fall_back(),
     Event.RETRY: lambda ex: ex.retry(1.0, TOKENS),
+    Event.MIGRATE: lambda ex: ex.migrate("another engine"),
     Event.END: lambda ex: ex.end("ok", 1.0),
 }
 
@@ -363,3 +365,35 @@ def test_the_clients_error_names_what_failed_before() -> None:
         "first token: Internal server error; asked again to compute the prompt itself, it "
         "failed too; decode engine http://d:1 answered HTTP 503: busy"
     )
+
+
+def test_a_migration_moves_d_and_keeps_each_failure_and_learns_no_step() -> None:
+    ex = ExchangeState(10.0, TOKENS)
+    ex.admit(with_p=False)
+    ex.prefill_sent("d", 10.0, TOKENS)
+    ex.d_answered()
+    ex.d_chunk(10.1)
+    ex.d_chunk(None)
+    first, second = Cause("decode_error"), Cause("decode_error")
+    assert ex.fail(first) == [CancelLegs()]
+    assert ex.migrate("d2") == [Migrate("d2")]  # D's prompt left its queue at its first chunk
+    assert ex.phase is Phase.OPEN and ex.cause is None and ex.migrated_after == [first]
+    ex.d_answered()
+    ex.d_chunk(None)
+    ex.fail(second)
+    ex.migrate("d3")
+    assert ex.migrated_after == [first, second]
+    ex.d_answered()
+    ex.d_chunk(None)
+    effects = ex.end("ok", 11.0)
+    assert not any(isinstance(e, Step) for e in effects)  # three engines' gaps: not one D's
+    assert effects[-1] == Ended("ok", 1.0)
+
+
+def test_a_migration_before_d_answered_undoes_the_prompts_hold() -> None:
+    ex = ExchangeState(10.0, TOKENS)
+    ex.admit(with_p=False)
+    ex.prefill_sent("d", 10.0, TOKENS)
+    ex.fail(Cause("decode_error"))
+    assert ex.migrate("d2") == [Unhold("d", TOKENS, TOKENS, None), Migrate("d2")]
+    assert ex.prefilling is None

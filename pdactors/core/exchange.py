@@ -37,6 +37,7 @@ __all__ = [
     "FirstChunk",
     "Hold",
     "Leg",
+    "Migrate",
     "Phase",
     "Release",
     "SecondChunk",
@@ -136,7 +137,17 @@ class Step:
     per_chunk: float | None = None
 
 
-Effect = Admit | Hold | Unhold | Release | CancelLegs | Ended | FirstChunk | SecondChunk | Step
+@dataclass(frozen=True)
+class Migrate:
+    """D's outstanding count moves to ``to``, the engine that continues the request after
+    what the client already got (the caller's handle for it: the record only passes it on)."""
+
+    to: object
+
+
+Effect = (
+    Admit | Hold | Unhold | Release | CancelLegs | Ended | FirstChunk | SecondChunk | Step | Migrate
+)
 
 
 # --------------------------------------------------------------------------- the record
@@ -160,6 +171,8 @@ class ExchangeState:
         self.p_cause: Cause | None = None
         #: the failure of D's first leg, when D was asked again (at most once)
         self.retried_after: Cause | None = None
+        #: the failure of each engine that decoded before another continued (migrations)
+        self.migrated_after: list[Cause] = []
         self.outcome: str | None = None  # set when DONE
         self._p_held = False  # P's outstanding count is raised
         self._held: tuple[Leg, int, int, float] | None = None  # engine, tokens, ahead, sent
@@ -291,6 +304,21 @@ class ExchangeState:
         effects.append(Hold("d", self.prompt_tokens))
         return effects
 
+    def migrate(self, to: object) -> list[Effect]:
+        """D's leg failed and ``to`` continues the request after what the client already got
+        (its tokens are in ``to``'s prompt: no KV is pulled): the failure is kept in
+        ``migrated_after``, the prompt leaves any prefill queue, D's count moves to ``to``.
+        The caller bounds the attempts (``len(migrated_after)``)."""
+        self._move(Event.MIGRATE)
+        assert self.cause is not None
+        self.migrated_after.append(self.cause)
+        self.cause = None
+        effects: list[Effect] = []
+        if self._held is not None:
+            effects.append(self._unhold(None))
+        effects.append(Migrate(to))
+        return effects
+
     def fall_back(self) -> list[Effect]:
         """P-first: P failed before its token and D now serves the request alone."""
         self._move(Event.FALL_BACK)
@@ -314,7 +342,8 @@ class ExchangeState:
         effects.append(Release("d"))
         if outcome != "ok":  # else P's leg gets its moment to end (its connection is reused)
             effects.append(CancelLegs())
-        if outcome == "ok" and self._d_first is not None and self._d_chunks > 1:
+        learnt = outcome == "ok" and not self.migrated_after  # (one engine's stream only)
+        if learnt and self._d_first is not None and self._d_chunks > 1:
             gaps = self._d_chunks - 1  # (a failed stream's last gap may be a stall: not learnt)
             first = self._d_first if self.first_sent is None else self.first_sent
             client_gaps = gaps + (first < self._d_first)  # P's token first: one gap more

@@ -21,7 +21,10 @@ FAILED        the first failure (its cause kept)  its answer (the failure) ends 
                                                   asked again, computing the prompt itself
                                                   (+Hold on D), once, when none of D's answer
                                                   reached the client → OPEN (cause kept as
-                                                  ``retried_after``)
+                                                  ``retried_after``); another engine continues
+                                                  after what the client got (a migration,
+                                                  +Migrate) → OPEN (cause kept in
+                                                  ``migrated_after``)
 DONE          the client's answer ended: ok,      never; a late failure or end is an echo and
               failed or cancelled (+Unhold,       changes nothing
               +Release, +Ended: every count
@@ -61,6 +64,7 @@ class Event(enum.Enum):
     P_FAILED = "p_failed"  # P's leg failed while D's goes on without it (the concurrent flow)
     FALL_BACK = "fall_back"
     RETRY = "retry"  # D is asked again, computing the prompt itself
+    MIGRATE = "migrate"  # another engine continues after what the client already got
     END = "end"
 
 
@@ -87,6 +91,7 @@ TRANSITIONS: Final[dict[tuple[Phase, Event], Phase]] = {
     (_F, Event.P_FAILED): _F,
     (_F, Event.FALL_BACK): _O,
     (_F, Event.RETRY): _O,  # once, with none of D's answer relayed (else it raises)
+    (_F, Event.MIGRATE): _O,  # another engine decodes in D's place (bounded by the caller)
     (_F, Event.END): _D,
     (_D, Event.PREFILL_ENDED): _D,  # P's leg, given a moment after the answer: nothing left
     (_D, Event.FAIL): _D,  # a leg failing after the answer ended changes nothing

@@ -24,6 +24,7 @@ from pdactors.core.exchange import (
     FirstChunk,
     Hold,
     Leg,
+    Migrate,
     Release,
     SecondChunk,
     Step,
@@ -64,6 +65,11 @@ class ExchangeEffects:
                         self.placer.first_token(engine.url, ahead, seconds)
                 case Release(engine=leg):
                     ex.backend(leg).outstanding -= 1
+                case Migrate(to=to):
+                    assert isinstance(to, Backend)
+                    ex.d.outstanding -= 1
+                    ex.d = to
+                    to.outstanding += 1
                 case CancelLegs():
                     ex.cancel_legs()
                 case Ended(outcome=outcome, latency=latency):
