@@ -14,7 +14,19 @@ from pathlib import Path
 
 from pdactors import timeline
 
-__all__ = ["native_log_aside", "native_log_done", "setup"]
+__all__ = ["SCRATCH_NAME", "native_log_aside", "native_log_done", "scratch_dir", "setup"]
+
+#: The folder under the temp folder where commands keep their run folders and logs. Not a
+#: Python identifier: a Python started in the temp folder (``python -m
+#: vllm.entrypoints.openai.api_server``) would import a folder named ``pdactors`` there as the
+#: ``pdactors`` package (a namespace package: the path finder returns it before an editable
+#: install's finder is asked), and the connector would fail to load.
+SCRATCH_NAME = "pdactors-runs"
+
+
+def scratch_dir() -> Path:
+    """``$TMPDIR/pdactors-runs`` (:data:`SCRATCH_NAME`), not created here."""
+    return Path(tempfile.gettempdir()) / SCRATCH_NAME
 
 
 def setup(verbose: bool) -> None:
@@ -36,7 +48,7 @@ def native_log_aside(verbose: bool) -> Path | None:
     then nothing is moved)."""
     if verbose:
         return None
-    path = Path(tempfile.gettempdir()) / "pdactors" / f"native-{os.getpid()}.log"
+    path = scratch_dir() / f"native-{os.getpid()}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     sys.stderr.flush()
     terminal = os.dup(2)

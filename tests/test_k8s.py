@@ -42,6 +42,8 @@ CONFIGS = {
         decode = 2
         protocol = "rdma"
         device_name = "mlx5_0"
+        placement = "disaggregate"
+        slo_tpot_ms = 40
         [k8s]
         name = "big"
         namespace = "llm"
@@ -233,6 +235,8 @@ def test_the_proxy_names_every_p_and_d_pod(case: tuple[LaunchConfig, list[Manife
     assert {u.port for u in decodes} == {d_ports["http"]}
     assert {u.scheme for u in engines + bootstraps + decodes} == {"http"}
     assert flag_values(argv, "--routing") == [config.routing]
+    assert flag_values(argv, "--placement") == [config.placement]
+    assert flag_values(argv, "--slo-tpot-ms") == [str(config.slo_tpot_ms)]
     service = component(manifests, "proxy", "Service")
     assert service["spec"]["type"] == config.k8s.service_type
     (port,) = flag_values(argv, "--port")

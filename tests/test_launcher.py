@@ -4,17 +4,27 @@ health waits, forwarded logs, a child dying, cancellation — and never a proces
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import stat
+import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
 import msgspec
 import pytest
 import trio
+import typer
+import yaml
+from typer.testing import CliRunner
 
+import pdactors
+from pdactors._cli_setup import scratch_dir
+from pdactors.cli import app
+from pdactors.config import default_of
 from pdactors.deploy import (
     BadDeployConfig,
     Child,
@@ -28,8 +38,10 @@ from pdactors.deploy import (
     make_secrets,
     plan_deployment,
 )
+from pdactors.deploy.command import _run_dir
 from pdactors.deploy.plan import free_port
 from pdactors.deploy.supervise import _wait_healthy
+from pdactors.proxy_config import ProxyConfig
 
 SERVER = textwrap.dedent(
     """
@@ -237,6 +249,11 @@ def test_bad_config_is_refused() -> None:
         LaunchConfig(decode=0)
     with pytest.raises(msgspec.ValidationError, match="at least one"):  # as launch --config
         msgspec.convert({"decode": 0}, LaunchConfig)
+    for slo in (-1.0, math.nan):
+        with pytest.raises(BadDeployConfig, match="slo_tpot_ms"):
+            LaunchConfig(slo_tpot_ms=slo)
+    with pytest.raises(msgspec.ValidationError, match="placement"):
+        msgspec.convert({"placement": "nowhere"}, LaunchConfig)
 
 
 def test_a_secure_plan_wires_every_component_with_fresh_private_credentials(
@@ -293,3 +310,64 @@ async def test_each_childs_output_goes_to_its_own_log_and_a_crash_names_it(tmp_p
     for name in ("ok", "bad"):  # nothing forwarded without `out`, everything in the file
         (line,) = (tmp_path / f"{name}.log").read_text().splitlines()
         assert line.startswith("child ") and line.endswith(" starting")
+
+
+def proxy_options(argv: list[str]) -> dict[str, object]:
+    """``argv`` (``python -m pdactors.cli proxy ...``) parsed by the proxy command's own parser,
+    in this process: its options as the command would get them, nothing started."""
+    assert argv[1:4] == ["-m", "pdactors.cli", "proxy"]
+    group = typer.main.get_command(app)
+    assert isinstance(group, typer.core.TyperGroup)
+    proxy = group.commands["proxy"]
+    with proxy.make_context("proxy", argv[4:]) as ctx:
+        return dict(ctx.params)
+
+
+def test_the_proxy_gets_the_launchs_placement_and_slo() -> None:
+    config = LaunchConfig(proxy_port=0, placement="whole-on-p", slo_tpot_ms=40.0)
+    *_, proxy = plan_deployment(config, "/models/tiny", env={}).children
+    options = proxy_options(proxy.argv)
+    assert (options["placement"], options["slo_tpot_ms"]) == ("whole-on-p", 40.0)
+    *_, proxy = plan_deployment(LaunchConfig(proxy_port=0), "/models/tiny", env={}).children
+    options = proxy_options(proxy.argv)
+    assert options["placement"] == default_of(ProxyConfig, "placement")  # the proxy's own
+    assert options["slo_tpot_ms"] == default_of(ProxyConfig, "slo_tpot_ms")
+
+
+def test_launch_takes_placement_and_slo_options(tmp_path: Path) -> None:
+    """`pdactors launch --placement P --slo-tpot-ms MS`, parsed in this process; --render k8s
+    starts nothing and shows the proxy command launch built."""
+    args = ["launch", "--model", "/models/m", "--render", "k8s", "--out", str(tmp_path)]
+    done = CliRunner().invoke(app, [*args, "--placement", "local", "--slo-tpot-ms", "12.5"])
+    assert done.exit_code == 0, done.output
+    (proxy,) = [
+        m
+        for m in map(yaml.safe_load, (p.read_text() for p in sorted(tmp_path.glob("*.yaml"))))
+        if m["kind"] == "Deployment"
+    ]
+    argv = proxy["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert argv[argv.index("--placement") + 1] == "local"
+    assert argv[argv.index("--slo-tpot-ms") + 1] == "12.5"
+    refused = CliRunner().invoke(app, [*args, "--placement", "nowhere"])
+    assert refused.exit_code == 2 and "placement" in refused.output
+
+
+def test_the_run_folder_cannot_shadow_the_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Python started in the temp folder after a launch (``python -m
+    vllm.entrypoints.openai.api_server``) still imports the real ``pdactors``: a folder named
+    ``pdactors`` there would be imported as the package instead (a namespace package, with no
+    ``RankInfo``)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # tempfile's documented override
+    run = _run_dir(None)
+    (top,) = tmp_path.iterdir()
+    assert run.is_dir() and run.parent == top == scratch_dir()  # the native logs' folder too
+    assert not top.name.isidentifier()
+    done = subprocess.run(
+        [sys.executable, "-c", "from pdactors import RankInfo; import pdactors; "
+         "print(pdactors.__file__)"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == pdactors.__file__

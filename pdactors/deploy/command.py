@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.panel import Panel
 
+from pdactors._cli_setup import scratch_dir
 from pdactors.config import PROTOCOLS
 from pdactors.deploy.credentials import RunSecrets, is_loopback, make_secrets
 from pdactors.deploy.errors import BadDeployConfig, ChildDied, DeployError, ModelBuildFailed
@@ -53,7 +54,7 @@ def _default(key: str) -> str:
 def _run_dir(path: Path | None) -> Path:
     if path is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = Path(tempfile.gettempdir()) / "pdactors" / f"run-{stamp}-{os.getpid()}"
+        path = scratch_dir() / f"run-{stamp}-{os.getpid()}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -198,6 +199,22 @@ def launch_command(
         list[str] | None,
         typer.Option(metavar="GPUS", help="CUDA_VISIBLE_DEVICES of one D server (repeat)."),
     ] = None,
+    placement: Annotated[
+        str | None,
+        typer.Option(
+            metavar="auto|disaggregate|local|whole-on-p",
+            help="The proxy's --placement: where each prompt is computed (docs/proxy.md). "
+            f"{_default('placement')}",
+        ),
+    ] = None,
+    slo_tpot_ms: Annotated[
+        float | None,
+        typer.Option(
+            metavar="MS",
+            help="The proxy's --slo-tpot-ms: with auto placement, the time-per-output-token "
+            f"objective past which P serves requests whole (0: never). {_default('slo_tpot_ms')}",
+        ),
+    ] = None,
     smoke: Annotated[
         bool,
         typer.Option(
@@ -219,7 +236,7 @@ def launch_command(
         typer.Option(
             metavar="DIR",
             help="Where the components' logs go. [default: a new run-* directory under "
-            f"{Path(tempfile.gettempdir()) / 'pdactors'}]",
+            f"{scratch_dir()}]",
         ),
     ] = None,
     verbose: Annotated[
@@ -252,6 +269,8 @@ def launch_command(
             "prefill_gpus": tuple(prefill_gpus) if prefill_gpus else None,
             "decode_gpus": tuple(decode_gpus) if decode_gpus else None,
             "secure": secure,
+            "placement": placement,
+            "slo_tpot_ms": slo_tpot_ms,
         },
     )
     if render is not None:

