@@ -196,6 +196,14 @@ def proxy(
             help="With no D in rotation, a P serves each request whole (instead of a 503).",
         ),
     ] = default_of(ProxyConfig, "fall_back_to_p"),
+    migration_limit: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="How many times one request may move to another engine when the one "
+            "decoding it fails; the next continues after the tokens the client got (0: never).",
+        ),
+    ] = default_of(ProxyConfig, "migration_limit"),
     health_interval: Annotated[
         float, typer.Option(metavar="SECONDS", help="Seconds between health checks.")
     ] = default_of(ProxyConfig, "health_interval"),
@@ -298,6 +306,7 @@ def proxy(
             slo_tpot_ms=slo_tpot_ms,
             fall_back_to_d=fall_back_to_d,
             fall_back_to_p=fall_back_to_p,
+            migration_limit=migration_limit,
             health_interval=health_interval,
             health_timeout=health_timeout,
             request_timeout=request_timeout,

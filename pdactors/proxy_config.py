@@ -106,6 +106,11 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     * ``fall_back_to_p``: when no D is in rotation (dead, restarting, out of rotation), a P
       serves each request whole (as ``"whole-on-p"``) instead of the client getting a 503;
       default true.
+    * ``migration_limit``: how many times one request may be handed to another engine when
+      the engine decoding it fails (a broken connection, a 5xx, an error event): the next
+      engine continues after the tokens the client already got (another D, or with
+      ``fall_back_to_p`` a P serving it whole), so the client's stream goes on. 0: never
+      (the stream ends with an error event). Default 3.
     * ``first_token``: ``"p"`` (the default): the client's first token is P's answer, D
       continues after it (:mod:`pdactors.proxy._p_first`); ``"d"``: upstream's flow, P and D
       asked at once and D computing every token the client gets.
@@ -134,6 +139,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     slo_tpot_ms: float = 25.0
     fall_back_to_d: bool = True
     fall_back_to_p: bool = True
+    migration_limit: int = 3
     health_interval: float = 2.0
     health_timeout: float = 2.0
     request_timeout: float = 600.0
@@ -172,6 +178,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"placement must be one of {allowed}, not {self.placement!r}")
         if not self.placement_stall_weight >= 0:
             raise ConfigError("placement_stall_weight must be >= 0")
+        if self.migration_limit < 0:
+            raise ConfigError("migration_limit must be >= 0")
         if not self.slo_tpot_ms >= 0:
             raise ConfigError("slo_tpot_ms must be >= 0")
         if self.first_token not in get_args(FirstToken):

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from pdactors.proxy import _bodies as b
+from pdactors.proxy._stream import ClientStream
 from pdactors.wire import KVTransferParams
 
 PROMPT = [1, 17, 99, 5]
@@ -60,11 +61,13 @@ def test_ds_request_is_the_prompt_and_ps_token_for_one_token_less() -> None:
     d = b.decode_body(body, False, f, params)
     assert d["prompt"] == [*PROMPT, 42] and d["max_tokens"] == 7 and d["min_tokens"] == 2
     assert d["stream"] is True and d["kv_transfer_params"] is params
+    assert d["return_token_ids"] is True  # the proxy tracks what the client gets
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 0,
             "max_completion_tokens": 5, "stream_options": {"include_usage": True}}  # fmt: skip
     d = b.decode_body(chat, True, f, params)
     want = {"model": "tiny", "temperature": 0, "prompt": [*PROMPT, 42], "max_tokens": 4,
-            "stream_options": {"include_usage": True}, "kv_transfer_params": params}  # fmt: skip
+            "stream_options": {"include_usage": True}, "kv_transfer_params": params,
+            "return_token_ids": True}  # fmt: skip
     assert d == want
 
 
@@ -155,7 +158,8 @@ def test_ds_stream_is_reframed_event_by_event_whatever_its_chunks() -> None:
              "completion_tokens": 2, "total_tokens": 7}}  # fmt: skip
     d = chunk(" j") + chunk("umps", "length") + b"data: " + msgspec.json.encode(usage)
     d += b"\n\ndata: [DONE]\n\n"
-    stream = b.ClientStream(first(chat=True), chat=True)
+    chat = {"model": "tiny", "messages": [], "stream": True}
+    stream = ClientStream(chat, True, first(chat=True))
     out = b"".join(stream.feed(d[i : i + 7]) for i in range(0, len(d), 7))
     assert out.endswith(b"data: [DONE]\n\n")
     one, two, last = events(out)
@@ -163,6 +167,7 @@ def test_ds_stream_is_reframed_event_by_event_whatever_its_chunks() -> None:
     assert one["choices"][0]["delta"] == {"content": " j"}
     assert two["choices"][0]["finish_reason"] == "length"
     assert last["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
-    plain = b.ClientStream(first(), chat=False).feed(chunk(" j"))
+    body = {"model": "tiny", "prompt": "x", "stream": True}
+    plain = ClientStream(body, False, first()).feed(chunk(" j"))
     (event,) = events(plain)
-    assert "prompt_token_ids" not in event["choices"][0]
+    assert event["choices"][0]["prompt_token_ids"] is None  # D's prompt: not the client's

@@ -25,19 +25,19 @@ import msgspec
 from pdactors.wire import KVTransferParams
 
 __all__ = [
-    "ClientStream",
     "First",
     "applies",
     "client_usage",
     "concurrent_bodies",
+    "continuation_body",
     "decode_body",
     "ended_at_p",
     "ends_at_p",
     "first_event",
+    "max_tokens",
     "merge_whole",
     "prefill_body",
     "read_first",
-    "wants_events",
 ]
 
 #: Completion fields that keep the P-first flow off (they change what the answer holds
@@ -60,7 +60,7 @@ _CHAT_HANDLED: Final = frozenset({
 _ASKED: Final = ("prompt_token_ids", "token_ids")
 
 
-def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
+def max_tokens(body: dict[str, Any], chat: bool) -> int | None:
     value = body.get("max_completion_tokens") if chat else None
     return value if value is not None else body.get("max_tokens")
 
@@ -96,7 +96,7 @@ def prefill_body(body: dict[str, Any], chat: bool, transfer_id: str) -> dict[str
     p_body.pop("stream_options", None)
     if body.get("min_tokens"):
         p_body["min_tokens"] = 1
-    if _max_tokens(body, chat) != 1:
+    if max_tokens(body, chat) != 1:
         params = KVTransferParams(
             do_remote_decode=True, transfer_id=transfer_id, first_token_from_p=True
         )
@@ -119,7 +119,7 @@ class First:
 def ends_at_p(first: First, body: dict[str, Any], chat: bool) -> bool:
     """P's token is the whole answer: EOS or a stop string, or the client asked for one
     token (then P was asked for no transfer)."""
-    return first.finish_reason != "length" or _max_tokens(body, chat) == 1
+    return first.finish_reason != "length" or max_tokens(body, chat) == 1
 
 
 def read_first(raw: bytes, chat: bool) -> First | str:
@@ -144,6 +144,20 @@ def decode_body(
     """D's request: a completion of the prompt's ids and P's token, for the tokens the client
     asked for but one, streamed when the client's is; with ``params`` None, the same request
     for D computing the prompt itself (a retry: no KV to pull)."""
+    return continuation_body(body, chat, [*first.prompt_ids, first.token_id], 1, params)
+
+
+def continuation_body(
+    body: dict[str, Any],
+    chat: bool,
+    ids: list[int],
+    done: int,
+    params: KVTransferParams | None = None,
+) -> dict[str, Any]:
+    """A completion request that continues the client's after ``done`` tokens it already got:
+    its prompt is ``ids`` (the prompt's token ids, then those tokens), for the tokens still
+    owed, with the client's sampling and stops, streamed when the client's is, its token ids
+    asked for (the proxy tracks what the client gets: :mod:`pdactors.proxy._stream`)."""
     if chat:
         d_body = {k: v for k, v in body.items() if k in _CHAT_CARRIED}
         d_body["model"] = body["model"]
@@ -153,12 +167,13 @@ def decode_body(
             d_body["stream_options"] = body["stream_options"]
     else:
         d_body = {k: v for k, v in body.items() if k not in ("max_completion_tokens",)}
-    d_body["prompt"] = [*first.prompt_ids, first.token_id]
-    left = _max_tokens(body, chat)
+    d_body["prompt"] = ids
+    d_body["return_token_ids"] = True
+    left = max_tokens(body, chat)
     if left is not None:
-        d_body["max_tokens"] = left - 1
+        d_body["max_tokens"] = left - done
     if body.get("min_tokens"):
-        d_body["min_tokens"] = max(0, body["min_tokens"] - 1)
+        d_body["min_tokens"] = max(0, body["min_tokens"] - done)
     if params is not None:
         d_body["kv_transfer_params"] = params
     return d_body
@@ -247,57 +262,3 @@ def first_event(first: First, body: dict[str, Any], chat: bool, *, last: bool) -
             out += b"data: " + msgspec.json.encode(usage) + b"\n\n"
         out += b"data: [DONE]\n\n"
     return out
-
-
-def wants_events(body: dict[str, Any], chat: bool) -> bool:
-    """Whether D's stream must be rewritten event by event (else its bytes pass as they
-    come): chat (D answers as a completion), usage (counted from P's prompt and token),
-    logprobs (offsets after P's text), token ids (P's prompt ids)."""
-    return bool(chat or body.get("stream_options") or body.get("logprobs")
-                or body.get("return_token_ids"))  # fmt: skip
-
-
-class ClientStream:
-    """D's streamed completion → the client's stream after P's token: SSE events are
-    re-framed one by one (D's bytes may split or join them)."""
-
-    def __init__(self, first: First, chat: bool) -> None:
-        self.first = first
-        self.chat = chat
-        self._buffer = b""
-        a = first.answer
-        self._head = {"id": a.get("id"), "created": a.get("created"), "model": a.get("model")}
-
-    def feed(self, data: bytes) -> bytes:
-        """The client's bytes for ``data`` (whole events only; a partial one waits)."""
-        self._buffer += data
-        *events, self._buffer = self._buffer.split(b"\n\n")
-        return b"".join(self._event(e) for e in events if e.strip())
-
-    def _event(self, raw: bytes) -> bytes:
-        if not raw.startswith(b"data: ") or raw == b"data: [DONE]" or b'"error"' in raw[:16]:
-            return raw + b"\n\n"
-        try:
-            event = msgspec.json.decode(raw[6:])
-        except msgspec.DecodeError:
-            return raw + b"\n\n"
-        if event.get("usage"):
-            event["usage"] = client_usage(self.first, event["usage"].get("completion_tokens", 0))
-        choices = event.get("choices") or []
-        shift = len(self.first.text)
-        for choice in choices:
-            choice.pop("prompt_token_ids", None)  # D's: the prompt and P's token
-            lp = choice.get("logprobs")
-            if isinstance(lp, dict) and lp.get("text_offset"):
-                lp["text_offset"] = [o + shift for o in lp["text_offset"]]
-        if self.chat:
-            event = {
-                **self._head, "object": "chat.completion.chunk",
-                "choices": [
-                    {"index": c.get("index", 0), "delta": {"content": c.get("text", "")},
-                     "logprobs": None, "finish_reason": c.get("finish_reason")}
-                    for c in choices
-                ],
-                **({"usage": event["usage"]} if event.get("usage") else {}),
-            }  # fmt: skip
-        return b"data: " + msgspec.json.encode(event) + b"\n\n"

@@ -217,7 +217,7 @@ class Proxy:
         with self.legs.admitted(ex, with_p=not local):
             self.legs.prefill_sent(ex, "d" if local else "p")
             if local:
-                await self.legs.answer_from_decode(ex, msgspec.json.encode(body), reply)
+                await self.legs.answer_from_decode(ex, body, reply)
             elif self.config.first_token == "p" and _bodies.applies(body, endpoint.chat):
                 await complete_p_first(self.legs, ex, body, reply)
             else:
@@ -235,7 +235,7 @@ class Proxy:
                 # KV did not come is asked again with the client's body (computing it all).
                 nursery.start_soon(partial(self.legs.prefill_leg, ex, p_body, beside_d=True))
                 local_body = msgspec.json.encode(body)
-                await self.legs.answer_from_decode(ex, d_body, reply, local=local_body)
+                await self.legs.answer_from_decode(ex, body, reply, d_body=d_body, local=local_body)
 
     def _why_whole_on_p(self, pin: str, d: Backend | None) -> str | None:
         """Why a P serves the request whole: the operator or the request pinned it

@@ -88,17 +88,3 @@ class EngineFailures:
         message = f"{b.role} engine {b.url} answered HTTP {status}: {text}"
         why = "decode_failed" if b.role == "decode" else ""
         return Failure.of(502, message, "upstream_error", outcome, retry=why)
-
-    def named_error_event(self, d: Backend, chunk: bytes, earlier: tuple[str, ...]) -> bytes:
-        """``chunk`` with D's error event (vLLM's bare "Internal server error") replaced by one
-        that names D and what it said, after what failed ``earlier`` in the request; what came
-        before it in the chunk is kept."""
-        at = chunk.index(ERROR_EVENT)
-        end = chunk.find(b"\n\n", at)
-        event = chunk[at : len(chunk) if end < 0 else end]
-        failure = self.event_failure(d, event, before_token=False)
-        return (
-            chunk[:at]
-            + failure.after(*earlier).sse_event()
-            + (b"" if end < 0 else chunk[end + 2 :])
-        )

@@ -63,13 +63,17 @@ class Exchange:
     @property
     def earlier_failures(self) -> tuple[str, ...]:
         """What failed before the request's failure, as the client is told it: P beside D
-        (the concurrent flow), and D's first leg when D was asked again."""
+        (the concurrent flow), D's first leg when D was asked again, and each engine that
+        decoded before another continued."""
         p, d = self.state.p_cause, self.state.retried_after
         assert p is None or isinstance(p, Failure)
         assert d is None or isinstance(d, Failure)
         told: tuple[str, ...] = () if p is None else (p.message,)
         if d is not None:
             told += (f"{d.message}; asked again to compute the prompt itself, it failed too",)
+        for moved in self.state.migrated_after:
+            assert isinstance(moved, Failure)
+            told += (f"{moved.message}; another engine continued",)
         return told
 
     def told(self) -> Failure:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import aclosing, contextmanager
-from typing import Final
+from typing import Any, Final
 
+import msgspec
 import trio
 
 from pdactors.core.placement import Placer
@@ -25,9 +26,10 @@ from pdactors.proxy._engine_failures import ERROR_EVENT, EngineFailures
 from pdactors.proxy._engine_http import EngineClient, EngineError, EngineResponse
 from pdactors.proxy._exchange import Exchange
 from pdactors.proxy._health import HealthWatch
-from pdactors.proxy._openai import Failure
-from pdactors.proxy._retry import retry_reason
+from pdactors.proxy._openai import COMPLETIONS, Failure
+from pdactors.proxy._retry import migration_target, retry_reason
 from pdactors.proxy._state import Backend, Metrics
+from pdactors.proxy._stream import ClientStream
 from pdactors.proxy_config import ProxyConfig
 
 __all__ = ["Legs"]
@@ -55,6 +57,7 @@ class Legs(ExchangeEffects):
         super().__init__(metrics, placer)
         self.config = config
         self.engines = engines
+        self.watch = watch
         self.failures = EngineFailures(config, metrics, watch)
 
     # ------------------------------------------------------------------ P's leg
@@ -115,16 +118,28 @@ class Legs(ExchangeEffects):
     # ------------------------------------------------------------------ D's leg
 
     async def answer_from_decode(
-        self, ex: Exchange, body: bytes, reply: Reply, *, local: bytes | None = None
+        self,
+        ex: Exchange,
+        body: dict[str, Any],
+        reply: Reply,
+        *,
+        d_body: bytes | None = None,
+        local: bytes | None = None,
     ) -> None:
-        """Ask D with ``body`` and answer the client with D's answer, as it comes (ends
-        ``ex``). ``local``: the same request with D computing the prompt itself, asked once
-        when D's leg fails before any of its answer reached the client (its KV did not
-        come: :meth:`retry`)."""
+        """Ask D and answer the client with D's answer, as it comes (ends ``ex``): D gets
+        ``d_body`` (default: the client's ``body``). ``local``: the same request with D
+        computing the prompt itself, asked once when D's leg fails before any of its answer
+        reached the client (its KV did not come: :meth:`retry`). A D that fails otherwise
+        hands the request to another engine (:meth:`migrate`)."""
         if ex.stream:
-            await self.relay_decode(ex, body, reply, local=local)
+            stream = ClientStream(body, ex.endpoint.chat)
+            native = stream.native_body(body if d_body is None else msgspec.json.decode(d_body))
+            if local is not None:
+                local = msgspec.json.encode(stream.native_body(msgspec.json.decode(local)))
+            await self.relay_decode(ex, msgspec.json.encode(native), reply, stream, local=local)
             return
-        raw = await self.decode_whole(ex, body, local=local)
+        plain = msgspec.json.encode(body)
+        raw = await self.decode_whole(ex, plain if d_body is None else d_body, local=local)
         if raw is None:
             await self.answer_failure(ex, reply)
             return
@@ -158,37 +173,64 @@ class Legs(ExchangeEffects):
         ex.d_scopes = []  # the first leg's, cancelled by its failure
         return True
 
+    def migrate(self, ex: Exchange) -> bool:
+        """Whether ``ex``'s failed decoding leg is handed to another engine now
+        (:func:`migration_target` says which). Counted and logged (at WARNING the first
+        time, then at INFO); the record moves D's count to it."""
+        to = migration_target(ex, self.config, self.watch, trio.current_time())
+        if to is None:
+            return False
+        failure = ex.failure
+        assert failure is not None
+        done = len(ex.state.migrated_after)
+        log.log(
+            logging.WARNING if done == 0 else logging.INFO,
+            "proxy: request %s: %s; %s engine %s continues it (migration %d of at most %d)",
+            ex.transfer_id, failure.message[:300], to.role, to.url, done + 1,
+            self.config.migration_limit,
+        )  # fmt: skip
+        self.metrics.migrations.labels(to.role).inc()
+        self.apply(ex, ex.state.migrate(to))
+        ex.d_scopes = []  # the failed leg's, cancelled by its failure
+        return True
+
     async def decode_whole(
         self, ex: Exchange, body: bytes, *, local: bytes | None = None, path: str | None = None
     ) -> bytes | None:
         """D's whole answer (not streamed) to ``body`` on ``path``, asked again with
-        ``local`` once when D fails with its KV missing (:meth:`retry`); None with
-        ``ex.failure`` set."""
+        ``local`` once when D fails with its KV missing (:meth:`retry`), and handed to another
+        engine with ``local`` (or ``body`` when D computed the prompt already) when D fails
+        otherwise (:meth:`migrate`); None with ``ex.failure`` set."""
         attempt = body
         while True:
             resp = await self.open_decode(ex, attempt, path)
             raw = None if resp is None else await self.read_whole(ex, resp)
             if raw is not None:
                 return raw
-            if not self.retry(ex, local):
+            if self.retry(ex, local):
+                assert local is not None
+                attempt = local
+            elif self.migrate(ex):
+                attempt = local or body
+            else:
                 return None
-            assert local is not None
-            attempt = local
 
     async def relay_decode(
         self,
         ex: Exchange,
         body: bytes,
         reply: Reply,
+        stream: ClientStream,
         *,
         local: bytes | None = None,
         path: str | None = None,
-        transform: Callable[[bytes], bytes] | None = None,
     ) -> None:
-        """Hand D's streamed answer to ``body`` to the client as it comes (``transform``ed:
-        P-first), asking D again with ``local`` once when its leg fails before any of its
-        answer was relayed (:meth:`retry`); a failure with nothing sent yet is answered as
-        an HTTP status, one in a begun stream as its last event. Ends ``ex``."""
+        """Hand D's streamed answer to ``body`` to the client as it comes, made into the
+        client's stream by ``stream``: asking D again with ``local`` once when its leg fails
+        before any of its answer was relayed (:meth:`retry`), or another engine right after
+        what the client got when D fails otherwise (:meth:`migrate`); a failure with nothing
+        sent yet is answered as an HTTP status, one in a begun stream as its last event.
+        Ends ``ex``."""
         outcome = "cancelled"
         try:
             attempt = body
@@ -201,7 +243,7 @@ class Legs(ExchangeEffects):
                                 200, b"text/event-stream", ex.transfer_id,
                                 (b"cache-control", b"no-cache"),
                             )  # fmt: skip
-                        relayed = await self._forward(ex, resp, reply, transform)
+                        relayed = await self._forward(ex, resp, reply, stream.feed)
                     finally:
                         await resp.aclose()
                     if relayed is not None:
@@ -210,6 +252,12 @@ class Legs(ExchangeEffects):
                 if self.retry(ex, local):
                     assert local is not None
                     attempt = local
+                    continue
+                leg = stream.next_leg() if ex.failure is not None else None
+                if leg is not None and self.migrate(ex):
+                    next_body, completion = leg
+                    attempt = msgspec.json.encode(next_body)
+                    path = COMPLETIONS.path if completion else None
                     continue
                 if not reply.started:
                     await self.answer_failure(ex, reply)
@@ -268,23 +316,19 @@ class Legs(ExchangeEffects):
             await resp.aclose()
 
     async def _forward(
-        self,
-        ex: Exchange,
-        resp: EngineResponse,
-        reply: Reply,
-        transform: Callable[[bytes], bytes] | None,
+        self, ex: Exchange, resp: EngineResponse, reply: Reply, feed: Callable[[bytes], bytes]
     ) -> str | None:
-        """Relay D's stream: its outcome (``"ok"``, or ``"decode_error"`` for an error event
-        after some of it was relayed), or None with ``ex.failure`` set and nothing more
-        sent: D's stream began with an error event (what vLLM sends when the KV did not
-        come), broke, or ran past the deadline."""
-        first, outcome = True, "ok"
+        """Relay D's stream (``feed`` makes each chunk the client's): ``"ok"``, or None with
+        ``ex.failure`` set and nothing more sent: D's stream began with an error event (what
+        vLLM sends when the KV did not come), had one later (what came before it relayed),
+        broke, or ran past the deadline."""
+        began = False  # this leg relayed something (a chat's role alone does not count)
         held = b""  # a chat's role announcement, relayed with what follows it
         with ex.decode_scope(), trio.move_on_at(ex.deadline):
             try:
                 async with aclosing(resp.chunks()) as chunks:
                     async for chunk in chunks:
-                        if not ex.state.d_relayed:
+                        if not began:
                             chunk, held = held + chunk, b""
                             rest = _after_role(chunk)
                             if rest.startswith(ERROR_EVENT):  # before any of D's tokens
@@ -293,22 +337,25 @@ class Legs(ExchangeEffects):
                             if not rest:  # only a chat's role so far: held until a token
                                 held = chunk
                                 continue
-                        # Only D's first chunk is timed (TTFT); D's step is learnt from the
-                        # stream's span when it ends.
+                        # Only the client's first chunk of D's is timed (TTFT); D's step is
+                        # learnt from the stream's span when it ends.
+                        first = not ex.state.d_relayed
                         self.apply(ex, ex.state.d_chunk(trio.current_time() if first else None))
-                        first = False
-                        if ERROR_EVENT in chunk:  # D reports a failure in a stream it began (200)
-                            outcome = "decode_error"
-                            chunk = self.failures.named_error_event(
-                                ex.d, chunk, ex.earlier_failures
-                            )
-                        data = transform(chunk) if transform is not None else chunk
-                        if data:
+                        began = True
+                        at = chunk.find(ERROR_EVENT)
+                        if at >= 0:  # D reports a failure in a stream it began (200)
+                            if data := feed(chunk[:at]):
+                                await reply.chunk(data)
+                            event = chunk[at:].split(b"\n\n", 1)[0]
+                            failure = self.failures.event_failure(ex.d, event, before_token=False)
+                            self.fail(ex, failure)
+                            return None
+                        if data := feed(chunk):
                             await reply.chunk(data)
                 if held:  # a stream of a role announcement only
                     self.apply(ex, ex.state.d_chunk(trio.current_time()))
-                    await reply.chunk(transform(held) if transform is not None else held)
-                return outcome
+                    await reply.chunk(feed(held))
+                return "ok"
             except EngineError as exc:
                 self.fail(ex, self.failures.transport_failure(ex.d, exc))
         if ex.failure is None:

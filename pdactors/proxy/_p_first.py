@@ -28,6 +28,7 @@ from pdactors.proxy._asgi import PLACEMENT_HEADER, Reply
 from pdactors.proxy._exchange import Exchange
 from pdactors.proxy._legs import Legs
 from pdactors.proxy._openai import COMPLETIONS, Failure
+from pdactors.proxy._stream import ClientStream
 from pdactors.wire import KVTransferParams
 
 __all__ = ["complete_p_first"]
@@ -85,11 +86,8 @@ async def complete_p_first(legs: Legs, ex: Exchange, body: dict[str, Any], reply
         now = trio.current_time()
         legs.apply(ex, ex.state.p_token_sent(now))
         ex.state.d_sent = now
-        stream = ft.ClientStream(first, chat) if ft.wants_events(body, chat) else None
-        await legs.relay_decode(
-            ex, d_body, reply, local=local, path=COMPLETIONS.path,
-            transform=stream.feed if stream else None,
-        )  # fmt: skip
+        stream = ClientStream(body, chat, first)
+        await legs.relay_decode(ex, d_body, reply, stream, local=local, path=COMPLETIONS.path)
         return
     raw = await legs.decode_whole(ex, d_body, local=local, path=COMPLETIONS.path)
     if raw is None:
@@ -138,7 +136,7 @@ async def _fall_back_to_d(legs: Legs, ex: Exchange, body: dict[str, Any], reply:
     reply.headers[:] = [(k, v) for k, v in reply.headers if k != PLACEMENT_HEADER]
     reply.headers.append((PLACEMENT_HEADER, b"local"))
     legs.prefill_sent(ex, "d")
-    await legs.answer_from_decode(ex, msgspec.json.encode(body), reply)
+    await legs.answer_from_decode(ex, body, reply)
 
 
 async def _start(reply: Reply, ex: Exchange) -> None:

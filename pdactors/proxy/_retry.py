@@ -1,13 +1,18 @@
-"""Whether D's failed leg is asked again with D computing the prompt itself: the pure decision
-(no IO, no clock: the caller gives the time). :meth:`~pdactors.proxy._legs.Legs.retry` acts on
-it (counts, logs, moves the exchange's record).
+"""What becomes of a failed decoding leg, as pure decisions (no IO, no clock: the caller gives
+the time): whether D is asked again computing the prompt itself (:func:`retry_reason`), and
+which engine continues the request after what the client got (:func:`migration_target`).
+:meth:`~pdactors.proxy._legs.Legs.retry` and :meth:`~pdactors.proxy._legs.Legs.migrate` act on
+them (counts, logs, the exchange's record).
 """
 
 from __future__ import annotations
 
 from pdactors.proxy._exchange import Exchange
+from pdactors.proxy._health import HealthWatch
+from pdactors.proxy._state import Backend
+from pdactors.proxy_config import ProxyConfig
 
-__all__ = ["retry_reason"]
+__all__ = ["migration_target", "retry_reason", "successor"]
 
 
 def retry_reason(ex: Exchange, local: bytes | None, now: float) -> str | None:
@@ -24,3 +29,33 @@ def retry_reason(ex: Exchange, local: bytes | None, now: float) -> str | None:
     if not ex.state.may_retry or now >= ex.deadline:
         return None
     return failure.retry
+
+
+def migration_target(
+    ex: Exchange, config: ProxyConfig, watch: HealthWatch, now: float
+) -> Backend | None:
+    """The engine that continues ``ex`` now that its decoding leg failed, or None: the
+    failure is the engine's (a 5xx, a broken answer, an error event; not the request's 4xx),
+    the deadline is ahead, fewer than ``config.migration_limit`` migrations were made, and
+    another engine can serve it (:func:`successor`)."""
+    failure = ex.failure
+    if failure is None or failure.status < 500 or now >= ex.deadline:
+        return None
+    if len(ex.state.migrated_after) >= config.migration_limit:
+        return None
+    return successor(watch, ex.d, fall_back_to_p=config.fall_back_to_p)
+
+
+def successor(watch: HealthWatch, failed: Backend, *, fall_back_to_p: bool) -> Backend | None:
+    """The engine that continues a request ``failed`` was decoding: another D in rotation,
+    else (``fall_back_to_p``) a P in rotation that answers with the same model."""
+    d, _ = watch.decode.route((), lambda b: b is not failed)
+    if d is not None or not fall_back_to_p:
+        return d
+    pairs = watch.pairs
+
+    def usable(b: Backend) -> bool:
+        return b is not failed and (failed.role != "decode" or pairs.refusal(b, failed) is None)
+
+    p, _ = watch.prefill.route((), usable)
+    return p

@@ -246,6 +246,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.migrations = Counter(
+            "pdactors_proxy_migrations",
+            "Requests handed to another engine after the one decoding them failed, by the "
+            "role of the engine that continued them (each hand-over counted)",
+            ["to"],
+            registry=r,
+        )
         self.p_first = Counter(
             "pdactors_proxy_p_first",
             "Requests served P first, by how they ended: at P's token, or continued on D",
