@@ -9,15 +9,13 @@ Safety limits this module enforces (each measured on Mooncake's TCP transport):
 * Only ``batch_transfer_sync_write`` is used: ``get_batch_transfer_status`` on a completed
   batch segfaults, so the asynchronous API is off limits.
 * Mooncake refuses to register overlapping memory, and a descriptor that crosses from one
-  registration into the next fails. :meth:`MooncakeDataPlane.register` therefore merges what
-  it is given into disjoint intervals and registers each storage once.
+  registration into the next fails: :mod:`pdactors.dataplane._registrations`.
 
 Starting and closing an engine: :mod:`pdactors.dataplane.engine` (:func:`open_mooncake`).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -41,22 +39,16 @@ from pdactors.dataplane._batching import (
     ready,
     run_after,
 )
-from pdactors.dataplane._intervals import merged, uncovered
+from pdactors.dataplane._registrations import MemoryRegistrar, Registrations
 from pdactors.errors import DataPlaneError, TransferError
 
 __all__ = ["DataPlaneStatistics", "MooncakeDataPlane", "MooncakeEngine"]
 
-log = logging.getLogger(__name__)
-
 Addrs = npt.NDArray[np.uint64]
 
 
-class MooncakeEngine(EngineWriter, Protocol):
+class MooncakeEngine(EngineWriter, MemoryRegistrar, Protocol):
     """The part of ``mooncake.engine.TransferEngine`` this module uses (an initialised one)."""
-
-    def register_memory(self, addr: int, length: int) -> int: ...
-
-    def unregister_memory(self, addr: int) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +87,7 @@ class MooncakeDataPlane:
         self._session = session
         self._limiter = trio.CapacityLimiter(config.workers)
         self._per_peer: dict[str, PeerQueue] = {}
-        # Sorted, disjoint (addr, length) intervals, one per register_memory call that worked.
-        self._registered: list[tuple[int, int]] = []
+        self._registered = Registrations()
         self._writes = self._bytes = self.descriptors = self._failures = self._calls = 0
         self._inline_calls = 0
 
@@ -124,7 +115,7 @@ class MooncakeDataPlane:
             failures=self._failures,
             calls=self._calls,
             registrations=len(self._registered),
-            registered_bytes=sum(length for _, length in self._registered),
+            registered_bytes=self._registered.nbytes,
             inline_calls=self._inline_calls,
         )
 
@@ -145,17 +136,7 @@ class MooncakeDataPlane:
         :class:`DataPlaneError` for a negative address or length, a closed data plane or a
         failed registration (earlier intervals of the same call stay registered).
         """
-        engine = self._live_engine()
-        for start, end in merged(regions):
-            for addr, length in uncovered(start, end, self._registered):
-                rc = engine.register_memory(addr, length)
-                if rc != 0:
-                    raise DataPlaneError(
-                        f"register_memory({addr:#x}, {length}) failed with code {rc}"
-                    )
-                self._registered.append((addr, length))
-                self._registered.sort()
-                log.debug("registered %d bytes at %#x", length, addr)
+        self._registered.add(self._live_engine(), regions)
 
     async def write(
         self,
@@ -392,11 +373,7 @@ class MooncakeDataPlane:
         engine, self._engine = self._engine, None
         if engine is None:
             return None
-        for addr, length in self._registered:
-            rc = engine.unregister_memory(addr)
-            if rc != 0:
-                log.warning("unregister_memory(%#x) of %d bytes returned %d", addr, length, rc)
-        self._registered.clear()
+        self._registered.release(engine)
         return engine
 
     def close(self) -> None:

@@ -1,5 +1,5 @@
 """What the scheduler side hands every worker each step (:class:`PdActorsMetadata`), and how
-one of vLLM's KV-cache groups moves (:class:`KVGroup`)."""
+one of vLLM's KV-cache groups moves (:class:`KVGroup`, :func:`prompt_blocks`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,15 @@ from pdactors.wire import BlockIds
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-__all__ = ["NULL_BLOCK", "KVGroup", "PdActorsMetadata", "PullSpec", "SendSpec", "traceparent"]
+__all__ = [
+    "NULL_BLOCK",
+    "KVGroup",
+    "PdActorsMetadata",
+    "PullSpec",
+    "SendSpec",
+    "prompt_blocks",
+    "traceparent",
+]
 
 #: vLLM's null block: a placeholder in block tables (out of a window, padding), never moved.
 NULL_BLOCK = 0
@@ -55,6 +63,16 @@ class KVGroup:
             kept = self.kept(num_tokens)
             start, stop = max(kept.start, first), min(kept.stop, len(table))
         return tuple(b for b in table[start:stop] if b != NULL_BLOCK)
+
+
+def prompt_blocks(
+    groups: Sequence[KVGroup], num_tokens: int, tables: Sequence[Sequence[int]]
+) -> BlockIds:
+    """P's blocks holding the KV of a ``num_tokens`` prompt, per group (what D's pull may ask
+    for): ``tables`` is the request's block table per group, in the order of ``groups``."""
+    return tuple(
+        group.moved(table, num_tokens) for group, table in zip(groups, tables, strict=True)
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,16 +7,17 @@ every worker. Observable behaviour follows upstream's MooncakeConnector (the sam
 ``kv_transfer_params``), without its gaps:
 
 * P (``do_remote_decode``): the prefill is announced as pending when its blocks are allocated.
-  *Eager send* (the default): in the step whose chunk completes the prompt, when that step also
-  ends the request (``max_tokens`` 1, as proxies send P), the prompt's blocks go to the worker
-  with that step's metadata (``eager``), and the worker hands them to the sender at the end of
-  the step's forward (``wait_for_save``) — one whole forward earlier than from
-  ``request_finished``. The request then finishes in that step's ``update_from_output``: the
-  blocks are kept until the worker reports the write ended, whatever the end (an abort drops
-  the transfer; a write in flight runs to its end first). Otherwise, at finish — ``length``
-  *or* ``stop`` (a first token that is EOS still delivers the KV) — the blocks are kept and
-  handed to the worker. Either way the response carries ``kv_transfer_params`` for D; any
-  other end (abort, error) drops the transfer, and a waiting D hears at once.
+  *Eager send* (the default; :mod:`pdactors_vllm.eager_send`): in the step whose chunk
+  completes the prompt, when that step also ends the request (``max_tokens`` 1, as proxies
+  send P), the prompt's blocks go to the worker with that step's metadata (``eager``), and the
+  worker hands them to the sender at the end of the step's forward (``wait_for_save``) — one
+  whole forward earlier than from ``request_finished``. The request then finishes in that
+  step's ``update_from_output``: the blocks are kept until the worker reports the write ended,
+  whatever the end (an abort drops the transfer; a write in flight runs to its end first).
+  Otherwise, at finish — ``length`` *or* ``stop`` (a first token that is EOS still delivers
+  the KV) — the blocks are kept and handed to the worker. Either way the response carries
+  ``kv_transfer_params`` for D; any other end (abort, error) drops the transfer, and a
+  waiting D hears at once.
 * D (``do_remote_prefill``): the prompt's uncached tokens are reported as loaded
   asynchronously; D's block ids go to the worker once; a full local prefix hit or an abort
   before scheduling still tells P to free its blocks (an empty pull); an abort while the KV is
@@ -55,12 +56,14 @@ from vllm.v1.request import RequestStatus
 from pdactors import timeline
 from pdactors.errors import BadTransferParams
 from pdactors.wire import BlockIds, KVTransferParams
+from pdactors_vllm.eager_send import plan_eager
 from pdactors_vllm.metadata import (
     NULL_BLOCK,
     KVGroup,
     PdActorsMetadata,
     PullSpec,
     SendSpec,
+    prompt_blocks,
     traceparent,
 )
 from pdactors_vllm.request_marks import Event, Marks, State
@@ -253,45 +256,10 @@ class SchedulerSide:
         would only delay the next request."""
         meta, self._meta = self._meta, PdActorsMetadata()
         if scheduler_output is not None and self._marks:
-            self._plan_eager(scheduler_output, meta)
+            plan_eager(scheduler_output, self._marks, self.groups, meta)
         scheduled = getattr(scheduler_output, "total_num_scheduled_tokens", None)
         meta.idle = scheduled == 0 and self.settings.idle_wait_ms > 0 and self._owed()
         return meta
-
-    def _plan_eager(self, out: SchedulerOutput, meta: PdActorsMetadata) -> None:
-        """Follow the block ids of P's prefills; send those whose prompt completes this step
-        when the step also ends them (their one output token is sampled in it)."""
-        done: list[tuple[Marks, str, int]] = []  # (marks, req id, tokens computed after)
-        for new in out.scheduled_new_reqs:
-            if (marks := self._prefilling(new.req_id)) is not None:
-                marks.tables = [list(table) for table in new.block_ids]
-                done.append((marks, new.req_id, new.num_computed_tokens))
-        cached = out.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            if (marks := self._prefilling(req_id)) is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                tables = new_ids if new_ids is not None else [[] for _ in self.groups]
-                marks.tables = [list(table) for table in tables]
-            elif new_ids is not None:
-                for table, more in zip(marks.tables, new_ids, strict=True):
-                    table.extend(more)
-            done.append((marks, req_id, cached.num_computed_tokens[i]))
-        for entry, req_id, computed in done:
-            request, blocks, transfer_id = entry.request, entry.tables, entry.transfer_id
-            after = computed + out.num_scheduled_tokens.get(req_id, 0)
-            if after < request.num_prompt_tokens:
-                continue  # a chunk of the prompt: more to come
-            if request.num_output_tokens + 1 < request.max_tokens:
-                entry.move(Event.UNTRACK)  # it decodes on (and may be preempted): sent when
-                continue  # it finishes
-            # Only blocks vLLM keeps once the request ends: a sliding window's older blocks
-            # are freed then, while the write may still be reading.
-            assert transfer_id is not None  # set when the blocks were allocated
-            meta.eager[req_id] = SendSpec(transfer_id, self._sent(request, blocks),
-                                          traceparent(request))  # fmt: skip
-            entry.move(Event.SEND_EAGER)
 
     def _owed(self) -> bool:
         """A transfer's end is still to come: a pull in flight, or blocks kept for a write."""
@@ -300,11 +268,6 @@ class SchedulerSide:
     def pulling(self) -> int:
         """D: how many requests wait for their pull."""
         return sum(marks.state is State.PULLING for marks in self._marks.values())
-
-    def _prefilling(self, req_id: str) -> Marks | None:
-        """P: the marks of a prefill followed for an eager send (None: not followed)."""
-        marks = self._marks.get(req_id)
-        return marks if marks is not None and marks.state is State.PREFILLING else None
 
     def has_pending_block_frees(self) -> bool:
         """While a prompt whose KV went out eagerly has not been seen finished, vLLM must not
@@ -322,13 +285,6 @@ class SchedulerSide:
                 marks.move(Event.LAND)
 
     # ------------------------------------------------------------------ the end of a request
-
-    def _sent(self, request: Request, tables: Sequence[Sequence[int]]) -> BlockIds:
-        """P's blocks holding the prompt's KV, per group (what D's pull may ask for)."""
-        n = request.num_prompt_tokens
-        return tuple(
-            group.moved(table, n) for group, table in zip(self.groups, tables, strict=True)
-        )
 
     def _window_passed(self, request: Request) -> bool:
         """P computed past the prompt far enough that vLLM freed blocks of a sliding window
@@ -389,8 +345,8 @@ class SchedulerSide:
             return False, None
         else:
             # The prompt's KV fills ceil(prompt / block) blocks; later blocks hold no prompt KV.
-            self._meta.ready[req_id] = SendSpec(transfer_id, self._sent(request, block_ids),
-                                                traceparent(request))  # fmt: skip
+            sent = prompt_blocks(self.groups, request.num_prompt_tokens, block_ids)
+            self._meta.ready[req_id] = SendSpec(transfer_id, sent, traceparent(request))
             timeline.mark(transfer_id, "p_finished")
             self._held.add(req_id)
         for_d = KVTransferParams(
