@@ -193,7 +193,8 @@ async def test_a_client_gone_while_d_answers_cancels_d() -> None:
                 stream=True)) as resp:  # fmt: skip
                 await anext(resp.aiter_lines())  # P's token
                 await eventually(lambda: bool(s.d[0].received))
-            await eventually(lambda: s.d[0].cancelled == s.d[0].tids())
+            (tid,) = s.d[0].tids()
+            await eventually(lambda: s.d[0].cancelled == [tid])
 
 
 async def test_chat_goes_to_d_as_a_completion_of_the_chats_ids() -> None:

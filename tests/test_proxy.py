@@ -270,6 +270,12 @@ async def eventually(check: Callable[[], bool]) -> None:
             await trio.sleep(0.01)
 
 
+async def set_once(event: trio.Event, check: Callable[[], bool]) -> None:
+    """Sets ``event`` once ``check()`` holds: an engine held on it answers only then."""
+    await eventually(check)
+    event.set()
+
+
 async def wait_health(setup: Setup, status: int) -> dict[str, Any]:
     with trio.fail_after(5):
         while True:
@@ -599,9 +605,13 @@ async def test_prefill_4xx_passes_through_and_cancels_decode() -> None:
             error = {"error": {"message": "prompt too long", "type": "BadRequestError"}}
             s.p[0].status, s.p[0].error_body = 400, error
             s.d[0].hold = trio.Event()
-            resp = await s.client.post("/v1/completions", json=completion_body())
+            s.p[0].hold = trio.Event()  # P's 400 comes once D has the request
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(set_once, s.p[0].hold, lambda: len(s.d[0].tids()) == 1)
+                resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code == 400 and resp.json() == error
-            await eventually(lambda: s.d[0].cancelled == s.d[0].tids())
+            (tid,) = s.d[0].tids()
+            await eventually(lambda: s.d[0].cancelled == [tid])
 
 
 async def test_decode_failure_cancels_prefill() -> None:
@@ -609,9 +619,13 @@ async def test_decode_failure_cancels_prefill() -> None:
         async with open_setup() as s:
             s.d[0].status = 503
             s.p[0].hold = trio.Event()
-            resp = await s.client.post("/v1/completions", json=completion_body(stream=True))
+            s.d[0].hold = trio.Event()  # D's 503 comes once P has the request
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(set_once, s.d[0].hold, lambda: len(s.p[0].tids()) == 1)
+                resp = await s.client.post("/v1/completions", json=completion_body(stream=True))
             assert resp.status_code == 502 and s.d[0].url in resp.json()["error"]["message"]
-            await eventually(lambda: s.p[0].cancelled == s.p[0].tids())
+            (tid,) = s.p[0].tids()
+            await eventually(lambda: s.p[0].cancelled == [tid])
 
 
 async def test_decode_dying_while_prefill_works_cancels_prefill_at_once() -> None:
@@ -634,7 +648,8 @@ async def test_decode_dying_while_prefill_works_cancels_prefill_at_once() -> Non
             (event,) = [line for line in text.splitlines() if line]
             error = msgspec.json.decode(event.removeprefix("data: "))["error"]
             assert error["code"] == 502 and s.d[0].url in error["message"]
-            await eventually(lambda: s.p[0].cancelled == s.p[0].tids())
+            (tid,) = s.p[0].tids()
+            await eventually(lambda: s.p[0].cancelled == [tid])
             m = await s.metrics()
             assert m[total("completions", "decode_error")] == 1
 
@@ -739,7 +754,8 @@ async def test_client_disconnect_mid_stream_cancels_decode() -> None:
                 await steps_in.send(None)
                 assert (await next_event(lines)).startswith("data: ")
             # the client hung up with two chunks to go
-            await eventually(lambda: s.d[0].cancelled == s.d[0].tids())
+            (tid,) = s.d[0].tids()
+            await eventually(lambda: s.d[0].cancelled == [tid])
             key = total("completions", "cancelled")
             await eventually_metric(s, key, 1)
             assert (await s.metrics())["pdactors_proxy_requests_in_flight", ()] == 0
@@ -767,7 +783,8 @@ async def test_request_timeout_answers_504_and_cancels_both() -> None:
             s.d[0].hold = trio.Event()
             resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code == 504 and resp.json()["error"]["type"] == "timeout"
-            await eventually(lambda: s.d[0].cancelled == s.d[0].tids())
+            (tid,) = s.d[0].tids()
+            await eventually(lambda: s.d[0].cancelled == [tid])
 
 
 async def test_stream_past_request_timeout_ends_with_an_error_event() -> None:
@@ -785,7 +802,8 @@ async def test_stream_past_request_timeout_ends_with_an_error_event() -> None:
                 last = await next_event(lines)  # D holds chunk 2 past the deadline
                 error = msgspec.json.decode(last.removeprefix("data: "))["error"]
                 assert error["type"] == "timeout"
-            await eventually(lambda: s.d[0].cancelled == s.d[0].tids())
+            (tid,) = s.d[0].tids()
+            await eventually(lambda: s.d[0].cancelled == [tid])
 
 
 async def test_stopped_prefill_gives_502_and_leaves_rotation() -> None:

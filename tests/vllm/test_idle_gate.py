@@ -146,9 +146,22 @@ def test_the_mailbox_calls_back_only_when_results_grow() -> None:
     assert len(calls) == 1
 
 
-def test_a_waker_before_connect_and_after_close_does_nothing() -> None:
+def test_a_waker_before_connect_and_after_close_does_nothing(engine: Engine) -> None:
+    g = IdleGate("127.0.0.1", 200)  # a sleep ends by its bound unless a ping comes
     w = Waker()
-    w.wake()
-    w.close()
-    w.close()
-    w.wake()
+    try:
+        assert engine.step(g, pulls=1) is None  # opens
+        assert g.address is not None
+        w.wake()  # not connected yet: no ping is kept for later
+        w.connect(g.address)
+        assert engine.step(g, pulls=1) == "bound"
+        w.wake()  # connected: it wakes the gate
+        assert engine.step(g, pulls=1) == "ping"
+        w.close()
+        w.close()  # again: nothing
+        assert w.address is None
+        w.wake()  # closed: no ping
+        assert engine.step(g, pulls=1) == "bound"
+    finally:
+        w.close()
+        g.close()
