@@ -13,6 +13,7 @@ import trio
 
 from tests.test_proxy import (
     TIMEOUT,
+    as_relayed,
     chat_body,
     completion_body,
     eventually,
@@ -60,6 +61,7 @@ async def test_p_is_asked_first_then_d_continues_after_ps_token() -> None:
             }  # fmt: skip
             assert d_body == {
                 **completion_body(), "prompt": [1, 2, 3, 7], "max_tokens": 4,
+                "return_token_ids": True,
                 "kv_transfer_params": {
                     "do_remote_prefill": True, "remote_engine_id": "prefill-0",
                     "remote_bootstrap_addr": s.p[0].url, "transfer_id": tid,
@@ -143,7 +145,7 @@ async def test_a_p_failing_before_its_token_leaves_the_request_to_d(stream: bool
             assert resp.status_code == 200
             assert resp.headers["x-pdactors-placement"] == "local"
             (d_body,) = s.d[0].received
-            assert d_body == body  # as the client sent it: no transfer params
+            assert d_body == as_relayed(body)  # the client's: no transfer params
             assert completion_text(resp, stream).startswith("d0")
             m = await s.metrics()
             assert m[("pdactors_proxy_fallbacks_total", (("why", "prefill_failed"),))] == 1
@@ -232,7 +234,7 @@ async def test_local_placement_serves_each_request_on_d_alone(stream: bool) -> N
             assert resp.status_code == 200
             assert s.p[0].received == []
             (d_body,) = s.d[0].received
-            assert d_body == completion_body(stream=stream)  # as the client sent it
+            assert d_body == as_relayed(completion_body(stream=stream))  # the client's
             assert completion_text(resp, stream).startswith("d0")
             m = await s.metrics()
             assert (
@@ -287,7 +289,7 @@ async def test_with_no_d_in_rotation_p_serves_whole(stream: bool) -> None:
             resp = await s.client.post("/v1/completions", json=body)
             assert resp.status_code == 200
             assert resp.headers["x-pdactors-placement"] == "whole-on-p"
-            assert s.p[0].received == [body] and s.d[0].received == []
+            assert s.p[0].received == [as_relayed(body)] and s.d[0].received == []
             assert completion_text(resp, stream).startswith("p0")
             assert (await s.client.get("/v1/models")).status_code == 200
             m = await s.metrics()

@@ -298,11 +298,12 @@ async def open_setup(
 ) -> AsyncIterator[Setup]:
     """Fake engines (``engine_tls``: serving HTTPS; ``identities``: by engine name, e.g.
     ``"d0"``, tests/test_pairs.py) behind a proxy with ``config`` (upstream's concurrent flow,
-    disaggregated, no fall-back to D, unless ``config`` says otherwise: tests/test_p_first.py,
-    tests/test_placement.py)."""
+    disaggregated, no fall-back to D, no migration, unless ``config`` says otherwise:
+    tests/test_p_first.py, tests/test_placement.py, tests/test_migration.py)."""
     config.setdefault("first_token", "d")
     config.setdefault("placement", "disaggregate")
     config.setdefault("fall_back_to_d", False)  # tests/test_p_first.py turns it on
+    config.setdefault("migration_limit", 0)  # tests/test_migration.py turns it on
     p = [
         FakeEngine(
             f"p{i}", engine_id=f"prefill-{i}", healthy=healthy, dp_ranks=p_dp, tls=engine_tls
@@ -338,6 +339,13 @@ def total(endpoint: str, outcome: str) -> tuple[str, tuple[tuple[str, str], ...]
 
 def completion_body(**extra: Any) -> dict[str, Any]:
     return {"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0, **extra}
+
+
+def as_relayed(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` as the proxy sends it to the engine whose stream goes to the client: a stream
+    with its token ids asked for (the proxy tracks what the client got, so that another
+    engine can continue it: pdactors/proxy/_stream.py)."""
+    return {**body, "return_token_ids": True} if body.get("stream") else body
 
 
 def chat_body(**extra: Any) -> dict[str, Any]:
@@ -526,7 +534,7 @@ async def test_a_prefill_500_leaves_the_request_to_d_which_is_asked_again_withou
             assert resp.status_code == 200, resp.text
             kv_leg, retried = s.d[0].received
             assert kv_leg["kv_transfer_params"]["do_remote_prefill"] is True
-            assert retried == body  # the client's body as it came: no transfer params
+            assert retried == as_relayed(body)  # the client's body: no transfer params
             if stream:
                 assert (
                     resp.text
