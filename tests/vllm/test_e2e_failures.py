@@ -387,3 +387,72 @@ def test_a_restarted_p_serves_again_through_the_proxy_without_other_restarts(
         time.sleep(0.1)
     local = completion(world.d, prompt, max_tokens=8)
     assert answer.json()["choices"][0]["text"] == local["choices"][0]["text"]
+
+
+def _migrations(w: World) -> float:
+    text = httpx.get(f"{w.proxy_url}/metrics", timeout=10, trust_env=False).text
+    key = "pdactors_proxy_migrations_total{"
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(key))
+
+
+def test_eight_streams_survive_d_killed_mid_stream(world: World) -> None:
+    """Eight streams through the proxy (half P-first, half on D alone), D SIGKILLed once
+    every one has D's tokens coming: each is continued by P (serving whole, after the tokens
+    the client got), the client sees one stream with no error, and each text equals P's
+    alone (greedy).
+
+    D is frozen while the eight are sent (so none is done before the fault), let go until
+    each stream got two of D's events, then frozen again and killed: all eight are mid-stream
+    when it dies. Last in the module: D stays dead."""
+    p = world.p
+    assert p is not None
+    _wait_for("P in rotation", lambda: _proxy_health(world)["prefill"][0]["up"])
+    prompts = [prompt_ids(200 + 20 * i, seed=500 + i) for i in range(8)]
+    max_tokens = 96
+    got = [0] * 8  # events each client has read
+    before = _migrations(world)
+    d_group = world.d.process.pid
+
+    def stream(i: int) -> str:
+        body = {
+            "model": "tiny", "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True,
+        }  # fmt: skip
+        url = f"{world.proxy_url}/v1/completions"
+        # Both ways D decodes: after P's token (P-first) and computing the prompt itself.
+        placement = {"x-pdactors-placement": "disaggregate" if i % 2 else "local"}
+        with httpx.stream(
+            "POST", url, json=body, headers=placement, timeout=120, trust_env=False
+        ) as resp:
+            assert resp.status_code == 200, resp.read()[:300]
+            assert resp.headers["x-pdactors-placement"] != "whole-on-p"  # D decodes it
+            events = []
+            for event in _events(resp.iter_lines()):
+                events.append(event)
+                got[i] += 1
+        assert not [e for e in events if "error" in e], events[-1]
+        return "".join(c.get("text", "") for e in events for c in e.get("choices", ()))
+
+    d_frozen = False
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            os.killpg(d_group, signal.SIGSTOP)
+            d_frozen = True
+            futures = [pool.submit(stream, i) for i in range(8)]
+            _wait_for("eight requests in flight", lambda: _proxy_in_flight(world) == 8)
+            os.killpg(d_group, signal.SIGCONT)
+            _wait_for("D's tokens in every stream", lambda: min(got) >= 3, timeout=60)
+            os.killpg(d_group, signal.SIGSTOP)
+            assert max(got) < max_tokens and _proxy_in_flight(world) == 8  # all mid-stream
+            world.d.kill()
+            d_frozen = False
+            texts = [f.result(timeout=300) for f in futures]
+    finally:
+        if d_frozen:
+            os.killpg(d_group, signal.SIGCONT)
+    assert _migrations(world) - before == 8
+    for prompt, text in zip(prompts, texts, strict=True):
+        alone = completion(p, prompt, max_tokens=max_tokens, ignore_eos=True)
+        assert text == alone["choices"][0]["text"]
+    _wait_for("nothing in flight at the proxy", lambda: _proxy_in_flight(world) == 0)
+    _wait_for("P freed the blocks", lambda: p.metric("vllm:kv_cache_usage_perc") == 0)
