@@ -78,6 +78,8 @@ class FakeEngine:
     #: answer (P) and as our connector's info gauge on /metrics; None: neither (no /metrics).
     identity: dict[str, str] | None = None
     metrics_hold: trio.Event | None = None  # /metrics waits for it
+    #: Adds routes of a test's own to its app (tests/test_proxy_routes.py: /tokenize...).
+    routes: Callable[[QuartTrio, FakeEngine], None] | None = None
 
     def tids(self) -> list[str]:
         return [body["kv_transfer_params"]["transfer_id"] for body in self.received]
@@ -217,6 +219,8 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
         text = ",".join(f'{k}="{v}"' for k, v in labels.items())
         return Response(f"vllm:other 1.0\nvllm:pdactors_compat_info{{{text}}} 1.0\n".encode())
 
+    if engine.routes is not None:
+        engine.routes(app, engine)
     return app
 
 
@@ -294,12 +298,14 @@ async def open_setup(
     p_dp: int = 1,
     engine_tls: tuple[str, str] | None = None,
     identities: dict[str, dict[str, str]] | None = None,
+    routes: Callable[[QuartTrio, FakeEngine], None] | None = None,
     **config: Any,
 ) -> AsyncIterator[Setup]:
     """Fake engines (``engine_tls``: serving HTTPS; ``identities``: by engine name, e.g.
-    ``"d0"``, tests/test_pairs.py) behind a proxy with ``config`` (upstream's concurrent flow,
-    disaggregated, no fall-back to D, no migration, unless ``config`` says otherwise:
-    tests/test_p_first.py, tests/test_placement.py, tests/test_migration.py)."""
+    ``"d0"``, tests/test_pairs.py; ``routes``: more routes on each, tests/test_proxy_routes.py)
+    behind a proxy with ``config`` (upstream's concurrent flow, disaggregated, no fall-back to
+    D, no migration, unless ``config`` says otherwise: tests/test_p_first.py,
+    tests/test_placement.py, tests/test_migration.py)."""
     config.setdefault("first_token", "d")
     config.setdefault("placement", "disaggregate")
     config.setdefault("fall_back_to_d", False)  # tests/test_p_first.py turns it on
@@ -313,6 +319,7 @@ async def open_setup(
     d = [FakeEngine(f"d{i}", tls=engine_tls) for i in range(n_d)]
     for engine in p + d:
         engine.identity = (identities or {}).get(engine.name)
+        engine.routes = routes
     async with trio.open_nursery() as nursery:
         for engine in p + d:
             await nursery.start(serve_fake, engine)
