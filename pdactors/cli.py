@@ -181,6 +181,14 @@ def proxy(
             "token nears it, a P serves the next requests whole (0: never).",
         ),
     ] = default_of(ProxyConfig, "slo_tpot_ms"),
+    slo_ttft_ms: Annotated[
+        float,
+        typer.Option(
+            metavar="MS",
+            help="auto: the time-to-first-token objective; when only one placement's "
+            "estimate meets it, that one is taken (0: not weighed).",
+        ),
+    ] = default_of(ProxyConfig, "slo_ttft_ms"),
     fall_back_to_d: Annotated[
         bool,
         typer.Option(
@@ -304,6 +312,7 @@ def proxy(
             placement=placement,  # type: ignore[arg-type]  # checked by ProxyConfig
             placement_stall_weight=placement_stall_weight,
             slo_tpot_ms=slo_tpot_ms,
+            slo_ttft_ms=slo_ttft_ms,
             fall_back_to_d=fall_back_to_d,
             fall_back_to_p=fall_back_to_p,
             migration_limit=migration_limit,

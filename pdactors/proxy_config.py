@@ -98,6 +98,12 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
       P's clients got theirs faster, the next requests are served whole by P (P prefills and
       decodes them; D takes no part) until D's clients get theirs faster again: P shares the
       decodes that would otherwise all wait on D. 0: never. Default 25.
+    * ``slo_ttft_ms``: the operator's objective for the time to first token (ms). With
+      ``"auto"``, when only one of the two placements' estimated time to the client's first
+      token meets it (D computing the prompt behind D's queue and running step, or P behind
+      P's), that one is taken (reason ``slo_ttft``); when both or neither do, the cheaper
+      estimate decides as before. 0: not weighed. Default 200. Both objectives may be set
+      per request (``x-pdactors-slo-ttft-ms``, ``x-pdactors-slo-tpot-ms`` headers).
     * ``placement_stall_weight``: for ``"auto"``, what a millisecond of pause to a request D
       is decoding counts for against a millisecond of the new request's time to first token.
     * ``fall_back_to_d``: when no P is in rotation, or a P fails (or is judged failed by the
@@ -137,6 +143,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     placement: Placement = "auto"
     placement_stall_weight: float = 0.25
     slo_tpot_ms: float = 25.0
+    slo_ttft_ms: float = 200.0
     fall_back_to_d: bool = True
     fall_back_to_p: bool = True
     migration_limit: int = 3
@@ -180,6 +187,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("placement_stall_weight must be >= 0")
         if self.migration_limit < 0:
             raise ConfigError("migration_limit must be >= 0")
+        if not self.slo_ttft_ms >= 0:
+            raise ConfigError("slo_ttft_ms must be >= 0")
         if not self.slo_tpot_ms >= 0:
             raise ConfigError("slo_tpot_ms must be >= 0")
         if self.first_token not in get_args(FirstToken):

@@ -252,6 +252,8 @@ def test_bad_config_is_refused() -> None:
     for slo in (-1.0, math.nan):
         with pytest.raises(BadDeployConfig, match="slo_tpot_ms"):
             LaunchConfig(slo_tpot_ms=slo)
+        with pytest.raises(BadDeployConfig, match="slo_ttft_ms"):
+            LaunchConfig(slo_ttft_ms=slo)
     with pytest.raises(msgspec.ValidationError, match="placement"):
         msgspec.convert({"placement": "nowhere"}, LaunchConfig)
 
@@ -324,21 +326,24 @@ def proxy_options(argv: list[str]) -> dict[str, object]:
 
 
 def test_the_proxy_gets_the_launchs_placement_and_slo() -> None:
-    config = LaunchConfig(proxy_port=0, placement="whole-on-p", slo_tpot_ms=40.0)
+    config = LaunchConfig(proxy_port=0, placement="whole-on-p", slo_tpot_ms=40.0, slo_ttft_ms=300.0)
     *_, proxy = plan_deployment(config, "/models/tiny", env={}).children
     options = proxy_options(proxy.argv)
     assert (options["placement"], options["slo_tpot_ms"]) == ("whole-on-p", 40.0)
+    assert options["slo_ttft_ms"] == 300.0
     *_, proxy = plan_deployment(LaunchConfig(proxy_port=0), "/models/tiny", env={}).children
     options = proxy_options(proxy.argv)
     assert options["placement"] == default_of(ProxyConfig, "placement")  # the proxy's own
     assert options["slo_tpot_ms"] == default_of(ProxyConfig, "slo_tpot_ms")
+    assert options["slo_ttft_ms"] == default_of(ProxyConfig, "slo_ttft_ms")
 
 
 def test_launch_takes_placement_and_slo_options(tmp_path: Path) -> None:
     """`pdactors launch --placement P --slo-tpot-ms MS`, parsed in this process; --render k8s
     starts nothing and shows the proxy command launch built."""
     args = ["launch", "--model", "/models/m", "--render", "k8s", "--out", str(tmp_path)]
-    done = CliRunner().invoke(app, [*args, "--placement", "local", "--slo-tpot-ms", "12.5"])
+    slo = ["--slo-tpot-ms", "12.5", "--slo-ttft-ms", "90"]
+    done = CliRunner().invoke(app, [*args, "--placement", "local", *slo])
     assert done.exit_code == 0, done.output
     (proxy,) = [
         m
@@ -348,6 +353,7 @@ def test_launch_takes_placement_and_slo_options(tmp_path: Path) -> None:
     argv = proxy["spec"]["template"]["spec"]["containers"][0]["command"]
     assert argv[argv.index("--placement") + 1] == "local"
     assert argv[argv.index("--slo-tpot-ms") + 1] == "12.5"
+    assert argv[argv.index("--slo-ttft-ms") + 1] == "90.0"
     refused = CliRunner().invoke(app, [*args, "--placement", "nowhere"])
     assert refused.exit_code == 2 and "placement" in refused.output
 

@@ -285,6 +285,19 @@ async def test_a_request_header_overrides_the_placement_and_a_bad_one_is_refused
             assert len(s.p[0].received) == 1
 
 
+@pytest.mark.parametrize("name", ["x-pdactors-slo-ttft-ms", "x-pdactors-slo-tpot-ms"])
+async def test_a_requests_own_objectives_are_taken_and_a_bad_one_is_refused(name: str) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(first_token="p", placement="auto") as s:
+            body = completion_body()
+            for bad in ("fast", "-1", "inf", "nan"):
+                resp = await s.client.post("/v1/completions", json=body, headers={name: bad})
+                assert resp.status_code == 400 and name in resp.json()["error"]["message"]
+            assert s.p[0].received == s.d[0].received == []
+            resp = await s.client.post("/v1/completions", json=body, headers={name: "150.5"})
+            assert resp.status_code == 200
+
+
 def test_a_streams_mean_gap_counts_as_that_many_gaps() -> None:
     one_by_one, at_once = Placer(0.25), Placer(0.25)
     for placer in (one_by_one, at_once):
@@ -295,3 +308,38 @@ def test_a_streams_mean_gap_counts_as_that_many_gaps() -> None:
     by_one, by_five = one_by_one.describe()["step_ms"]["d"], at_once.describe()["step_ms"]["d"]
     assert by_one == pytest.approx(by_five, abs=0.01)
     assert 10 < by_five < 30
+
+
+# --------------------------------------------------------------------------- the TTFT objective
+
+
+def _placer_where_d_is_cheap_but_slow_to_a_first_token() -> Placer:
+    """D's first token costs 150 ms + 0.1 ms/token, P's 60 ms flat; P's catch-up is dear, so
+    the weighted cost prefers D computing the prompt (local) for a 500-token prompt."""
+    placer = Placer(stall_weight=1.0)
+    for _ in range(60):
+        for tokens in (100, 900):
+            placer.first_token(D, tokens, (150 + 0.1 * tokens) / 1e3)
+            placer.first_token(P, tokens, 60 / 1e3)
+            placer.caught_up(D, tokens, 300 / 1e3)
+    return placer
+
+
+def test_the_ttft_objective_takes_the_only_placement_that_meets_it() -> None:
+    placer = _placer_where_d_is_cheap_but_slow_to_a_first_token()
+    plain = placer.decide(500, P, idle(), D, idle())
+    assert plain.where == "local"  # ~200 ms locally against ~60 + 300 disaggregated
+    met = placer.decide(500, P, idle(), D, idle(), slo_ttft_ms=120)
+    assert (met.where, met.reason) == ("disaggregated", "slo_ttft")  # P's token in ~60 ms
+    # Upstream's flow: the client's first token is D's after its catch-up: neither meets it.
+    upstream = Placer(stall_weight=1.0, p_first=False)
+    upstream._ttft, upstream._catch_up = placer._ttft, placer._catch_up
+    assert upstream.decide(500, P, idle(), D, idle(), slo_ttft_ms=120).reason != "slo_ttft"
+    # Both meet a loose objective: the cheaper estimate decides, as without one.
+    assert placer.decide(500, P, idle(), D, idle(), slo_ttft_ms=1000).where == "local"
+
+
+def test_exploring_never_breaks_the_ttft_objective() -> None:
+    placer = _placer_where_d_is_cheap_but_slow_to_a_first_token()
+    decisions = [placer.decide(500, P, idle(), D, idle(), slo_ttft_ms=120) for _ in range(100)]
+    assert {d.where for d in decisions} == {"disaggregated"}

@@ -15,7 +15,10 @@ the proxy measured while it ran, what each choice costs in milliseconds of the c
   decoding (D's per-token cost × prompt tokens × requests D decodes).
 
 The cheaper one wins, except that once in 16 decisions the choice not taken for that long is
-taken (reason ``explore``): each model keeps following what its engine does now.
+taken (reason ``explore``): each model keeps following what its engine does now. With a TTFT
+objective (``slo_ttft_ms``), when only one choice's estimated time to the client's first token
+meets it — D's queue, running step and prompt for local; P's for disaggregated, plus D's
+catch-up unless P's token goes first — that one is taken (reason ``slo_ttft``; no exploring).
 
 **Roles per request.** Both choices leave the decode to D, so at high rates D's clients get
 their tokens slower than the operator's TPOT objective while P idles between prefills. When D
@@ -65,6 +68,11 @@ _EXPLORE: Final = 16
 #: The time per token D's clients got, as a share of the TPOT objective, from which a request
 #: whose D is decoding goes to P whole (P's clients getting theirs faster).
 _SHED_SHARE: Final = 0.8
+
+
+def _choice(where: Where, d_url: str, p_url: str) -> tuple[Where, str]:
+    """A choice and the engine whose model it refreshes (D's for local, P's else)."""
+    return where, d_url if where == "local" else p_url
 
 
 class CostModel:
@@ -166,8 +174,9 @@ class EngineLoad:
 class Placer:
     """The proxy's placement per request (``placement="auto"``), and what it learns."""
 
-    def __init__(self, stall_weight: float) -> None:
+    def __init__(self, stall_weight: float, *, p_first: bool = True) -> None:
         self.stall_weight = stall_weight
+        self.p_first = p_first  # the client's first token is P's (the P-first flow)
         self._ttft: dict[str, CostModel] = {}  # engine URL -> its time to a first token
         self._catch_up: dict[str, CostModel] = {}  # D URL -> its P-first continuation
         self._step_ms: dict[str, float] = {}  # D URL -> mean gap between its chunks
@@ -190,46 +199,63 @@ class Placer:
         d: EngineLoad,
         *,
         slo_tpot_ms: float | None = None,
+        slo_ttft_ms: float | None = None,
     ) -> Decision:
         """Where a prompt of ``tokens`` goes, P and D loaded as given. ``slo_tpot_ms``: the
-        TPOT objective, from which P may serve the request whole (None: it may not)."""
+        TPOT objective, from which P may serve the request whole (None: it may not);
+        ``slo_ttft_ms``: the TTFT objective — when only one choice's estimated time to the
+        client's first token meets it, that one is taken (None: not weighed)."""
         p_model, d_model = self._model(p_url), self._model(d_url)
         catch_up = self._catch_up.setdefault(d_url, CostModel(*_PRIOR_CATCH_UP))
         w = self.stall_weight
-        on_p = p_model.predict(p.waiting_tokens + tokens) + self._decodes(p_url, p, tokens)
+        p_ttft = p_model.predict(p.waiting_tokens + tokens) + self._step(p_url, p)
+        d_ttft = d_model.predict(d.waiting_tokens + tokens) + self._step(d_url, d)
+        on_p = p_ttft + self._stall(p_url, p, tokens)
         disaggregated = on_p + w * catch_up.predict(tokens)
-        local = d_model.predict(d.waiting_tokens + tokens) + self._decodes(d_url, d, tokens)
+        local = d_ttft + self._stall(d_url, d, tokens)
         if slo_tpot_ms is not None and d.decoding:
             d_tpot = self._tpot_ms.get(d_url)
             p_tpot = self._tpot_ms.get(p_url, 0.0) if p.decoding else 0.0
             if d_tpot is not None and d_tpot >= _SHED_SHARE * slo_tpot_ms and p_tpot < d_tpot:
                 return Decision("whole-on-p", "d_decode_full", tokens, local, disaggregated, on_p)
-        where: Where = "local" if local < disaggregated else "disaggregated"
+        # The client's first token: P's in the P-first flow, else D's after its catch-up.
+        first_disaggregated = p_ttft if self.p_first else p_ttft + catch_up.predict(tokens)
+        meets = (d_ttft <= slo_ttft_ms, first_disaggregated <= slo_ttft_ms) if slo_ttft_ms else ()
+        if meets and meets[0] != meets[1]:  # only one choice meets the TTFT objective
+            where: Where = "local" if meets[0] else "disaggregated"
+            self._taken(where, d_url, p_url)
+            return Decision(where, "slo_ttft", tokens, local, disaggregated)
+        where = "local" if local < disaggregated else "disaggregated"
         if where == "local":
             reason = "d_idle" if not d.decoding else "p_queue" if p.waiting_tokens else "short"
         else:
             reason = "d_busy" if d.decoding else "p_faster"
         # The choice not taken is taken once in ``_EXPLORE`` decisions, so that its engine's
         # model follows what that engine does now, not what it did when last chosen.
-        choices: dict[Where, tuple[Where, str]] = {
-            "local": ("local", d_url),
-            "disaggregated": ("disaggregated", p_url),
-        }
         other: Where = "disaggregated" if where == "local" else "local"
-        if self._skipped.get(choices[other], 0) + 1 >= _EXPLORE:
-            where, other, reason = other, where, "explore"
-        self._skipped[choices[where]] = 0
-        self._skipped[choices[other]] = self._skipped.get(choices[other], 0) + 1
+        if self._skipped.get(_choice(other, d_url, p_url), 0) + 1 >= _EXPLORE:
+            where, reason = other, "explore"
+        self._taken(where, d_url, p_url)
         return Decision(where, reason, tokens, local, disaggregated)
 
-    def _decodes(self, url: str, load: EngineLoad, tokens: int) -> float:
-        """What an engine's decodes add to a prompt it computes: the running step it waits
-        for, and ``stall_weight`` times the pause the prompt puts on each of them."""
+    def _taken(self, where: Where, d_url: str, p_url: str) -> None:
+        """``where`` was chosen: the other choice was skipped once more."""
+        other: Where = "disaggregated" if where == "local" else "local"
+        self._skipped[_choice(where, d_url, p_url)] = 0
+        key = _choice(other, d_url, p_url)
+        self._skipped[key] = self._skipped.get(key, 0) + 1
+
+    def _step(self, url: str, load: EngineLoad) -> float:
+        """The running step a prompt waits for on an engine that is decoding."""
+        return self._step_ms.get(url, 0.0) if load.decoding else 0.0
+
+    def _stall(self, url: str, load: EngineLoad, tokens: int) -> float:
+        """``stall_weight`` times the pause a prompt of ``tokens`` puts on each request the
+        engine decodes."""
         if not load.decoding:
             return 0.0
         _, per_token = self._model(url).fit()
-        step = self._step_ms.get(url, 0.0)
-        return step + self.stall_weight * load.decoding * per_token * tokens
+        return self.stall_weight * load.decoding * per_token * tokens
 
     # ------------------------------------------------------------------ what it learns
 

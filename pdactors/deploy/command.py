@@ -215,6 +215,15 @@ def launch_command(
             f"objective past which P serves requests whole (0: never). {_default('slo_tpot_ms')}",
         ),
     ] = None,
+    slo_ttft_ms: Annotated[
+        float | None,
+        typer.Option(
+            metavar="MS",
+            help="The proxy's --slo-ttft-ms: with auto placement, the time-to-first-token "
+            "objective a placement must meet to be taken (0: not weighed). "
+            f"{_default('slo_ttft_ms')}",
+        ),
+    ] = None,
     smoke: Annotated[
         bool,
         typer.Option(
@@ -271,6 +280,7 @@ def launch_command(
             "secure": secure,
             "placement": placement,
             "slo_tpot_ms": slo_tpot_ms,
+            "slo_ttft_ms": slo_ttft_ms,
         },
     )
     if render is not None:

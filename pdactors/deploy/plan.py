@@ -67,6 +67,7 @@ def proxy_policy_args(config: LaunchConfig) -> list[str]:
         "--routing", config.routing,
         "--placement", config.placement,
         "--slo-tpot-ms", str(config.slo_tpot_ms),
+        "--slo-ttft-ms", str(config.slo_ttft_ms),
     ]  # fmt: skip
 
 

@@ -51,6 +51,8 @@ __all__ = ["Proxy"]
 
 log = logging.getLogger("pdactors.proxy")
 
+#: A request's own objectives, in ms, for ``auto`` placement: time to first token, per token.
+SLO_HEADERS: Final = (b"x-pdactors-slo-ttft-ms", b"x-pdactors-slo-tpot-ms")
 #: How long P's leg may go on once the client's answer is complete, before it is cancelled.
 _PREFILL_GRACE: Final = 0.25
 
@@ -93,7 +95,7 @@ class Proxy:
             for b in (*prefill, *decode)
         }
         self.metrics = Metrics()
-        self.placer = Placer(config.placement_stall_weight)
+        self.placer = Placer(config.placement_stall_weight, p_first=config.first_token == "p")
         #: Stands for P in a request D serves alone because no P is in rotation.
         self._no_prefill = Backend("prefill", "none")
         for b in (*prefill, *decode):
@@ -136,13 +138,17 @@ class Proxy:
             no = Failure.of(400, message, "invalid_request_error", "invalid")
             await self._refuse(endpoint, client, no, reply)
             return
+        slo = self._slo(scope["headers"])
+        if isinstance(slo, Failure):
+            await self._refuse(endpoint, client, slo, reply)
+            return
         try:
             async with trio.open_nursery() as nursery:
                 watch = trio.CancelScope()
                 nursery.start_soon(
                     cancel_on_disconnect, receive, nursery.cancel_scope, reply, watch
                 )
-                await self._complete(endpoint, scope, body, pin, reply, nursery, arrived)
+                await self._complete(endpoint, scope, body, (pin, slo), reply, nursery, arrived)
                 # Answered. P's leg, if still open, gets a moment to end (its connection is
                 # then reused: cancelled, it is closed and the next request dials anew), then
                 # it is cancelled; the client hanging up from now on changes nothing.
@@ -159,11 +165,12 @@ class Proxy:
         endpoint: Endpoint,
         scope: HTTPScope,
         body: dict[str, Any],
-        pin: str,
+        placing: tuple[str, tuple[float, float]],
         reply: Reply,
         nursery: trio.Nursery,
         arrived: float,
     ) -> None:
+        pin, slo = placing
         keyed = self.prefill.prefixes is not None or self.decode.prefixes is not None
         prompt = prefix_keys(body, endpoint.chat) if keyed else []
         d, d_why = self.decode.route(prompt)
@@ -205,7 +212,7 @@ class Proxy:
             headers, p_headers, p_engine_id, state, prompt_chars=chars,
         )  # fmt: skip
         ex.span = span
-        ex.placement = self._place(ex, pin, alone, whole)
+        ex.placement = self._place(ex, pin, alone, whole, slo)
         if ex.placement == "whole-on-p" and whole is None:  # auto: P serves it whole
             ex.p, ex.d = self._no_prefill, ex.p
         reply.headers.append((PLACEMENT_HEADER, ex.placement.encode()))
@@ -265,12 +272,37 @@ class Proxy:
             f"no prefill engine answers with decode engine {d.url}'s model ({'; '.join(refused)})"
         )
 
-    def _place(self, ex: Exchange, pinned: str, alone: str | None, whole: str | None) -> str:
+    def _slo(self, headers: Iterable[tuple[bytes, bytes]]) -> tuple[float, float] | Failure:
+        """The request's ``(TTFT, TPOT)`` objectives in ms: the operator's, or the request's
+        own headers' (a number >= 0; 0: not weighed); a 400 for any other value."""
+        out = [self.config.slo_ttft_ms, self.config.slo_tpot_ms]
+        for i, name in enumerate(SLO_HEADERS):
+            asked = header(headers, name)
+            if asked is None:
+                continue
+            try:
+                out[i] = float(asked)
+            except ValueError:
+                out[i] = -1.0
+            if not 0 <= out[i] < float("inf"):
+                message = f"the {name.decode()} header must be a number of ms >= 0"
+                return Failure.of(400, message, "invalid_request_error", "invalid")
+        return out[0], out[1]
+
+    def _place(
+        self,
+        ex: Exchange,
+        pinned: str,
+        alone: str | None,
+        whole: str | None,
+        slo: tuple[float, float],
+    ) -> str:
         """Where ``ex``'s prompt is computed: on a P serving it whole (``whole``: why), on D
         when it has no P (``alone``: why; this wins over a pin: an incompatible P's token
         would be another model's), else ``pinned`` (the operator's ``--placement`` or the
-        request's header), or for ``auto`` the placer's estimate (counted, and logged at
-        DEBUG with the figures behind it)."""
+        request's header), or for ``auto`` the placer's estimate against the ``slo``
+        objectives, ``(TTFT, TPOT)`` in ms (counted, and logged at DEBUG with the figures
+        behind it)."""
         if whole is not None:
             self.metrics.placement.labels("whole-on-p", whole).inc()
             if whole != "pinned":
@@ -290,8 +322,11 @@ class Proxy:
         decoding = ex.d.outstanding - ex.d.prefills - ex.d.incoming
         d_load = EngineLoad(ex.d.waiting_tokens, decoding)
         tokens = ex.state.prompt_tokens
-        slo = self.config.slo_tpot_ms or None
-        decision = self.placer.decide(tokens, ex.p.url, p_load, ex.d.url, d_load, slo_tpot_ms=slo)
+        ttft, tpot = slo
+        decision = self.placer.decide(
+            tokens, ex.p.url, p_load, ex.d.url, d_load,
+            slo_tpot_ms=tpot or None, slo_ttft_ms=ttft or None,
+        )  # fmt: skip
         self.metrics.placement.labels(decision.where, decision.reason).inc()
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
