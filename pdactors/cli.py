@@ -204,6 +204,14 @@ def proxy(
             help="With no D in rotation, a P serves each request whole (instead of a 503).",
         ),
     ] = default_of(ProxyConfig, "fall_back_to_p"),
+    calibrate: Annotated[
+        bool,
+        typer.Option(
+            "--calibrate/--no-calibrate",
+            help="auto: probe each engine with a few requests as it enters the rotation, so "
+            "placement starts from what it measured.",
+        ),
+    ] = default_of(ProxyConfig, "calibrate"),
     migration_limit: Annotated[
         int,
         typer.Option(
@@ -316,6 +324,7 @@ def proxy(
             fall_back_to_d=fall_back_to_d,
             fall_back_to_p=fall_back_to_p,
             migration_limit=migration_limit,
+            calibrate=calibrate,
             health_interval=health_interval,
             health_timeout=health_timeout,
             request_timeout=request_timeout,

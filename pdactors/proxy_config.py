@@ -112,6 +112,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     * ``fall_back_to_p``: when no D is in rotation (dead, restarting, out of rotation), a P
       serves each request whole (as ``"whole-on-p"``) instead of the client getting a 503;
       default true.
+    * ``calibrate``: with ``placement="auto"``, each engine that comes into rotation holding no
+      request is first sent a few probe requests of several prompt lengths, and the placement
+      starts from what they took (:mod:`pdactors.proxy._calibrate`) rather than from a prior.
+      Default true.
     * ``migration_limit``: how many times one request may be handed to another engine when
       the engine decoding it fails (a broken connection, a 5xx, an error event): the next
       engine continues after the tokens the client already got (another D, or with
@@ -147,6 +151,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     fall_back_to_d: bool = True
     fall_back_to_p: bool = True
     migration_limit: int = 3
+    calibrate: bool = True
     health_interval: float = 2.0
     health_timeout: float = 2.0
     request_timeout: float = 600.0

@@ -24,6 +24,7 @@ import hypercorn.trio
 import msgspec
 import pytest
 import trio
+import trio.lowlevel
 from hypercorn.config import Config as HypercornConfig
 from quart import Response, request
 from quart_trio import QuartTrio
@@ -54,6 +55,7 @@ class Counting:
     url: str = ""
     die_after: int | None = None
     error_after: int | None = None
+    models_status: int = 200  # GET /v1/models answers this
     received: list[dict[str, Any]] = field(default_factory=list)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
@@ -124,7 +126,7 @@ def counting_app(engine: Counting) -> QuartTrio:
                           "prompt_token_ids": prompt if first else None,
                           "token_ids": token_ids}  # fmt: skip
             yield _event({**head, "object": kind, "choices": [choice]})
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
         if (body.get("stream_options") or {}).get("include_usage"):
             yield _event({**head, "object": kind, "choices": [], "usage": usage})
         yield b"data: [DONE]\n\n"
@@ -139,7 +141,7 @@ def counting_app(engine: Counting) -> QuartTrio:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return Response(b'{"object":"list","data":[{"id":"tiny"}]}')
+        return Response(b'{"object":"list","data":[{"id":"tiny"}]}', engine.models_status)
 
     @app.get("/health")
     async def health() -> Response:
@@ -169,10 +171,15 @@ async def serve_counting(engine: Counting, *, task_status: trio.TaskStatus[str])
 
 
 @asynccontextmanager
-async def open_counting(n_p: int = 1, n_d: int = 1, **config: Any) -> AsyncIterator[Setup]:
-    """Counting engines behind a proxy with its shipped defaults (but ``config``)."""
-    p = [Counting(f"p{i}") for i in range(n_p)]
-    d = [Counting(f"d{i}") for i in range(n_d)]
+async def open_counting(
+    n_p: int = 1, n_d: int = 1, *, models: int = 200, **config: Any
+) -> AsyncIterator[Setup]:
+    """Counting engines (``models``: what their ``GET /v1/models`` answers) behind a proxy with
+    its shipped defaults (but ``config``; calibration off unless asked: its probes would be
+    among the requests the tests check the engines got, tests/test_calibration.py runs it)."""
+    config.setdefault("calibrate", False)
+    p = [Counting(f"p{i}", models_status=models) for i in range(n_p)]
+    d = [Counting(f"d{i}", models_status=models) for i in range(n_d)]
     async with trio.open_nursery() as nursery:
         for engine in p + d:
             await nursery.start(serve_counting, engine)

@@ -310,6 +310,8 @@ async def open_setup(
     config.setdefault("placement", "disaggregate")
     config.setdefault("fall_back_to_d", False)  # tests/test_p_first.py turns it on
     config.setdefault("migration_limit", 0)  # tests/test_migration.py turns it on
+    config.setdefault("calibrate", False)  # its probes are not the tests' requests (tests/
+    # test_calibration.py runs it)
     p = [
         FakeEngine(
             f"p{i}", engine_id=f"prefill-{i}", healthy=healthy, dp_ranks=p_dp, tls=engine_tls

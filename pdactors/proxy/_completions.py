@@ -34,6 +34,7 @@ from pdactors.proxy._asgi import (
     header,
     receive_body,
 )
+from pdactors.proxy._calibrate import calibrate
 from pdactors.proxy._engine_http import EngineClient
 from pdactors.proxy._exchange import Exchange
 from pdactors.proxy._health import HealthWatch
@@ -53,6 +54,8 @@ log = logging.getLogger("pdactors.proxy")
 
 #: A request's own objectives, in ms, for ``auto`` placement: time to first token, per token.
 SLO_HEADERS: Final = (b"x-pdactors-slo-ttft-ms", b"x-pdactors-slo-tpot-ms")
+#: The longest one calibration probe may take (a larger health_timeout wins).
+_PROBE_TIMEOUT: Final = 10.0
 #: How long P's leg may go on once the client's answer is complete, before it is cancelled.
 _PREFILL_GRACE: Final = 0.25
 
@@ -103,6 +106,14 @@ class Proxy:
         pools = (self.prefill, self.decode)
         self.watch = HealthWatch(config, probe_http, self.bootstrap, pools, self.metrics)
         self.legs = Legs(config, self.engines, self.metrics, self.placer, self.watch)
+        if config.calibrate and config.placement == "auto":
+            self.watch.entering = self._calibrate
+
+    async def _calibrate(self, b: Backend) -> None:
+        """Probe ``b`` before it enters the rotation; the placer learns from it."""
+        headers = {k.decode(): v.decode() for k, v in self.engine_auth(())}
+        timeout = max(_PROBE_TIMEOUT, self.config.health_timeout)
+        await calibrate(self.probe_http, b.url, headers, self.placer, timeout)
 
     async def serve_completion(
         self,

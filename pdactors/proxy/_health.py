@@ -18,6 +18,7 @@ request is paired before both identities are known."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -57,6 +58,9 @@ class HealthWatch:
         self.prefill, self.decode = pools
         self.metrics = metrics
         self.pairs = Pairs()
+        #: Awaited before an engine that holds no request enters the rotation (the proxy's
+        #: calibration: :mod:`pdactors.proxy._calibrate`); None: nothing.
+        self.entering: Callable[[Backend], Awaitable[None]] | None = None
 
     async def run(self) -> None:
         """Probe every engine each ``health_interval``, forever. Never raises."""
@@ -73,10 +77,13 @@ class HealthWatch:
         if problem is not None:
             self.set(b, problem, None, engine_failed=True)
             return
+        engines = None
         if b.role == "decode":
-            self.set(b, await self._check_identity(b), None)
-            return
-        problem, engines = await self._check_bootstrap(b)
+            problem = await self._check_identity(b)
+        else:
+            problem, engines = await self._check_bootstrap(b)
+        if problem is None and not b.up and not b.outstanding and self.entering is not None:
+            await self.entering(b)
         self.set(b, problem, engines)
 
     async def _check_identity(self, b: Backend) -> str | None:

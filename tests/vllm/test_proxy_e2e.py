@@ -30,6 +30,7 @@ pytest.importorskip("openai")
 
 import openai
 
+from pdactors.proxy._calibrate import PROBE_TOKENS
 from pdactors_vllm.tiny_model import ensure_tiny_model, find_eos_first_prompts
 from tests.vllm.servers import Server, free_port, producer_config, servers, stop
 
@@ -310,6 +311,39 @@ def test_the_other_placements_and_flows_serve_the_same_answers(
         else:
             assert setup.external_prompt_tokens() - external == 150 + 140
             assert setup.local_prompt_tokens() == local
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_the_default_placement_is_calibrated_on_each_engine_before_it_serves(
+    setup: Setup, tmp_path: Path
+) -> None:
+    """``--placement auto`` (the default): the proxy probes P and D as they enter its rotation
+    (a warm-up, then a few prompt lengths), so its estimates start from what they measured;
+    then it serves as a single server does."""
+    bootstrap_url = f"http://127.0.0.1:{setup.bootstrap_port}"
+    log = tmp_path / "proxy.log"
+    proc = _start_proxy(setup.p, setup.d, bootstrap_url, log, "--placement", "auto")
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().split()[-1]
+        _wait_proxy_healthy(url, proc)
+        placement = httpx.get(f"{url}/health", timeout=10, trust_env=False).json()["placement"]
+        models = httpx.get(f"{setup.d.url}/v1/models", timeout=10, trust_env=False).json()
+        max_len = models["data"][0]["max_model_len"]
+        probed = len([n for n in PROBE_TOKENS if n + 16 <= max_len])  # those that fit
+        for engine in (setup.p, setup.d):
+            assert placement["ttft"][engine.url]["n"] == probed, log.read_text()
+            assert placement["step_ms"][engine.url] > 0
+        prompt = prompt_ids(120, seed=41)
+        kwargs: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+        want = setup.single.completions.create(prompt=prompt, **kwargs)
+        got = setup.client(url).completions.create(prompt=prompt, **kwargs)
+        assert got.choices[0].text == want.choices[0].text
+        assert "calibrated: first token after" in log.read_text()
     finally:
         proc.terminate()
         proc.wait(timeout=15)
