@@ -516,7 +516,8 @@ def test_one_prompt_in_any_shape_is_valid() -> None:
 async def test_unknown_route_and_huge_body_get_openai_errors() -> None:
     with trio.fail_after(TIMEOUT):
         async with open_setup(max_body_bytes=1000) as s:
-            resp = await s.client.get("/v1/nothing")
+            # (GET and POST on a path not the proxy's go to an engine: tests/test_proxy_routes.py)
+            resp = await s.client.put("/v1/nothing")
             assert resp.status_code == 404 and "error" in resp.json()
             big = completion_body(prompt="x" * 2000)
             resp = await s.client.post("/v1/completions", json=big)

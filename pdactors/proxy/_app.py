@@ -1,8 +1,10 @@
 """The proxy's Quart app around :class:`~pdactors.proxy._completions.Proxy`.
 
-Completions are served on raw ASGI (``ProxyApp.fast``, the hot path); the other routes
+Completions are served on raw ASGI (``ProxyApp.fast``, the hot path); the proxy's other routes
 (``/v1/models``, ``/health``, ``/metrics``) are Quart's, behind the bearer gate and error
-handlers shared with the bootstrap (:mod:`pdactors.web._app`), in OpenAI's error shape.
+handlers shared with the bootstrap (:mod:`pdactors.web._app`), in OpenAI's error shape. A
+``GET`` or ``POST`` on any other path is an engine's (``/tokenize``, ``/version``...): forwarded
+on raw ASGI (``ProxyApp.forward``, :mod:`pdactors.proxy._forward`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from werkzeug.exceptions import HTTPException
 
 from pdactors.proxy._asgi import ProxyApp
 from pdactors.proxy._completions import Proxy
+from pdactors.proxy._forward import serve_forwarded
 from pdactors.proxy._openai import CHAT, COMPLETIONS, Failure
 from pdactors.web._app import guard, json_response
 
@@ -84,6 +87,9 @@ def make_app(proxy: Proxy) -> QuartTrio:
     async def metrics() -> Response:
         return Response(generate_latest(proxy.metrics.registry), content_type=CONTENT_TYPE_LATEST)
 
+    # Every path no route above serves is an engine's (its own 404 passes through).
+    app.own = frozenset(rule.rule for rule in app.url_map.iter_rules()) | app.fast.keys()
+    app.forward = partial(serve_forwarded, proxy)
     return app
 
 

@@ -1,12 +1,12 @@
-"""The proxy's raw ASGI plumbing for the completion routes (Quart's request and response
-machinery cost ~1 ms of CPU per request: bench/proxy_overhead.py): the app that routes them
-past Quart, reading a request's body within its bounds, the client's reply, and watching for
-the client going away.
+"""The proxy's raw ASGI plumbing for the completion routes and those forwarded to an engine
+(Quart's request and response machinery cost ~1 ms of CPU per request:
+bench/proxy_overhead.py): the app that routes them past Quart, reading a request's body within
+its bounds, the client's reply, and watching for the client going away.
 
-A completion's body is refused before any work it could cause: from its ``Content-Length``
-when that is over the limit (413, nothing read), when more of it arrives than the limit (413),
-when it takes longer than the body timeout to arrive (408), and when it comes in too many small
-pieces (400). Refusals that leave a body unread close the connection
+A body (a completion's, a forwarded request's) is refused before any work it could cause: from
+its ``Content-Length`` when that is over the limit (413, nothing read), when more of it arrives
+than the limit (413), when it takes longer than the body timeout to arrive (408), and when it
+comes in too many small pieces (400). Refusals that leave a body unread close the connection
 (:mod:`pdactors.web._server`).
 """
 
@@ -157,16 +157,22 @@ async def cancel_on_disconnect(
 
 
 class ProxyApp(QuartTrio):  # type: ignore[misc]
-    """Quart for every route but the completions, which are served on raw ASGI: Quart's
-    request and response machinery cost ~1 ms of CPU per request (bench/proxy_overhead.py)."""
+    """Quart for the proxy's own routes but the completions, which are served on raw ASGI:
+    Quart's request and response machinery cost ~1 ms of CPU per request
+    (bench/proxy_overhead.py). A ``GET`` or ``POST`` on any other path goes to ``forward``
+    (raw ASGI too: an engine's route, :mod:`pdactors.proxy._forward`)."""
 
     fast: dict[str, Callable[..., Awaitable[None]]]
+    forward: Callable[..., Awaitable[None]] | None = None
+    own: frozenset[str] = frozenset()  # the paths served here (Quart's routes and ``fast``)
 
     async def __call__(
         self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
     ) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            handler = self.fast.get(scope["path"])
+        if scope["type"] == "http" and scope["method"] in ("GET", "POST"):
+            handler = self.fast.get(scope["path"]) if scope["method"] == "POST" else None
+            if handler is None and scope["path"] not in self.own:
+                handler = self.forward
             if handler is not None:
                 await handler(scope, receive, send)
                 return

@@ -22,7 +22,10 @@ counts as ``decode_error``.
 
 Other routes: ``GET /v1/models`` (a healthy D's answer), ``GET /health`` (200 when at least one P
 and one D are in rotation, else 503 with the reasons), ``GET /metrics`` (Prometheus text, one
-registry per proxy).
+registry per proxy). A ``GET`` or ``POST`` on any other path (vLLM's ``/tokenize``,
+``/detokenize``, ``/version``, ``/v1/embeddings``...) is forwarded as it came to one engine in
+rotation (a D, else a P with ``fall_back_to_p``) and its answer sent back as it came; a failed
+call is a 502 naming the engine, none in rotation a 503 (:mod:`~pdactors.proxy._forward`).
 
 A health loop checks every engine's ``GET /health`` and every P's bootstrap ``GET /query`` each
 ``health_interval``: an engine that fails leaves the rotation and comes back when it answers
@@ -31,8 +34,8 @@ restarted P is used under its new id (a bootstrap that gives no answer in time k
 P in rotation under the id it had). A connection refused by an engine also takes it out at
 once. A P judged failed itself (its ``/health``, a refused connection) has every P-first
 request still waiting for its first token cut from it, served by D alone. Engine calls go
-through :mod:`pdactors.proxy._engine_http` (h11); the completion routes are served on raw
-ASGI, every other route by Quart.
+through :mod:`pdactors.proxy._engine_http` (h11); the completion routes and the forwarded ones
+are served on raw ASGI, the proxy's other routes by Quart.
 
 Where each step lives: the request's arrival, checks and routing in
 :mod:`~pdactors.proxy._completions`; its exchange's life (phase, first failure, the counts it
@@ -42,7 +45,7 @@ failed one tells the client in :mod:`~pdactors.proxy._engine_failures`, whether 
 in :mod:`~pdactors.proxy._retry`); the P-first flow in :mod:`~pdactors.proxy._p_first` (its bodies
 in :mod:`~pdactors.proxy._bodies`); the OpenAI body rules in :mod:`~pdactors.proxy._openai`; the
 raw ASGI plumbing in :mod:`~pdactors.proxy._asgi`; the Quart routes in :mod:`~pdactors.proxy._app`;
-health in :mod:`~pdactors.proxy._health`.
+the forwarded routes in :mod:`~pdactors.proxy._forward`; health in :mod:`~pdactors.proxy._health`.
 """
 
 from __future__ import annotations
