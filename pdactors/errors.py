@@ -79,13 +79,16 @@ class DataPlaneError(PdError):
 
 
 class TransferError(DataPlaneError):
-    """A batched write failed: names the peer, the bytes asked for and the engine's code."""
+    """A batched write failed: names the peer, the bytes asked for and the engine's code
+    (None when the engine gave none: its call raised instead of returning one)."""
 
-    def __init__(self, peer: str, nbytes: int, code: int, detail: str = "") -> None:
+    def __init__(self, peer: str, nbytes: int, code: int | None, detail: str = "") -> None:
         self.peer = peer
         self.nbytes = nbytes
         self.code = code
-        msg = f"write of {nbytes} bytes to {peer} failed with code {code}"
+        msg = f"write of {nbytes} bytes to {peer} failed"
+        if code is not None:
+            msg += f" with code {code}"
         super().__init__(f"{msg}: {detail}" if detail else msg)
 
 

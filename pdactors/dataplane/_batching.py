@@ -1,6 +1,9 @@
 """How the Mooncake data plane batches writes: each write is cut into pieces queued per peer,
-and one engine call, made in a worker thread, carries as many queued pieces to that peer as
-fit (:meth:`~pdactors.dataplane.mooncake.MooncakeDataPlane.write` says when calls are made)."""
+and one engine call carries as many queued pieces to that peer as fit
+(:meth:`~pdactors.dataplane.mooncake.MooncakeDataPlane.write` says when calls are made).
+:func:`engine_call` is the only code that calls the engine (:func:`run_call` for a batch,
+wherever that call runs; a write made at once for itself); what a call came to is classified
+by :mod:`pdactors.dataplane._outcomes`."""
 
 from __future__ import annotations
 
@@ -9,27 +12,28 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from pdactors._pulse import Pulse
+from pdactors.dataplane._outcomes import Failure
 from pdactors.dataplane.base import Addrs
 
 __all__ = [
-    "BEFORE_FAILED",
-    "RAISED",
+    "CallEnd",
     "EngineWriter",
     "PeerQueue",
     "Piece",
     "Write",
-    "batch_call",
     "descriptors",
+    "engine_call",
     "inline",
     "landed",
-    "not_complete",
     "ready",
     "run_after",
+    "run_call",
+    "wait_for",
 ]
 
 log = logging.getLogger("pdactors.dataplane")
@@ -61,8 +65,7 @@ class Write:
     after: Callable[[], object] | None = None  # run in the thread once every piece landed
     unlanded: int = 0  # with ``after``: pieces not yet landed, counted in the threads
     running: int = 0  # pieces in an engine call now
-    code: int = 0
-    error: str | None = None
+    failure: Failure | None = None  # the first failure of one of its pieces: its cause
     changed: Pulse = field(default_factory=Pulse)
 
 
@@ -148,17 +151,6 @@ def descriptors(batch: list[Piece]) -> int:
     return sum(len(piece.lengths) for piece in batch)
 
 
-#: The code of a write whose ``before`` raised (no engine call was made for it).
-BEFORE_FAILED = -10_000
-#: The code of a write whose engine call raised instead of returning a code.
-RAISED = -10_001
-
-
-def not_complete(exc: Exception) -> str:
-    """Why a write whose ``before`` raised ``exc`` failed."""
-    return f"the KV was not complete: {type(exc).__name__}: {exc}"
-
-
 def run_after(after: Callable[[], object]) -> None:
     """Run a write's ``after`` (its bytes landed): what it raises is logged, never the
     write's failure."""
@@ -169,10 +161,13 @@ def run_after(after: Callable[[], object]) -> None:
 
 
 def landed(pieces: list[Piece]) -> list[Callable[[], object]]:
-    """Count ``pieces`` as landed (their engine call returned 0, in this worker thread); the
+    """Count ``pieces`` as landed (their engine call returned 0, in this thread); the
     ``after`` of each write whose last piece this was. A piece lands at most once, so each is
     returned once, and never that of a write a piece of which failed or was dropped."""
-    if all(piece.write.after is None for piece in pieces):
+    for piece in pieces:  # (a loop, not all(): this runs after every call that landed)
+        if piece.write.after is not None:
+            break
+    else:
         return []
     complete = []
     with _LANDED:
@@ -185,38 +180,66 @@ def landed(pieces: list[Piece]) -> list[Callable[[], object]]:
     return complete
 
 
-def batch_call(
-    engine: EngineWriter, peer: str, batch: list[Piece]
-) -> Callable[[], tuple[int, dict[int, str]]]:
-    """The worker thread's work: run the writes' ``before`` waits, then one engine call for
-    the pieces whose wait succeeded, then the ``after`` of each write whose last piece landed
-    in it. Returns the engine's code and, by ``id`` of the write, the waits that raised."""
+class CallEnd(NamedTuple):
+    """What one engine call came to, as :func:`run_call` saw it (classified by
+    :func:`~pdactors.dataplane._outcomes.classify`)."""
 
-    def call() -> tuple[int, dict[int, str]]:
-        unready: dict[int, str] = {}
-        for piece in batch:
-            job = piece.write
-            if job.before is not None:
-                try:
-                    job.before()
-                except Exception as exc:  # the KV never became complete: that write fails
-                    unready[id(job)] = not_complete(exc)
-                job.before = None  # once per write (a second, concurrent run is harmless)
-        pieces = [piece for piece in batch if id(piece.write) not in unready]
-        if not pieces:
-            return 0, unready
-        # The lists are built here: for a 1024-descriptor call that is ~50 µs the Trio
-        # thread does not spend.
-        if len(pieces) == 1:
-            src, dst, lengths = pieces[0].src, pieces[0].dst, pieces[0].lengths
-        else:
-            src = np.concatenate([piece.src for piece in pieces])
-            dst = np.concatenate([piece.dst for piece in pieces])
-            lengths = np.concatenate([piece.lengths for piece in pieces])
-        rc = engine.batch_transfer_sync_write(peer, src.tolist(), dst.tolist(), lengths.tolist())
-        if rc == 0:
-            for after in landed(pieces):
-                run_after(after)
-        return int(rc), unready
+    #: The engine's own code, or what the call raised; None: no call was made (every write
+    #: of the batch failed its wait).
+    returned: int | Exception | None
+    #: By ``id`` of the write: what its ``before`` raised (that write was left out of the call).
+    waits: dict[int, Exception]
 
-    return call
+
+def wait_for(before: Callable[[], object] | None) -> Exception | None:
+    """Run a write's ``before`` (blocking): None once the KV is complete, else what it
+    raised (the write is then left out of its call and fails)."""
+    if before is not None:
+        try:
+            before()
+        except Exception as exc:
+            return exc
+    return None
+
+
+def engine_call(
+    engine: EngineWriter, peer: str, src: Addrs, dst: Addrs, lengths: Addrs
+) -> int | Exception:
+    """The one place the engine is called: ``batch_transfer_sync_write``'s code, or what
+    the binding raised instead of returning one. Blocking."""
+    try:
+        return int(
+            engine.batch_transfer_sync_write(peer, src.tolist(), dst.tolist(), lengths.tolist())
+        )
+    except Exception as exc:
+        return exc
+
+
+def run_call(engine: EngineWriter, peer: str, batch: list[Piece]) -> CallEnd:
+    """One engine call for ``batch``: its writes' ``before`` waits, then one
+    :func:`engine_call` for the pieces whose wait succeeded, then the ``after`` of each write
+    whose last piece landed in it. Blocking; made in the Trio thread or a worker thread
+    alike."""
+    waits: dict[int, Exception] = {}
+    for piece in batch:
+        job = piece.write
+        if job.before is not None:
+            if (exc := wait_for(job.before)) is not None:  # that write fails
+                waits[id(job)] = exc
+            job.before = None  # once per write (a second, concurrent run is harmless)
+    pieces = [piece for piece in batch if id(piece.write) not in waits] if waits else batch
+    if not pieces:
+        return CallEnd(None, waits)
+    # The lists are built here: for a 1024-descriptor call that is ~50 µs the Trio thread
+    # does not spend when the call runs in a worker thread.
+    if len(pieces) == 1:
+        src, dst, lengths = pieces[0].src, pieces[0].dst, pieces[0].lengths
+    else:
+        src = np.concatenate([piece.src for piece in pieces])
+        dst = np.concatenate([piece.dst for piece in pieces])
+        lengths = np.concatenate([piece.lengths for piece in pieces])
+    returned = engine_call(engine, peer, src, dst, lengths)
+    if returned == 0:
+        for after in landed(pieces):
+            run_after(after)
+    return CallEnd(returned, waits)

@@ -11,6 +11,15 @@ Safety limits this module enforces (each measured on Mooncake's TCP transport):
 * Mooncake refuses to register overlapping memory, and a descriptor that crosses from one
   registration into the next fails: :mod:`pdactors.dataplane._registrations`.
 
+How a write goes: one whose KV is complete, that fits one call within ``inline_max_bytes``
+and finds nothing queued to its peer is made at once in the Trio thread
+(:meth:`MooncakeDataPlane._write_at_once`, which says why it skips the queue); every other
+write queues its pieces per peer (:mod:`pdactors.dataplane._batching`), and each call carries
+as many as fit, made in the Trio thread or a worker thread as
+:func:`~pdactors.dataplane._batching.inline` decides. Both call the engine through
+:func:`~pdactors.dataplane._batching.engine_call` and classify what it returned with
+:func:`~pdactors.dataplane._outcomes.failure`, the one classification.
+
 Starting and closing an engine: :mod:`pdactors.dataplane.engine` (:func:`open_mooncake`).
 """
 
@@ -26,21 +35,22 @@ import trio
 
 from pdactors.config import DataPlaneConfig
 from pdactors.dataplane._batching import (
-    BEFORE_FAILED,
-    RAISED,
+    CallEnd,
     EngineWriter,
     PeerQueue,
     Piece,
     Write,
-    batch_call,
     descriptors,
+    engine_call,
     inline,
-    not_complete,
     ready,
     run_after,
+    run_call,
+    wait_for,
 )
+from pdactors.dataplane._outcomes import Failure, failure
 from pdactors.dataplane._registrations import MemoryRegistrar, Registrations
-from pdactors.errors import DataPlaneError, TransferError
+from pdactors.errors import DataPlaneError
 
 __all__ = ["DataPlaneStatistics", "MooncakeDataPlane", "MooncakeEngine"]
 
@@ -162,12 +172,14 @@ class MooncakeDataPlane:
         Checkpoint, even when there is nothing to write, but for a write made at once in the
         Trio thread (``inline_max_bytes``: its KV complete, one call's worth, nothing queued
         to its peer), which is a cancel point only. The descriptors are cut into pieces of
-        at most ``max_descriptors_per_call`` and queued for ``peer``. Engine calls run in worker
-        threads (at most ``workers`` for the whole data plane, at most ``max_calls_per_peer``
-        in flight to one peer), and each call carries as many queued pieces, from any writes
-        to that peer, as fit in ``max_descriptors_per_call``: under load one worker-thread hop
-        and one engine call serve many writes. Whichever waiting write finds a call free makes
-        it, on behalf of everyone it carries, so no background task is needed.
+        at most ``max_descriptors_per_call`` and queued for ``peer``. Engine calls run in
+        worker threads (at most ``workers`` for the whole data plane, at most
+        ``max_calls_per_peer`` in flight to one peer; a call within ``inline_max_bytes`` whose
+        writes wait for nothing runs in the Trio thread), and each call carries as many queued
+        pieces, from any writes to that peer, as fit in ``max_descriptors_per_call``: under
+        load one worker-thread hop and one engine call serve many writes. Whichever waiting
+        write finds a call free makes it, on behalf of everyone it carries, so no background
+        task is needed.
 
         Cancellation: a piece not yet in a call is dropped, but a call the engine has started
         is not abandoned, since the engine may still be reading our memory and writing the
@@ -177,9 +189,12 @@ class MooncakeDataPlane:
         the write may have landed.
 
         A failed engine call fails every write it carried (they all go to ``peer``; what fails
-        a call is the peer or its memory). Raises :class:`TransferError` naming the peer, the
-        bytes of the whole write and the engine's code, and :class:`DataPlaneError` for arrays
-        of different lengths or a closed data plane.
+        a call is the peer or its memory). Every call's end, wherever the call ran, is
+        classified once (:mod:`pdactors.dataplane._outcomes`). Raises
+        :class:`~pdactors.errors.TransferError` naming the peer, the bytes of the whole write
+        and the engine's code (None when the call raised instead of returning one), and
+        :class:`DataPlaneError` when ``before`` raised, for arrays of different lengths or a
+        closed data plane.
         """
         count = len(lengths)
         if len(src) != count or len(dst) != count:
@@ -193,39 +208,36 @@ class MooncakeDataPlane:
             else:
                 await trio.to_thread.run_sync(run_after, after, limiter=self._limiter)
             return
+        nbytes = int(lengths.sum())
         queue = self._per_peer.get(peer)
-        if (nbytes := self._at_once(queue, count, lengths, before)) is not None:
+        if self._at_once(queue, count, nbytes, before):
             await trio.lowlevel.checkpoint_if_cancelled()
-            self._write_at_once(peer, src, dst, lengths, nbytes, before, after)
-            return
-        if queue is None:
-            queue = self._per_peer[peer] = PeerQueue(self._config.max_calls_per_peer)
-        queue.writes += 1
-        try:
-            await self._write(peer, queue, src, dst, lengths, before, after)
-        finally:
-            queue.writes -= 1
-            if not queue.writes:  # no write left to queue behind: a restarted D is a new peer
-                del self._per_peer[peer]
+            failed = self._write_at_once(peer, src, dst, lengths, before, after)
+        else:
+            if queue is None:
+                queue = self._per_peer[peer] = PeerQueue(self._config.max_calls_per_peer)
+            queue.writes += 1
+            try:
+                failed = await self._queued(peer, queue, nbytes, src, dst, lengths, before, after)
+            finally:
+                queue.writes -= 1
+                if not queue.writes:  # no write left to queue behind: a restarted D is a new peer
+                    del self._per_peer[peer]
+        self._finish(peer, nbytes, count, failed)
 
     def _at_once(
-        self,
-        queue: PeerQueue | None,
-        count: int,
-        lengths: Addrs,
-        before: Callable[[], object] | None,
-    ) -> int | None:
-        """The write's bytes if it can be made at once in the Trio thread, in one engine call
-        of its own (else None): calls that small are made there (``inline_max_bytes``), its KV
-        is complete, it fits one call, and no piece to its peer waits while a call to it is
-        free (nothing queued to overtake, the per-peer limit kept)."""
+        self, queue: PeerQueue | None, count: int, nbytes: int, before: Callable[[], object] | None
+    ) -> bool:
+        """Whether a write is made at once (:meth:`_write_at_once`): calls that small are made
+        in the Trio thread (``inline_max_bytes``), its KV is complete, it fits one call, and
+        no piece to its peer waits while a call to it is free (nothing queued to overtake,
+        the per-peer limit kept)."""
         limit = self._inline_limit
-        if not limit or count > self._config.max_descriptors_per_call:
-            return None
+        if not limit or count > self._config.max_descriptors_per_call or nbytes > limit:
+            return False
         if queue is not None and (not queue.free_calls or queue.pieces):
-            return None
-        nbytes = int(lengths.sum())
-        return nbytes if nbytes <= limit and ready(before) else None
+            return False
+        return ready(before)
 
     def _write_at_once(
         self,
@@ -233,67 +245,51 @@ class MooncakeDataPlane:
         src: Addrs,
         dst: Addrs,
         lengths: Addrs,
-        nbytes: int,
         before: Callable[[], object] | None,
         after: Callable[[], object] | None,
-    ) -> None:
-        """The write of :meth:`_at_once` (``nbytes``: what it returned): its engine call here,
-        in the Trio thread, with no queue, no worker thread and no schedule point (the call
-        blocks the loop anyway; yielding after it only delays what the caller does with the
-        landed write). Fails as a write through the queue fails."""
+    ) -> Failure | None:
+        """A write of :meth:`_at_once`, in one engine call of its own here, in the Trio thread:
+        no queue, no :class:`~pdactors.dataplane._batching.Write`, no wake-up and no schedule
+        point (the call blocks the loop anyway). Its failure, None when it landed.
+
+        Kept beside the queued path for a measured reason: the queue's bookkeeping (a
+        ``Write`` and its ``Pulse``, a ``Piece``, settling a batch) cost as much again as the
+        whole write made here (``bench/write_overhead.py``, 2-core machine: 2.9 µs a write
+        here, 5.5-5.9 µs with a one-piece batch through :func:`run_call` and :meth:`_settle`;
+        on an H200 skipping the queue took the write's own cost over its call from
+        0.08-0.10 ms to 0.046-0.059 ms, docs/architecture.md). What it shares with every call:
+        :func:`wait_for`, :func:`engine_call` and the one classification (:func:`failure`)."""
         engine = self._live_engine()
         self._calls += 1
         self._inline_calls += 1
-        rc, error = 0, None
-        try:
-            if before is not None:
-                before()
-        except Exception as exc:  # as in a worker thread: the KV never became complete
-            rc, error = BEFORE_FAILED, not_complete(exc)
-        else:
-            try:
-                rc = engine.batch_transfer_sync_write(
-                    peer, src.tolist(), dst.tolist(), lengths.tolist()
-                )
-            except Exception as exc:
-                rc, error = RAISED, f"the engine call raised {exc!r}"
-            if rc == 0 and after is not None:
-                run_after(after)
-            elif rc not in (0, RAISED):
-                error = f"engine call of {len(lengths)} descriptors failed"
-        self._count(peer, nbytes, len(lengths), rc, error)
+        wait = None if before is None else wait_for(before)
+        returned = engine_call(engine, peer, src, dst, lengths) if wait is None else None
+        failed = failure(returned, wait, descriptors=len(lengths))
+        if failed is None and after is not None:
+            run_after(after)
+        return failed
 
-    def _count(self, peer: str, nbytes: int, count: int, code: int, error: str | None) -> None:
-        """Count a write that ended: done (``error`` None), or failed with ``code`` (raised
-        here: :class:`DataPlaneError` when its wait failed, else :class:`TransferError`)."""
-        if error is not None:
-            self._failures += 1
-            if code == BEFORE_FAILED:
-                raise DataPlaneError(f"write of {nbytes} bytes to {peer}: {error}")
-            raise TransferError(peer, nbytes, code, error)
-        self._writes += 1
-        self._bytes += nbytes
-        self.descriptors += count
-
-    async def _write(
+    async def _queued(
         self,
         peer: str,
         queue: PeerQueue,
+        nbytes: int,
         src: Addrs,
         dst: Addrs,
         lengths: Addrs,
         before: Callable[[], object] | None,
         after: Callable[[], object] | None,
-    ) -> None:
-        count = len(lengths)
+    ) -> Failure | None:
+        """Queue a write's pieces for ``peer`` and make calls until it landed (None) or failed
+        (its first failure)."""
         step = self._config.max_descriptors_per_call
-        pieces = -(-count // step)
-        job = Write(int(lengths.sum()), pieces, before=before, after=after, unlanded=pieces)
-        for start in range(0, count, step):
+        pieces = -(-len(lengths) // step)
+        job = Write(nbytes, pieces, before=before, after=after, unlanded=pieces)
+        for start in range(0, len(lengths), step):
             stop = start + step
             queue.pieces.append(Piece(job, src[start:stop], dst[start:stop], lengths[start:stop]))
         try:
-            while job.pending and job.error is None:
+            while job.pending and job.failure is None:
                 if queue.free_calls and queue.pieces:
                     await self._call(peer, queue)
                 else:
@@ -305,60 +301,66 @@ class MooncakeDataPlane:
                 with trio.CancelScope(shield=True):
                     while job.running:
                         await job.changed.wait()
-        self._count(peer, job.nbytes, count, job.code, job.error)
+        return job.failure
 
     async def _call(self, peer: str, queue: PeerQueue) -> None:
-        """Make one engine call to ``peer`` carrying the pieces at the head of its queue."""
-        engine = self._live_engine()
+        """Make one engine call to ``peer`` carrying the pieces at the head of its queue: in
+        the Trio thread when :func:`inline` allows (then yield once, the call done), else in
+        a worker thread under the data plane's limiter (cancelled only while waiting for the
+        thread: then the call never started and its pieces wait for another)."""
+        engine = self._live_engine()  # closed: raise before any piece leaves the queue
         batch = queue.take(self._config.max_descriptors_per_call)
+        here = inline(batch, self._inline_limit)
         for piece in batch:
             piece.write.running += 1
-        queue.free_calls -= 1
         self._calls += 1
-        jobs = {id(piece.write): piece.write for piece in batch}
-        result: tuple[int, dict[int, str]] | None = None
-        failure = ""
-        call = batch_call(engine, peer, batch)
+        if here:
+            self._inline_calls += 1
+        queue.free_calls -= 1
+        end: CallEnd | None = None
         try:
-            if inline(batch, self._inline_limit):
-                self._inline_calls += 1
-                result = call()  # in the Trio thread: no hand-off to a thread and back
-                await trio.lowlevel.cancel_shielded_checkpoint()  # (the call is done)
+            if here:  # no hand-off to a thread and back
+                end = run_call(engine, peer, batch)
+                await trio.lowlevel.cancel_shielded_checkpoint()
             else:
-                result = await trio.to_thread.run_sync(
-                    call, limiter=self._limiter, abandon_on_cancel=False
+                end = await trio.to_thread.run_sync(
+                    run_call, engine, peer, batch, limiter=self._limiter, abandon_on_cancel=False
                 )
-        except trio.Cancelled:
-            raise  # only while waiting for a worker thread: the call never started
-        except Exception as exc:  # the engine call itself raised: each write it carried fails
-            result, failure = (RAISED, {}), f"the engine call raised {exc!r}"
         finally:
             queue.free_calls += 1
-            if result is None:  # cancelled before the call started: the pieces wait for another
+            if end is None:
                 queue.pieces.extendleft(reversed(batch))
-            rc, unready = result if result is not None else (0, {})
-            if rc not in (0, RAISED):
-                others = len(jobs) - 1
-                plural = "s" if others > 1 else ""
-                carried = f", carrying {others} other write{plural}" if others else ""
-                failure = f"engine call of {descriptors(batch)} descriptors{carried} failed"
-            for piece in batch:
-                job = piece.write
-                job.running -= 1
-                if result is None:
-                    continue
-                if id(job) in unready:
-                    code, error = BEFORE_FAILED, unready[id(job)]
-                elif rc == 0:
-                    job.pending -= 1
-                    continue
-                else:
-                    code, error = rc, failure
-                if job.error is None:  # the first failure of a write is its cause
-                    job.code, job.error = code, error
-            for job in jobs.values():
-                job.changed.fire()
+            self._settle(batch, end)
             queue.kick()
+
+    def _settle(self, batch: list[Piece], end: CallEnd | None) -> None:
+        """Settle each write ``batch`` carried with what its call came to (None: it never
+        started), through the one classification (:func:`failure`), and wake them."""
+        jobs = {id(piece.write): piece.write for piece in batch}
+        carried, others = descriptors(batch), len(jobs) - 1
+        for piece in batch:
+            job = piece.write
+            job.running -= 1
+            if end is None:
+                continue
+            wait = end.waits.get(id(job))
+            failed = failure(end.returned, wait, descriptors=carried, others=others)
+            if failed is None:
+                job.pending -= 1
+            elif job.failure is None:  # the first failure of a write is its cause
+                job.failure = failed
+        for job in jobs.values():
+            job.changed.fire()
+
+    def _finish(self, peer: str, nbytes: int, count: int, failed: Failure | None) -> None:
+        """Count a write that ended: landed (``failed`` None), or failed (raises the error of
+        its failure: :meth:`~pdactors.dataplane._outcomes.Failure.error`)."""
+        if failed is not None:
+            self._failures += 1
+            raise failed.error(peer, nbytes)
+        self._writes += 1
+        self._bytes += nbytes
+        self.descriptors += count
 
     def _live_engine(self) -> MooncakeEngine:
         if self._engine is None:
