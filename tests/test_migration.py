@@ -56,6 +56,10 @@ class Counting:
     die_after: int | None = None
     error_after: int | None = None
     models_status: int = 200  # GET /v1/models answers this
+    #: Stops (as SIGSTOP would) after this many tokens of its next stream: the stream waits,
+    #: and so does its ``/health``, until the test ends.
+    stop_after: int | None = None
+    stopped: bool = False
     received: list[dict[str, Any]] = field(default_factory=list)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
@@ -109,6 +113,9 @@ def counting_app(engine: Counting) -> QuartTrio:
             if engine.die_after == i:
                 engine.scope.cancel()  # the whole server goes: this connection breaks
                 await trio.sleep_forever()
+            if engine.stop_after == i:
+                engine.stopped = True
+                await trio.sleep_forever()
             if engine.error_after == i:
                 error = {"error": {"message": "Internal server error", "code": 500}}
                 yield _event(error)
@@ -145,6 +152,8 @@ def counting_app(engine: Counting) -> QuartTrio:
 
     @app.get("/health")
     async def health() -> Response:
+        if engine.stopped:
+            await trio.sleep_forever()
         return Response(b"", status=200)
 
     @app.get("/query")
@@ -288,6 +297,23 @@ async def test_d_dying_hands_the_stream_to_the_other_d_first() -> None:
             assert other.received[-1]["prompt"] == PROMPT + tokens_after(PROMPT, 1)
             assert not s.p[0].received
             assert await migrations(s) == {"decode": 1.0}
+            await settled(s)
+
+
+@pytest.mark.parametrize("placement", ["disaggregate", "local"])
+async def test_a_stopped_d_is_judged_failed_and_its_stream_goes_on_on_p(placement: str) -> None:
+    """D stops mid-stream (no byte, no broken connection): its health verdict cuts the
+    stream from it, and P continues it (not the request timeout)."""
+    with trio.fail_after(TIMEOUT):
+        async with open_counting(health_timeout=0.2) as s:
+            s.d[0].stop_after = 2
+            headers = {"x-pdactors-placement": placement}
+            body = body_for(False, stream=True)
+            resp = await s.client.post(ROUTES[False], json=body, headers=headers)
+            assert streamed_text(resp, False) == SINGLE
+            assert await migrations(s) == {"prefill": 1.0}
+            _, report = await s.health()
+            assert not report["decode"][0]["up"]
             await settled(s)
 
 

@@ -28,6 +28,7 @@ from tests.test_p_first import data_events
 from tests.test_proxy import (
     TIMEOUT,
     Setup,
+    as_relayed,
     chat_body,
     completion_body,
     eventually,
@@ -108,7 +109,7 @@ async def test_requests_waiting_on_a_stopped_p_go_to_d_alone_at_its_health_verdi
                 assert resp.headers["x-pdactors-placement"] == "local"
                 assert text_of(resp, stream).startswith("d0")
                 assert verdict - 0.1 <= at <= verdict + 0.5  # at the verdict, not before
-            assert d.received == [body_of(path, stream)] * 8  # as the client sent them
+            assert d.received == [as_relayed(body_of(path, stream))] * 8  # as the client's
             name = "chat_completions" if "chat" in path else "completions"
             m = await s.metrics()
             assert m[("pdactors_proxy_fallbacks_total", (("why", "p_unhealthy"),))] == 8
@@ -238,14 +239,14 @@ async def test_which_verdicts_cut_the_requests_waiting_on_p() -> None:
         pools = (Pool("prefill", [p], "round_robin"), Pool("decode", [], "round_robin"))
         watch = HealthWatch(config, http, BootstrapClient(http), pools, Metrics())
         waiting = {trio.CancelScope(), trio.CancelScope()}
-        p.waiting_for_token |= waiting
+        p.waiting_on |= waiting
         watch.set(p, "bootstrap: HTTP 500", None)  # out of rotation, nothing cut
         assert not p.up and not any(s.cancel_called for s in waiting)
-        assert p.waiting_for_token == waiting
+        assert p.waiting_on == waiting
         failures = EngineFailures(config, Metrics(), watch)
         failure = failures.transport_failure(p, ConnectFailed("connection refused"))
         assert failure.outcome == "prefill_error" and failure.fallback == ""  # prefill_failed
-        assert all(s.cancel_called for s in waiting) and p.waiting_for_token == set()
+        assert all(s.cancel_called for s in waiting) and p.waiting_on == set()
         cut = failures.judged_failed(p)
         assert cut.fallback == "p_unhealthy" and cut.status == 502
         assert cut.message.startswith("prefill engine http://p:1 judged failed: connection failed")

@@ -39,11 +39,13 @@ class EngineFailures:
         message = f"{what} within the request timeout ({self.config.request_timeout:g} s)"
         return Failure.of(504, message, "timeout", "timeout")
 
-    def judged_failed(self, p: Backend) -> Failure:
-        """P-first: the request was cut from ``p``, judged failed while it waited for its first
-        token (D may serve it alone: ``p_unhealthy``)."""
-        message = f"{p.role} engine {p.url} judged failed: {p.problem}"
-        return Failure.of(502, message, "upstream_error", "prefill_error", fallback="p_unhealthy")
+    def judged_failed(self, b: Backend) -> Failure:
+        """The request was cut from ``b``, judged failed while the request waited on it: P's
+        token in the P-first flow (D may serve it alone: ``p_unhealthy``), or the answer of the
+        engine decoding it (another engine may continue it)."""
+        message = f"{b.role} engine {b.url} judged failed: {b.problem}"
+        outcome = f"{b.role}_error"
+        return Failure.of(502, message, "upstream_error", outcome, fallback="p_unhealthy")
 
     def transport_failure(self, b: Backend, exc: EngineError | httpx.HTTPError) -> Failure:
         """A broken call: a 502; a refused connection also takes the engine out of rotation."""

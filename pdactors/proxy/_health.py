@@ -1,11 +1,13 @@
 """The proxy's health loop: every engine's ``GET /health`` and every P's bootstrap
 ``GET /query`` each ``health_interval``; engines in and out of rotation, P's engine ids.
 
-A P judged failed itself (its ``/health`` gave no answer within ``health_timeout``, an error
-status, a refused connection) has every P-first request still waiting for its first token cut
-from it at once (:attr:`Backend.waiting_for_token`; the request is then served as one whose P
-failed before its token: :mod:`pdactors.proxy._p_first`). A failed bootstrap only takes P out
-of the rotation: the requests at P may still get their token, and D's look-ups are cached.
+An engine judged failed itself (its ``/health`` gave no answer within ``health_timeout``, an
+error status, a refused connection) has every request waiting on it cut from it at once
+(:attr:`Backend.waiting_on`): a P-first request still waiting for P's token is then served as
+one whose P failed before its token (:mod:`pdactors.proxy._p_first`), a request the engine was
+decoding goes on on another engine (migration: :mod:`pdactors.proxy._legs`). A failed
+bootstrap only takes P out of the rotation: the requests at P may still get their token, and
+D's look-ups are cached.
 An engine that restarted (P: a new engine id; D: back in rotation after being out) has what
 prefix-aware routing remembers of it dropped (:meth:`Pool.restarted`).
 
@@ -194,15 +196,14 @@ class HealthWatch:
             log.info("proxy: %s %s in rotation%s", b.role, b.url, suffix)
             if b.role == "decode":  # D has no engine id to tell a restart by: assume one
                 self.decode.restarted(b)
-        if engine_failed and b.waiting_for_token:
+        if engine_failed and b.waiting_on:
             log.warning(
-                "proxy: %s %s judged failed (%s) with %d requests waiting for its first token: "
-                "cut from it",
-                b.role, b.url, b.problem, len(b.waiting_for_token),
+                "proxy: %s %s judged failed (%s) with %d requests waiting on it: cut from it",
+                b.role, b.url, b.problem, len(b.waiting_on),
             )  # fmt: skip
-            for cut in b.waiting_for_token:
+            for cut in b.waiting_on:
                 cut.cancel()
-            b.waiting_for_token.clear()
+            b.waiting_on.clear()
 
     def report(self) -> tuple[int, dict[str, Any]]:
         """``GET /health``'s status and body."""

@@ -12,8 +12,8 @@ begun ends with an error event.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import aclosing, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Final
 
 import msgspec
@@ -22,11 +22,12 @@ import trio
 from pdactors.core.placement import Placer
 from pdactors.proxy._asgi import Reply
 from pdactors.proxy._effects import ExchangeEffects
-from pdactors.proxy._engine_failures import ERROR_EVENT, EngineFailures
+from pdactors.proxy._engine_failures import EngineFailures
 from pdactors.proxy._engine_http import EngineClient, EngineError, EngineResponse
 from pdactors.proxy._exchange import Exchange
 from pdactors.proxy._health import HealthWatch
 from pdactors.proxy._openai import COMPLETIONS, Failure
+from pdactors.proxy._relay import relay_stream
 from pdactors.proxy._retry import migration_target, retry_reason
 from pdactors.proxy._state import Backend, Metrics
 from pdactors.proxy._stream import ClientStream
@@ -38,8 +39,6 @@ log = logging.getLogger("pdactors.proxy")
 
 #: How long a relay waits to hand a final error event to a slow client.
 _LAST_EVENT_TIMEOUT: Final = 1.0
-#: A chat stream's first event (vLLM's): the role, no token yet.
-_ROLE_ONLY: Final = b'"delta":{"role":"assistant","content":""}'
 
 
 class Legs(ExchangeEffects):
@@ -69,7 +68,7 @@ class Legs(ExchangeEffects):
 
         The request depends on P (the P-first flow, ``beside_d`` false): P's failure fails
         it, and so does P judged failed by the health loop while the request waits (its leg
-        is cut: :attr:`~pdactors.proxy._state.Backend.waiting_for_token`). D runs beside P
+        is cut: :attr:`~pdactors.proxy._state.Backend.waiting_on`). D runs beside P
         (the concurrent flow): only P's 4xx (the request's own fault) fails the request; any
         other failure of P is noted and logged, and D's answer decides — a D that has the KV
         goes on, one whose KV did not come fails before its first token and is asked again
@@ -80,7 +79,7 @@ class Legs(ExchangeEffects):
         cut = trio.CancelScope()  # P-first: cancelled if P is judged failed meanwhile
         with ex.p_scope, trio.move_on_at(ex.deadline) as timer, cut:
             try:
-                with _waiting_for_token(ex.p, cut, depends=not beside_d):
+                with _waiting_on(ex.p, cut, depends=not beside_d):
                     resp = await self.engines[ex.p.url].request(
                         "POST", ex.endpoint.path, body, ex.p_headers
                     )
@@ -203,8 +202,13 @@ class Legs(ExchangeEffects):
         otherwise (:meth:`migrate`); None with ``ex.failure`` set."""
         attempt = body
         while True:
-            resp = await self.open_decode(ex, attempt, path)
-            raw = None if resp is None else await self.read_whole(ex, resp)
+            engine, cut = ex.d, trio.CancelScope()
+            raw = None
+            with cut, _waiting_on(engine, cut):
+                resp = await self.open_decode(ex, attempt, path)
+                raw = None if resp is None else await self.read_whole(ex, resp)
+            if cut.cancelled_caught and ex.failure is None:
+                self.fail(ex, self.failures.judged_failed(engine))
             if raw is not None:
                 return raw
             if self.retry(ex, local):
@@ -235,20 +239,10 @@ class Legs(ExchangeEffects):
         try:
             attempt = body
             while True:
-                resp = await self.open_decode(ex, attempt, path)
-                if resp is not None:
-                    try:
-                        if not reply.started:
-                            await reply.start(
-                                200, b"text/event-stream", ex.transfer_id,
-                                (b"cache-control", b"no-cache"),
-                            )  # fmt: skip
-                        relayed = await self._forward(ex, resp, reply, stream.feed)
-                    finally:
-                        await resp.aclose()
-                    if relayed is not None:
-                        outcome = relayed
-                        break
+                relayed = await self._decode_leg(ex, attempt, path, reply, stream)
+                if relayed is not None:
+                    outcome = relayed
+                    break
                 if self.retry(ex, local):
                     assert local is not None
                     attempt = local
@@ -268,6 +262,32 @@ class Legs(ExchangeEffects):
             await reply.chunk(b"", more=False)
         finally:
             self.end(ex, outcome)  # not ok: P's leg is cancelled now
+
+    async def _decode_leg(
+        self, ex: Exchange, body: bytes, path: str | None, reply: Reply, stream: ClientStream
+    ) -> str | None:
+        """One engine's streamed answer to ``body``, relayed (:func:`relay_stream`'s outcome), or
+        None with ``ex.failure`` set: that engine failed, or was judged failed meanwhile (a
+        stopped or hung engine sends nothing, breaks nothing: its verdict cuts the leg)."""
+        engine, cut = ex.d, trio.CancelScope()
+        resp: EngineResponse | None = None
+        relayed = None
+        try:
+            with cut, _waiting_on(engine, cut):
+                resp = await self.open_decode(ex, body, path)
+                if resp is not None:
+                    if not reply.started:
+                        await reply.start(
+                            200, b"text/event-stream", ex.transfer_id,
+                            (b"cache-control", b"no-cache"),
+                        )  # fmt: skip
+                    relayed = await relay_stream(self, self.failures, ex, resp, reply, stream.feed)
+        finally:
+            if resp is not None:
+                await resp.aclose()
+        if cut.cancelled_caught and ex.failure is None:
+            self.fail(ex, self.failures.judged_failed(engine))
+        return relayed
 
     async def open_decode(
         self, ex: Exchange, body: bytes, path: str | None = None
@@ -315,53 +335,6 @@ class Legs(ExchangeEffects):
         finally:
             await resp.aclose()
 
-    async def _forward(
-        self, ex: Exchange, resp: EngineResponse, reply: Reply, feed: Callable[[bytes], bytes]
-    ) -> str | None:
-        """Relay D's stream (``feed`` makes each chunk the client's): ``"ok"``, or None with
-        ``ex.failure`` set and nothing more sent: D's stream began with an error event (what
-        vLLM sends when the KV did not come), had one later (what came before it relayed),
-        broke, or ran past the deadline."""
-        began = False  # this leg relayed something (a chat's role alone does not count)
-        held = b""  # a chat's role announcement, relayed with what follows it
-        with ex.decode_scope(), trio.move_on_at(ex.deadline):
-            try:
-                async with aclosing(resp.chunks()) as chunks:
-                    async for chunk in chunks:
-                        if not began:
-                            chunk, held = held + chunk, b""
-                            rest = _after_role(chunk)
-                            if rest.startswith(ERROR_EVENT):  # before any of D's tokens
-                                self.fail(ex, self.failures.event_failure(ex.d, rest))
-                                return None
-                            if not rest:  # only a chat's role so far: held until a token
-                                held = chunk
-                                continue
-                        # Only the client's first chunk of D's is timed (TTFT); D's step is
-                        # learnt from the stream's span when it ends.
-                        first = not ex.state.d_relayed
-                        self.apply(ex, ex.state.d_chunk(trio.current_time() if first else None))
-                        began = True
-                        at = chunk.find(ERROR_EVENT)
-                        if at >= 0:  # D reports a failure in a stream it began (200)
-                            if data := feed(chunk[:at]):
-                                await reply.chunk(data)
-                            event = chunk[at:].split(b"\n\n", 1)[0]
-                            failure = self.failures.event_failure(ex.d, event, before_token=False)
-                            self.fail(ex, failure)
-                            return None
-                        if data := feed(chunk):
-                            await reply.chunk(data)
-                if held:  # a stream of a role announcement only
-                    self.apply(ex, ex.state.d_chunk(trio.current_time()))
-                    await reply.chunk(feed(held))
-                return "ok"
-            except EngineError as exc:
-                self.fail(ex, self.failures.transport_failure(ex.d, exc))
-        if ex.failure is None:
-            self.fail(ex, self.failures.timeout_failure("D did not finish"))
-        return None
-
     async def stream_failure(self, ex: Exchange, reply: Reply) -> None:
         """End a begun stream with the request's failure (or D's timeout) as an event."""
         if ex.failure is None:
@@ -373,27 +346,16 @@ class Legs(ExchangeEffects):
 
 
 @contextmanager
-def _waiting_for_token(p: Backend, cut: trio.CancelScope, *, depends: bool) -> Iterator[None]:
-    """While P's answer is awaited by a request that ``depends`` on it (P-first), ``cut`` is
-    in P's :attr:`~pdactors.proxy._state.Backend.waiting_for_token`, cancelled if P is judged
-    failed meanwhile. It leaves before P's own failure (if any) is worded, so the verdict on a
-    refused connection does not cut the request that met it."""
+def _waiting_on(b: Backend, cut: trio.CancelScope, *, depends: bool = True) -> Iterator[None]:
+    """While ``b``'s answer is awaited by a request that ``depends`` on it, ``cut`` is in
+    ``b``'s :attr:`~pdactors.proxy._state.Backend.waiting_on`, cancelled if ``b`` is judged
+    failed meanwhile. It leaves before ``b``'s own failure (if any) is worded, so the verdict
+    on a refused connection does not cut the request that met it."""
     if not depends:
         yield
         return
-    p.waiting_for_token.add(cut)
+    b.waiting_on.add(cut)
     try:
         yield
     finally:
-        p.waiting_for_token.discard(cut)
-
-
-def _after_role(chunk: bytes) -> bytes:
-    """``chunk`` without a chat stream's leading role announcement (vLLM's first event,
-    which carries no token), if it begins with one."""
-    if not chunk.startswith(b"data: "):
-        return chunk
-    end = chunk.find(b"\n\n")
-    if end < 0 or _ROLE_ONLY not in chunk[:end]:
-        return chunk
-    return chunk[end + 2 :]
+        b.waiting_on.discard(cut)

@@ -40,10 +40,11 @@ class Backend:
     prefills: int = 0  # requests whose prompt it computes now (their first token not back)
     incoming: int = 0  # D only: requests it continues whose prompt is still at a P
     bootstrap_slow: bool = False  # P only: its bootstrap gave no answer in the last round
-    #: P only: a scope around each P-first request's wait for its answer (its first token),
-    #: cancelled when P is judged failed meanwhile: the request is cut from P
-    #: (:meth:`pdactors.proxy._health.HealthWatch.set`).
-    waiting_for_token: set[trio.CancelScope] = field(default_factory=set)
+    #: A scope around each request's wait on this engine — a P-first request's for P's token,
+    #: a decoding leg's for its answer — cancelled when the engine is judged failed
+    #: meanwhile (a stopped or hung engine: :meth:`pdactors.proxy._health.HealthWatch.set`):
+    #: the request is cut from it (P-first: served by D alone; decoding: migrated).
+    waiting_on: set[trio.CancelScope] = field(default_factory=set)
     #: Which model it answers with (:mod:`pdactors.proxy._pairs`): P's from its bootstrap,
     #: D's from its ``/metrics``; None: not known (not compared).
     identity: Identity | None = None

@@ -172,7 +172,8 @@ def _only_ids(choice: dict[str, Any]) -> bool:
     """A chat event's choice that carries nothing but token ids (vLLM sends one when token
     ids were asked for and the text of the step is held back)."""
     return (
-        not choice.get("delta")
+        choice.get("delta") == {}
+        and bool(choice.get("token_ids"))
         and choice.get("finish_reason") is None
         and choice.get("logprobs") is None
     )

@@ -1,0 +1,90 @@
+"""D's stream relayed to the client, chunk by chunk, for one leg of an exchange: its chunks
+made the client's (``feed``: :class:`~pdactors.proxy._stream.ClientStream`), its events fed to
+the exchange's record (D's first chunk timed), and what ends the leg early — an error event
+before D's first token (what vLLM sends when the KV did not come), one later, a broken
+answer, the deadline — made the exchange's failure for :class:`~pdactors.proxy._legs.Legs` to
+act on (ask D again, migrate, or tell the client).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import aclosing
+from typing import Final
+
+import trio
+
+from pdactors.proxy._asgi import Reply
+from pdactors.proxy._effects import ExchangeEffects
+from pdactors.proxy._engine_failures import ERROR_EVENT, EngineFailures
+from pdactors.proxy._engine_http import EngineError, EngineResponse
+from pdactors.proxy._exchange import Exchange
+
+__all__ = ["relay_stream"]
+
+#: A chat stream's first event (vLLM's): the role, no token yet.
+_ROLE_ONLY: Final = b'"delta":{"role":"assistant","content":""}'
+
+
+async def relay_stream(
+    legs: ExchangeEffects,
+    failures: EngineFailures,
+    ex: Exchange,
+    resp: EngineResponse,
+    reply: Reply,
+    feed: Callable[[bytes], bytes],
+) -> str | None:
+    """Relay D's stream (``feed`` makes each chunk the client's): ``"ok"``, or None with
+    ``ex.failure`` set and nothing more sent: D's stream began with an error event (what
+    vLLM sends when the KV did not come), had one later (what came before it relayed),
+    broke, or ran past the deadline."""
+    began = False  # this leg relayed something (a chat's role alone does not count)
+    held = b""  # a chat's role announcement, relayed with what follows it
+    with ex.decode_scope(), trio.move_on_at(ex.deadline):
+        try:
+            async with aclosing(resp.chunks()) as chunks:
+                async for chunk in chunks:
+                    if not began:
+                        chunk, held = held + chunk, b""
+                        rest = _after_role(chunk)
+                        if rest.startswith(ERROR_EVENT):  # before any of D's tokens
+                            legs.fail(ex, failures.event_failure(ex.d, rest))
+                            return None
+                        if not rest:  # only a chat's role so far: held until a token
+                            held = chunk
+                            continue
+                    # Only the client's first chunk of D's is timed (TTFT); D's step is
+                    # learnt from the stream's span when it ends.
+                    first = not ex.state.d_relayed
+                    legs.apply(ex, ex.state.d_chunk(trio.current_time() if first else None))
+                    began = True
+                    at = chunk.find(ERROR_EVENT)
+                    if at >= 0:  # D reports a failure in a stream it began (200)
+                        if data := feed(chunk[:at]):
+                            await reply.chunk(data)
+                        event = chunk[at:].split(b"\n\n", 1)[0]
+                        failure = failures.event_failure(ex.d, event, before_token=False)
+                        legs.fail(ex, failure)
+                        return None
+                    if data := feed(chunk):
+                        await reply.chunk(data)
+            if held:  # a stream of a role announcement only
+                legs.apply(ex, ex.state.d_chunk(trio.current_time()))
+                await reply.chunk(feed(held))
+            return "ok"
+        except EngineError as exc:
+            legs.fail(ex, failures.transport_failure(ex.d, exc))
+    if ex.failure is None:
+        legs.fail(ex, failures.timeout_failure("D did not finish"))
+    return None
+
+
+def _after_role(chunk: bytes) -> bytes:
+    """``chunk`` without a chat stream's leading role announcement (vLLM's first event,
+    which carries no token), if it begins with one."""
+    if not chunk.startswith(b"data: "):
+        return chunk
+    end = chunk.find(b"\n\n")
+    if end < 0 or _ROLE_ONLY not in chunk[:end]:
+        return chunk
+    return chunk[end + 2 :]
