@@ -1,7 +1,7 @@
 """The ``pdactors`` command: its app, the serving commands (``bootstrap``, ``proxy``) and the
-others registered on it (``harness`` and ``chaos`` from :mod:`pdactors._cli_tools`, ``launch``
-from :mod:`pdactors.deploy`). With those and the vLLM adapter's settings, the only code that
-reads the environment and argv."""
+others registered on it (``harness`` and ``chaos`` from :mod:`pdactors._cli_tools`, ``drain``
+from :mod:`pdactors._cli_admin`, ``launch`` from :mod:`pdactors.deploy`). With those and the
+vLLM adapter's settings, the only code that reads the environment and argv."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from pdactors._cli_admin import drain
 from pdactors._cli_setup import setup
 from pdactors._cli_tools import chaos, harness
 from pdactors.config import DEFAULT_BOOTSTRAP_PORT, BootstrapConfig, default_of
@@ -354,6 +355,7 @@ def proxy(
 
 app.command()(harness)
 app.command()(chaos)
+app.command()(drain)
 
 
 def _register_launch() -> None:

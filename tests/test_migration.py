@@ -60,6 +60,10 @@ class Counting:
     #: and so does its ``/health``, until the test ends.
     stop_after: int | None = None
     stopped: bool = False
+    #: Its streams wait for ``resume`` before the token of this index (a slow engine).
+    hold_at: int | None = None
+    resume: trio.Event = field(default_factory=trio.Event)
+    held: int = 0  # streams waiting for ``resume`` now
     received: list[dict[str, Any]] = field(default_factory=list)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
@@ -113,6 +117,12 @@ def counting_app(engine: Counting) -> QuartTrio:
             if engine.die_after == i:
                 engine.scope.cancel()  # the whole server goes: this connection breaks
                 await trio.sleep_forever()
+            if engine.hold_at == i and not engine.resume.is_set():
+                engine.held += 1
+                try:
+                    await engine.resume.wait()
+                finally:
+                    engine.held -= 1
             if engine.stop_after == i:
                 engine.stopped = True
                 await trio.sleep_forever()

@@ -1,7 +1,8 @@
 """The proxy's Quart app around :class:`~pdactors.proxy._completions.Proxy`.
 
 Completions are served on raw ASGI (``ProxyApp.fast``, the hot path); the proxy's other routes
-(``/v1/models``, ``/health``, ``/metrics``) are Quart's, behind the bearer gate and error
+(``/v1/models``, ``/health``, ``/metrics``, the operator's ``/admin/...``:
+:mod:`pdactors.proxy._admin`) are Quart's, behind the bearer gate and error
 handlers shared with the bootstrap (:mod:`pdactors.web._app`), in OpenAI's error shape. A
 ``GET`` or ``POST`` on any other path is an engine's (``/tokenize``, ``/version``...): forwarded
 on raw ASGI (``ProxyApp.forward``, :mod:`pdactors.proxy._forward`).
@@ -19,6 +20,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from pdactors.proxy._admin import add_admin_routes
 from pdactors.proxy._asgi import ProxyApp
 from pdactors.proxy._completions import Proxy
 from pdactors.proxy._forward import serve_forwarded
@@ -86,6 +88,8 @@ def make_app(proxy: Proxy) -> QuartTrio:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(proxy.metrics.registry), content_type=CONTENT_TYPE_LATEST)
+
+    add_admin_routes(app, proxy)
 
     # Every path no route above serves is an engine's (its own 404 passes through).
     app.own = frozenset(rule.rule for rule in app.url_map.iter_rules()) | app.fast.keys()

@@ -64,10 +64,13 @@ class ExchangeEffects:
                     if seconds is not None:
                         self.placer.first_token(engine.url, ahead, seconds)
                 case Release(engine=leg):
-                    ex.backend(leg).outstanding -= 1
+                    engine = ex.backend(leg)
+                    engine.outstanding -= 1
+                    engine.released()
                 case Migrate(to=to):
                     assert isinstance(to, Backend)
                     ex.d.outstanding -= 1
+                    ex.d.released()
                     ex.d = to
                     to.outstanding += 1
                 case CancelLegs():

@@ -43,7 +43,10 @@ class EngineFailures:
         """The request was cut from ``b``, judged failed while the request waited on it: P's
         token in the P-first flow (D may serve it alone: ``p_unhealthy``), or the answer of the
         engine decoding it (another engine may continue it)."""
-        message = f"{b.role} engine {b.url} judged failed: {b.problem}"
+        if b.draining and b.up:
+            message = f"{b.role} engine {b.url} drained: its requests continue elsewhere"
+        else:
+            message = f"{b.role} engine {b.url} judged failed: {b.problem}"
         outcome = f"{b.role}_error"
         return Failure.of(502, message, "upstream_error", outcome, fallback="p_unhealthy")
 

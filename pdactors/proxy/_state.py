@@ -33,6 +33,9 @@ class Backend:
     dp_engines: dict[int, str] = field(default_factory=dict)
     up: bool = False
     problem: str = "not checked yet"
+    #: Taken out by the operator (``POST /admin/drain``): healthy, but given no new request.
+    draining: bool = False
+    _empty: trio.Event | None = None  # set when ``outstanding`` comes down to 0
     outstanding: int = 0
     #: Prompt tokens sent to it whose first token has not come back yet (its prefill queue,
     #: as the proxy sees it: :mod:`pdactors.core.placement`).
@@ -53,6 +56,24 @@ class Backend:
     identity_rounds: int | None = None
     _dp_next: int = 0
 
+    def released(self) -> None:
+        """Its ``outstanding`` count just went down. Not a checkpoint."""
+        if self.outstanding == 0 and self._empty is not None:
+            self._empty.set()
+            self._empty = None
+
+    async def wait_empty(self) -> None:
+        """Until it holds no request (``outstanding`` 0)."""
+        while self.outstanding:
+            if self._empty is None:
+                self._empty = trio.Event()
+            await self._empty.wait()
+
+    @property
+    def serving(self) -> bool:
+        """In rotation and not draining: new requests may go to it."""
+        return self.up and not self.draining
+
     @property
     def engine_id(self) -> str | None:
         """P only: its lowest DP rank's engine id (None until the bootstrap was read)."""
@@ -72,6 +93,7 @@ class Backend:
         out: dict[str, Any] = {
             "url": self.url,
             "up": self.up,
+            "draining": self.draining,
             "outstanding": self.outstanding,
             "waiting_tokens": self.waiting_tokens,
             "prefills": self.prefills,
@@ -132,7 +154,9 @@ class Pool:
         n = len(self.backends)
         order = [(self._next + i) % n for i in range(n)]
         candidates = [
-            i for i in order if self.backends[i].up and (usable is None or usable(self.backends[i]))
+            i
+            for i in order
+            if self.backends[i].serving and (usable is None or usable(self.backends[i]))
         ]
         if not candidates:
             return None, self.routing
@@ -162,10 +186,11 @@ class Pool:
 
     @property
     def any_up(self) -> bool:
-        return any(b.up for b in self.backends)
+        """Some engine of the pool takes new requests (up, not draining)."""
+        return any(b.serving for b in self.backends)
 
     def why_none(self) -> str:
-        problems = "; ".join(f"{b.url}: {b.problem}" for b in self.backends)
+        problems = "; ".join(f"{b.url}: {'draining' if b.up else b.problem}" for b in self.backends)
         return f"no {self.role} engine is available ({problems})"
 
 
