@@ -18,6 +18,7 @@ import tempfile
 import time
 import tomllib
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -36,6 +37,7 @@ from pdactors.deploy.errors import BadDeployConfig, ChildDied, DeployError, Mode
 from pdactors.deploy.k8s import write_manifests
 from pdactors.deploy.launch_config import LaunchConfig
 from pdactors.deploy.plan import Plan, plan_deployment
+from pdactors.deploy.restart import rolling_restart
 from pdactors.deploy.smoke import Smoke, run_smoke
 from pdactors.deploy.stats import read_stats
 from pdactors.deploy.supervise import launch, log_tail
@@ -44,6 +46,8 @@ from pdactors.deploy.view import LaunchView
 __all__ = ["launch_command"]
 
 _DEFAULTS = LaunchConfig()
+#: A rolling restart waits this long for a drained engine's requests, then hands them over.
+_DRAIN_TIMEOUT = 120.0
 _METRICS_EVERY = 2.0  # seconds between reads of the components' /metrics once serving
 
 
@@ -298,6 +302,7 @@ def launch_command(
 
     async def ready(plan: Plan) -> None:
         view.say(f"[bold]proxy: {plan.proxy_url}[/]")
+        view.say(f"kill -USR1 {os.getpid()}: restart every engine, one at a time, under load")
         auth = f"-H 'Authorization: Bearer {api_key}' " if api_key else ""
         view.say(
             f"curl {plan.proxy_url}/v1/completions -H 'Content-Type: application/json' {auth}"
@@ -322,6 +327,14 @@ def launch_command(
             )
             for child in plan.children:
                 view.add(child.name, child.base_url)
+            restarts = partial(
+                rolling_restart,
+                grace=config.shutdown_timeout,
+                startup_timeout=config.startup_timeout,
+                drain_timeout=_DRAIN_TIMEOUT,
+                say=view.say,
+                proxy_key=api_key,
+            )
             by = await launch(
                 plan,
                 startup_timeout=config.startup_timeout,
@@ -331,6 +344,8 @@ def launch_command(
                 when_ready=ready,
                 out=(lambda line: print(line, flush=True)) if verbose else None,
                 stop_on=(signal.SIGTERM, signal.SIGHUP),
+                restart_on=(signal.SIGUSR1,),
+                restarts=restarts,
             )
             if by is not None:
                 stopped.append(by)

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import BinaryIO
@@ -22,7 +23,7 @@ import trio
 from pdactors.deploy.errors import ChildDied, NotHealthy
 from pdactors.deploy.plan import Child, Plan
 
-__all__ = ["launch", "log_tail"]
+__all__ = ["Running", "launch", "log_tail", "restart"]
 
 
 def log_tail(path: Path, lines: int = 20) -> list[str]:
@@ -73,31 +74,56 @@ async def _stop(process: trio.Process, grace: float) -> None:
             pass
 
 
+@dataclass(eq=False)
+class Running:
+    """A child as it runs now: its process (a new one after each :func:`restart`)."""
+
+    child: Child
+    process: trio.Process | None = None
+    restarting: bool = False
+
+
+async def restart(running: Running, grace: float) -> None:
+    """Stop ``running``'s process as at the end (SIGTERM, then SIGKILL after ``grace``); its
+    supervisor starts it again with the same command line (it does not count as a death)."""
+    running.restarting = True
+    assert running.process is not None
+    await _stop(running.process, grace)
+
+
 async def _supervise(
-    child: Child,
+    running: Running,
     grace: float,
     log_dir: Path,
     out: Callable[[str], None] | None,
     *,
     task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    child = running.child
     path = log_dir / f"{child.name}.log"
-    with path.open("ab") as log:
-        process = await trio.lowlevel.open_process(
-            child.argv, env=child.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-        try:
-            async with trio.open_nursery() as nursery:
-                assert process.stdout is not None
-                nursery.start_soon(_forward, child.name, process.stdout, log, out)
-                task_status.started(process)
-                await process.wait()
-                # Its own children may hold the pipe open; what they print after this is lost.
-                nursery.cancel_scope.cancel()
-            raise ChildDied(child.name, process.returncode, path)
-        finally:
-            await _stop(process, grace)
+    first = True
+    while True:  # once, unless restarted
+        with path.open("ab") as log:
+            process = await trio.lowlevel.open_process(
+                child.argv, env=child.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+            running.process, running.restarting = process, False
+            try:
+                async with trio.open_nursery() as nursery:
+                    assert process.stdout is not None
+                    nursery.start_soon(_forward, child.name, process.stdout, log, out)
+                    if first:
+                        task_status.started(process)
+                        first = False
+                    await process.wait()
+                    # Its own children may hold the pipe open; what they print after this is
+                    # lost.
+                    nursery.cancel_scope.cancel()
+                if not running.restarting:
+                    raise ChildDied(child.name, process.returncode, path)
+            finally:
+                await _stop(process, grace)
 
 
 async def _wait_healthy(
@@ -140,6 +166,8 @@ async def launch(
     when_ready: Callable[[Plan], Awaitable[None]],
     out: Callable[[str], None] | None = None,
     stop_on: tuple[signal.Signals, ...] = (),
+    restart_on: tuple[signal.Signals, ...] = (),
+    restarts: Callable[[Plan, dict[str, Running]], Awaitable[None]] | None = None,
 ) -> signal.Signals | None:
     """Start ``plan``'s children, wait until all are healthy, then run ``when_ready``.
 
@@ -151,9 +179,12 @@ async def launch(
     raises (in an exception group) :class:`~pdactors.deploy.errors.ChildDied` if a child exits
     first, and :class:`~pdactors.deploy.errors.NotHealthy` if they are not healthy within
     ``startup_timeout``. The proxy (the child named ``proxy``) starts once the others are
-    healthy. Every child is stopped on the way out, whatever happened.
+    healthy. Every child is stopped on the way out, whatever happened. Once all are healthy,
+    each of the signals ``restart_on`` runs ``restarts`` (the plan and its running children:
+    :func:`pdactors.deploy.restart.rolling_restart`), one at a time.
     """
     processes: dict[str, trio.Process] = {}
+    running = {c.name: Running(c) for c in plan.children}
     start = partial(_supervise, grace=shutdown_timeout, log_dir=log_dir, out=out)
     received: list[signal.Signals] = []
     async with trio.open_nursery() as nursery:
@@ -162,11 +193,13 @@ async def launch(
         servers = [c for c in plan.children if c.name != "proxy"]
         proxy = [c for c in plan.children if c.name == "proxy"]
         for child in servers:
-            processes[child.name] = await nursery.start(start, child)
+            processes[child.name] = await nursery.start(start, running[child.name])
         await _wait_healthy(servers, processes, startup_timeout, progress)
         for child in proxy:  # the proxy's /health needs its backends up
-            processes[child.name] = await nursery.start(start, child)
+            processes[child.name] = await nursery.start(start, running[child.name])
         await _wait_healthy(proxy, processes, startup_timeout, progress)
+        if restart_on and restarts is not None:
+            await nursery.start(_restart_on, restart_on, partial(restarts, plan, running))
         await when_ready(plan)
         nursery.cancel_scope.cancel()
     return received[0] if received else None
@@ -187,3 +220,17 @@ async def _stop_on(
             received.append(signal.Signals(signum))
             scope.cancel()
             return
+
+
+async def _restart_on(
+    signals: tuple[signal.Signals, ...],
+    restarts: Callable[[], Awaitable[None]],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run ``restarts`` at each of ``signals`` this process receives, one run at a time (the
+    same signal again while they run is run once after them: trio coalesces repeats)."""
+    with trio.open_signal_receiver(*signals) as arrivals:
+        task_status.started()
+        async for _ in arrivals:
+            await restarts()

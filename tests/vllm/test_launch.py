@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytest.importorskip("vllm")
@@ -108,6 +109,77 @@ def test_ctrl_c_or_sigterm_stops_everything_in_bounded_time(sig: signal.Signals)
             proc.kill()
             proc.wait()
             for found in deployment_processes():  # what the killed launcher left behind
+                with contextlib.suppress(OSError):
+                    os.killpg(int(found.split(":", 1)[0]), signal.SIGKILL)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def test_a_rolling_restart_under_load_fails_no_request() -> None:
+    """``kill -USR1`` the launcher: every engine is drained at the proxy, restarted and
+    resumed, one at a time, while a client keeps sending requests; none fails."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdactors.cli", "launch", "--proxy-port", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    stop = threading.Event()
+    answers: list[int | str] = []  # each request's status, or what broke it
+    try:
+        assert proc.stderr is not None
+        url = ""
+        deadline = time.monotonic() + 400
+        for line in proc.stderr:
+            if line.startswith("proxy: http://"):
+                url = line.split()[1]
+                break
+            assert time.monotonic() < deadline
+        else:
+            raise AssertionError(f"launch exited early with {proc.wait()}")
+        said: list[str] = []
+        reader = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)
+        reader.start()
+
+        def load() -> None:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                body = {"model": "tiny", "prompt": [4 + (i * 7 + k) % 1000 for k in range(60)],
+                        "max_tokens": 16, "temperature": 0, "stream": i % 2 == 0}  # fmt: skip
+                try:
+                    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120,
+                                      trust_env=False)  # fmt: skip
+                    broken = '"error"' in resp.text if body["stream"] else False
+                    answers.append("error event" if broken else resp.status_code)
+                except httpx.HTTPError as exc:
+                    answers.append(repr(exc))
+
+        client = threading.Thread(target=load, daemon=True)
+        client.start()
+        while len(answers) < 5:
+            time.sleep(0.1)
+        before = len(answers)
+        proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 400
+        while not any("every engine restarted" in line for line in said):
+            assert proc.poll() is None, "".join(said)
+            assert time.monotonic() < deadline, "".join(said)
+            time.sleep(0.5)
+        stop.set()
+        client.join(timeout=150)
+        assert [a for a in answers if a != 200] == [], "".join(said)
+        assert len(answers) - before >= 10  # the client kept asking through the restarts
+        assert sum("back in the routing" in line for line in said) == 2  # P and D
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        reader.join(timeout=10)
+        assert deployment_processes() == []
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            for found in deployment_processes():
                 with contextlib.suppress(OSError):
                     os.killpg(int(found.split(":", 1)[0]), signal.SIGKILL)
         if proc.stderr is not None:
