@@ -22,6 +22,11 @@ from tests.test_proxy import (
     wait_health,
 )
 
+#: The flow this file is about: P's token first, D continuing after it. The placement is
+#: pinned (the shipped ``auto`` serves a short prompt to an idle D on D alone, P taking no
+#: part); the tests that run with ``auto`` (the fall-backs, whole on P) pin nothing.
+P_FIRST: dict[str, Any] = {"first_token": "p", "placement": "disaggregate"}
+
 
 def completion_text(resp: httpx.Response, stream: bool) -> str:
     """A completion's text, streamed (its events' texts joined) or whole."""
@@ -40,7 +45,7 @@ def data_events(text: str) -> list[Any]:
 
 async def test_p_is_asked_first_then_d_continues_after_ps_token() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p") as s:
+        async with open_setup(**P_FIRST) as s:
             resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code == 200, resp.text
             answer = resp.json()
@@ -72,7 +77,7 @@ async def test_p_is_asked_first_then_d_continues_after_ps_token() -> None:
 
 async def test_ps_token_reaches_a_streaming_client_before_d_answers() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p") as s:
+        async with open_setup(**P_FIRST) as s:
             s.d[0].hold = trio.Event()  # D has not answered
             body = completion_body(stream=True, stream_options={"include_usage": True})
             async with s.client.stream("POST", "/v1/completions", json=body) as resp:
@@ -96,7 +101,7 @@ async def test_a_first_token_that_ends_the_answer_asks_no_d(stream: bool) -> Non
     """EOS or a stop string at P: P's answer is the client's, D is never asked (P frees the
     KV itself: first_token_from_p)."""
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p") as s:
+        async with open_setup(**P_FIRST) as s:
             s.p[0].finish = "stop"
             resp = await s.client.post("/v1/completions", json=completion_body(stream=stream))
             assert resp.status_code == 200
@@ -114,7 +119,7 @@ async def test_a_first_token_that_ends_the_answer_asks_no_d(stream: bool) -> Non
 
 async def test_one_token_asked_is_a_plain_request_to_p() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p") as s:
+        async with open_setup(**P_FIRST) as s:
             resp = await s.client.post("/v1/completions", json=completion_body(max_tokens=1))
             assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "p0 says hi"
             (p_body,) = s.p[0].received
@@ -125,7 +130,7 @@ async def test_one_token_asked_is_a_plain_request_to_p() -> None:
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_p_failing_before_its_token_fails_the_request_and_asks_no_d(stream: bool) -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p") as s:
+        async with open_setup(**P_FIRST, fall_back_to_d=False) as s:
             s.p[0].status = 500
             resp = await s.client.post("/v1/completions", json=completion_body(stream=stream))
             assert resp.status_code == 502 and s.p[0].url in resp.json()["error"]["message"]
@@ -138,7 +143,7 @@ async def test_a_p_failing_before_its_token_leaves_the_request_to_d(stream: bool
     request alone, as the client wrote it; counted and said in the answer's header. P's 4xx
     is the request's fault and passes through."""
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p", fall_back_to_d=True) as s:
+        async with open_setup(**P_FIRST, fall_back_to_d=True) as s:
             s.p[0].status = 500
             body = completion_body(stream=stream)
             resp = await s.client.post("/v1/completions", json=body)
@@ -161,7 +166,7 @@ async def test_a_p_failing_before_its_token_leaves_the_request_to_d(stream: bool
 
 async def test_with_no_p_in_rotation_d_serves_alone() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p", placement="auto", fall_back_to_d=True) as s:
+        async with open_setup() as s:
             s.p[0].healthy = False
             await wait_health(s, 503)  # P out of rotation
             resp = await s.client.post("/v1/completions", json=completion_body())
@@ -175,7 +180,7 @@ async def test_with_no_p_in_rotation_d_serves_alone() -> None:
 
 async def test_d_failing_after_ps_token_ends_the_stream_with_an_error_event() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p") as s:
+        async with open_setup(**P_FIRST, migration_limit=0) as s:  # not continued
             s.d[0].status = 503
             body = completion_body(stream=True)
             resp = await s.client.post("/v1/completions", json=body)
@@ -189,7 +194,7 @@ async def test_d_failing_after_ps_token_ends_the_stream_with_an_error_event() ->
 
 async def test_a_client_gone_while_d_answers_cancels_d() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p") as s:
+        async with open_setup(**P_FIRST) as s:
             s.d[0].hold = trio.Event()
             async with s.client.stream("POST", "/v1/completions", json=completion_body(
                 stream=True)) as resp:  # fmt: skip
@@ -201,7 +206,7 @@ async def test_a_client_gone_while_d_answers_cancels_d() -> None:
 
 async def test_chat_goes_to_d_as_a_completion_of_the_chats_ids() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p") as s:
+        async with open_setup(**P_FIRST) as s:
             resp = await s.client.post("/v1/chat/completions", json=chat_body(temperature=0))
             assert resp.status_code == 200
             assert resp.json()["choices"][0]["message"]["content"] == "p0 says hid0 says hi"
@@ -218,7 +223,7 @@ async def test_chat_goes_to_d_as_a_completion_of_the_chats_ids() -> None:
 
 async def test_requests_the_flow_cannot_carry_take_the_concurrent_flow() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p") as s:
+        async with open_setup(**P_FIRST) as s:
             resp = await s.client.post("/v1/chat/completions", json=chat_body(tools=[]))
             assert resp.status_code == 200
             assert resp.json()["choices"][0]["message"]["content"] == "d0 says hi"
@@ -229,7 +234,7 @@ async def test_requests_the_flow_cannot_carry_take_the_concurrent_flow() -> None
 @pytest.mark.parametrize("stream", [False, True])
 async def test_local_placement_serves_each_request_on_d_alone(stream: bool) -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p", placement="local") as s:
+        async with open_setup(placement="local") as s:
             resp = await s.client.post("/v1/completions", json=completion_body(stream=stream))
             assert resp.status_code == 200
             assert s.p[0].received == []
@@ -258,7 +263,7 @@ async def test_a_d_whose_kv_did_not_come_is_asked_again_for_the_same_continuatio
     token) without kv_transfer_params: the client's answer goes on after P's token, nothing
     repeated, nothing skipped."""
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p") as s:
+        async with open_setup(**P_FIRST) as s:
             s.d[0].kv_fails = True
             resp = await s.client.post("/v1/completions", json=completion_body(stream=stream))
             assert resp.status_code == 200, resp.text
@@ -282,7 +287,7 @@ async def test_with_no_d_in_rotation_p_serves_whole(stream: bool) -> None:
     """The shipped defaults: D gone (here: its /health fails), P serves every request whole,
     as the client sent it (no transfer params), and the model list comes from P."""
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p", placement="auto", fall_back_to_d=True) as s:
+        async with open_setup() as s:
             s.d[0].healthy = False
             await wait_health(s, 503)  # D out of rotation
             body = completion_body(stream=stream)
@@ -300,7 +305,9 @@ async def test_with_no_d_in_rotation_p_serves_whole(stream: bool) -> None:
             health = (await s.client.get("/health")).json()
             assert health["prefill"][0]["waiting_tokens"] == 0  # every count given back
             s.d[0].healthy = True
-            await wait_health(s, 200)  # D is back: disaggregated again, P's token first
+            await wait_health(s, 200)  # D is back (calibrated again as it came back)
+            s.d[0].entered()
+            assert len(s.d[0].probes) == 1
             resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code == 200
             assert resp.headers["x-pdactors-placement"] != "whole-on-p"
@@ -309,7 +316,7 @@ async def test_with_no_d_in_rotation_p_serves_whole(stream: bool) -> None:
 
 async def test_without_the_fall_back_to_p_no_d_is_a_503() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p", placement="auto", fall_back_to_p=False) as s:
+        async with open_setup(fall_back_to_p=False) as s:
             s.d[0].healthy = False
             await wait_health(s, 503)
             resp = await s.client.post("/v1/completions", json=completion_body())
@@ -319,7 +326,7 @@ async def test_without_the_fall_back_to_p_no_d_is_a_503() -> None:
 
 async def test_whole_on_p_pinned_by_header_with_d_up() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p", placement="auto") as s:
+        async with open_setup() as s:
             headers = {"x-pdactors-placement": "whole-on-p"}
             body = chat_body()
             resp = await s.client.post("/v1/chat/completions", json=body, headers=headers)
@@ -334,7 +341,7 @@ async def test_whole_on_p_pinned_by_header_with_d_up() -> None:
 
 async def test_whole_on_p_with_no_p_in_rotation_is_a_503_naming_p() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p", placement="auto") as s:
+        async with open_setup() as s:
             s.p[0].healthy = False
             await wait_health(s, 503)
             headers = {"x-pdactors-placement": "whole-on-p"}

@@ -24,8 +24,9 @@ from pdactors.proxy._engine_failures import EngineFailures
 from pdactors.proxy._engine_http import ConnectFailed
 from pdactors.proxy._health import HealthWatch
 from pdactors.proxy._state import Backend, Metrics, Pool
-from tests.test_p_first import data_events
+from tests.test_p_first import P_FIRST, data_events
 from tests.test_proxy import (
+    CONCURRENT,
     TIMEOUT,
     Setup,
     as_relayed,
@@ -99,7 +100,7 @@ async def test_requests_waiting_on_a_stopped_p_go_to_d_alone_at_its_health_verdi
 ) -> None:
     caplog.set_level(logging.WARNING, "pdactors.proxy")
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p", fall_back_to_d=True) as s:
+        async with open_setup(**P_FIRST, fall_back_to_d=True) as s:
             p, d = s.p[0], s.d[0]
             p.hold = trio.Event()  # P takes every request and never answers
             answers = await waiting_on_p(s, [(path, stream)] * 8)
@@ -133,7 +134,7 @@ async def test_without_the_fall_back_each_request_fails_at_once_naming_p(
     mock_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p", fall_back_to_d=False) as s:
+        async with open_setup(**P_FIRST, fall_back_to_d=False) as s:
             p = s.p[0]
             p.hold = trio.Event()
             answers = await waiting_on_p(s, MIXED)
@@ -156,7 +157,7 @@ async def test_a_slow_but_healthy_p_is_not_cut(mock_clock: trio.testing.MockCloc
     """P holds its answers (a long queue) while its /health answers: nothing is cut however
     long it takes; each request gets P's token, then D's."""
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p", fall_back_to_d=True) as s:
+        async with open_setup(**P_FIRST, fall_back_to_d=True) as s:
             p = s.p[0]
             p.hold = trio.Event()
             answers: Answers = []
@@ -185,7 +186,7 @@ async def test_a_failed_bootstrap_takes_p_out_but_cuts_nothing(
     """P's bootstrap failing says D could not find P for a new request; the requests already
     at P still get P's token (and D's look-ups are cached): they are not cut."""
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p", fall_back_to_d=True) as s:
+        async with open_setup(**P_FIRST, fall_back_to_d=True) as s:
             p = s.p[0]
             p.hold = trio.Event()
             answers: Answers = []
@@ -208,7 +209,7 @@ async def test_the_concurrent_flow_is_not_held_by_a_stopped_p(
     """``--first-token d``: D's answer decides, so a stopped P holds nothing: its verdict cuts
     nothing, each request is answered the moment D answers, and P's legs are then cancelled."""
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="d", fall_back_to_d=True) as s:
+        async with open_setup(**CONCURRENT, fall_back_to_d=True) as s:
             p, d = s.p[0], s.d[0]
             p.hold, d.hold = trio.Event(), trio.Event()
             answers: Answers = []

@@ -19,6 +19,7 @@ from tests.test_proxy import (
     chat_body,
     completion_body,
     eventually,
+    eventually_health,
     open_setup,
     total,
     wait_health,
@@ -26,7 +27,9 @@ from tests.test_proxy import (
 
 OLD = {"model": "LlamaForCausalLM:0123456789abcdef", "weights": "a" * 32, "dtype": "float32"}
 NEW = {**OLD, "weights": "b" * 32}
-P_FIRST: dict[str, Any] = {"first_token": "p", "fall_back_to_d": True}
+#: P computes every prompt it may (the shipped ``auto`` would serve these short prompts on D
+#: alone, pair or no pair): whether P and D are paired is then what decides.
+P_FIRST: dict[str, Any] = {"first_token": "p", "placement": "disaggregate", "fall_back_to_d": True}
 
 
 def fallbacks(m: dict[Any, float], why: str) -> float:
@@ -57,7 +60,7 @@ async def send_all(s: Setup) -> list[str]:
 async def test_an_incompatible_pair_is_never_used_d_serves_alone(
     first_token: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Pinned ``disaggregate`` (open_setup's default) and all: P serving other weights than D
+    """Pinned ``disaggregate`` (P_FIRST) and all: P serving other weights than D
     gets no request, D gets each as the client wrote it; counted, logged once naming the
     field and both values, shown on /health."""
     caplog.set_level(logging.INFO, "pdactors.proxy")
@@ -74,7 +77,8 @@ async def test_an_incompatible_pair_is_never_used_d_serves_alone(
             assert m[("pdactors_proxy_placement_total",
                       (("placement", "local"), ("reason", "incompatible")))] == 4  # fmt: skip
             assert m[total("completions", "ok")] == m[total("chat_completions", "ok")] == 2
-            await trio.sleep(0.2)  # health rounds go on: nothing said again
+            answered = s.p[0].health_answers
+            await eventually(lambda: s.p[0].health_answers >= answered + 3)  # two rounds more
             (line,) = refusals(caplog)
             assert f"prefill {s.p[0].url} and decode {s.d[0].url}" in line
             assert "weights differ (P aaaaaaaaaaaa…, D bbbbbbbbbbbb…)" in line
@@ -127,13 +131,11 @@ async def test_d_enters_the_rotation_only_once_its_identity_is_read() -> None:
         async with open_setup(healthy=False, identities=identities, **P_FIRST) as s:
             s.d[0].metrics_hold = trio.Event()
             s.p[0].healthy = True
-            report = await wait_health(s, 503)
-            await eventually(lambda: s.p[0].health_answers > 0)
-            await trio.sleep(0.1)
+            await eventually(lambda: s.p[0].health_answers > 0 and s.d[0].health_answers > 0)
             code, report = await s.health()
             assert code == 503 and not report["decode"][0]["up"]
             s.d[0].healthy = True
-            await trio.sleep(0.2)
+            await eventually_health(s, lambda r: "identity not read" in r["decode"][0]["problem"])
             code, report = await s.health()
             assert code == 503 and not report["decode"][0]["up"]  # /health answers, /metrics not
             s.d[0].metrics_hold.set()
@@ -158,7 +160,7 @@ async def test_a_ds_metrics_that_gives_no_answer_keeps_it_out_with_why() -> None
 async def test_without_the_fall_back_an_incompatible_pair_is_refused_by_name() -> None:
     with trio.fail_after(TIMEOUT):
         identities = {"p0": OLD, "d0": {**OLD, "dtype": "bfloat16"}}
-        async with open_setup(identities=identities, first_token="p") as s:
+        async with open_setup(identities=identities, **{**P_FIRST, "fall_back_to_d": False}) as s:
             resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code == 503
             message = resp.json()["error"]["message"]

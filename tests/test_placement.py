@@ -200,7 +200,7 @@ async def _placement_counts(s: object) -> dict[tuple[str, str], float]:
 
 async def test_auto_serves_locally_while_d_is_idle_and_says_so() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p", placement="auto") as s:
+        async with open_setup() as s:
             resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code == 200
             assert resp.headers["x-pdactors-placement"] == "local"
@@ -215,7 +215,7 @@ async def test_auto_hands_a_long_prompt_to_p_while_d_decodes() -> None:
     """D streams one request (its first chunk out: decoding); a long prompt then goes to P, is
     served P first, and every prompt token the proxy counted as waiting is released."""
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p", placement="auto") as s:
+        async with open_setup() as s:
             d = s.d[0]
             steps, d.steps = trio.open_memory_channel[None](100)
             answers: dict[str, httpx.Response] = {}
@@ -255,7 +255,7 @@ async def test_auto_hands_a_long_prompt_to_p_while_d_decodes() -> None:
 @pytest.mark.parametrize("placement", ["local", "disaggregate"])
 async def test_a_pinned_placement_is_counted_as_pinned(placement: str) -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p", placement=placement) as s:
+        async with open_setup(placement=placement) as s:
             resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code == 200
             where = "local" if placement == "local" else "disaggregated"
@@ -266,7 +266,7 @@ async def test_a_pinned_placement_is_counted_as_pinned(placement: str) -> None:
 
 async def test_a_request_header_overrides_the_placement_and_a_bad_one_is_refused() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p", placement="disaggregate") as s:
+        async with open_setup(placement="disaggregate") as s:
             body = completion_body()
             resp = await s.client.post(
                 "/v1/completions", json=body, headers={"x-pdactors-placement": "local"}
@@ -288,7 +288,7 @@ async def test_a_request_header_overrides_the_placement_and_a_bad_one_is_refused
 @pytest.mark.parametrize("name", ["x-pdactors-slo-ttft-ms", "x-pdactors-slo-tpot-ms"])
 async def test_a_requests_own_objectives_are_taken_and_a_bad_one_is_refused(name: str) -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(first_token="p", placement="auto") as s:
+        async with open_setup() as s:
             body = completion_body()
             for bad in ("fast", "-1", "inf", "nan"):
                 resp = await s.client.post("/v1/completions", json=body, headers={name: bad})

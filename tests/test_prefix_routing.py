@@ -126,6 +126,11 @@ def test_the_longest_match_wins_unless_it_is_overloaded() -> None:
 # --------------------------------------------------------------------------- the proxy
 
 
+#: P's routing is the point: P computes every prompt (the shipped ``auto`` placement would
+#: serve these short prompts on D alone).
+ON_P: dict[str, Any] = {"placement": "disaggregate"}
+
+
 def where(s: Setup, prompt: str) -> list[str]:
     """The P engines that were asked to compute ``prompt``."""
     return [p.name for p in s.p for body in p.received if body["prompt"] == prompt]
@@ -144,7 +149,7 @@ async def routed(s: Setup, role: str, why: str) -> float:
 
 async def test_a_conversation_stays_on_one_p_and_conversations_spread() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(2, 1, routing="prefix_aware") as s:
+        async with open_setup(2, 1, routing="prefix_aware", **ON_P) as s:
             for n in range(3):  # round robin would send turn 1 to the other P
                 await ask(s, turn("a", n))
             for n in range(3):
@@ -160,7 +165,7 @@ async def test_a_conversation_stays_on_one_p_and_conversations_spread() -> None:
 async def test_a_hot_prefix_spills_to_another_p_when_its_own_is_loaded() -> None:
     with trio.fail_after(TIMEOUT):
         async with (
-            open_setup(2, 1, routing="prefix_aware", prefix_imbalance=1, first_token="p") as s,
+            open_setup(2, 1, routing="prefix_aware", prefix_imbalance=1, **ON_P) as s,
             trio.open_nursery() as n,
         ):
             await ask(s, turn("hot", 0))
@@ -176,7 +181,7 @@ async def test_a_hot_prefix_spills_to_another_p_when_its_own_is_loaded() -> None
 
 async def test_a_p_out_of_rotation_is_not_chosen_and_a_restarted_one_not_preferred() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(2, 1, routing="prefix_aware") as s:
+        async with open_setup(2, 1, routing="prefix_aware", **ON_P) as s:
             await ask(s, turn("a", 0))
             await ask(s, turn("a", 1))
             s.p[0].healthy = False
@@ -209,7 +214,7 @@ async def test_a_decode_back_in_rotation_is_not_preferred() -> None:
 
 async def test_the_proxy_remembers_at_most_prefix_max_blocks() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(2, 1, routing="prefix_aware", prefix_max_blocks=16) as s:
+        async with open_setup(2, 1, routing="prefix_aware", prefix_max_blocks=16, **ON_P) as s:
             for c in range(6):
                 await ask(s, turn(str(c), 2))  # ~12 blocks each
                 code, report = await s.health()

@@ -52,6 +52,7 @@ class FakeEngine:
     healthy: bool = True
     query_ok: bool = True
     query_hold: trio.Event | None = None  # the bootstrap's /query waits for it
+    query_held: list[float] = field(default_factory=list)  # when each held /query came
     health_hold: trio.Event | None = None  # /health waits for it (a stopped engine: no answer)
     health_held: list[float] = field(default_factory=list)  # when each held /health came
     health_answers: int = 0  # /health calls answered
@@ -70,7 +71,7 @@ class FakeEngine:
     auth_seen: list[str | None] = field(default_factory=list)  # Authorization
     traceparents: list[str | None] = field(default_factory=list)  # completions' traceparent
     dp_ranks: int = 1  # DP ranks its bootstrap lists (engine ids "<engine_id>_dp<rank>")
-    cancelled: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)  # request ids (X-Request-Id)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     tls: tuple[str, str] | None = None  # (certfile, keyfile): serve HTTPS
     finish: str = "length"  # whole answers' finish_reason
@@ -81,8 +82,27 @@ class FakeEngine:
     #: Adds routes of a test's own to its app (tests/test_proxy_routes.py: /tokenize...).
     routes: Callable[[QuartTrio, FakeEngine], None] | None = None
 
+    #: What the proxy's calibration sent it before it entered the rotation (moved out of
+    #: ``received`` by :meth:`entered`).
+    probes: list[dict[str, Any]] = field(default_factory=list)
+
+    request_ids: list[str] = field(default_factory=list)  # completions' X-Request-Id
+
     def tids(self) -> list[str]:
+        """The transfer ids it was sent (the request's id: :attr:`request_ids` of the legs
+        that carried ``kv_transfer_params``)."""
         return [body["kv_transfer_params"]["transfer_id"] for body in self.received]
+
+    def entered(self) -> None:
+        """The proxy has put it in rotation: what it was sent until now, the proxy's
+        calibration (with the shipped ``calibrate``: a ``GET /v1/models`` and one warm-up
+        probe, which ends it — a stand-in's stream gives no ``usage``), goes to
+        :attr:`probes`, and what it records from here on is the test's own."""
+        self.probes, self.received = self.received, []
+        self.auth_seen.clear()
+        self.dp_ranks_seen.clear()
+        self.traceparents.clear()
+        self.request_ids.clear()
 
 
 #: vLLM's error for a request whose KV load failed (kv_load_failure_policy "fail").
@@ -132,12 +152,13 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
         engine.dp_ranks_seen.append(request.headers.get("X-data-parallel-rank"))
         engine.auth_seen.append(request.headers.get("Authorization"))
         engine.traceparents.append(request.headers.get("traceparent"))
-        tid = (body.get("kv_transfer_params") or {}).get("transfer_id", "")
+        rid = request.headers.get("x-request-id", "")  # the transfer id, when there is one
+        engine.request_ids.append(rid)
         try:
             if engine.hold is not None:
                 await engine.hold.wait()
         except trio.Cancelled:
-            engine.cancelled.append(tid)
+            engine.cancelled.append(rid)
             raise
         if engine.status != 200:
             return _json(engine.error_body or {"detail": "boom"}, engine.status)
@@ -146,10 +167,10 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
                 return Response(kv_failed_stream(chat), content_type="text/event-stream")
             return _json(VLLM_KV_ERROR, 500)
         if body.get("stream"):
-            return Response(stream(tid), content_type="text/event-stream")
+            return Response(stream(rid), content_type="text/event-stream")
         return _json(answer(engine, body, chat))
 
-    async def stream(tid: str) -> AsyncIterator[bytes]:
+    async def stream(rid: str) -> AsyncIterator[bytes]:
         try:
             for i in range(engine.chunks):
                 if engine.steps is not None:
@@ -161,7 +182,7 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
                     break
             yield b"data: [DONE]\n\n"
         except trio.Cancelled:
-            engine.cancelled.append(tid)
+            engine.cancelled.append(rid)
             raise
 
     async def kv_failed_stream(chat: bool) -> AsyncIterator[bytes]:
@@ -195,6 +216,7 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
     @app.get("/query")
     async def query() -> Response:
         if engine.query_hold is not None:
+            engine.query_held.append(trio.current_time())
             await engine.query_hold.wait()
         if not engine.query_ok:
             return _json({"error": "down"}, 500)
@@ -268,8 +290,8 @@ class Setup:
         }
 
 
-async def eventually(check: Callable[[], bool]) -> None:
-    with trio.fail_after(5):
+async def eventually(check: Callable[[], bool], *, within: float = 5) -> None:
+    with trio.fail_after(within):
         while not check():
             await trio.sleep(0.01)
 
@@ -303,15 +325,13 @@ async def open_setup(
 ) -> AsyncIterator[Setup]:
     """Fake engines (``engine_tls``: serving HTTPS; ``identities``: by engine name, e.g.
     ``"d0"``, tests/test_pairs.py; ``routes``: more routes on each, tests/test_proxy_routes.py)
-    behind a proxy with ``config`` (upstream's concurrent flow, disaggregated, no fall-back to
-    D, no migration, unless ``config`` says otherwise: tests/test_p_first.py,
-    tests/test_placement.py, tests/test_migration.py)."""
-    config.setdefault("first_token", "d")
-    config.setdefault("placement", "disaggregate")
-    config.setdefault("fall_back_to_d", False)  # tests/test_p_first.py turns it on
-    config.setdefault("migration_limit", 0)  # tests/test_migration.py turns it on
-    config.setdefault("calibrate", False)  # its probes are not the tests' requests (tests/
-    # test_calibration.py runs it)
+    behind a proxy with ``config`` over the shipped defaults (:class:`ProxyConfig`: the
+    P-first flow, auto placement — a short prompt to an idle D goes local —, both fall-backs,
+    migration, calibration). A test whose point is another flow pins it (:data:`CONCURRENT`).
+
+    With ``healthy``, it yields once the proxy reports every engine in rotation, each
+    engine's calibration probes moved out of its records (:meth:`FakeEngine.entered`); an
+    engine that enters the rotation later is probed then, into ``received``."""
     p = [
         FakeEngine(
             f"p{i}", engine_id=f"prefill-{i}", healthy=healthy, dp_ranks=p_dp, tls=engine_tls
@@ -337,8 +357,16 @@ async def open_setup(
             setup = Setup(p, d, url, client)
             if healthy:
                 await wait_health(setup, 200)
+                for engine in p + d:
+                    engine.entered()
             yield setup
         nursery.cancel_scope.cancel()
+
+
+#: Upstream's flow (vLLM's own proxy): P and D asked at once, P computing every prompt and D
+#: every token the client gets. The tests that pin it are about that flow: what P and D are
+#: each sent, and how the end of one leg cuts the other.
+CONCURRENT: dict[str, Any] = {"first_token": "d", "placement": "disaggregate"}
 
 
 def total(endpoint: str, outcome: str) -> tuple[str, tuple[tuple[str, str], ...]]:
@@ -372,9 +400,43 @@ async def next_event(lines: AsyncGenerator[str, None]) -> str:
 # --------------------------------------------------------------------------- the request flow
 
 
-async def test_p_and_d_get_upstreams_kv_transfer_params() -> None:
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("chat", [False, True])
+async def test_the_shipped_defaults_serve_a_short_prompt_on_an_idle_d(
+    chat: bool, stream: bool
+) -> None:
+    """Nothing pinned: each engine was calibrated as it entered the rotation (the stand-ins'
+    streams give no usage: the warm-up ends it), and a short prompt while D is idle is placed
+    local: D serves the client's request as the client wrote it (a stream with its token ids
+    asked for, so that another engine could continue it), P takes no part."""
     with trio.fail_after(TIMEOUT):
         async with open_setup() as s:
+            assert [len(e.probes) for e in s.p + s.d] == [1, 1]
+            path, body = (
+                ("/v1/chat/completions", chat_body(stream=stream))
+                if chat
+                else ("/v1/completions", completion_body(stream=stream))
+            )
+            resp = await s.client.post(path, json=body)
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-pdactors-placement"] == "local"
+            if stream:
+                chunks = "".join(sse(s.d[0], i).decode() for i in range(s.d[0].chunks))
+                assert resp.text == chunks + "data: [DONE]\n\n"
+            else:
+                (choice,) = resp.json()["choices"]
+                assert (choice["message"]["content"] if chat else choice["text"]) == "d0 says hi"
+            assert s.d[0].received == [as_relayed(body)] and s.p[0].received == []
+            assert s.d[0].request_ids == [resp.headers["x-request-id"]]
+            m = await s.metrics()
+            assert m[total("chat_completions" if chat else "completions", "ok")] == 1
+            placed = (("placement", "local"), ("reason", "d_idle"))
+            assert m["pdactors_proxy_placement_total", placed] == 1
+
+
+async def test_p_and_d_get_upstreams_kv_transfer_params() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(**CONCURRENT) as s:
             resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code == 200, resp.text
             assert resp.json()["choices"][0]["text"] == "d0 says hi"  # D's answer
@@ -401,7 +463,7 @@ async def test_p_and_d_get_upstreams_kv_transfer_params() -> None:
 
 async def test_chat_caps_both_token_limits_on_p_and_drops_stream_options() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup() as s:
+        async with open_setup(**CONCURRENT) as s:
             body = chat_body(stream=True, stream_options={"include_usage": True}, min_tokens=2)
             async with s.client.stream("POST", "/v1/chat/completions", json=body) as resp:
                 assert resp.status_code == 200
@@ -481,12 +543,13 @@ async def test_a_client_gone_before_its_body_is_no_error(caplog: pytest.LogCaptu
                 "content-length: 1000\r\n\r\n"
             )
             await stream.send_all(head.encode() + b'{"model": "tiny", "pro')
-            await trio.sleep(0.2)
+            await trio.testing.wait_all_tasks_blocked()  # the proxy waits for the rest
             await stream.aclose()
-            await trio.sleep(0.3)
+            await trio.testing.wait_all_tasks_blocked()  # it has seen the client go
+            assert s.p[0].received == s.d[0].received == []
             resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code == 200, resp.text
-            assert len(s.p[0].received) == len(s.d[0].received) == 1
+            assert s.p[0].received == [] and s.d[0].received == [completion_body()]  # local
     assert not [r for r in caplog.records if "internal error" in r.getMessage()]
 
 
@@ -536,7 +599,7 @@ async def test_a_prefill_500_leaves_the_request_to_d_which_is_asked_again_withou
     500, or a stream whose first event is the error): D is asked once more with the
     client's body, computes the prompt itself, and the client gets that answer whole."""
     with trio.fail_after(TIMEOUT):
-        async with open_setup() as s:
+        async with open_setup(**CONCURRENT) as s:
             s.p[0].status = 500
             s.d[0].kv_fails = True
             body = completion_body(stream=stream)
@@ -566,7 +629,7 @@ async def test_a_prefill_500_leaves_the_request_to_d_which_is_asked_again_withou
 
 async def test_a_chat_streams_role_before_the_kv_error_is_not_relayed() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup() as s:
+        async with open_setup(**CONCURRENT) as s:
             s.d[0].kv_fails = True
             resp = await s.client.post("/v1/chat/completions", json=chat_body(stream=True))
             assert resp.status_code == 200
@@ -576,7 +639,7 @@ async def test_a_chat_streams_role_before_the_kv_error_is_not_relayed() -> None:
 
 async def test_a_retry_that_fails_too_names_every_engine_that_failed() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup() as s:
+        async with open_setup(**CONCURRENT, migration_limit=0) as s:  # D's failure: the client's
             s.p[0].status = 500
             s.d[0].kv_fails = True
             s.d[0].hold = trio.Event()
@@ -603,7 +666,7 @@ async def test_a_kv_error_not_retried_names_d_and_what_it_said() -> None:
     """D alone (placement local) fails before its first token: no retry (it pulled no
     KV), and the client's error names D, never a bare "Internal server error"."""
     with trio.fail_after(TIMEOUT):
-        async with open_setup(placement="local") as s:
+        async with open_setup(placement="local", migration_limit=0) as s:  # (not migrated to P)
             s.d[0].kv_fails = True
             s.d[0].status = 500
             s.d[0].error_body = VLLM_KV_ERROR
@@ -619,7 +682,7 @@ async def test_a_kv_error_not_retried_names_d_and_what_it_said() -> None:
 
 async def test_prefill_4xx_passes_through_and_cancels_decode() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup() as s:
+        async with open_setup(**CONCURRENT) as s:
             error = {"error": {"message": "prompt too long", "type": "BadRequestError"}}
             s.p[0].status, s.p[0].error_body = 400, error
             s.d[0].hold = trio.Event()
@@ -634,7 +697,7 @@ async def test_prefill_4xx_passes_through_and_cancels_decode() -> None:
 
 async def test_decode_failure_cancels_prefill() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup() as s:
+        async with open_setup(**CONCURRENT, migration_limit=0) as s:  # D's failure: the client's
             s.d[0].status = 503
             s.p[0].hold = trio.Event()
             s.d[0].hold = trio.Event()  # D's 503 comes once P has the request
@@ -648,7 +711,7 @@ async def test_decode_failure_cancels_prefill() -> None:
 
 async def test_decode_dying_while_prefill_works_cancels_prefill_at_once() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup() as s:
+        async with open_setup(**CONCURRENT, migration_limit=0) as s:  # D's failure: the client's
             s.p[0].hold = trio.Event()  # P is still computing the prompt
             s.d[0].steps = trio.open_memory_channel[None](0)[1]  # D has answered, no token yet
 
@@ -676,7 +739,7 @@ async def test_decode_dying_while_prefill_works_cancels_prefill_at_once() -> Non
 async def test_ds_answer_reaches_the_client_while_p_has_not_answered(stream: bool) -> None:
     """Nothing waits for P's answer: D's headers and chunks are relayed as D sends them."""
     with trio.fail_after(TIMEOUT):
-        async with open_setup() as s:
+        async with open_setup(**CONCURRENT) as s:
             s.p[0].hold = trio.Event()  # P's answer never comes
             steps_in, steps = trio.open_memory_channel[None](10)
             s.d[0].steps = steps
@@ -706,7 +769,7 @@ async def test_p_answering_just_after_d_is_not_cancelled(stream: bool) -> None:
     """P's answer a moment behind D's is let finish (its connection is then kept for the next
     request, instead of closed and dialled anew): P's leg is cancelled only after a grace."""
     with trio.fail_after(TIMEOUT):
-        async with open_setup() as s:
+        async with open_setup(**CONCURRENT) as s:
             s.p[0].hold = trio.Event()
             resp = await s.client.post("/v1/completions", json=completion_body(stream=stream))
             assert resp.status_code == 200  # D's whole answer, P still held
@@ -721,7 +784,7 @@ async def test_p_answering_just_after_d_is_not_cancelled(stream: bool) -> None:
 async def test_a_prefill_failing_after_ds_stream_began_never_cuts_it() -> None:
     """D streams: its KV landed, P's fate no longer matters to the request."""
     with trio.fail_after(TIMEOUT):
-        async with open_setup() as s:
+        async with open_setup(**CONCURRENT) as s:
             s.p[0].hold = trio.Event()
             s.p[0].status = 500
             steps_in, steps = trio.open_memory_channel[None](10)
@@ -753,6 +816,7 @@ async def test_an_error_event_in_ds_stream_is_counted_as_an_error() -> None:
                 "POST", "/v1/completions", json=completion_body(stream=True)
             ) as resp:
                 text = (await resp.aread()).decode()
+            # (not continued elsewhere: a stand-in's chunks carry no token ids to go on from)
             assert resp.status_code == 200 and "KV load failed" in text
             m = await s.metrics()
             assert m[total("completions", "decode_error")] == 1
@@ -772,8 +836,8 @@ async def test_client_disconnect_mid_stream_cancels_decode() -> None:
                 await steps_in.send(None)
                 assert (await next_event(lines)).startswith("data: ")
             # the client hung up with two chunks to go
-            (tid,) = s.d[0].tids()
-            await eventually(lambda: s.d[0].cancelled == [tid])
+            (rid,) = s.d[0].request_ids
+            await eventually(lambda: s.d[0].cancelled == [rid])
             key = total("completions", "cancelled")
             await eventually_metric(s, key, 1)
             assert (await s.metrics())["pdactors_proxy_requests_in_flight", ()] == 0
@@ -787,7 +851,7 @@ async def eventually_metric(s: Setup, key: tuple[str, Any], value: float) -> Non
 
 async def test_client_disconnect_while_waiting_cancels_p_and_d() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup() as s:
+        async with open_setup(**CONCURRENT) as s:
             s.p[0].hold = s.d[0].hold = trio.Event()
             with trio.move_on_after(0.5):
                 await s.client.post("/v1/completions", json=completion_body(stream=True))
@@ -797,7 +861,7 @@ async def test_client_disconnect_while_waiting_cancels_p_and_d() -> None:
 
 async def test_request_timeout_answers_504_and_cancels_both() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(request_timeout=0.5) as s:
+        async with open_setup(request_timeout=0.5, **CONCURRENT) as s:
             s.d[0].hold = trio.Event()
             resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code == 504 and resp.json()["error"]["type"] == "timeout"
@@ -820,15 +884,17 @@ async def test_stream_past_request_timeout_ends_with_an_error_event() -> None:
                 last = await next_event(lines)  # D holds chunk 2 past the deadline
                 error = msgspec.json.decode(last.removeprefix("data: "))["error"]
                 assert error["type"] == "timeout"
-            (tid,) = s.d[0].tids()
-            await eventually(lambda: s.d[0].cancelled == [tid])
+            (rid,) = s.d[0].request_ids
+            await eventually(lambda: s.d[0].cancelled == [rid])
 
 
 async def test_stopped_prefill_gives_502_and_leaves_rotation() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup() as s:
+        # P takes part, and its failure is the client's (with the fall-back, D serves alone:
+        # tests/test_p_stopped.py).
+        async with open_setup(placement="disaggregate", fall_back_to_d=False) as s:
             s.p[0].scope.cancel()  # P's server is gone
-            await trio.sleep(0.1)
+            await trio.testing.wait_all_tasks_blocked()  # its listener is closed
             resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code in (502, 503)
             assert s.p[0].url in resp.json()["error"]["message"]
@@ -841,7 +907,7 @@ async def test_stopped_prefill_gives_502_and_leaves_rotation() -> None:
 
 async def test_round_robin_over_two_p_and_two_d() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup(2, 2) as s:
+        async with open_setup(2, 2, placement="disaggregate") as s:  # both pools' routing
             for _ in range(4):
                 resp = await s.client.post("/v1/completions", json=completion_body())
                 assert resp.status_code == 200
@@ -879,9 +945,12 @@ async def test_unhealthy_decode_leaves_rotation_and_comes_back() -> None:
             assert [len(d.received) for d in s.d] == [3, 0]
             s.d[1].healthy = True
             await eventually_health(s, lambda r: r["decode"][1]["up"])
+            s.d[1].entered()
+            assert len(s.d[1].probes) == 1  # calibrated again as it came back
             for _ in range(2):
                 await s.client.post("/v1/completions", json=completion_body())
             assert [len(d.received) for d in s.d] == [4, 1]
+            assert s.p[0].received == []  # short prompts to an idle D: local
 
 
 async def eventually_health(s: Setup, check: Callable[[dict[str, Any]], bool]) -> None:
@@ -893,10 +962,12 @@ async def eventually_health(s: Setup, check: Callable[[dict[str, Any]], bool]) -
 async def test_health_is_503_until_p_and_d_are_up_then_200() -> None:
     with trio.fail_after(TIMEOUT):
         async with open_setup(healthy=False) as s:
+            await eventually_health(s, lambda r: r["decode"][0]["up"])
             code, report = await s.health()
             assert code == 503 and "prefill" in report["reason"]
             resp = await s.client.post("/v1/completions", json=completion_body())
-            assert resp.status_code == 503 and s.p[0].url in resp.json()["error"]["message"]
+            assert resp.status_code == 200  # meanwhile D serves alone (fall_back_to_d)
+            assert resp.headers["x-pdactors-placement"] == "local" and s.p[0].received == []
             s.p[0].healthy = True
             report = await wait_health(s, 200)
             assert report["prefill"][0]["engine_id"] == "prefill-0"
@@ -914,9 +985,10 @@ async def test_a_slow_bootstrap_keeps_a_healthy_p_in_rotation() -> None:
     """Busy is not dead: P's bootstrap (in P's worker) gives no answer within health_timeout
     while P's /health answers; P keeps its known engine id and goes on serving."""
     with trio.fail_after(TIMEOUT):
-        async with open_setup() as s:
+        async with open_setup(placement="disaggregate") as s:  # D is told P's engine id
             s.p[0].query_hold = trio.Event()
-            await trio.sleep(2.5)  # more than two health rounds past health_timeout (1 s)
+            # two health rounds' reads of it timed out (1 s each): the third is asked
+            await eventually(lambda: len(s.p[0].query_held) == 3, within=2 * 1.0 + 3)
             code, report = await s.health()
             assert code == 200 and report["prefill"][0]["engine_id"] == "prefill-0"
             resp = await s.client.post("/v1/completions", json=completion_body())
@@ -927,7 +999,7 @@ async def test_a_slow_bootstrap_keeps_a_healthy_p_in_rotation() -> None:
 
 async def test_engine_id_is_re_read_when_p_restarts() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup() as s:
+        async with open_setup(placement="disaggregate") as s:  # D is told P's engine id
             await s.client.post("/v1/completions", json=completion_body())
             s.p[0].engine_id = "prefill-0-restarted"
             await eventually_health(s, lambda r: r["prefill"][0]["engine_id"].endswith("ed"))
@@ -954,18 +1026,21 @@ async def test_metrics_count_requests_errors_and_latency_per_proxy() -> None:
             await s.client.post("/v1/completions", json=completion_body())
             await s.client.post("/v1/chat/completions", json=chat_body())
             await s.client.post("/v1/completions", content=b"{}")
-            s.d[0].status = 500  # and again when asked again
-            await s.client.post("/v1/completions", json=completion_body())
+            s.d[0].status = 500  # D fails: P continues the request (migration)
+            resp = await s.client.post("/v1/completions", json=completion_body())
+            assert resp.json()["choices"][0]["text"] == "p0 says hi"
             m = await s.metrics()
-            assert m[total("completions", "ok")] == 1
+            assert m[total("completions", "ok")] == 2
             assert m[total("chat_completions", "ok")] == 1
             assert m[total("completions", "invalid")] == 1
-            assert m[total("completions", "decode_error")] == 1
             errors = "pdactors_proxy_backend_errors_total"
-            assert m[errors, (("backend", s.d[0].url), ("role", "decode"))] == 2
+            assert m[errors, (("backend", s.d[0].url), ("role", "decode"))] == 1
+            assert m["pdactors_proxy_migrations_total", (("to", "prefill"),)] == 1
             assert m["pdactors_proxy_requests_in_flight", ()] == 0
             pd = (("decode", s.d[0].url), ("prefill", s.p[0].url))
             assert m["pdactors_proxy_request_seconds_count", pd] == 2
+            on_p = (("decode", s.p[0].url), ("prefill", s.p[0].url))  # P in D's place
+            assert m["pdactors_proxy_request_seconds_count", on_p] == 1
             assert m["pdactors_proxy_backend_up", (("backend", s.d[0].url), ("role", "decode"))]
             # another proxy in the same process counts only its own requests
             assert not any(k[0] == total("", "")[0] for k in await other.metrics())
@@ -1037,7 +1112,7 @@ async def test_requests_are_spread_over_ps_dp_ranks_with_the_matching_engine_id(
     """A P with DP ranks (its bootstrap lists each with vLLM's ``<id>_dp<rank>`` engine id):
     each request goes to one rank through upstream's ``X-data-parallel-rank`` header, and D is
     told that rank's engine id."""
-    async with open_setup(p_dp=2) as s:
+    async with open_setup(p_dp=2, placement="disaggregate") as s:  # P asked each time
         for _ in range(4):
             resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code == 200, resp.text
@@ -1051,7 +1126,7 @@ async def test_requests_are_spread_over_ps_dp_ranks_with_the_matching_engine_id(
 
 
 async def test_a_single_dp_rank_gets_no_header() -> None:
-    async with open_setup() as s:
+    async with open_setup(placement="disaggregate") as s:  # P asked
         resp = await s.client.post("/v1/completions", json=completion_body())
         assert resp.status_code == 200, resp.text
         assert s.p[0].dp_ranks_seen == [None]
@@ -1066,7 +1141,8 @@ async def test_the_api_key_is_asked_for_and_the_engines_get_their_own(
 ) -> None:
     caplog.set_level(logging.WARNING, "pdactors.proxy")
     with trio.fail_after(TIMEOUT):
-        async with open_setup(api_key="client-key", engine_api_key="engine-key") as s:
+        keys = {"api_key": "client-key", "engine_api_key": "engine-key"}
+        async with open_setup(**keys, placement="disaggregate") as s:  # both engines asked
             for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "client-key"}):
                 for body in (completion_body(), completion_body(stream=True)):
                     resp = await s.client.post("/v1/completions", json=body, headers=headers)
@@ -1099,12 +1175,12 @@ async def test_the_api_key_is_asked_for_and_the_engines_get_their_own(
 
 async def test_without_keys_the_clients_authorization_reaches_the_engines() -> None:
     with trio.fail_after(TIMEOUT):
-        async with open_setup() as s:
+        async with open_setup(placement="disaggregate") as s:  # both engines asked
             headers = {"authorization": "Bearer the-clients"}
             resp = await s.client.post("/v1/completions", json=completion_body(), headers=headers)
             assert resp.status_code == 200
             assert s.p[0].auth_seen == s.d[0].auth_seen == ["Bearer the-clients"]
-        async with open_setup(api_key="proxy-only") as s:
+        async with open_setup(api_key="proxy-only", placement="disaggregate") as s:  # (both)
             headers = {"authorization": "Bearer proxy-only"}
             resp = await s.client.post("/v1/completions", json=completion_body(), headers=headers)
             assert resp.status_code == 200
@@ -1228,9 +1304,9 @@ async def test_a_failure_after_the_counts_are_raised_gives_them_all_back(
     def broken(*args: Any) -> Any:
         raise RuntimeError("a bug while building the bodies")
 
-    monkeypatch.setattr(_bodies, "concurrent_bodies", broken)
+    monkeypatch.setattr(_bodies, "concurrent_bodies", broken)  # the concurrent flow's
     with trio.fail_after(TIMEOUT):
-        async with open_setup() as s:
+        async with open_setup(**CONCURRENT) as s:
             resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code == 500
             # The 500 is answered once the request's tasks have all ended: nothing is left

@@ -139,12 +139,13 @@ async def test_the_proxy_speaks_https_to_engines_and_verifies_them(pki: Pki) -> 
 
     tls = (pki.certfile, pki.keyfile)
     with trio.fail_after(30):
-        async with open_setup(engine_tls=tls, ca_file=pki.ca_file) as s:
+        # Both engines asked (P's token, then D's): the placement is pinned.
+        async with open_setup(engine_tls=tls, ca_file=pki.ca_file, placement="disaggregate") as s:
             assert s.p[0].url.startswith("https://") and s.d[0].url.startswith("https://")
             for _ in range(3):
                 resp = await s.client.post("/v1/completions", json=completion_body())
                 assert resp.status_code == 200, resp.text
-                assert resp.json()["choices"][0]["text"] == "d0 says hi"
+                assert resp.json()["choices"][0]["text"] == "p0 says hid0 says hi"
             streamed = await s.client.post("/v1/completions", json=completion_body(stream=True))
             assert streamed.status_code == 200 and "[DONE]" in streamed.text
             assert len(s.p[0].received) == len(s.d[0].received) == 4

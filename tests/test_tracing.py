@@ -52,7 +52,8 @@ async def test_the_proxys_span_is_the_parent_both_engines_are_given(first_token:
     ``traceparent``, naming the proxy's span as their parent; the span reaches the receiver
     with the transfer id, the engines and the outcome."""
     with open_otlp_receiver() as receiver:
-        async with open_setup(first_token=first_token, otlp_traces_endpoint=receiver.url) as s:
+        config = {"first_token": first_token, "placement": "disaggregate"}  # both engines
+        async with open_setup(otlp_traces_endpoint=receiver.url, **config) as s:
             resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code == 200, resp.text
             (p,), (d,) = s.p, s.d
@@ -91,7 +92,7 @@ async def test_a_clients_trace_context_is_the_parent_of_the_proxys_span() -> Non
 async def test_a_failed_request_ends_its_span_with_the_failure() -> None:
     with open_otlp_receiver() as receiver:
         async with open_setup(otlp_traces_endpoint=receiver.url) as s:
-            s.d[0].status = 500
+            s.p[0].status = s.d[0].status = 500  # (D's alone: P would continue it)
             resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code == 502
         (span,) = _exported(receiver)
@@ -100,7 +101,7 @@ async def test_a_failed_request_ends_its_span_with_the_failure() -> None:
 
 
 async def test_off_no_header_goes_to_the_engines() -> None:
-    async with open_setup() as s:
+    async with open_setup(placement="disaggregate") as s:  # both engines asked
         resp = await s.client.post("/v1/completions", json=completion_body())
         assert resp.status_code == 200
         assert s.p[0].traceparents == [None] and s.d[0].traceparents == [None]
