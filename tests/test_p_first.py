@@ -17,6 +17,7 @@ from tests.test_proxy import (
     chat_body,
     completion_body,
     eventually,
+    eventually_health,
     open_setup,
     total,
     wait_health,
@@ -168,7 +169,9 @@ async def test_with_no_p_in_rotation_d_serves_alone() -> None:
     with trio.fail_after(TIMEOUT):
         async with open_setup() as s:
             s.p[0].healthy = False
-            await wait_health(s, 503)  # P out of rotation
+            await eventually_health(s, lambda r: not r["prefill"][0]["up"])  # P out of rotation
+            report = (await s.health())[1]
+            assert report["status"] == "degraded" and "prefill" in report["reason"]
             resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code == 200 and resp.headers["x-pdactors-placement"] == "local"
             assert s.p[0].received == [] and len(s.d[0].received) == 1
@@ -289,7 +292,7 @@ async def test_with_no_d_in_rotation_p_serves_whole(stream: bool) -> None:
     with trio.fail_after(TIMEOUT):
         async with open_setup() as s:
             s.d[0].healthy = False
-            await wait_health(s, 503)  # D out of rotation
+            await eventually_health(s, lambda r: not r["decode"][0]["up"])  # D out of rotation
             body = completion_body(stream=stream)
             resp = await s.client.post("/v1/completions", json=body)
             assert resp.status_code == 200
@@ -318,7 +321,7 @@ async def test_without_the_fall_back_to_p_no_d_is_a_503() -> None:
     with trio.fail_after(TIMEOUT):
         async with open_setup(fall_back_to_p=False) as s:
             s.d[0].healthy = False
-            await wait_health(s, 503)
+            await wait_health(s, 503)  # no D, and P may not serve alone: nothing can be served
             resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code == 503 and "no decode engine" in resp.text
             assert s.p[0].received == []
@@ -343,7 +346,7 @@ async def test_whole_on_p_with_no_p_in_rotation_is_a_503_naming_p() -> None:
     with trio.fail_after(TIMEOUT):
         async with open_setup() as s:
             s.p[0].healthy = False
-            await wait_health(s, 503)
+            await eventually_health(s, lambda r: not r["prefill"][0]["up"])
             headers = {"x-pdactors-placement": "whole-on-p"}
             resp = await s.client.post("/v1/completions", json=completion_body(), headers=headers)
             assert resp.status_code == 503 and "no prefill engine" in resp.text

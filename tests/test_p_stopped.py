@@ -33,9 +33,9 @@ from tests.test_proxy import (
     chat_body,
     completion_body,
     eventually,
+    eventually_health,
     open_setup,
     total,
-    wait_health,
 )
 
 #: The proxy's health_timeout in open_setup: P's verdict comes this long after its /health
@@ -195,7 +195,7 @@ async def test_a_failed_bootstrap_takes_p_out_but_cuts_nothing(
                     nursery.start_soon(ask, s, path, stream, answers)
                 await eventually(lambda: len(p.received) == len(MIXED))
                 p.query_ok = False
-                await wait_health(s, 503)  # P out of rotation
+                await eventually_health(s, lambda r: not r["prefill"][0]["up"])  # P out of rotation
                 assert answers == [] and p.cancelled == []
                 p.hold.set()
             assert [r.status_code for r, _ in answers] == [200] * 8
@@ -219,7 +219,7 @@ async def test_the_concurrent_flow_is_not_held_by_a_stopped_p(
                 await eventually(lambda: len(p.received) == len(d.received) == len(MIXED))
                 p.health_hold = trio.Event()
                 await eventually(lambda: bool(p.health_held))
-                await wait_health(s, 503)  # P judged failed
+                await eventually_health(s, lambda r: not r["prefill"][0]["up"])  # P judged failed
                 assert answers == [] and d.cancelled == []
                 d.hold.set()
             assert [r.status_code for r, _ in answers] == [200] * 8

@@ -303,10 +303,12 @@ async def set_once(event: trio.Event, check: Callable[[], bool]) -> None:
 
 
 async def wait_health(setup: Setup, status: int) -> dict[str, Any]:
+    """Until ``/health`` answers ``status``: 200 with P and D both up (``ok``; a proxy that
+    serves with one role only answers 200 ``degraded``), 503 with nothing to serve."""
     with trio.fail_after(5):
         while True:
             code, report = await setup.health()
-            if code == status:
+            if code == status and (status != 200 or report["status"] == "ok"):
                 return report
             await trio.sleep(0.02)
 
@@ -898,7 +900,7 @@ async def test_stopped_prefill_gives_502_and_leaves_rotation() -> None:
             resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code in (502, 503)
             assert s.p[0].url in resp.json()["error"]["message"]
-            report = await wait_health(s, 503)
+            report = await wait_health(s, 503)  # no P, and D may not serve alone
             assert s.p[0].url in report["reason"]
 
 
@@ -959,12 +961,15 @@ async def eventually_health(s: Setup, check: Callable[[dict[str, Any]], bool]) -
             await trio.sleep(0.02)
 
 
-async def test_health_is_503_until_p_and_d_are_up_then_200() -> None:
+async def test_health_is_200_while_requests_can_be_served_and_says_what_is_missing() -> None:
+    """A load balancer keeps a proxy that still serves: 200 ``ok`` with P and D up, 200
+    ``degraded`` (the missing role's problem in ``reason``) while one role may serve alone,
+    503 only when no request can be served."""
     with trio.fail_after(TIMEOUT):
         async with open_setup(healthy=False) as s:
             await eventually_health(s, lambda r: r["decode"][0]["up"])
             code, report = await s.health()
-            assert code == 503 and "prefill" in report["reason"]
+            assert (code, report["status"]) == (200, "degraded") and "prefill" in report["reason"]
             resp = await s.client.post("/v1/completions", json=completion_body())
             assert resp.status_code == 200  # meanwhile D serves alone (fall_back_to_d)
             assert resp.headers["x-pdactors-placement"] == "local" and s.p[0].received == []
@@ -972,13 +977,20 @@ async def test_health_is_503_until_p_and_d_are_up_then_200() -> None:
             report = await wait_health(s, 200)
             assert report["prefill"][0]["engine_id"] == "prefill-0"
             s.p[0].query_ok = False  # P's bootstrap fails: D could not find P; P is out
-            report = await wait_health(s, 503)
+            await eventually_health(s, lambda r: not r["prefill"][0]["up"])
+            code, report = await s.health()
+            assert (code, report["status"]) == (200, "degraded")  # D serves alone
             assert "bootstrap" in report["reason"] and "prefill" in report["reason"]
             s.p[0].query_ok = True
             await wait_health(s, 200)
             s.d[0].healthy = False
-            report = await wait_health(s, 503)
+            await eventually_health(s, lambda r: not r["decode"][0]["up"])
+            code, report = await s.health()
+            assert (code, report["status"]) == (200, "degraded")  # P serves whole
             assert "no decode engine" in report["reason"]
+            s.p[0].healthy = False
+            report = await wait_health(s, 503)
+            assert report["status"] == "unavailable"
 
 
 async def test_a_slow_bootstrap_keeps_a_healthy_p_in_rotation() -> None:

@@ -127,7 +127,10 @@ async def test_the_proxy_serves_https_and_reads_an_https_bootstrap(pki: Pki) -> 
                         if "CERTIFICATE_VERIFY_FAILED" in report["prefill"][0].get("problem", ""):
                             break
                         await trio.sleep(0.05)
-                assert (await http.get(f"{blind}/health")).status_code == 503
+                # P is out, not D: the proxy still serves (D alone), degraded
+                resp = await http.get(f"{blind}/health")
+                assert (resp.status_code, resp.json()["status"]) == (200, "degraded")
+                assert not resp.json()["prefill"][0]["up"]
             nursery.cancel_scope.cancel()
 
 

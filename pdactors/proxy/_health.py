@@ -206,10 +206,17 @@ class HealthWatch:
             b.waiting_on.clear()
 
     def report(self) -> tuple[int, dict[str, Any]]:
-        """``GET /health``'s status and body."""
+        """``GET /health``'s status and body: 200 while requests can be served — ``ok`` with a
+        P and a D taking requests, ``degraded`` with one role only whose engines may serve
+        alone (``fall_back_to_d``, ``fall_back_to_p``), the missing role's problems in
+        ``reason`` — else 503 (``unavailable``): a load balancer keeps a proxy that still
+        serves."""
         reasons = [pool.why_none() for pool in (self.prefill, self.decode) if not pool.any_up]
+        p, d, config = self.prefill.any_up, self.decode.any_up, self.config
+        # A request can be served while one role has an engine that may serve it alone.
+        serves = (d and (p or config.fall_back_to_d)) or (p and config.fall_back_to_p)
         report: dict[str, Any] = {
-            "status": "unavailable" if reasons else "ok",
+            "status": "ok" if not reasons else "degraded" if serves else "unavailable",
             "prefill": [b.describe() for b in self.prefill.backends],
             "decode": [b.describe() for b in self.decode.backends],
         }
@@ -224,4 +231,4 @@ class HealthWatch:
             report["incompatible"] = refused  # never paired: D serves their requests alone
         if reasons:
             report["reason"] = "; ".join(reasons)
-        return (503 if reasons else 200), report
+        return (200 if serves else 503), report

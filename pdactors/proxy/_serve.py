@@ -17,12 +17,14 @@ connection, which makes vLLM abort the request). A failure before D's answer beg
 status (a 4xx passes through, anything else is a 502 naming the engine); once a stream has
 begun it ends with an error event. D's answer complete, P's leg (if still running) gets a
 moment to end (``_PREFILL_GRACE``, so that its connection is reused), then it is cancelled.
-A client that goes away cancels both; a stream in which D reports an error event
+A client that goes away cancels both (as does one that stops reading its answer, after
+``write_timeout``: :mod:`pdactors.web._connections`); a stream in which D reports an error event
 counts as ``decode_error``.
 
-Other routes: ``GET /v1/models`` (a healthy D's answer), ``GET /health`` (200 when at least one P
-and one D are in rotation, else 503 with the reasons), ``GET /metrics`` (Prometheus text, one
-registry per proxy). A ``GET`` or ``POST`` on any other path (vLLM's ``/tokenize``,
+Other routes: ``GET /v1/models`` (a healthy D's answer), ``GET /health`` (200 ``ok`` with a P
+and a D in rotation, 200 ``degraded`` while one role alone can serve, else 503 with the
+reasons), ``GET /metrics`` (Prometheus text, one registry per proxy).
+A ``GET`` or ``POST`` on any other path (vLLM's ``/tokenize``,
 ``/detokenize``, ``/version``, ``/v1/embeddings``...) is forwarded as it came to one engine in
 rotation (a D, else a P with ``fall_back_to_p``) and its answer sent back as it came; a failed
 call is a 502 naming the engine, none in rotation a 503 (:mod:`~pdactors.proxy._forward`).
@@ -99,10 +101,10 @@ async def serve_proxy(
 
     Binds ``config.host:config.port`` (port 0: a free port), starts the health loop, then
     reports the bound URL, e.g. ``"http://127.0.0.1:40123"``, through ``task_status.started``
-    (a wildcard host is reported as loopback). Requests are refused with 503 until a P and a D
-    have passed a health check (``GET /health`` answers 200 from then on). Engine failures
-    become error answers to the requests they hit and take the engine out of rotation; they
-    never stop the proxy.
+    (a wildcard host is reported as loopback). Requests are refused with 503 until an engine
+    that may serve them has passed a health check (``GET /health`` answers 200 from then on).
+    Engine failures become error answers to the requests they hit and take the engine out of
+    rotation; they never stop the proxy.
 
     Usage: ``url = await nursery.start(serve_proxy, config)``.
 
