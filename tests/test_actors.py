@@ -83,7 +83,12 @@ async def test_ready_kv_still_being_computed_is_written_once_complete() -> None:
             src = p.pool.allocate(4)
             p.owned["t3"] = src
             dst = d.pool.allocate(4)
-            computed = threading.Event()
+            computed, waited = threading.Event(), threading.Event()
+
+            def complete() -> None:  # the write's thread waits for the "forward" here
+                waited.set()
+                computed.wait(10)
+
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(
                     lambda: d.receiver.pull(
@@ -94,9 +99,8 @@ async def test_ready_kv_still_being_computed_is_written_once_complete() -> None:
                     )
                 )
                 await wait_until(lambda: p.sender.transfer_state("t3") is SendState.PENDING)
-                p.sender.transfer_ready("t3", src, complete=lambda: computed.wait(10))
-                await wait_until(lambda: p.sender.transfer_state("t3") is SendState.SENDING)
-                await trio.sleep(0.05)
+                p.sender.transfer_ready("t3", src, complete=complete)
+                await wait_until(waited.is_set)
                 assert p.sender.transfer_state("t3") is SendState.SENDING  # waits for the KV
                 p.kv.fill("t3", src)  # the "forward" finishes writing the KV
                 computed.set()

@@ -14,6 +14,7 @@ import httpx
 import msgspec
 import pytest
 import trio
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -397,7 +398,10 @@ async def test_query_with_nothing_listening_raises_within_timeout() -> None:
                 await client.query(url, timeout=0.3)
 
 
-async def test_register_retries_until_the_server_comes_up() -> None:
+async def test_register_retries_until_the_server_comes_up(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """On the autojump clock (tests/conftest.py): the client's back-offs pass at once."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with trio.fail_after(10):
@@ -409,7 +413,7 @@ async def test_register_retries_until_the_server_comes_up() -> None:
                 registered.set()
 
             nursery.start_soon(register)
-            await trio.sleep(0.3)
+            await trio.sleep(1)  # the test's clock: a few tries refused, each backed off
             assert not registered.is_set()
             await nursery.start(serve_bootstrap, BootstrapConfig(port=port))
             await registered.wait()

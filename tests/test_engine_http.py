@@ -9,6 +9,7 @@ from functools import partial
 import h11
 import pytest
 import trio
+import trio.testing
 
 from pdactors.proxy._engine_http import ConnectFailed, EngineClient, EngineError
 
@@ -116,7 +117,9 @@ async def test_a_connection_the_engine_closed_is_not_reused() -> None:
             for _ in range(3):
                 resp = await engine.request("POST", "/", b"", [])
                 assert await resp.read() == b"x0"
-                await trio.sleep(0.05)  # the close reaches us
+                await trio.testing.wait_all_tasks_blocked()  # the server has closed it
+                # (a reused closed one would also be dialled anew: ask the pool itself)
+                assert engine._idle_connection() is None
             assert len(accepted) == 3
             engine.close()
 

@@ -21,6 +21,7 @@ from pdactors.testing import Cluster, open_cluster, run_transfer
 from pdactors.testing.prefill_process import PrefillProcess
 from pdactors.transport import open_dealer
 from pdactors.wire import PullRequest, RegisterWorker, encode_frames
+from tests.conftest import wait_until
 
 SMALL = {"layers": 4, "num_blocks": 64, "block_bytes": 4096}
 
@@ -53,12 +54,10 @@ async def pull_ends(cluster: Cluster, tid: str, engine_id: str = "p-proc") -> st
     return "delivered"
 
 
-async def wait_until_pull_reaches_p(cluster: Cluster) -> None:
-    while cluster.decode[0].receiver.in_flight == 0 or not any(
-        p.state.value == "sent" for p in cluster.decode[0].receiver._table._pulls.values()
-    ):
+async def wait_until_pulls_reach_p(p: PrefillProcess, tids: list[str]) -> None:
+    """Until P holds a pull of each of ``tids`` (they wait there: P never gets their KV)."""
+    while [await p.pulls_waiting(tid) for tid in tids] != [1] * len(tids):
         await trio.sleep(0.01)
-    await trio.sleep(0.2)  # and let P take it in
 
 
 @pytest.mark.parametrize("how", ["killed", "stopped"])
@@ -71,10 +70,11 @@ async def test_pulls_on_a_dead_or_hung_p_end_within_seconds(how: str) -> None:
                 async def one(tid: str) -> None:
                     reasons.append(await pull_ends(cluster, tid))
 
-                for i in range(4):
-                    nursery.start_soon(one, f"w{i}")  # P never gets these: they wait at P
+                tids = [f"w{i}" for i in range(4)]
+                for tid in tids:
+                    nursery.start_soon(one, tid)  # P never gets these: they wait at P
                 with trio.fail_after(10):
-                    await wait_until_pull_reaches_p(cluster)
+                    await wait_until_pulls_reach_p(p, tids)
                 start = trio.current_time()
                 p.signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
                 with trio.fail_after(5):  # the pull deadline is 540 s
@@ -191,7 +191,7 @@ async def test_a_duplicate_pull_is_refused_and_the_first_one_lands() -> None:
                     first["ok"] = True
 
                 nursery.start_soon(pull_first)
-                await trio.sleep(0.1)
+                await wait_until(lambda: d.receiver.in_flight == 1)  # the first is in flight
                 with pytest.raises(DuplicateTransfer):
                     await d.receiver.pull(
                         "dup", bootstrap_url=cluster.bootstrap_url, engine_id="prefill-0",

@@ -25,6 +25,7 @@ import hypercorn.trio
 import msgspec
 import pytest
 import trio
+import trio.testing
 from hypercorn.config import Config as HypercornConfig
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -33,6 +34,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from pdactors import PrefillBackend, ProxyConfig, serve_proxy
+from pdactors.proxy._completions import _PREFILL_GRACE
 
 TIMEOUT = 10.0
 
@@ -87,6 +89,7 @@ class FakeEngine:
     probes: list[dict[str, Any]] = field(default_factory=list)
 
     request_ids: list[str] = field(default_factory=list)  # completions' X-Request-Id
+    answered: list[str] = field(default_factory=list)  # request ids of the answers it ended
 
     def tids(self) -> list[str]:
         """The transfer ids it was sent (the request's id: :attr:`request_ids` of the legs
@@ -103,6 +106,7 @@ class FakeEngine:
         self.dp_ranks_seen.clear()
         self.traceparents.clear()
         self.request_ids.clear()
+        self.answered.clear()
 
 
 #: vLLM's error for a request whose KV load failed (kv_load_failure_policy "fail").
@@ -168,6 +172,7 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
             return _json(VLLM_KV_ERROR, 500)
         if body.get("stream"):
             return Response(stream(rid), content_type="text/event-stream")
+        engine.answered.append(rid)
         return _json(answer(engine, body, chat))
 
     async def stream(rid: str) -> AsyncIterator[bytes]:
@@ -181,6 +186,7 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
                     yield b"data: " + msgspec.json.encode(error) + b"\n\n"
                     break
             yield b"data: [DONE]\n\n"
+            engine.answered.append(rid)
         except trio.Cancelled:
             engine.cancelled.append(rid)
             raise
@@ -717,15 +723,18 @@ async def test_decode_dying_while_prefill_works_cancels_prefill_at_once() -> Non
             s.p[0].hold = trio.Event()  # P is still computing the prompt
             s.d[0].steps = trio.open_memory_channel[None](0)[1]  # D has answered, no token yet
 
+            began = trio.Event()  # D's headers reached the client: the stream has begun
+
             async def d_dies() -> None:
-                await eventually(lambda: bool(s.d[0].tids()) and bool(s.p[0].tids()))
-                await trio.sleep(0.1)  # D's headers are out: the stream has begun
+                await began.wait()
+                await eventually(lambda: bool(s.p[0].tids()))  # P has its leg too
                 s.d[0].scope.cancel()  # D's process is gone: its connections drop
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(d_dies)
                 body = completion_body(stream=True)
                 async with s.client.stream("POST", "/v1/completions", json=body) as resp:
+                    began.set()
                     text = (await resp.aread()).decode()
             assert resp.status_code == 200  # the client had D's headers before D died
             (event,) = [line for line in text.splitlines() if line]
@@ -767,20 +776,25 @@ async def test_ds_answer_reaches_the_client_while_p_has_not_answered(stream: boo
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_p_answering_just_after_d_is_not_cancelled(stream: bool) -> None:
+async def test_p_answering_just_after_d_is_not_cancelled(
+    stream: bool, mock_clock: trio.testing.MockClock
+) -> None:
     """P's answer a moment behind D's is let finish (its connection is then kept for the next
-    request, instead of closed and dialled anew): P's leg is cancelled only after a grace."""
+    request, instead of closed and dialled anew): P's leg is cancelled only after a grace.
+    On the autojump clock (tests/conftest.py), which moves only once every task has waited
+    10 ms of real time: a leg cut at D's answer would have reached P before it moves."""
     with trio.fail_after(TIMEOUT):
         async with open_setup(**CONCURRENT) as s:
             s.p[0].hold = trio.Event()
             resp = await s.client.post("/v1/completions", json=completion_body(stream=stream))
             assert resp.status_code == 200  # D's whole answer, P still held
-            await trio.sleep(0.05)  # a cancelled leg's closed connection reaches P by then
-            s.p[0].hold.set()
-            await trio.sleep(0.5)  # past the grace: a cancellation would have come by now
+            await trio.sleep(_PREFILL_GRACE * 0.8)  # a moment, within the grace
             assert s.p[0].cancelled == [] and len(s.p[0].tids()) == 1
+            s.p[0].hold.set()
+            await eventually(lambda: s.p[0].answered == s.p[0].request_ids)  # P's answer is out
             resp = await s.client.post("/v1/completions", json=completion_body(stream=stream))
             assert resp.status_code == 200 and s.p[0].cancelled == []
+            assert s.p[0].answered == s.p[0].request_ids and len(s.p[0].request_ids) == 2
 
 
 async def test_a_prefill_failing_after_ds_stream_began_never_cuts_it() -> None:

@@ -63,6 +63,23 @@ class Streamed:
         return bool(np.array_equal(self.d.kv.data[layer, self.dst, :], self.want[layer]))
 
 
+def giving_up(t: Streamed) -> SendState | None:
+    """Who gave the transfer up, as P's record of it says (None: nobody)."""
+    return t.p.sender._table._entries[t.tid].giving_up
+
+
+class Kernel:
+    """A ``complete`` callback (a GPU event's wait): says when a write waits on it
+    (``waited``), returns once ``done`` is set."""
+
+    def __init__(self) -> None:
+        self.waited, self.done = threading.Event(), threading.Event()
+
+    def wait(self) -> None:
+        self.waited.set()
+        self.done.wait(10)
+
+
 async def pull_waiting(t: Streamed, nursery: trio.Nursery) -> None:
     t.p.sender.transfer_pending(t.tid)
     nursery.start_soon(t.pull)
@@ -152,9 +169,10 @@ async def test_d_abort_mid_stream_is_confirmed_only_once_the_writes_ended() -> N
             t.compute(0)
             t.p.sender.layer_ready(t.tid, [0])
             t.d.receiver.abort(t.tid, "client went away")
-            await trio.sleep(0.2)
-            # P is still writing into D's blocks: D must not reuse them yet
-            assert t.d.receiver.in_flight == 1
+            await wait_until(lambda: giving_up(t) is SendState.CANCELLED)  # the abort reached P
+            # P may still write into D's blocks: it has not answered, so D must not reuse them
+            assert t.p.sender.transfer_state(t.tid) is SendState.SENDING
+            assert t.p.sender.pulls_waiting(t.tid) == 1 and t.d.receiver.in_flight == 1
             t.p.sender.transfer_ready(t.tid, t.src)  # P's step ends; the rest is written
             await wait_until(lambda: t.d.receiver.in_flight == 0)
             t.d.pool.free(t.dst)
@@ -187,8 +205,11 @@ async def test_a_stream_p_never_finishes_ends_at_ready_timeout(
 
 
 async def test_a_failed_layer_write_is_reported_once_p_is_done() -> None:
+    planes: list[FaultyDataPlane] = []
+
     def faulty(plane: object) -> FaultyDataPlane:
-        return FaultyDataPlane(plane, fail_writes=1)  # type: ignore[arg-type]
+        planes.append(FaultyDataPlane(plane, fail_writes=1))  # type: ignore[arg-type]
+        return planes[-1]
 
     with trio.fail_after(30):
         async with (
@@ -200,8 +221,10 @@ async def test_a_failed_layer_write_is_reported_once_p_is_done() -> None:
             t.p.sender.transfer_streaming(t.tid, t.src)
             t.compute(0)
             t.p.sender.layer_ready(t.tid, [0])  # this write fails
-            await trio.sleep(0.2)
-            assert not t.ended.is_set()  # P may still compute into its blocks: wait for it
+            await wait_until(lambda: planes[0].fail_writes == 0)  # it failed
+            # P may still compute into its blocks: D is not answered until P is done
+            assert t.p.sender.transfer_state(t.tid) is SendState.SENDING
+            assert t.p.sender.pulls_waiting(t.tid) == 1 and not t.ended.is_set()
             t.p.sender.layer_ready(t.tid, [1])  # not written any more
             t.p.sender.transfer_ready(t.tid, t.src)
             with trio.fail_after(5):
@@ -219,17 +242,17 @@ async def test_a_layer_still_being_computed_is_written_once_complete() -> None:
             t = Streamed(cluster, "s9")
             await pull_waiting(t, nursery)
             t.p.sender.transfer_streaming(t.tid, t.src)
-            layer0, rest = threading.Event(), threading.Event()
-            t.p.sender.layer_ready(t.tid, [0], complete=lambda: layer0.wait(10))
-            await trio.sleep(0.05)
-            assert not t.landed(0)  # the "kernel" has not finished
+            layer0, rest = Kernel(), Kernel()
+            t.p.sender.layer_ready(t.tid, [0], complete=layer0.wait)
+            await wait_until(layer0.waited.is_set)  # the write waits for the "kernel"
+            assert not t.landed(0)
             t.compute(0)
-            layer0.set()
+            layer0.done.set()
             await wait_until(lambda: t.landed(0))
-            t.p.sender.transfer_ready(t.tid, t.src, complete=lambda: rest.wait(10))
-            await trio.sleep(0.05)
+            t.p.sender.transfer_ready(t.tid, t.src, complete=rest.wait)
+            await wait_until(rest.waited.is_set)
             assert not t.ended.is_set()
             for layer in range(1, LAYERS):
                 t.compute(layer)
-            rest.set()
+            rest.done.set()
             await t.delivered()

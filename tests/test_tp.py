@@ -16,6 +16,7 @@ import trio
 
 from pdactors import PullFailedError, open_bootstrap_client
 from pdactors.core.pull_table import PullState
+from pdactors.core.send_table import SendState
 from pdactors.testing import FaultyDataPlane, open_cluster, run_transfer
 from pdactors.testing.cluster import DecodeNode
 from pdactors.transport import open_dealer
@@ -104,9 +105,14 @@ async def test_one_p_worker_failing_fails_the_pull_only_after_the_other_stopped_
                     while (pull := d.receiver._table.get("t-fail")) is None or pull.waiting != {p0}:
                         await trio.sleep(0.01)
                 assert pull.state is PullState.ABORTING and d.receiver.in_flight == 1
-                await trio.sleep(0.2)
-                assert d.receiver.in_flight == 1  # rank 0 may still write: not ended
-                assert d.pool.in_use == 4
+                rank0 = cluster.prefill[0].sender
+                await wait_until(  # D's cancel reached rank 0, whose write waits at the gate
+                    lambda: rank0._table._entries["t-fail"].giving_up is SendState.CANCELLED
+                )
+                # rank 0 may still write: it has not answered, so D's pull has not ended
+                assert rank0.transfer_state("t-fail") is SendState.SENDING
+                assert rank0.pulls_waiting("t-fail") == 1
+                assert d.receiver.in_flight == 1 and d.pool.in_use == 4
                 gate.set()
             [outcome] = result
             assert not outcome.ok and "injected fault" in outcome.reason  # type: ignore[attr-defined]

@@ -217,7 +217,9 @@ async def test_a_send_that_consumes_the_fd_signal_wakes_the_receiver() -> None:
                 await trio.testing.wait_all_tasks_blocked()
                 peer.send_multipart([identity, b"reply"])
                 # Block the trio thread while the reply lands, then send (ZMQ throttles command
-                # processing in send to about once a millisecond).
+                # processing in send to about once a millisecond). The blocked thread is the
+                # condition under test, not a wait: the reply's landing cannot be watched
+                # without touching the socket, which would process the very commands at stake.
                 time.sleep(0.2)  # noqa: ASYNC251
                 await dealer.send([b"consumes the signal"])
                 with trio.fail_after(2):
@@ -246,7 +248,9 @@ async def test_a_receive_that_consumes_the_fd_signal_wakes_the_sender() -> None:
             nursery.start_soon(send)
             await trio.testing.wait_all_tasks_blocked()
             async with open_router("127.0.0.1", port=port) as router:
-                # Let the DEALER connect and its queue drain while no trio task runs.
+                # Let the DEALER connect and its queue drain while no trio task runs: the
+                # blocked thread is the condition under test (watching the DEALER would process
+                # its commands, the signal at stake), not a wait.
                 time.sleep(0.5)  # noqa: ASYNC251
                 with trio.move_on_after(0.05):
                     await dealer.receive()
@@ -372,17 +376,25 @@ async def test_bad_frames_are_refused_before_anything_is_sent() -> None:
                 await router.send(identity, [])
 
 
+async def wait_readable(sock: RouterSocket | DealerSocket) -> None:
+    """Until a whole message waits at ``sock`` (asked of ZMQ directly: no task waits on this
+    socket now, so the question takes no one's wake-up)."""
+    with trio.fail_after(5):
+        while not sock._socket.poll(0, zmq.POLLIN):
+            await trio.sleep(0.001)
+
+
 async def test_send_and_receive_are_checkpoints() -> None:
     with trio.fail_after(10):
         async with open_router("127.0.0.1") as router, open_dealer(router.address) as dealer:
             with trio.testing.assert_checkpoints():
                 await dealer.send([b"x"])
-            await trio.sleep(0.05)  # let the message arrive, so that receive takes the fast path
+            await wait_readable(router)  # so that receive takes the fast path
             with trio.testing.assert_checkpoints():
                 identity, _ = await router.receive()
             with trio.testing.assert_checkpoints():
                 await router.send(identity, [b"y"])
-            await trio.sleep(0.05)
+            await wait_readable(dealer)
             with trio.testing.assert_checkpoints():
                 await dealer.receive()
 

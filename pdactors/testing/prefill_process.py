@@ -14,7 +14,8 @@ commands from stdin, one per line:
 * ``failwrite N``: the next N writes fail (an injected engine error);
 * ``holdwrites`` / ``releasewrites``: writes wait at a gate from now on (P has said
   ``Writing``: the write is in flight for D) / go ahead;
-* ``stats``: print ``{"in_use": blocks held}`` as one JSON line.
+* ``stats``: print ``{"in_use": blocks held}`` as one JSON line;
+* ``waiting TID``: print ``{"waiting": n}``, the D workers' pulls of ``TID`` it holds unanswered.
 
 Blocks come back to the pool as the sender releases them. It runs until killed or stdin closes.
 :class:`PrefillProcess` drives it from a trio program (tests, ``pdactors chaos``).
@@ -101,6 +102,8 @@ def _command(line: str, node: PrefillNode, faulty: FaultyDataPlane) -> None:
             faulty.gate = None
         case ["stats"]:
             print(json.dumps({"in_use": node.pool.in_use}), flush=True)
+        case ["waiting", tid]:
+            print(json.dumps({"waiting": sender.pulls_waiting(tid)}), flush=True)
         case _:
             print(f"unknown command {line.strip()!r}", file=sys.stderr, flush=True)
 
@@ -173,6 +176,14 @@ class PrefillProcess:
             return 0  # a dead P holds nothing
         with trio.fail_after(10):
             return int(str((await self._lines.receive())["in_use"]))
+
+    async def pulls_waiting(self, transfer_id: str) -> int:
+        """How many D workers' pulls of ``transfer_id`` it holds unanswered (0 when dead)."""
+        assert self._lines is not None
+        if not await self.command(f"waiting {transfer_id}"):
+            return 0
+        with trio.fail_after(10):
+            return int(str((await self._lines.receive())["waiting"]))
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.returncode is None:

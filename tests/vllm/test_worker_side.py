@@ -82,6 +82,15 @@ class Pair:
         spec = PullSpec(tid, engine, self.settings.bootstrap_url, blocks)
         run_step(self.d, PdActorsMetadata(pulls={req: spec}))
 
+    def wait_at_p(self, tid: str, timeout: float = 10) -> None:
+        """Until D's pull of ``tid`` waits at P (P's sender holds it, unanswered)."""
+        host, sender = self.p.host, self.p._actors._sender  # type: ignore[union-attr]
+        assert host is not None and sender is not None
+        deadline = time.monotonic() + timeout
+        while not host.run_sync(sender.pulls_waiting, tid):
+            assert time.monotonic() < deadline, f"D's pull of {tid} did not reach P"
+            time.sleep(0.005)
+
 
 def run_step(worker: WorkerSide, meta: PdActorsMetadata) -> None:
     """One step's connector hooks in vLLM 0.32's order (bind, then after the forward
@@ -150,7 +159,7 @@ def test_eager_send_at_the_end_of_the_forward_moves_the_kv_and_marks_the_timelin
         for layer in pair.p_kv.values():
             layer[22:24].copy_(torch.randn(2, 2, 16, 64))
         pair.pull("dreq-e", "t-e", (25, 26))
-        time.sleep(0.2)  # the pull is at P, waiting
+        pair.wait_at_p("t-e")
         meta = PdActorsMetadata(pending=["t-e"], eager={"preq-e": SendSpec("t-e", (22, 23))})
         run_step(pair.p, meta)
         assert "dreq-e" not in wait_for(pair.d, "recved", "dreq-e")["failed"]
@@ -175,7 +184,7 @@ def test_layerwise_streams_each_layer_during_the_forward() -> None:
         names = sorted(pair.p_kv)
         data = {name: torch.randn(2, 2, 16, 64) for name in names}
         pair.pull("dreq-l", "t-l", (5, 6))
-        time.sleep(0.3)  # the pull is at P
+        pair.wait_at_p("t-l")
         meta = PdActorsMetadata(pending=["t-l"], eager={"preq-l": SendSpec("t-l", (1, 2))})
         pair.p.begin_step(meta)  # bind: the prompt's last chunk starts computing
         for name in names:  # the forward, layer by layer
@@ -212,7 +221,7 @@ def test_failed_pull_is_reported_as_failed_and_finished(pair: Pair) -> None:
 def test_p_drop_fails_the_waiting_pull_at_once(pair: Pair) -> None:
     run_step(pair.p, PdActorsMetadata(pending=["t3"]))
     pair.pull("dreq3", "t3", (2,))
-    time.sleep(0.2)
+    pair.wait_at_p("t3")
     start = time.monotonic()
     run_step(pair.p, PdActorsMetadata(dropped=["t3"]))
     wait_for(pair.d, "failed", "dreq3")
@@ -222,7 +231,7 @@ def test_p_drop_fails_the_waiting_pull_at_once(pair: Pair) -> None:
 def test_d_abort_frees_p_blocks(pair: Pair) -> None:
     run_step(pair.p, PdActorsMetadata(pending=["t4"]))
     pair.pull("dreq4", "t4", (4,))
-    time.sleep(0.2)
+    pair.wait_at_p("t4")
     run_step(pair.d, PdActorsMetadata(aborts={"dreq4": "t4"}))
     wait_for(pair.d, "failed", "dreq4")  # ends once P confirms it is not writing
     # P finishes afterwards: nobody will pull, its blocks are released at once
@@ -266,8 +275,8 @@ def test_a_bug_in_posted_work_is_logged_and_the_thread_lives(
 
 def test_a_dead_trio_thread_fails_its_pulls_then_the_actors_come_back(pair: Pair) -> None:
     run_step(pair.p, PdActorsMetadata(pending=["t8"]))
-    pair.pull("dreq8", "t8", (15,))  # waits at P
-    time.sleep(0.3)
+    pair.pull("dreq8", "t8", (15,))
+    pair.wait_at_p("t8")
     host = pair.d.host
     assert host is not None
 
@@ -297,15 +306,11 @@ def test_a_pull_told_landed_by_ps_notice_is_not_failed_when_the_trio_thread_dies
     land, and vLLM already counts the request as received)."""
     workers = Pair(d_only={"verify_kv": "off"})  # the fast completion path (issue 28)
     try:
-        p_host, d_host = workers.p.host, workers.d.host
-        sender = workers.p._actors._sender  # type: ignore[union-attr]
-        assert p_host is not None and d_host is not None and sender is not None
+        d_host = workers.d.host
+        assert d_host is not None
         run_step(workers.p, PdActorsMetadata(pending=["n1"]))
         workers.pull("dreq-n1", "n1", (3,))
-        deadline = time.monotonic() + 10
-        while not p_host.run_sync(sender.pulls_waiting, "n1"):  # the pull reached P
-            assert time.monotonic() < deadline, "D's pull did not reach P"
-            time.sleep(0.01)
+        workers.wait_at_p("n1")
         frozen, thaw = threading.Event(), threading.Event()
 
         async def freeze_then_die() -> None:  # P's PullDone cannot reach D's Trio tasks
