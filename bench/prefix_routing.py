@@ -156,7 +156,8 @@ def vllm_router(p: list[tuple[Server, int]], d: Server, log: Path) -> Iterator[s
         while True:
             assert proc.poll() is None, f"vllm-router exited:\n{log.read_text()[-3000:]}"
             try:
-                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                health = httpx.get(f"{url}/health", timeout=2, trust_env=False)
+                if health.status_code == 200 and health.json().get("status") == "ok":
                     break
             except httpx.HTTPError:
                 pass

@@ -145,7 +145,7 @@ async def _wait_healthy(
                     if processes[name].returncode is not None:
                         await trio.sleep_forever()  # its supervisor raises ChildDied
                     try:
-                        ok = (await http.get(child.health_url)).is_success
+                        ok = _ready(child, await http.get(child.health_url))
                     except httpx.HTTPError:
                         ok = False
                     progress(name, trio.current_time() - start, ok)
@@ -154,6 +154,20 @@ async def _wait_healthy(
                 await trio.sleep(0.5)
     if pending:
         raise NotHealthy(list(pending), limit)
+
+
+def _ready(child: Child, resp: httpx.Response) -> bool:
+    """``child`` answered its health check as a ready one: 200, and for the proxy not
+    ``"status": "degraded"`` (it serves with one role only: P or D not in rotation yet)."""
+    if not resp.is_success:
+        return False
+    if child.name != "proxy":
+        return True
+    try:
+        report = resp.json()
+    except ValueError:
+        return True  # no report: its 200 says all it says
+    return not isinstance(report, dict) or report.get("status", "ok") == "ok"
 
 
 async def launch(

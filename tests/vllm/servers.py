@@ -226,6 +226,14 @@ class PortTaken(RuntimeError):
     :func:`free_port` is free when chosen, not reserved): start again on fresh ports."""
 
 
+def proxy_ready(url: str) -> bool:
+    """Whether the proxy at ``url`` has a P and a D in rotation (``GET /health`` 200 ``ok``;
+    200 ``degraded`` is a proxy that serves with one role only, e.g. before P's bootstrap was
+    read)."""
+    resp = httpx.get(f"{url}/health", timeout=2, trust_env=False)
+    return resp.status_code == 200 and resp.json().get("status") == "ok"
+
+
 def wait_healthy(servers: list[Server], timeout: float = STARTUP_TIMEOUT) -> None:
     """Wait until every server answers ``/health``; raise with its log when one dies
     (:class:`PortTaken` when it died binding a port someone else took meanwhile)."""
@@ -350,7 +358,7 @@ def proxy(
         while True:
             assert proc.poll() is None, f"the proxy exited:\n{log.read_text()}"
             try:
-                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                if proxy_ready(url):
                     break
             except httpx.HTTPError:
                 pass

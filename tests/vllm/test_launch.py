@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -36,6 +38,53 @@ def deployment_processes() -> list[str]:
         if any(m in cmd for m in MARKERS):
             found.append(f"{pid}: {cmd[:120]}")
     return found
+
+
+@dataclass
+class Launched:
+    """A ``pdactors launch`` running with its defaults: its process, its proxy's URL, and
+    what it has said since (read all along: a pipe nobody reads fills up and blocks it)."""
+
+    proc: subprocess.Popen[str]
+    url: str
+    said: list[str]
+    reader: threading.Thread
+
+
+@contextlib.contextmanager
+def launched() -> Iterator[Launched]:
+    """Start ``pdactors launch`` (Ctrl-C as a terminal would send it), yield it once its proxy
+    is up; kill it and whatever it left behind if it still runs at the end."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdactors.cli", "launch", "--proxy-port", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV,
+        # An ignored SIGINT is inherited across exec (an earlier test's library may have set
+        # it in this process): the launcher must get Ctrl-C as a terminal would send it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 400
+        for line in proc.stderr:
+            if line.startswith("proxy: http://"):
+                url = line.split()[1]
+                break
+            assert time.monotonic() < deadline
+        else:
+            raise AssertionError(f"launch exited early with {proc.wait()}")
+        said: list[str] = []
+        reader = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)
+        reader.start()
+        yield Launched(proc, url, said, reader)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            for found in deployment_processes():  # what the killed launcher left behind
+                with contextlib.suppress(OSError):
+                    os.killpg(int(found.split(":", 1)[0]), signal.SIGKILL)
+        if proc.stderr is not None:
+            proc.stderr.close()
 
 
 def test_smoke_checks_answers_and_exits_clean(tmp_path: Path) -> None:
@@ -71,74 +120,28 @@ def test_smoke_checks_answers_and_exits_clean(tmp_path: Path) -> None:
 def test_ctrl_c_or_sigterm_stops_everything_in_bounded_time(sig: signal.Signals) -> None:
     """Ctrl-C, and SIGTERM (what ``timeout``, systemd, ``docker stop`` and Kubernetes send;
     it used to end the launcher at once and leave P, D and the proxy running)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdactors.cli", "launch", "--proxy-port", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV,
-        # An ignored SIGINT is inherited across exec (an earlier test's library may have set
-        # it in this process): the launcher must get Ctrl-C as a terminal would send it.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # fmt: skip
-    try:
-        assert proc.stderr is not None
-        deadline = time.monotonic() + 400
-        for line in proc.stderr:
-            if line.startswith("proxy: http://"):
-                break
-            assert time.monotonic() < deadline
-        else:
-            raise AssertionError(f"launch exited early with {proc.wait()}")
-        # Keep reading what it says: a pipe nobody reads fills up and blocks the launcher.
-        said: list[str] = []
-        reader = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)
-        reader.start()
+    with launched() as run:
         assert len(deployment_processes()) >= 3
         start = time.monotonic()
-        proc.send_signal(sig)
+        run.proc.send_signal(sig)
         try:
-            code = proc.wait(timeout=60)
+            code = run.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            told = "".join(said)
+            told = "".join(run.said)
             message = f"launch still running 60 s after {sig.name}; it said:\n{told}"
             raise AssertionError(message) from None
-        assert code == 0, "".join(said)
+        assert code == 0, "".join(run.said)
         assert time.monotonic() - start < 60
-        reader.join(timeout=10)
+        run.reader.join(timeout=10)
         assert deployment_processes() == []
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-            for found in deployment_processes():  # what the killed launcher left behind
-                with contextlib.suppress(OSError):
-                    os.killpg(int(found.split(":", 1)[0]), signal.SIGKILL)
-        if proc.stderr is not None:
-            proc.stderr.close()
 
 
 def test_a_rolling_restart_under_load_fails_no_request() -> None:
     """``kill -USR1`` the launcher: every engine is drained at the proxy, restarted and
     resumed, one at a time, while a client keeps sending requests; none fails."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdactors.cli", "launch", "--proxy-port", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # fmt: skip
     stop = threading.Event()
     answers: list[int | str] = []  # each request's status, or what broke it
-    try:
-        assert proc.stderr is not None
-        url = ""
-        deadline = time.monotonic() + 400
-        for line in proc.stderr:
-            if line.startswith("proxy: http://"):
-                url = line.split()[1]
-                break
-            assert time.monotonic() < deadline
-        else:
-            raise AssertionError(f"launch exited early with {proc.wait()}")
-        said: list[str] = []
-        reader = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)
-        reader.start()
+    with launched() as run:
 
         def load() -> None:
             i = 0
@@ -147,7 +150,7 @@ def test_a_rolling_restart_under_load_fails_no_request() -> None:
                 body = {"model": "tiny", "prompt": [4 + (i * 7 + k) % 1000 for k in range(60)],
                         "max_tokens": 16, "temperature": 0, "stream": i % 2 == 0}  # fmt: skip
                 try:
-                    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120,
+                    resp = httpx.post(f"{run.url}/v1/completions", json=body, timeout=120,
                                       trust_env=False)  # fmt: skip
                     broken = '"error"' in resp.text if body["stream"] else False
                     answers.append("error event" if broken else resp.status_code)
@@ -156,31 +159,23 @@ def test_a_rolling_restart_under_load_fails_no_request() -> None:
 
         client = threading.Thread(target=load, daemon=True)
         client.start()
-        while len(answers) < 5:
-            time.sleep(0.1)
-        before = len(answers)
-        proc.send_signal(signal.SIGUSR1)
-        deadline = time.monotonic() + 400
-        while not any("every engine restarted" in line for line in said):
-            assert proc.poll() is None, "".join(said)
-            assert time.monotonic() < deadline, "".join(said)
-            time.sleep(0.5)
-        stop.set()
-        client.join(timeout=150)
-        assert [a for a in answers if a != 200] == [], "".join(said)
+        try:
+            while len(answers) < 5:
+                time.sleep(0.1)
+            before = len(answers)
+            run.proc.send_signal(signal.SIGUSR1)
+            deadline = time.monotonic() + 400
+            while not any("every engine restarted" in line for line in run.said):
+                assert run.proc.poll() is None, "".join(run.said)
+                assert time.monotonic() < deadline, "".join(run.said)
+                time.sleep(0.5)
+        finally:
+            stop.set()
+            client.join(timeout=150)
+        assert [a for a in answers if a != 200] == [], "".join(run.said)
         assert len(answers) - before >= 10  # the client kept asking through the restarts
-        assert sum("back in the routing" in line for line in said) == 2  # P and D
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-        reader.join(timeout=10)
+        assert sum("back in the routing" in line for line in run.said) == 2  # P and D
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.proc.wait(timeout=60) == 0
+        run.reader.join(timeout=10)
         assert deployment_processes() == []
-    finally:
-        stop.set()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-            for found in deployment_processes():
-                with contextlib.suppress(OSError):
-                    os.killpg(int(found.split(":", 1)[0]), signal.SIGKILL)
-        if proc.stderr is not None:
-            proc.stderr.close()

@@ -32,7 +32,7 @@ import openai
 
 from pdactors.proxy._calibrate import PROBE_TOKENS
 from pdactors_vllm.tiny_model import ensure_tiny_model, find_eos_first_prompts
-from tests.vllm.servers import Server, free_port, producer_config, servers, stop
+from tests.vllm.servers import Server, free_port, producer_config, proxy_ready, servers, stop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -84,7 +84,7 @@ def _wait_proxy_healthy(url: str, proc: subprocess.Popen[str], timeout: float = 
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the proxy exited"
         try:
-            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+            if proxy_ready(url):
                 return
         except httpx.HTTPError:
             pass
