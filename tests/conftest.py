@@ -11,11 +11,16 @@ from collections.abc import Callable
 import pytest
 import trio
 import trio.testing
+from hypothesis import settings
 
 from pdactors import Liveness
 from pdactors.testing import Cluster
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+#: ``pytest --hypothesis-profile=fuzz-deep``: the fuzz suites' long runs (tests/
+#: test_fuzz_bodies.py takes its example counts from the profile when they are larger).
+settings.register_profile("fuzz-deep", max_examples=5000)
 
 #: Under the autojump clock a handshake slower than the jump threshold must not count as a dead
 #: peer: connection loss is still noticed (refusals, ZMQ heartbeats, which run on real time).

@@ -1,9 +1,11 @@
 """The OpenAI API as the proxy's clients speak it: its two completion endpoints, the rules a
 request body must keep before any engine sees it, and OpenAI's error shape.
 
-A body is refused (400) when it is not a JSON object, nests deeper than
-:data:`MAX_JSON_DEPTH`, lacks ``model`` or the endpoint's input, or asks for what one PD
-transfer cannot serve (several prompts, ``n`` > 1).
+A body is refused (400, naming the field) when it is not a JSON object, nests deeper than
+:data:`MAX_JSON_DEPTH`, lacks ``model`` or the endpoint's input, asks for what one PD transfer
+cannot serve (several prompts, ``n`` or ``best_of`` > 1), sets the proxy's own
+``kv_transfer_params``, or holds a field the proxy reads in a shape vLLM's server refuses too
+(:func:`validate`): the proxy's code then reads only the shapes it was written for.
 """
 
 from __future__ import annotations
@@ -15,12 +17,24 @@ from typing import Any, Final
 import msgspec
 from quart import Response
 
-__all__ = ["CHAT", "COMPLETIONS", "MAX_JSON_DEPTH", "Endpoint", "Failure", "validate"]
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "MAX_JSON_DEPTH",
+    "MAX_TOKENS",
+    "Endpoint",
+    "Failure",
+    "validate",
+]
 
 
 #: The deepest a request's JSON may nest (objects and arrays); deeper is refused with 400.
 #: OpenAI bodies nest a few levels (tool schemas a few more).
 MAX_JSON_DEPTH: Final = 64
+#: The largest token count (``max_tokens``, ``min_tokens``) and token id a request may name;
+#: above is a 400. vLLM's server refuses them too: no model's context is this long, and its
+#: engine holds token ids in 32-bit integers.
+MAX_TOKENS: Final = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -113,31 +127,115 @@ def _problem(raw: bytes, endpoint: Endpoint) -> dict[str, Any] | str:
         return "the body must be a JSON object"
     # Each nesting level needs a '[' or '{': a body with few of them cannot nest too deep
     # (the common case, checked at C speed); the others are walked.
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _deeper_than(body, MAX_JSON_DEPTH):
-        return too_deep
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+        for key, value in body.items():
+            if isinstance(value, dict | list) and _deeper_than(value, MAX_JSON_DEPTH - 1):
+                return f"{too_deep} (in `{key}`)"
     if not isinstance(body.get("model"), str):
         return "`model` is required (a string)"
     if body.get(endpoint.input_field) is None:
         return f"`{endpoint.input_field}` is required"
-    if not isinstance(body.get("stream", False), bool | None):
-        return "`stream` must be true or false"
+    if endpoint.chat:
+        problem = _messages_problem(body["messages"])
+    else:
+        problem = _prompt_problem(body["prompt"])
+    return problem or _fields_problem(body, endpoint.chat) or body
+
+
+#: Fields that are true, false or null.
+_FLAGS: Final = ("stream", "echo", "return_token_ids")
+#: Counts of tokens, each with the least it may be (and :data:`MAX_TOKENS` the most).
+_COUNTS: Final = {"max_tokens": 1, "max_completion_tokens": 1, "min_tokens": 0}
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int  # not a bool, which JSON's true would be
+
+
+def _prompt_problem(prompt: object) -> str | None:
+    """What is wrong with a completion's ``prompt``: one prompt, text or token ids, alone or
+    as a list of one."""
+    if isinstance(prompt, str):
+        return None
     # vLLM turns each prompt of a list (and each of `n` choices) into an engine request of its
     # own with the request's one kv_transfer_params: they would share one transfer_id, and D
     # takes one pull per transfer. Refused here, by name, rather than failing on D.
-    prompts = body.get("prompt")
-    if isinstance(prompts, list) and len(prompts) > 1 and not isinstance(prompts[0], int):
+    if isinstance(prompt, list) and len(prompt) > 1 and not _is_int(prompt[0]):
         return (
-            f"`prompt` holds {len(prompts)} prompts: send one request per prompt through the "
+            f"`prompt` holds {len(prompt)} prompts: send one request per prompt through the "
             "PD proxy (each prompt's KV is its own transfer)"
         )
-    n = body.get("n")
-    if n is not None and n != 1:
-        return "`n` must be 1 through the PD proxy (each choice would need its own transfer)"
-    for key in ("max_tokens", "max_completion_tokens"):
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a list of one prompt
+        if isinstance(prompt, str):
+            return None
+    if not isinstance(prompt, list) or not prompt or not all(_is_int(i) for i in prompt):
+        return "`prompt` must be a string or a list of token ids, not empty"
+    if not all(0 <= i <= MAX_TOKENS for i in prompt):
+        return f"`prompt`'s token ids must be integers from 0 to {MAX_TOKENS}"
+    return None
+
+
+def _messages_problem(messages: object) -> str | None:
+    """What is wrong with a chat's ``messages``: a list of objects, each with a string
+    ``role`` and a ``content`` that is text, a list of parts or null."""
+    if not isinstance(messages, list):
+        return "`messages` must be a list of messages"
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return f"`messages` must hold objects with a string `role` (item {i} does not)"
+        if not isinstance(message.get("content"), str | list | None):
+            return (
+                f"`messages`: a `content` must be a string, a list of parts or null (item {i}'s "
+                "is not)"
+            )
+    return None
+
+
+def _fields_problem(body: dict[str, Any], chat: bool) -> str | None:
+    """What is wrong with the other fields the proxy reads."""
+    if body.get("kv_transfer_params") is not None:
+        return "`kv_transfer_params` is the PD proxy's to set: send the request without it"
+    for key in ("n", "best_of"):  # one choice each: see _prompt_problem
         value = body.get(key)
-        if value is not None and (type(value) is not int or value < 1):
-            return f"`{key}` must be a positive integer"
-    return body
+        if value is not None and (not _is_int(value) or value != 1):
+            return (
+                f"`{key}` must be 1 through the PD proxy (each choice would need its own transfer)"
+            )
+    for key in _FLAGS:
+        if not isinstance(body.get(key), bool | None):
+            return f"`{key}` must be true or false"
+    for key, least in _COUNTS.items():
+        value = body.get(key)
+        if value is not None and (not _is_int(value) or not least <= value <= MAX_TOKENS):
+            return f"`{key}` must be an integer from {least} to {MAX_TOKENS}"
+    most = body.get("max_completion_tokens") if chat else None
+    most = body.get("max_tokens") if most is None else most
+    if most is not None and (body.get("min_tokens") or 0) > most:
+        return f"`min_tokens` must be at most `max_tokens` ({most})"
+    temperature = body.get("temperature")
+    if temperature is not None and (
+        not isinstance(temperature, int | float) or isinstance(temperature, bool) or temperature < 0
+    ):
+        return "`temperature` must be a number >= 0"
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not (isinstance(logprobs, bool) if chat else _is_int(logprobs)):
+        return f"`logprobs` must be {'true or false' if chat else 'an integer'}"
+    return _stream_options_problem(body)
+
+
+def _stream_options_problem(body: dict[str, Any]) -> str | None:
+    options = body.get("stream_options")
+    if options is None:
+        return None
+    if not isinstance(options, dict):
+        return "`stream_options` must be an object"
+    for key in ("include_usage", "continuous_usage_stats"):
+        if not isinstance(options.get(key), bool | None):
+            return f"`stream_options`: `{key}` must be true or false"
+    if options and body.get("stream") is not True:  # as vLLM's server refuses it
+        return "`stream_options` can only be given with `stream` true"
+    return None
 
 
 def _deeper_than(value: object, limit: int) -> bool:
