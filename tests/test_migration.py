@@ -428,3 +428,23 @@ def test_every_token_sent_leaves_nothing_to_continue() -> None:
     stream = ClientStream(body, False, First(answer, [1], 7, " a", "length", None))
     stream.feed(_event({"choices": [{"index": 0, "text": " b", "token_ids": [8]}]}))
     assert stream.next_leg() is None
+
+
+async def test_a_migration_never_goes_back_to_an_engine_that_failed_the_request() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_counting(migration_limit=3) as s:
+            s.d[0].error_after = s.p[0].error_after = 1
+            headers = {"x-pdactors-placement": "local"}
+            resp = await s.client.post(
+                ROUTES[False], json=body_for(False, stream=True), headers=headers
+            )
+            message = events(resp.text)[-1]["error"]["message"]
+            assert s.d[0].url in message and s.p[0].url in message
+            assert await migrations(s) == {"prefill": 1.0}  # D -> P, never back to D
+            assert len(s.d[0].received) == 1
+            whole = await s.client.post(ROUTES[False], json=body_for(False), headers=headers)
+            assert whole.status_code == 200  # (error_after is for streams)
+            s.d[0].die_after = s.p[0].die_after = 0
+            failed = await s.client.post(ROUTES[False], json=body_for(False), headers=headers)
+            assert failed.status_code == 502 and failed.headers["x-request-id"]
+            await settled(s)

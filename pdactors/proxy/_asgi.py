@@ -62,14 +62,12 @@ class Reply:
         tid: str,
         *extra: tuple[bytes, bytes],
     ) -> None:
-        """Send the answer's headers (with :attr:`headers`)."""
+        """Send the answer's headers (with :attr:`headers`; ``x-request-id`` when ``tid``)."""
         self.started = True
-        headers = [
-            (b"content-type", content_type),
-            (b"x-request-id", tid.encode()),
-            *self.headers,
-            *extra,
-        ]
+        headers = [(b"content-type", content_type)]
+        if tid:
+            headers.append((b"x-request-id", tid.encode()))
+        headers += [*self.headers, *extra]
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def chunk(self, data: bytes, *, more: bool = True) -> None:
@@ -85,9 +83,9 @@ class Reply:
         await self.start(status, b"application/json", tid, length)
         await self.chunk(body, more=False)
 
-    async def failure(self, failure: Failure) -> None:
-        """Send ``failure`` as the whole answer."""
-        await self.whole(failure.status, failure.body)
+    async def failure(self, failure: Failure, tid: str = "") -> None:
+        """Send ``failure`` as the whole answer (``tid``: the request's id, when it has one)."""
+        await self.whole(failure.status, failure.body, tid)
 
 
 class ClientGone(PdError):

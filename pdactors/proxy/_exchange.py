@@ -48,6 +48,9 @@ class Exchange:
     d_answered: float | None = None
     #: The request's span (:mod:`pdactors.proxy._tracing`), ended with the exchange.
     span: RequestSpan | None = None
+    #: The engines whose decoding leg of this request failed: a migration never goes back to
+    #: one of them.
+    failed_engines: set[str] = field(default_factory=set)
 
     @property
     def arrived(self) -> float:

@@ -150,7 +150,7 @@ class Legs(ExchangeEffects):
         failure = ex.told()
         log.warning("proxy: request %s failed: %s", ex.transfer_id, failure.body[:500])
         self.end(ex, failure.outcome)
-        await reply.failure(failure)
+        await reply.failure(failure, ex.transfer_id)
 
     def retry(self, ex: Exchange, local: bytes | None) -> bool:
         """Whether D's failed leg is asked again now with ``local`` (D computing the prompt
@@ -189,6 +189,7 @@ class Legs(ExchangeEffects):
             self.config.migration_limit,
         )  # fmt: skip
         self.metrics.migrations.labels(to.role).inc()
+        ex.failed_engines.add(ex.d.url)
         self.apply(ex, ex.state.migrate(to))
         ex.d_scopes = []  # the failed leg's, cancelled by its failure
         return True

@@ -99,7 +99,7 @@ async def complete_p_first(legs: Legs, ex: Exchange, body: dict[str, Any], reply
         message = f"decode engine {ex.d.url}: unreadable answer ({type(exc).__name__})"
         failure = Failure.of(502, message, "upstream_error", "decode_error")
         legs.end(ex, failure.outcome)
-        await reply.failure(failure)
+        await reply.failure(failure, ex.transfer_id)
         return
     legs.end(ex, "ok")
     await reply.whole(200, merged, ex.transfer_id)

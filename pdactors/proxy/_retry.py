@@ -7,6 +7,8 @@ them (counts, logs, the exchange's record).
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
+
 from pdactors.proxy._exchange import Exchange
 from pdactors.proxy._health import HealthWatch
 from pdactors.proxy._state import Backend
@@ -43,19 +45,29 @@ def migration_target(
         return None
     if len(ex.state.migrated_after) >= config.migration_limit:
         return None
-    return successor(watch, ex.d, fall_back_to_p=config.fall_back_to_p)
+    tried = {*ex.failed_engines, ex.d.url}
+    return successor(watch, ex.d, fall_back_to_p=config.fall_back_to_p, tried=tried)
 
 
-def successor(watch: HealthWatch, failed: Backend, *, fall_back_to_p: bool) -> Backend | None:
+def successor(
+    watch: HealthWatch,
+    failed: Backend,
+    *,
+    fall_back_to_p: bool,
+    tried: AbstractSet[str] = frozenset(),
+) -> Backend | None:
     """The engine that continues a request ``failed`` was decoding: another D in rotation,
-    else (``fall_back_to_p``) a P in rotation that answers with the same model."""
-    d, _ = watch.decode.route((), lambda b: b is not failed)
+    else (``fall_back_to_p``) a P in rotation that answers with the same model; never one of
+    ``tried`` (the URLs of engines that failed this request already)."""
+    d, _ = watch.decode.route((), lambda b: b is not failed and b.url not in tried)
     if d is not None or not fall_back_to_p:
         return d
     pairs = watch.pairs
 
     def usable(b: Backend) -> bool:
-        return b is not failed and (failed.role != "decode" or pairs.refusal(b, failed) is None)
+        if b is failed or b.url in tried:
+            return False
+        return failed.role != "decode" or pairs.refusal(b, failed) is None
 
     p, _ = watch.prefill.route((), usable)
     return p
