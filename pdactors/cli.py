@@ -1,7 +1,8 @@
-"""The ``pdactors`` command: its app, the serving commands (``bootstrap``, ``proxy``) and the
-others registered on it (``harness`` and ``chaos`` from :mod:`pdactors._cli_tools`, ``drain``
-from :mod:`pdactors._cli_admin`, ``launch`` from :mod:`pdactors.deploy`). With those and the
-vLLM adapter's settings, the only code that reads the environment and argv."""
+"""The ``pdactors`` command: its app, the serving commands (``bootstrap``, ``proxy``; their HTTP
+doors' options in :mod:`pdactors._cli_doors`) and the others registered on it (``harness`` and
+``chaos`` from :mod:`pdactors._cli_tools`, ``drain`` from :mod:`pdactors._cli_admin`,
+``launch`` from :mod:`pdactors.deploy`). With those and the vLLM adapter's settings, the only
+code that reads the environment and argv."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ from typing import Annotated
 import typer
 
 from pdactors._cli_admin import drain
+from pdactors._cli_doors import (
+    MAX_CONNECTIONS_PER_CLIENT,
+    WRITE_TIMEOUT,
+    PerClientCap,
+    WriteTimeout,
+)
 from pdactors._cli_setup import setup
 from pdactors._cli_tools import chaos, harness
 from pdactors.config import DEFAULT_BOOTSTRAP_PORT, BootstrapConfig, default_of
@@ -51,6 +58,8 @@ def bootstrap(
             metavar="N", help="The most registrations (dp/tp/pp ranks) held; one more gets 429."
         ),
     ] = default_of(BootstrapConfig, "max_workers"),
+    max_connections_per_client: PerClientCap = MAX_CONNECTIONS_PER_CLIENT,
+    write_timeout: WriteTimeout = WRITE_TIMEOUT,
     verbose: Annotated[
         bool, typer.Option("--verbose/--quiet", "-v", help="Log at INFO (--quiet: warnings only).")
     ] = True,
@@ -70,6 +79,8 @@ def bootstrap(
         certfile=str(certfile) if certfile else None,
         keyfile=str(keyfile) if keyfile else None,
         max_workers=max_workers,
+        max_connections_per_client=max_connections_per_client,
+        write_timeout=write_timeout,
     )
 
     async def main() -> None:
@@ -245,6 +256,8 @@ def proxy(
             help="A request body not all in by then is refused (408), its connection closed.",
         ),
     ] = default_of(ProxyConfig, "body_timeout"),
+    max_connections_per_client: PerClientCap = MAX_CONNECTIONS_PER_CLIENT,
+    write_timeout: WriteTimeout = WRITE_TIMEOUT,
     bootstrap_token_file: Annotated[
         Path | None,
         typer.Option(metavar="FILE", help="File holding the bearer token P's bootstraps ask for."),
@@ -331,6 +344,8 @@ def proxy(
             request_timeout=request_timeout,
             max_body_bytes=max_body_bytes,
             body_timeout=body_timeout,
+            max_connections_per_client=max_connections_per_client,
+            write_timeout=write_timeout,
             bootstrap_token=_token(bootstrap_token_file, "--bootstrap-token-file"),
             api_key=Secret(api_key.strip()) if api_key and api_key.strip() else None,
             engine_api_key=Secret(engine_api_key.strip()) if engine_api_key else None,

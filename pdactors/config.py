@@ -17,7 +17,9 @@ from pdactors.wire import Compat
 __all__ = [
     "DEFAULT_BOOTSTRAP_PORT",
     "INLINE_MAX_BYTES",
+    "MAX_CONNECTIONS_PER_CLIENT",
     "PROTOCOLS",
+    "WRITE_TIMEOUT",
     "BootstrapConfig",
     "DataPlaneConfig",
     "Liveness",
@@ -27,6 +29,7 @@ __all__ = [
     "Secret",
     "SenderConfig",
     "VerifyKv",
+    "check_door_limits",
     "default_of",
     "read_token_file",
 ]
@@ -36,6 +39,11 @@ Protocol = Literal["tcp", "rdma", "nvlink_intra"]
 PROTOCOLS: tuple[str, ...] = get_args(Protocol)
 #: Upstream's bootstrap port (``VLLM_MOONCAKE_BOOTSTRAP_PORT``'s default).
 DEFAULT_BOOTSTRAP_PORT = 8998
+#: Every HTTP door's defaults (the bootstrap's, the proxy's): the connections one client (one
+#: peer address) may hold open at once, and the seconds a write of an answer to a client may
+#: wait for it to read (docs/security.md, "Limits on the HTTP doors"). 0: no limit.
+MAX_CONNECTIONS_PER_CLIENT = 256
+WRITE_TIMEOUT = 30.0
 
 
 def default_of(config: type[msgspec.Struct], name: str) -> Any:
@@ -148,7 +156,10 @@ class BootstrapConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Where the bootstrap registry listens (port 0: any free port). ``token``: when set,
     ``POST /register`` and ``GET /query`` need ``Authorization: Bearer <token>`` (401
     otherwise); ``GET /health`` stays open. ``max_workers``: the most registrations (one per
-    dp/tp/pp rank) the registry holds; a new worker beyond them gets 429."""
+    dp/tp/pp rank) the registry holds; a new worker beyond them gets 429.
+    ``max_connections_per_client``: a client (a peer address) holding that many connections
+    has its next one closed as it is accepted; ``write_timeout``: a connection whose client
+    takes no piece (64 KiB) of its answer for that many seconds is closed. 0: no limit."""
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -156,10 +167,21 @@ class BootstrapConfig(msgspec.Struct, frozen=True, kw_only=True):
     certfile: str | None = None  # PEM certificate (chain) and key: serve HTTPS
     keyfile: str | None = None
     max_workers: int = 4096
+    max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT
+    write_timeout: float = WRITE_TIMEOUT
 
     def __post_init__(self) -> None:
         if self.max_workers < 1:
             raise ConfigError("max_workers must be >= 1")
+        check_door_limits(self.max_connections_per_client, self.write_timeout)
+
+
+def check_door_limits(max_connections_per_client: int, write_timeout: float) -> None:
+    """Raise :class:`ConfigError` unless both HTTP door limits are >= 0 (0: none)."""
+    if max_connections_per_client < 0:
+        raise ConfigError("max_connections_per_client must be >= 0 (0: no cap)")
+    if not 0 <= write_timeout < float("inf"):
+        raise ConfigError("write_timeout must be >= 0 seconds (0: none)")
 
 
 class Secret(str):

@@ -9,7 +9,12 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from pdactors.config import DEFAULT_BOOTSTRAP_PORT
+from pdactors.config import (
+    DEFAULT_BOOTSTRAP_PORT,
+    MAX_CONNECTIONS_PER_CLIENT,
+    WRITE_TIMEOUT,
+    check_door_limits,
+)
 from pdactors.errors import ConfigError
 
 __all__ = [
@@ -78,6 +83,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
       ``Content-Length`` when they give one, before any of them is read).
     * ``body_timeout``: the longest a client may take to send a request's body; a body not
       all in by then is refused with 408 and its connection closed.
+    * ``max_connections_per_client``: a client (a peer address) holding that many
+      connections to the proxy has its next one closed as it is accepted (0: no cap).
+    * ``write_timeout``: a connection whose client takes no piece (64 KiB) of its answer for
+      that many seconds (it stopped reading) is closed, which cancels its request (0: none).
     * ``bootstrap_token``: the bearer token P's bootstraps ask for (``pdactors bootstrap
       --token-file``), sent with the proxy's ``GET /query``.
     * ``api_key``: when set, clients must send ``Authorization: Bearer <api_key>`` (OpenAI's
@@ -159,6 +168,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_connections: int = 1024
     max_body_bytes: int = 32 * 1024 * 1024
     body_timeout: float = 30.0
+    max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT
+    write_timeout: float = WRITE_TIMEOUT
     bootstrap_token: str | None = None
     api_key: str | None = None
     engine_api_key: str | None = None
@@ -203,3 +214,4 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("intervals and timeouts must be > 0")
         if self.max_connections < 1 or self.max_body_bytes < 1:
             raise ConfigError("max_connections and max_body_bytes must be >= 1")
+        check_door_limits(self.max_connections_per_client, self.write_timeout)

@@ -48,6 +48,7 @@ from pdactors.core.registry import (
 )
 from pdactors.web._app import client_address, guard, json_response
 from pdactors.web._auth import BearerCheck
+from pdactors.web._connections import ConnectionLimits
 from pdactors.web._refusals import RefusalLog
 from pdactors.web._server import bind_listener, serve_http
 from pdactors.wire import RegisterWorker
@@ -201,8 +202,11 @@ async def serve_bootstrap(
     reported as loopback, so the URL can be dialled). Every request is answered; bad input
     gets a 400 with ``{"error": ...}`` and never stops the server; past
     ``config.max_workers`` registrations a new worker gets a 429. With ``config.token``,
-    ``/register`` and ``/query`` without that bearer token get a 401. Each registration is
-    logged on ``"pdactors.bootstrap"``, each refused client once a minute at most.
+    ``/register`` and ``/query`` without that bearer token get a 401. A client holding
+    ``config.max_connections_per_client`` connections has its next closed at once; one that
+    stops reading its answer has its connection closed after ``config.write_timeout``. Each
+    registration is logged on ``"pdactors.bootstrap"``, each refused client once a minute at
+    most.
 
     Usage: ``url = await nursery.start(serve_bootstrap, BootstrapConfig())``, or
     ``trio.run(serve_bootstrap, config)`` to run it as a process's only job.
@@ -222,5 +226,7 @@ async def serve_bootstrap(
             announce=lambda url: log.info("bootstrap: listening on %s", url),
             certfile=config.certfile,
             keyfile=config.keyfile,
+            door="the bootstrap registry",
+            limits=ConnectionLimits(config.max_connections_per_client, config.write_timeout),
             task_status=task_status,
         )

@@ -67,6 +67,7 @@ from pdactors.proxy._app import make_app
 from pdactors.proxy._completions import Proxy
 from pdactors.proxy._tracing import open_tracing
 from pdactors.proxy_config import ProxyConfig
+from pdactors.web._connections import ConnectionLimits
 from pdactors.web._server import bind_listener, serve_http
 
 __all__ = ["serve_proxy"]
@@ -141,6 +142,9 @@ async def _serve(
             announce=lambda _: None,
             certfile=config.certfile,
             keyfile=config.keyfile,
+            door="the proxy",
+            limits=ConnectionLimits(config.max_connections_per_client, config.write_timeout),
+            closed=lambda why: proxy.metrics.connections_closed.labels(why).inc(),
         )
         url = await nursery.start(serve)  # announced below, with the backends
         prefill = ", ".join(f"{p.url} (bootstrap {p.bootstrap_url})" for p in config.prefill)

@@ -285,6 +285,14 @@ class Metrics:
             ["path"],
             registry=r,
         )
+        self.connections_closed = Counter(
+            "pdactors_proxy_connections_closed",
+            "Client connections the proxy closed on the client: as they came, their client "
+            "holding max_connections_per_client already (max_connections_per_client), or "
+            "mid-answer, their client taking none of it within write_timeout (write_timeout)",
+            ["why"],
+            registry=r,
+        )
         self.latency = Histogram(
             "pdactors_proxy_request_seconds",
             "Time from a successful request's arrival to its last byte",

@@ -1,4 +1,5 @@
-"""Logging refused requests for operators: one line per client per interval, not per request.
+"""Logging refused requests (and connections closed on a client) for operators: one line per
+client per interval, not per request.
 
 A scanner or a misconfigured client is refused on every request; the log gets its first
 refusal, then at most one line per ``interval`` for it, each saying how many refusals it
@@ -50,13 +51,26 @@ class RefusalLog:
     def refused(self, client: str, status: int, reason: str) -> None:
         """Note that ``client`` was answered ``status`` because of ``reason``; log it if this
         client's last line is older than the interval."""
+        if (more := self._due(client)) is not None:
+            self._log.warning("%s refused %s: %d %r%s", self._what, client, status, reason, more)
+
+    def closed(self, client: str, reason: str) -> None:
+        """Note that a connection of ``client`` was closed, with no answer, because of
+        ``reason``; logged as :meth:`refused` is (the same interval per client)."""
+        if (more := self._due(client)) is not None:
+            self._log.warning(
+                "%s closed a connection of %s: %r%s", self._what, client, reason, more
+            )
+
+    def _due(self, client: str) -> str | None:
+        """None when ``client``'s last line is younger than the interval (counted); else the
+        line's tail, saying how many refusals it stands for."""
         now = self._clock()
         seen = self._clients.get(client)
         if seen is not None and now - seen.logged < self._interval:
             seen.unlogged += 1
-            return
+            return None
         if seen is None and len(self._clients) >= self._max_clients:
             self._clients.clear()
-        more = f" (+{seen.unlogged} since its last line)" if seen and seen.unlogged else ""
         self._clients[client] = _Client(now)
-        self._log.warning("%s refused %s: %d %r%s", self._what, client, status, reason, more)
+        return f" (+{seen.unlogged} since its last line)" if seen and seen.unlogged else ""

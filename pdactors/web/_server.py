@@ -3,7 +3,8 @@
 Every HTTP door goes through :func:`serve_http`, which wraps the app so that an answer given
 before the request's body was read (a refusal: 401, 408, 413, 429) closes the connection and
 never leaves it wedged (:func:`ends_cleanly`), and runs hypercorn's connection handler itself
-(:class:`_Connection`, which closes without hypercorn's racy half-close).
+(:class:`~pdactors.web._connections.Connection`: writes bounded by the door's write timeout,
+no racy half-close), each client held to the door's connections per client.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import hypercorn.logging
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio.lifespan import Lifespan
-from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import (
     ASGIReceiveCallable,
@@ -31,6 +31,8 @@ from hypercorn.typing import (
 from hypercorn.utils import repr_socket_addr, wrap_app
 
 from pdactors.errors import ConfigError
+from pdactors.web._connections import Connection, ConnectionLimits, Doorman
+from pdactors.web._refusals import RefusalLog
 
 __all__ = ["CLOSING_STATUSES", "bind_listener", "ends_cleanly", "serve_http"]
 
@@ -176,6 +178,9 @@ async def serve_http(
     announce: Callable[[str], None],
     certfile: str | None = None,
     keyfile: str | None = None,
+    door: str = "the HTTP door",
+    limits: ConnectionLimits | None = None,
+    closed: Callable[[str], None] = lambda why: None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on the socket from :func:`bind_listener` until cancelled; ``announce`` and
@@ -183,7 +188,12 @@ async def serve_http(
 
     With ``certfile`` and ``keyfile`` (PEM), it serves HTTPS (hypercorn's TLS) and the URL is
     ``https://``. Hypercorn's messages go to ``errorlog`` (its INFO lines as DEBUG); no access
-    log.
+    log. A client's connection past ``limits.max_per_client`` is closed as it is accepted, a
+    connection whose client takes no piece of its answer within ``limits.write_timeout`` is
+    closed (:mod:`~pdactors.web._connections`; ``limits`` None: the shipped defaults): each
+    logged on ``errorlog`` as ``door``'s, once per client per interval
+    (:class:`~pdactors.web._refusals.RefusalLog`), and passed to ``closed``
+    (``"max_connections_per_client"``, ``"write_timeout"``: the proxy counts them).
     """
     hconfig = HypercornConfig()
     if (certfile is None) != (keyfile is None):
@@ -210,23 +220,10 @@ async def serve_http(
             await nursery.start(lifespan.handle_lifespan)
             await lifespan.wait_for_startup()
             handler = partial(
-                _Connection, wrapped, hconfig, WorkerContext(None), ConnectionState(state.copy())
+                Connection, wrapped, hconfig, WorkerContext(None), ConnectionState(state.copy())
             )
-            nursery.start_soon(partial(trio.serve_listeners, handler, [listener]))
+            refusals = RefusalLog(errorlog, door)
+            doorman = Doorman(handler, limits or ConnectionLimits(), refusals, closed)
+            nursery.start_soon(partial(trio.serve_listeners, doorman.serve, [listener]))
             announce(url)
             task_status.started(url)
-
-
-class _Connection(TCPServer):  # type: ignore[misc]
-    """Hypercorn's connection handler, closing without a half-close first.
-
-    Hypercorn half-closes (``send_eof``) outside its send lock, so when another task of the
-    connection was sending at that moment (an error answer to bytes that came after a request
-    that said ``Connection: close``), trio raised ``BusyResourceError`` out of the handler and
-    the whole server stopped: one crafted request took the bootstrap down (found by
-    tests/test_http_doors.py's fuzzing). Closing the socket sends the same FIN; a sender in
-    another task then gets ``ClosedResourceError``, which hypercorn handles.
-    """
-
-    async def _close(self) -> None:
-        await self.stream.aclose()

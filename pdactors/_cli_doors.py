@@ -1,0 +1,29 @@
+"""The options of every command that serves an HTTP door (``pdactors bootstrap``, ``pdactors
+proxy``): its limits on one client (docs/security.md, "Limits on the HTTP doors"), with the
+defaults both configs share."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from pdactors.config import MAX_CONNECTIONS_PER_CLIENT, WRITE_TIMEOUT
+
+__all__ = ["MAX_CONNECTIONS_PER_CLIENT", "WRITE_TIMEOUT", "PerClientCap", "WriteTimeout"]
+
+PerClientCap = Annotated[
+    int,
+    typer.Option(
+        metavar="N",
+        help="A client (an address) holding N connections has its next closed at once (0: any).",
+    ),
+]
+WriteTimeout = Annotated[
+    float,
+    typer.Option(
+        metavar="SECONDS",
+        help="A connection whose client takes none of its answer for this long is closed, its "
+        "request cancelled (0: never).",
+    ),
+]
