@@ -529,10 +529,10 @@ BAD_BODIES: list[tuple[str, bytes]] = [
     ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": "5"}'),
     ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": true}'),
     ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 2.5}'),
-    ("/v1/completions", b'{"model": "tiny", "prompt": ["hi", "ho"]}'),  # one transfer each
-    ("/v1/completions", b'{"model": "tiny", "prompt": [[1, 2], [3]]}'),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "n": 2}'),
-    ("/v1/chat/completions", b'{"model": "tiny", "messages": [], "n": 3}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [[1, 2], "hi"]}'),  # texts or ids
+    ("/v1/completions", b'{"model": "tiny", "prompt": [[1, 2], []]}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "n": 2, "temperature": 0}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [], "n": 3, "temperature": 0}'),
     ("/v1/chat/completions", b'{"model": "tiny", "prompt": "hi"}'),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [], "max_completion_tokens": -1}'),
 ]

@@ -1,7 +1,9 @@
 """The proxy's completion requests, from arrival to their engines: the client's key, its body
 and its placement header checked, P and D picked, where the prompt is computed decided, and
 the exchange started in the concurrent flow (P's leg beside D's answer), the P-first flow
-(:mod:`pdactors.proxy._p_first`) or on D alone (placement ``local``).
+(:mod:`pdactors.proxy._p_first`) or on D alone (placement ``local``). A request for several
+choices (a list of prompts, ``n`` > 1) is one exchange per choice, merged
+(:mod:`pdactors.proxy._fan_out`).
 
 :class:`Proxy` also holds the proxy's state (engines, pools, metrics, placer, health loop) for
 :mod:`pdactors.proxy._app` and :func:`pdactors.proxy._serve.serve_proxy`.
@@ -37,6 +39,7 @@ from pdactors.proxy._asgi import (
 from pdactors.proxy._calibrate import calibrate
 from pdactors.proxy._engine_http import EngineClient
 from pdactors.proxy._exchange import Exchange
+from pdactors.proxy._fan_out import serve_fanned_out, split
 from pdactors.proxy._health import HealthWatch
 from pdactors.proxy._legs import Legs
 from pdactors.proxy._openai import Endpoint, Failure, validate
@@ -153,13 +156,19 @@ class Proxy:
         if isinstance(slo, Failure):
             await self._refuse(endpoint, client, slo, reply)
             return
+        subs = split(body, endpoint.chat)
         try:
             async with trio.open_nursery() as nursery:
                 watch = trio.CancelScope()
                 nursery.start_soon(
                     cancel_on_disconnect, receive, nursery.cancel_scope, reply, watch
                 )
-                await self._complete(endpoint, scope, body, (pin, slo), reply, nursery, arrived)
+                if subs is None:
+                    await self._complete(endpoint, scope, body, (pin, slo), reply, nursery, arrived)
+                else:
+                    one = partial(self._serve_choice, endpoint, scope, (pin, slo), arrived)
+                    stream = body.get("stream") is True
+                    await serve_fanned_out(one, subs, body.get("n") or 1, stream, reply)
                 # Answered. P's leg, if still open, gets a moment to end (its connection is
                 # then reused: cancelled, it is closed and the next request dials anew), then
                 # it is cancelled; the client hanging up from now on changes nothing.
@@ -170,6 +179,22 @@ class Proxy:
             if not reply.started:
                 message = f"internal error: {type(exc).__name__}"
                 await reply.failure(Failure.of(500, message, "internal_error", ""))
+
+    async def _serve_choice(
+        self,
+        endpoint: Endpoint,
+        scope: HTTPScope,
+        placing: tuple[str, tuple[float, float]],
+        arrived: float,
+        body: dict[str, Any],
+        reply: Reply,
+    ) -> None:
+        """One choice of a request for several, an exchange of its own answering ``reply``
+        (:mod:`pdactors.proxy._fan_out`); its P leg, if still open once it is answered, ends
+        within the same grace as a request's."""
+        async with trio.open_nursery() as nursery:
+            await self._complete(endpoint, scope, body, placing, reply, nursery, arrived)
+            nursery.cancel_scope.deadline = trio.current_time() + _PREFILL_GRACE
 
     async def _complete(
         self,

@@ -2,10 +2,12 @@
 request body must keep before any engine sees it, and OpenAI's error shape.
 
 A body is refused (400, naming the field) when it is not a JSON object, nests deeper than
-:data:`MAX_JSON_DEPTH`, lacks ``model`` or the endpoint's input, asks for what one PD transfer
-cannot serve (several prompts, ``n`` or ``best_of`` > 1), sets the proxy's own
-``kv_transfer_params``, or holds a field the proxy reads in a shape vLLM's server refuses too
-(:func:`validate`): the proxy's code then reads only the shapes it was written for.
+:data:`MAX_JSON_DEPTH`, lacks ``model`` or the endpoint's input, asks for more than
+:data:`MAX_CHOICES` choices (prompts times ``n``, each an exchange of its own:
+:mod:`pdactors.proxy._fan_out`), for ``n`` > 1 with greedy sampling or ``best_of`` > 1 (vLLM's
+server does neither), sets the proxy's own ``kv_transfer_params``, or holds a field the proxy
+reads in a shape vLLM's server refuses too (:func:`validate`): the proxy's code then reads only
+the shapes it was written for.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from quart import Response
 __all__ = [
     "CHAT",
     "COMPLETIONS",
+    "MAX_CHOICES",
     "MAX_JSON_DEPTH",
     "MAX_TOKENS",
     "Endpoint",
@@ -35,6 +38,13 @@ MAX_JSON_DEPTH: Final = 64
 #: above is a 400. vLLM's server refuses them too: no model's context is this long, and its
 #: engine holds token ids in 32-bit integers.
 MAX_TOKENS: Final = 2**31 - 1
+#: The most choices a request may ask for: its prompts times ``n``. The proxy serves each
+#: as an exchange of its own (a P and a D request), so this bounds what one body starts;
+#: vLLM's server takes up to 1,024 prompts (``VLLM_MAX_COMPLETION_PROMPTS``).
+MAX_CHOICES: Final = 1024
+#: Below this ``temperature`` vLLM samples greedily, and refuses ``n`` > 1 (its
+#: ``_SAMPLING_EPS``).
+_GREEDY: Final = 1e-5
 
 
 @dataclass(frozen=True)
@@ -152,23 +162,36 @@ def _is_int(value: object) -> bool:
     return type(value) is int  # not a bool, which JSON's true would be
 
 
+def _prompt_count(prompt: object) -> int:
+    """How many prompts a (validated) completion's ``prompt`` holds: a list of texts or of
+    token-id lists holds one each, a text or a list of token ids is one."""
+    return len(prompt) if isinstance(prompt, list) and not _is_int(prompt[0]) else 1
+
+
 def _prompt_problem(prompt: object) -> str | None:
-    """What is wrong with a completion's ``prompt``: one prompt, text or token ids, alone or
-    as a list of one."""
+    """What is wrong with a completion's ``prompt``: text or token ids, or a list of texts or
+    of token-id lists (as vLLM takes them), at most :data:`MAX_CHOICES`."""
     if isinstance(prompt, str):
         return None
-    # vLLM turns each prompt of a list (and each of `n` choices) into an engine request of its
-    # own with the request's one kv_transfer_params: they would share one transfer_id, and D
-    # takes one pull per transfer. Refused here, by name, rather than failing on D.
-    if isinstance(prompt, list) and len(prompt) > 1 and not _is_int(prompt[0]):
-        return (
-            f"`prompt` holds {len(prompt)} prompts: send one request per prompt through the "
-            "PD proxy (each prompt's KV is its own transfer)"
-        )
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a list of one prompt
-        if isinstance(prompt, str):
-            return None
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return _count_problem(len(prompt), 1)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        problems = (_ids_problem(p) for p in prompt)
+        return _count_problem(len(prompt), 1) or next((p for p in problems if p), None)
+    return _ids_problem(prompt)
+
+
+def _count_problem(prompts: int, n: int) -> str | None:
+    if prompts * n <= MAX_CHOICES:
+        return None
+    return (
+        f"`prompt` holds {prompts} prompts and `n` is {n}: at most {MAX_CHOICES} choices "
+        "(prompts times `n`) through the PD proxy"
+    )
+
+
+def _ids_problem(prompt: object) -> str | None:
+    """What is wrong with one prompt of token ids."""
     if not isinstance(prompt, list) or not prompt or not all(_is_int(i) for i in prompt):
         return "`prompt` must be a string or a list of token ids, not empty"
     if not all(0 <= i <= MAX_TOKENS for i in prompt):
@@ -196,12 +219,19 @@ def _fields_problem(body: dict[str, Any], chat: bool) -> str | None:
     """What is wrong with the other fields the proxy reads."""
     if body.get("kv_transfer_params") is not None:
         return "`kv_transfer_params` is the PD proxy's to set: send the request without it"
-    for key in ("n", "best_of"):  # one choice each: see _prompt_problem
-        value = body.get(key)
-        if value is not None and (not _is_int(value) or value != 1):
-            return (
-                f"`{key}` must be 1 through the PD proxy (each choice would need its own transfer)"
-            )
+    n = 1 if body.get("n") is None else body["n"]
+    if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+        return f"`n` must be an integer from 1 to {MAX_CHOICES}"
+    if not chat and (problem := _count_problem(_prompt_count(body["prompt"]), n)):
+        return problem
+    temperature = body.get("temperature")
+    greedy = isinstance(temperature, int | float) and 0 <= temperature < _GREEDY
+    if n > 1 and greedy and not isinstance(temperature, bool):
+        return f"`n` must be 1 when using greedy sampling, got {n} (vLLM's rule)"
+    best_of = body.get("best_of")
+    if best_of is not None and (not _is_int(best_of) or best_of != 1):
+        # vLLM 0.32's server has no best_of (its V1 engine dropped it: the field is ignored).
+        return "`best_of` must be 1: neither vLLM's V1 engine nor the PD proxy implements it"
     for key in _FLAGS:
         if not isinstance(body.get(key), bool | None):
             return f"`{key}` must be true or false"

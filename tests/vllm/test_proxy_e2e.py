@@ -391,17 +391,48 @@ def test_errors_reach_the_client_in_openais_shape(setup: Setup) -> None:
     assert isinstance(missing.value.body, dict) and missing.value.body["message"]
 
 
-# vLLM makes each prompt of a list an engine request of its own with the request's one
-# kv_transfer_params (one transfer_id): the proxy refuses the list by name (400) instead of
-# letting D refuse the second pull as a duplicate (it was a 502; upstream's proxy still does).
-def test_a_list_of_prompts_is_refused_with_a_clear_400(setup: Setup) -> None:
+# A list of prompts and n > 1 are one exchange per choice through the proxy (each its own
+# transfer), merged as vLLM's server merges them (pdactors/proxy/_fan_out.py).
+def test_a_list_of_prompts_equals_single_server(setup: Setup) -> None:
     prompts = [prompt_ids(40, seed=60), prompt_ids(72, seed=61)]
     kwargs: dict[str, Any] = {"model": "tiny", "prompt": prompts, "temperature": 0, "max_tokens": 8}
-    with pytest.raises(openai.BadRequestError, match="holds 2 prompts: send one request per"):
-        setup.proxy.completions.create(**kwargs)
+    want = setup.single.completions.create(**kwargs)
+    got = setup.proxy.completions.create(**kwargs)
+    assert [(c.index, c.text, c.finish_reason) for c in got.choices] == [
+        (c.index, c.text, c.finish_reason) for c in want.choices
+    ]
+    assert got.usage is not None and want.usage is not None
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (
+        want.usage.prompt_tokens, want.usage.completion_tokens,
+    )  # fmt: skip
+    texts: dict[int, str] = {}
+    chunks = list(
+        setup.proxy.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {c.index: c.text for c in want.choices}
+    usage = chunks[-1].usage
+    assert usage is not None and usage.total_tokens == want.usage.total_tokens
     one = setup.proxy.completions.create(**{**kwargs, "prompt": [prompts[0]]})  # a list of one
-    want = setup.single.completions.create(**{**kwargs, "prompt": [prompts[0]]})
-    assert [c.text for c in one.choices] == [c.text for c in want.choices]
+    assert [c.text for c in one.choices] == [want.choices[0].text]
+
+
+def test_n_choices_through_the_proxy(setup: Setup) -> None:
+    kwargs: dict[str, Any] = {"model": "tiny", "prompt": PROMPTS["text"], "max_tokens": 8}
+    got = setup.proxy.completions.create(**kwargs, n=3, temperature=1.0, seed=5)
+    want = setup.single.completions.create(**kwargs, n=3, temperature=1.0, seed=5)
+    assert [c.index for c in got.choices] == [c.index for c in want.choices] == [0, 1, 2]
+    assert got.usage is not None and want.usage is not None
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens  # the prompt counted once
+    # Greedy n > 1: refused by both, by vLLM's rule.
+    with pytest.raises(openai.BadRequestError, match="greedy"):
+        setup.single.completions.create(**kwargs, n=2, temperature=0)
+    with pytest.raises(openai.BadRequestError, match="greedy"):
+        setup.proxy.completions.create(**kwargs, n=2, temperature=0)
 
 
 def test_prompt_too_long_is_refused_at_once(setup: Setup) -> None:
