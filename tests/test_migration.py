@@ -315,7 +315,7 @@ async def test_a_stopped_d_is_judged_failed_and_its_stream_goes_on_on_p(placemen
     """D stops mid-stream (no byte, no broken connection): its health verdict cuts the
     stream from it, and P continues it (not the request timeout)."""
     with trio.fail_after(TIMEOUT):
-        async with open_counting(health_timeout=0.2) as s:
+        async with open_counting(health_timeout=0.5) as s:  # (P must answer within it)
             s.d[0].stop_after = 2
             headers = {"x-pdactors-placement": placement}
             body = body_for(False, stream=True)
