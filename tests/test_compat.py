@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdactors.config import ReceiverConfig, SenderConfig
-from pdactors.core.compat import COMPAT_FIELDS, check_relax, judge, mismatches
+from pdactors.core.compat import COMPAT_FIELDS, Mismatch, check_relax, identity, judge, mismatches
 from pdactors.core.registry import BootstrapRegistry
 from pdactors.errors import ConfigError
 from pdactors.wire import (
@@ -42,6 +42,24 @@ def _changed(field: str) -> Compat:
     value = getattr(BASE, field)
     new = value + 1 if isinstance(value, int) else "9c1b" + value
     return msgspec.structs.replace(BASE, **{field: new})
+
+
+def test_identity_keeps_the_identity_fields_alone() -> None:
+    assert identity(None) is None
+    ident = identity(BASE)
+    assert ident is not None
+    assert {f: getattr(ident, f) for f in COMPAT_FIELDS if getattr(ident, f)} == {
+        f: getattr(BASE, f) for f in ("model", "weights", "dtype")
+    }
+
+
+def test_a_value_of_24_characters_is_shown_whole_and_a_longer_one_cut() -> None:
+    assert Mismatch("layout", "1" + "a" * 23, "2" + "a" * 23).reason("P") == (
+        f"incompatible peer: layout differs (P 1{'a' * 23}, D 2{'a' * 23})"
+    )
+    assert Mismatch("layout", "1" + "a" * 24, "2" + "a" * 24).reason("P") == (
+        f"incompatible peer: layout differs (P 1{'a' * 11}…, D 2{'a' * 11}…)"
+    )
 
 
 def test_the_fields_are_compared_in_the_order_the_struct_declares() -> None:

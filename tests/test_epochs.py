@@ -50,6 +50,19 @@ def test_session_epochs_say_current_restarted_superseded() -> None:
     assert seen.judge("a", D1).verdict is Verdict.CURRENT
 
 
+def test_the_session_heard_least_recently_is_forgotten_with_its_past_epochs() -> None:
+    seen = SessionEpochs(max_sessions=2, max_past=2)
+    seen.judge("a", 1)
+    seen.judge("a", 2)  # a restarted: 1 is its past
+    seen.judge("b", 1)
+    assert seen.judge("a", 2).verdict is Verdict.CURRENT  # a heard again: b is now the oldest
+    seen.judge("c", 1)  # forgets b
+    assert seen.judge("b", 2).verdict is Verdict.CURRENT  # new again, not a restart; forgets a
+    assert seen.judge("a", 2).verdict is Verdict.CURRENT  # new again
+    # a's past went with it: its old epoch is a restart now, never refused as superseded
+    assert seen.judge("a", 1).verdict is Verdict.RESTARTED
+
+
 def test_a_restarted_d_session_ends_its_earlier_lifes_waiting_pulls_and_nothing_else() -> None:
     t = table()
     t.prefill_started("old", 0.0)

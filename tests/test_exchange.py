@@ -203,13 +203,48 @@ def test_p_first_falls_back_to_d() -> None:
     ]  # fmt: skip
 
 
+def test_p_first_chunks_are_timed_from_the_requests_arrival() -> None:
+    ex = ExchangeState(10.0, TOKENS)
+    ex.admit(with_p=True)
+    ex.prefill_sent("p", 10.0, TOKENS)
+    ex.prefill_ended(10.2, answered=True)
+    assert ex.p_token_sent(10.3) == [FirstChunk(pytest.approx(0.3))]
+    ex.d_sent = 10.3
+    ex.d_answered()
+    assert ex.d_chunk(10.5) == [SecondChunk(pytest.approx(0.5), pytest.approx(0.2), TOKENS)]
+
+
+def test_after_a_fall_back_ds_first_chunk_is_the_clients_first() -> None:
+    ex = ExchangeState(10.0, TOKENS)
+    ex.admit(with_p=True)
+    ex.prefill_sent("p", 10.0, TOKENS)
+    ex.prefill_ended(10.2, answered=False)
+    ex.fail(Cause("prefill_error"))
+    ex.fall_back()
+    ex.prefill_sent("d", 10.3, TOKENS)
+    ex.d_answered()
+    assert ex.d_chunk(10.5) == [
+        Unhold("d", TOKENS, TOKENS, pytest.approx(0.2)), FirstChunk(pytest.approx(0.5))
+    ]  # fmt: skip
+    assert ex.outcome is None  # until it ends
+    assert ex.end("ok", 11.0)[-1] == Ended("ok", 1.0) and ex.outcome == "ok"
+
+
+def test_two_chunks_of_d_teach_one_gap() -> None:
+    ex = in_phase(Phase.D_ANSWERING)
+    ex.d_chunk(1.0)
+    ex.d_chunk(None)
+    (step,) = [e for e in ex.end("ok", 1.5) if isinstance(e, Step)]
+    assert step == Step(0.5, 1, 0.5)
+
+
 def test_ds_first_chunk_needs_its_time_and_a_prompt_sits_in_one_queue() -> None:
     ex = in_phase(Phase.D_ANSWERING)
     with pytest.raises(IllegalTransition):
         ex.d_chunk(None)
     ex = in_phase(Phase.OPEN)
     ex.prefill_sent("p", 0.0, TOKENS)
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalTransition, match="sent to d while at p"):
         ex.prefill_sent("d", 0.0, TOKENS)
 
 

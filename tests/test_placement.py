@@ -67,12 +67,17 @@ def test_prompt_size_counts_ids_exactly_and_text_by_characters() -> None:
         {"role": "user", "content": [{"type": "text", "text": "cde"}, {"type": "image_url"}]},
     ]
     assert prompt_size({"messages": messages}, chat=True) == (None, 5)
+    assert prompt_size({}, chat=False) == (None, 0)  # no prompt: nothing to count
 
 
 def test_tokens_per_character_are_learned_from_what_p_counted() -> None:
     count = TokenCount()
     assert count.tokens((None, 400)) == 100  # the prior: 4 characters a token
     assert count.tokens((7, 0)) == 7
+    assert count.tokens((None, 1)) == 1  # a prompt of text is at least one token
+    count.observe(chars=0, tokens=10)  # an answer that counted no text, or no tokens,
+    count.observe(chars=200, tokens=0)  # teaches nothing (and never divides by zero)
+    assert count.tokens((None, 400)) == 100
     for _ in range(30):
         count.observe(chars=200, tokens=100)
     assert count.tokens((None, 400)) == 200

@@ -15,6 +15,7 @@ from pdactors.core.plan import (
     HeadSlice,
     TransferPlan,
     check_layout,
+    matching_regions,
     plan_transfer,
     rank_heads,
     tp_expected,
@@ -220,6 +221,60 @@ def test_check_layout_rejects_empty_layout_and_accepts_good_one() -> None:
         check_layout(Layout(()))
     check_layout(stacked(0, 3, 10, 64))
     check_layout(Layout((BlockLayout(2**64 - 16, 2, 8, 8),)))
+
+
+def test_check_layout_rejects_names_and_groups_that_do_not_fit_the_regions() -> None:
+    two = stacked(0, 2, 4, 8).regions
+    for layout in (
+        Layout(two, names=("k",)),
+        Layout(two, names=("k", "k")),
+        Layout(two, groups=(0,)),
+        Layout(two, groups=(0, -1)),
+    ):
+        with pytest.raises(PlanError, match=r"region (names|groups)"):
+            check_layout(layout)
+    check_layout(Layout(two, names=("k", "v"), groups=(0, 1)))
+
+
+def test_a_p_stage_writes_its_regions_into_ds_of_the_same_name() -> None:
+    regions = stacked(0x1000, 3, 4, 8).regions
+    d = Layout(regions, names=("a", "b", "c"))
+    assert matching_regions(Layout(regions[:2], names=("a", "b")), d) == Layout(
+        regions[:2], names=("a", "b")
+    )  # the same order: D's first two
+    stage = Layout(regions[:2], names=("c", "a"), groups=())
+    assert matching_regions(stage, d) == Layout((regions[2], regions[0]), names=("c", "a"))
+    assert matching_regions(Layout(regions), d) is d  # no names on P: by position
+    assert matching_regions(d, d) is d
+    grouped = Layout(regions, names=("a", "b", "c"), groups=(0, 1, 1))
+    assert matching_regions(stage, grouped).groups == (1, 0)
+    with pytest.raises(LayoutMismatch, match="no KV region 'x' of P"):
+        matching_regions(Layout(regions[:1], names=("x",)), d)
+
+
+def test_a_malformed_head_slice_or_block_ids_are_refused() -> None:
+    lay = stacked(0x1000, 1, 4, 64)
+    for bad in (HeadSlice(2, 2, 0, 0, 0), HeadSlice(2, 2, -1, 0, 1), HeadSlice(2, 0, 0, 0, 1)):
+        with pytest.raises(PlanError, match="bad head slice"):
+            plan_transfer(lay, [0], lay, [1], heads=bad)
+    with pytest.raises(PlanError, match="reaches past"):
+        plan_transfer(lay, [0], lay, [1], heads=HeadSlice(2, 2, 0, 1, 2))
+    with pytest.raises(LayoutMismatch, match="do not split into 3"):
+        plan_transfer(lay, [0], lay, [1], heads=HeadSlice(3, 3, 0, 0, 1))
+    with pytest.raises(PlanError, match="P block id -1 is out of range"):
+        plan_transfer(lay, [-1, 3], stacked(1 << 20, 1, 4, 64), [1, 2])
+    with pytest.raises(PlanError, match="P block id 9 is out of range"):
+        plan_transfer(lay, [0, 9], stacked(1 << 20, 1, 4, 64), [1, 2])
+    with pytest.raises(PlanError, match="flat sequence"):
+        plan_transfer(lay, (((0, 1), (2, 3)),), lay, [1])  # group 0's ids nested
+
+
+def test_tp_expected_refuses_the_shapes_vllm_refuses() -> None:
+    # (P rank, D tp, P tp, KV heads): a rank out of range, no D rank, no head count for
+    # heterogeneous TP, heads that do not split over D's ranks
+    for args in ((2, 2, 2, 4), (-1, 2, 4, 4), (0, 0, 2, 4), (0, 2, 4, 0), (0, 3, 4, 4)):
+        with pytest.raises(PlanError):
+            tp_expected(*args)
 
 
 def test_tp_pulls_pairs_equal_sizes_rank_for_rank_in_whole_blocks() -> None:

@@ -52,6 +52,12 @@ def test_token_ids_are_keyed_in_blocks_of_ids() -> None:
     assert prefix_keys(completion([*ids[:32], 7]), chat=False)[:2] == keys[:2]
 
 
+def test_a_list_of_one_text_prompt_is_that_prompt_and_a_batch_is_not_keyed() -> None:
+    text = turn("a", 1)
+    assert prefix_keys(completion([text]), chat=False) == prefix_keys(completion(text), False)
+    assert prefix_keys(completion([text, text]), chat=False) == []
+
+
 def test_a_chat_is_keyed_on_its_messages_in_order() -> None:
     system = {"role": "system", "content": "be brief " * 20}
     turn1 = [system, {"role": "user", "content": "hi"}]
@@ -62,6 +68,9 @@ def test_a_chat_is_keyed_on_its_messages_in_order() -> None:
     parts = [{"type": "text", "text": "be brief " * 20}]
     as_parts = prefix_keys({"messages": [{"role": "system", "content": parts}]}, chat=True)
     assert as_parts[:2] == k1[:2]
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    with_image = [{"role": "system", "content": [image, "stray", *parts]}]
+    assert prefix_keys({"messages": with_image}, chat=True) == as_parts  # text parts only
     other_role = prefix_keys({"messages": [{**system, "role": "user"}]}, chat=True)
     assert other_role[0] != k1[0]
 
@@ -96,6 +105,27 @@ def test_the_index_holds_at_most_max_blocks_and_drops_tails_first() -> None:
     assert index.matched("p0", [1, 2, 3, 4, 5, 6, 7, 8], now=1) == 6
 
 
+def test_a_prompt_sent_again_is_the_last_to_be_dropped() -> None:
+    index = PrefixIndex(max_blocks=4, max_age=60)
+    index.sent("p0", [1, 2], now=0)
+    index.sent("p0", [3, 4], now=0)
+    index.sent("p0", [1, 2], now=1)  # sent again: now the most recent
+    index.sent("p0", [5], now=2)  # pushes out the least recently sent: 4
+    assert index.matched("p0", [1, 2], now=2) == 2
+    assert index.matched("p0", [3, 4], now=2) == 1
+
+
+def test_the_index_refuses_an_empty_bound_and_keeps_what_is_exactly_max_age_old() -> None:
+    for bad in ((0, 10.0), (1, 0.0)):
+        with pytest.raises(ValueError):
+            PrefixIndex(*bad)
+    index = PrefixIndex(max_blocks=3, max_age=10)
+    index.sent("p0", [1, 2], now=0)
+    index.sent("p0", [3], now=10)  # trims what is older than 10 s: [1, 2] is not
+    assert index.matched("p0", [1, 2], now=10) == 2
+    assert len(PrefixIndex(max_blocks=1, max_age=0.5)) == 0
+
+
 def test_old_entries_are_forgotten_and_a_restarted_engine_has_none() -> None:
     index = PrefixIndex(max_blocks=100, max_age=10)
     index.sent("p0", [1, 2], now=0)
@@ -121,6 +151,7 @@ def test_the_longest_match_wins_unless_it_is_overloaded() -> None:
     assert choose([c(1, 0, 3), c(0, 0, 3)], imbalance=4) == (1, "prefix")
     assert choose([c(0, 1, 3), c(1, 0, 3)], imbalance=4) == (1, "prefix")  # the less loaded
     assert choose([c(0, 6, 9), c(1, 0, 2), c(2, 0, 0)], imbalance=4) == (1, "spill")
+    assert choose([c(0, 3, 0), c(1, 7, 5)], imbalance=4) == (1, "prefix")  # 4 more: not over
 
 
 # --------------------------------------------------------------------------- the proxy

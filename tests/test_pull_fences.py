@@ -192,3 +192,32 @@ def test_p_answers_a_fence_at_once_when_no_write_into_that_d_memory_is_in_flight
     assert t.pull_cancelled("t", D_FENCE, 0.4, "lost mid-write", session="d-mem") == [
         Reply(D_FENCE, PullFailed("t", "cancelled"))
     ]
+
+
+def test_a_fence_confirmed_gives_way_to_the_next_lost_writers_own_timeout() -> None:
+    """Two writers: p1 lost at 1.0 and confirmed; p2 lost at 100.0 keeps the pull until
+    100 + FENCE, not until p1's old fence timeout (31.0)."""
+    t, fence = fenced_table("p1", "p2", writers=("p1", "p2"))
+    assert fence.until == 1.0 + FENCE and t.next_deadline() == 1.0 + FENCE
+    assert t.fenced("p1", "t", "p1 confirmed it stopped") == []  # p2 may still write
+    assert t.next_deadline() == 540.0  # no fence left: the pull deadline again
+    effects = t.peer_lost("p2", "P gone: heartbeats stopped", 100.0)
+    assert [e.until for e in effects if isinstance(e, Fence)] == [100.0 + FENCE]
+    assert t.next_deadline() == 100.0 + FENCE
+    assert t.tick(100.0 + FENCE - 0.1) == []
+    [done] = ends(t.tick(100.0 + FENCE))
+    assert done.end is PullEnd.P_GONE
+
+
+def test_one_lost_writer_confirming_keeps_the_others_fence() -> None:
+    t = PullTable(timeout=540.0, fence_timeout=FENCE)
+    t.start("t", 0.0)
+    t.sent("t", ["p1", "p2"])
+    t.writing("t", "p1")
+    t.writing("t", "p2")
+    t.peer_lost("p1", "gone", 1.0)
+    t.peer_lost("p2", "gone", 2.0)
+    assert t.fenced("p1", "t", "p1 confirmed it stopped") == []
+    assert t.next_deadline() == 1.0 + FENCE  # p2's fence still holds D's blocks
+    [done] = ends(t.tick(1.0 + FENCE))
+    assert done.end is PullEnd.P_GONE

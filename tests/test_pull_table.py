@@ -259,3 +259,26 @@ def test_deadline_cancels_only_the_p_workers_that_did_not_answer() -> None:
         Completed("t1", PullEnd.DEADLINE, reason),
         SendCancel("tcp://p1", "t1", reason),
     ]
+
+
+def test_a_pull_counts_what_its_landed_parts_wrote() -> None:
+    t = started()
+    t.sent("t1", ("tcp://p0", "tcp://p1"))
+    assert t.answered("t1", ok=True, peer="tcp://p0", nbytes=100) == []
+    [done] = t.answered("t1", ok=True, peer="tcp://p1", nbytes=28)
+    assert isinstance(done, Completed) and done.pull is not None and done.pull.nbytes == 128
+    t = started()
+    t.sent("t1", ("tcp://p0", "tcp://p1"))
+    t.answered("t1", ok=False, reason="bad", peer="tcp://p1", nbytes=7)  # a refusal wrote nothing
+    [done] = t.answered("t1", ok=True, peer="tcp://p0", nbytes=100)
+    assert isinstance(done, Completed) and done.end is PullEnd.REFUSED
+    assert done.pull is not None and done.pull.nbytes == 100
+
+
+def test_the_next_deadline_is_the_earliest_pull_in_flight() -> None:
+    assert PullTable(timeout=10.0).next_deadline() == float("inf")
+    t = started(timeout=10.0)
+    t.start("t2", 5.0)
+    assert t.next_deadline() == 10.0
+    t.fail("t1", "unreachable")
+    assert t.next_deadline() == 15.0

@@ -465,3 +465,69 @@ def test_a_gone_d_worker_ends_a_transfer_another_d_waits_for() -> None:
     assert told.identity == D and isinstance(told.msg, PullFailed)
     assert t.state("t1") is SendState.CANCELLED
     assert t.prefill_ready("t1", (1,), 0.3) == [Release("t1", SendState.CANCELLED)]
+
+
+def test_p_dropping_while_one_of_two_d_workers_is_written_ends_it_after_that_write() -> None:
+    t = table()
+    t.prefill_ready("t1", (1,), 0.0)
+    t.pull_arrived("t1", D, pull(d_rank=0), 0.1, expected=2)
+    assert t.prefill_dropped("t1", 0.2, "aborted") == []  # the write in flight cannot be stopped
+    assert t.state("t1") is SendState.SENDING
+    dropped = PullFailed("t1", "P dropped the request (aborted or failed): aborted")
+    assert t.pull_arrived("t1", D2, pull(d_rank=1), 0.25, expected=2) == [Reply(D2, dropped)]
+    assert t.send_finished("t1", 0.3, identity=D) == [
+        Reply(D, PullDone("t1", 0, 0)),
+        Release("t1", SendState.DROPPED),
+    ]
+    assert t.pull_arrived("t1", D2, pull(d_rank=1), 0.4, expected=2) == [Reply(D2, dropped)]
+
+
+def test_a_late_pull_is_told_how_the_transfer_ended() -> None:
+    t = table()
+    t.pull_cancelled("t1", D, 0.0)
+    assert t.pull_arrived("t1", D2, pull(d_rank=1), 1.0) == [
+        Reply(D2, PullFailed("t1", "the transfer was cancelled by D"))
+    ]
+    t.prefill_ready("t2", (1,), 0.0)
+    t.pull_arrived("t2", D, pull("t2"), 0.0)
+    t.send_finished("t2", 0.1)
+    assert t.pull_arrived("t2", D2, pull("t2", d_rank=1), 0.2) == [
+        Reply(D2, PullFailed("t2", "already delivered"))
+    ]
+
+
+def test_pulls_waiting_counts_the_unanswered_pulls_of_a_transfer() -> None:
+    t = table()
+    assert t.pulls_waiting("t1") == 0  # unknown
+    t.pull_arrived("t1", D, pull(d_rank=0), 0.0, expected=2)
+    t.pull_arrived("t1", D2, pull(d_rank=1), 0.1, expected=2)
+    assert t.pulls_waiting("t1") == 2
+
+
+def test_a_gone_d_worker_is_named_in_the_answer_to_the_others() -> None:
+    t = table()
+    t.pull_arrived("t1", D, pull(d_rank=0), 0.0, expected=2)
+    t.pull_arrived("t1", D2, pull(d_rank=1), 0.1, expected=2)
+    assert t.peer_gone(D2, 0.2, "heartbeats stopped") == [
+        Reply(D, PullFailed("t1", "the pulling D worker is gone: heartbeats stopped"))
+    ]
+
+
+def test_a_layer_not_streamed_is_ignored_and_streaming_twice_changes_nothing() -> None:
+    t = table()
+    assert t.layer_ready("t1", [0]) == []  # unknown
+    t.pull_arrived("t1", D, pull(), 0.0)
+    [start] = t.prefill_streaming("t1", (3,), 0.1)
+    assert isinstance(start, StartSend) and start.streamed
+    assert t.prefill_streaming("t1", (3,), 0.2) == []  # P said it again: one write already
+    assert t.state("t1") is SendState.SENDING
+
+
+def test_the_deadline_is_said_lowered_only_when_a_queue_was_empty() -> None:
+    t = table()
+    assert not t.take_deadline_lowered()
+    t.prefill_ready("t1", (1,), 0.0)  # the unclaimed queue was empty: a new earliest deadline
+    assert t.take_deadline_lowered()
+    assert not t.take_deadline_lowered()  # taken
+    t.prefill_ready("t2", (1,), 1.0)  # appended behind t1: the earliest did not move
+    assert not t.take_deadline_lowered()
