@@ -110,3 +110,13 @@ def test_components_not_healthy_in_time_are_named() -> None:
     group = ExceptionGroup("x", [NotHealthy(["prefill-0", "decode-0"], 300.0)])
     _report_failure(Console(file=out, width=200, color_system=None), group)
     assert "✗ NotHealthy: not healthy within 300 s: prefill-0, decode-0" in out.getvalue()
+
+
+def test_the_smokes_figures_are_counted_from_its_start() -> None:
+    """What the engines did before the smoke's requests (the proxy's calibration probes, D
+    computing their prompts) is not the smoke's: the counts are taken since its start."""
+    before = Stats(requests=2, transfers=1, kv_bytes=10, d_local_prompt_tokens=1500)
+    after = Stats(requests=12, in_flight=1, transfers=6, kv_bytes=30, d_local_prompt_tokens=1504)
+    since = after.since(before)
+    assert (since.requests, since.in_flight, since.transfers) == (10, 1, 5)
+    assert (since.kv_bytes, since.d_local_prompt_tokens) == (20, 4)

@@ -129,6 +129,8 @@ async def run_smoke(plan: Plan, api_key: str | None) -> Smoke:
         httpx.AsyncClient(trust_env=False, timeout=120, headers=_headers(api_key)) as proxy,
         httpx.AsyncClient(trust_env=False, timeout=120, headers=_headers(engine_key)) as direct,
     ):
+        # What the engines did before (the proxy's calibration probes) is not the smoke's.
+        before = await read_stats(direct, plan)
         # One request each first, not counted: an engine's first request is slow (warm-up).
         await _stream(proxy, plan.proxy_url, plan.model_name, "Hello", "disaggregate")
         await _stream(direct, single_url, plan.model_name, "Hello")
@@ -137,7 +139,8 @@ async def run_smoke(plan: Plan, api_key: str | None) -> Smoke:
                 await _stream(proxy, plan.proxy_url, plan.model_name, prompt, "disaggregate")
             )
             want.append(await _stream(direct, single_url, plan.model_name, prompt))
-        stats = await read_stats(direct, plan)  # before any prompt is computed on D
+        # (before any prompt is computed on D)
+        stats = (await read_stats(direct, plan)).since(before)
         for prompt in SMOKE_PROMPTS:
             auto.append(await _stream(proxy, plan.proxy_url, plan.model_name, prompt))
     same = sum(g.text == w.text for g, w in zip([*got, *auto], want * 2, strict=True))

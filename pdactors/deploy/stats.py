@@ -53,6 +53,19 @@ class Stats:
         name, source = "vllm:prompt_tokens_by_source_total", "local_compute"
         self.d_local_prompt_tokens = sum(metric_total(t, name, source=source) for t in texts)
 
+    def since(self, before: Stats) -> Stats:
+        """The counts since ``before`` was read (``in_flight`` as it is now): what a run of
+        requests did, without what came earlier (the proxy's calibration probes, warm-ups)."""
+        return Stats(
+            self.requests - before.requests,
+            self.in_flight,
+            self.ttft_sum - before.ttft_sum,
+            self.ttft_count - before.ttft_count,
+            self.transfers - before.transfers,
+            self.kv_bytes - before.kv_bytes,
+            self.d_local_prompt_tokens - before.d_local_prompt_tokens,
+        )
+
     def line(self) -> str:
         ttft = f"{1000 * self.ttft_sum / self.ttft_count:.0f} ms" if self.ttft_count else "–"
         return (
