@@ -83,6 +83,23 @@ def test_tokens_per_character_are_learned_from_what_p_counted() -> None:
     assert count.tokens((None, 400)) == 200
 
 
+def test_a_decoding_engines_running_step_is_added_to_its_estimate() -> None:
+    placer = Placer(stall_weight=0.0)  # no stall: the step alone
+    placer.steps(D, 0.05, gaps=1, per_chunk=0.04)  # a first stream: the means start there
+    placer.steps(P, 0.0123456)
+    assert placer.describe()["step_ms"] == {D: 50.0, P: 12.35}
+    assert placer.describe()["tpot_ms"] == {D: 40.0, P: 12.35}
+    busy = EngineLoad(waiting_tokens=0, decoding=1)
+    quiet = placer.decide(100, P, idle(), D, idle())
+    both_busy = placer.decide(100, P, busy, D, busy)
+    assert both_busy.local_ms == pytest.approx(quiet.local_ms + 50.0)
+    assert both_busy.disaggregated_ms == pytest.approx(quiet.disaggregated_ms + 12.3456)
+    unmeasured = Placer(stall_weight=0.0).decide(100, P, busy, D, busy)  # no step learnt yet
+    assert (unmeasured.local_ms, unmeasured.disaggregated_ms) == pytest.approx(
+        (quiet.local_ms, quiet.disaggregated_ms)
+    )
+
+
 def test_an_idle_d_computes_the_prompt_itself() -> None:
     placer = Placer(stall_weight=0.25)
     decision = placer.decide(500, P, idle(), D, idle())

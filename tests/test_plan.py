@@ -16,6 +16,7 @@ from pdactors.core.plan import (
     TransferPlan,
     check_layout,
     matching_regions,
+    packed_layout,
     plan_transfer,
     rank_heads,
     tp_expected,
@@ -206,6 +207,7 @@ def test_every_source_id_is_checked_even_those_of_the_prefix() -> None:
         (BlockLayout(-8, 4, 8, 8), "base must be >= 0"),
         (BlockLayout(0, 4, 16, 8), "block_bytes 16 exceeds stride 8"),
         (BlockLayout(2**64 - 16, 4, 8, 8), "64-bit address space"),
+        (BlockLayout(2**64 - 16, 3, 8, 8), "64-bit address space"),  # one block past the end
     ],
 )
 def test_check_layout_rejects(region: BlockLayout, message: str) -> None:
@@ -261,12 +263,29 @@ def test_a_malformed_head_slice_or_block_ids_are_refused() -> None:
         plan_transfer(lay, [0], lay, [1], heads=HeadSlice(2, 2, 0, 1, 2))
     with pytest.raises(LayoutMismatch, match="do not split into 3"):
         plan_transfer(lay, [0], lay, [1], heads=HeadSlice(3, 3, 0, 0, 1))
+    with pytest.raises(LayoutMismatch, match=r"do not split into 2 \(P\) or 3 \(D\)"):
+        plan_transfer(lay, [0], lay, [1], heads=HeadSlice(2, 3, 0, 0, 1))  # D's alone
     with pytest.raises(PlanError, match="P block id -1 is out of range"):
         plan_transfer(lay, [-1, 3], stacked(1 << 20, 1, 4, 64), [1, 2])
     with pytest.raises(PlanError, match="P block id 9 is out of range"):
         plan_transfer(lay, [0, 9], stacked(1 << 20, 1, 4, 64), [1, 2])
     with pytest.raises(PlanError, match="flat sequence"):
         plan_transfer(lay, (((0, 1), (2, 3)),), lay, [1])  # group 0's ids nested
+
+
+def test_a_flat_tuple_of_ids_is_the_one_group_and_an_empty_one_moves_nothing() -> None:
+    p, d = stacked(0x1000, 1, 4, 64), stacked(1 << 20, 1, 4, 64)
+    flat = plan_transfer(p, (0, 1), d, (2, 3))
+    assert (flat.src.tolist(), flat.dst.tolist(), flat.lengths.tolist()) == (
+        [0x1000], [(1 << 20) + 128], [128]
+    )  # fmt: skip
+    assert plan_transfer(p, (), d, ()).lengths.tolist() == []
+
+
+def test_packed_layout_lays_regions_back_to_back() -> None:
+    assert packed_layout(0x1000, 2, 4, 8) == Layout(
+        (BlockLayout(0x1000, 4, 8, 8), BlockLayout(0x1000 + 32, 4, 8, 8))
+    )
 
 
 def test_tp_expected_refuses_the_shapes_vllm_refuses() -> None:

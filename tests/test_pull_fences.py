@@ -221,3 +221,14 @@ def test_one_lost_writer_confirming_keeps_the_others_fence() -> None:
     assert t.next_deadline() == 1.0 + FENCE  # p2's fence still holds D's blocks
     [done] = ends(t.tick(1.0 + FENCE))
     assert done.end is PullEnd.P_GONE
+
+
+def test_a_fence_timeout_under_a_second_still_fences() -> None:
+    t = PullTable(timeout=540.0, fence_timeout=0.5)
+    t.start("t", 0.0)
+    t.sent("t", "p1")
+    t.writing("t", "p1")
+    [fence] = t.peer_lost("p1", "gone", 1.0)
+    assert isinstance(fence, Fence) and fence.until == 1.5
+    [done] = ends(t.tick(1.5))
+    assert done.end is PullEnd.P_GONE

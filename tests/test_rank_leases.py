@@ -13,7 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdactors.bootstrap_client import open_bootstrap_client
-from pdactors.core.registry import BootstrapRegistry
+from pdactors.core.registry import (
+    MAX_ADDR_CHARS,
+    MAX_ENGINE_ID_CHARS,
+    MAX_RANK,
+    BootstrapRegistry,
+)
 from pdactors.errors import BootstrapError, RankHeld
 from pdactors.wire import BootstrapEntry, RegisterWorker
 from tests.test_bootstrap import running_bootstrap
@@ -172,3 +177,39 @@ async def test_the_bootstrap_answers_409_and_the_client_raises_rank_held_at_once
             assert answer == {
                 0: BootstrapEntry("e", {0: {0: "tcp://p:1"}}, epochs={0: {0: P_EPOCH}})
             }
+
+
+def test_the_refusal_says_how_long_the_lease_lives() -> None:
+    registry = held()  # leased at 0.0 for 5 s
+    with pytest.raises(RankHeld, match=r"whose lease is live for 3\.5 s more"):
+        registry.register(reg("tcp://evil:1"), now=1.5, lease=5.0)
+
+
+def test_a_lapsed_worker_beside_a_lasting_one_leaves_its_place_free() -> None:
+    registry = BootstrapRegistry()
+    registry.register(reg("tcp://p:2", tp=1))  # no lease: stays
+    registry.register(reg(), now=0.0, lease=5.0)
+    assert registry.expire(6.0) == ["'e' dp=0 tp=0 pp=0 at 'tcp://p:1'"]
+    assert registry.register(reg("tcp://new:1"), now=6.0, lease=5.0) == "added"
+    assert registry.answer(now=6.0)[0].worker_addr == {0: {0: "tcp://new:1"}, 1: {0: "tcp://p:2"}}
+
+
+def test_the_answer_carries_each_workers_curve_key_and_a_registration_without_drops_it() -> None:
+    registry = BootstrapRegistry()
+    keyed = RegisterWorker("e", 0, 0, 0, "tcp://p:1", curve_key="K" * 40, epoch=P_EPOCH)
+    assert registry.register(keyed) == "added"
+    assert registry.answer()[0].curve_keys == {0: {0: "K" * 40}}
+    assert registry.register(reg()) == "moved"  # the same address, its key gone
+    assert registry.answer()[0].curve_keys == {}
+
+
+def test_fields_at_their_limits_are_taken() -> None:
+    registry = BootstrapRegistry()
+    at_limits = RegisterWorker(
+        "e" * MAX_ENGINE_ID_CHARS,
+        MAX_RANK,
+        MAX_RANK,
+        MAX_RANK,
+        "tcp://" + "a" * (MAX_ADDR_CHARS - 6),
+    )
+    assert registry.register(at_limits) == "added"

@@ -531,3 +531,15 @@ def test_the_deadline_is_said_lowered_only_when_a_queue_was_empty() -> None:
     assert not t.take_deadline_lowered()  # taken
     t.prefill_ready("t2", (1,), 1.0)  # appended behind t1: the earliest did not move
     assert not t.take_deadline_lowered()
+
+
+def test_a_write_ending_where_none_was_started_names_the_illegal_pair() -> None:
+    t = table()
+    t.prefill_ready("t1", (1,), 0.0)
+    with pytest.raises(IllegalTransition, match="write_ended while ready"):
+        t.send_finished("t1", 1.0)
+    sending = table()
+    sending.prefill_ready("t1", (1,), 0.0)
+    sending.pull_arrived("t1", D, pull(), 0.0)
+    with pytest.raises(IllegalTransition, match="0 writes match this end"):
+        sending.send_finished("t1", 1.0, identity=D2)
