@@ -45,12 +45,20 @@ from pdactors.proxy_config import ProxyConfig
 
 SERVER = textwrap.dedent(
     """
-    import http.server, os, signal, sys, time
+    import http.server, os, signal, socket, sys, time
     port, delay, mode = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
     if mode == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print(f"child {os.getpid()} starting", flush=True)
     if mode == "crash":
+        if len(sys.argv) > 4:  # only once that port serves (another child is up)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                try:
+                    socket.create_connection(("127.0.0.1", int(sys.argv[4])), 1).close()
+                    break
+                except OSError:
+                    time.sleep(0.02)
         sys.exit(3)
     time.sleep(delay)
     class H(http.server.BaseHTTPRequestHandler):
@@ -64,8 +72,14 @@ SERVER = textwrap.dedent(
 )
 
 
-def child(name: str, port: int, delay: float = 0.0, mode: str = "ok") -> Child:
+def child(
+    name: str, port: int, delay: float = 0.0, mode: str = "ok", after: int | None = None
+) -> Child:
+    """A stand-in server on ``port``; ``mode`` "crash": it exits (3) at once, or once the
+    port ``after`` serves."""
     argv = [sys.executable, "-c", SERVER, str(port), str(delay), mode]
+    if after is not None:
+        argv.append(str(after))
     return Child(name, argv, dict(os.environ), f"http://127.0.0.1:{port}/health")
 
 
@@ -114,7 +128,11 @@ async def test_all_healthy_then_ready_then_everything_stopped(tmp_path: Path) ->
 
 async def test_child_crash_at_startup_stops_the_rest(tmp_path: Path) -> None:
     rec = Recorder()
-    plan = Plan([child("ok", free_port()), child("bad", free_port(), mode="crash")], "u", "m")
+    ok_port = free_port()
+    # "bad" crashes once "ok" serves: "ok" has written its line (a crash at once could stop
+    # it before its interpreter started, leaving its log empty on a loaded machine).
+    bad = child("bad", free_port(), mode="crash", after=ok_port)
+    plan = Plan([child("ok", ok_port), bad], "u", "m")
 
     async def never(p: Plan) -> None:
         raise AssertionError("not ready")
@@ -295,7 +313,11 @@ def test_a_secure_plan_wires_every_component_with_fresh_private_credentials(
 
 
 async def test_each_childs_output_goes_to_its_own_log_and_a_crash_names_it(tmp_path: Path) -> None:
-    plan = Plan([child("ok", free_port()), child("bad", free_port(), mode="crash")], "u", "m")
+    ok_port = free_port()
+    # "bad" crashes once "ok" serves: "ok" has written its line (a crash at once could stop
+    # it before its interpreter started, leaving its log empty on a loaded machine).
+    bad = child("bad", free_port(), mode="crash", after=ok_port)
+    plan = Plan([child("ok", ok_port), bad], "u", "m")
 
     async def never(p: Plan) -> None:
         raise AssertionError("not ready")
