@@ -12,27 +12,23 @@ event; the client must see one stream, equal to a single engine's.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import httpx
-import hypercorn.trio
 import msgspec
 import pytest
 import trio
 import trio.lowlevel
-from hypercorn.config import Config as HypercornConfig
 from quart import Response, request
 from quart_trio import QuartTrio
 
 from pdactors import PrefillBackend, ProxyConfig, serve_proxy
 from pdactors.proxy._bodies import First
 from pdactors.proxy._stream import ClientStream
-from tests.test_proxy import Setup
+from tests.test_proxy import Setup, serve_app
 
 TIMEOUT = 10.0
 PROMPT = [1, 2, 3]  # a text prompt's ids, as the counting engines tokenize any text
@@ -175,18 +171,11 @@ def counting_app(engine: Counting) -> QuartTrio:
 
 
 async def serve_counting(engine: Counting, *, task_status: trio.TaskStatus[str]) -> None:
-    config = HypercornConfig()
-    config.bind = ["127.0.0.1:0"]
-    config.accesslog = None
-    config.errorlog = logging.getLogger("tests.counting_engine")
-    with engine.scope:
-        async with trio.open_nursery() as nursery:
-            serve = partial(
-                hypercorn.trio.serve, counting_app(engine), config,
-                shutdown_trigger=trio.sleep_forever,
-            )  # fmt: skip
-            (engine.url,) = await nursery.start(serve)
-            task_status.started(engine.url)
+    def bound(url: str) -> None:
+        engine.url = url
+
+    app = counting_app(engine)
+    await serve_app(app, engine.scope, bound=bound, task_status=task_status)
 
 
 @asynccontextmanager

@@ -252,25 +252,37 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
     return app
 
 
-async def serve_fake(engine: FakeEngine, *, task_status: trio.TaskStatus[str]) -> None:
+async def serve_app(
+    app: QuartTrio,
+    scope: trio.CancelScope,
+    tls: tuple[str, str] | None = None,
+    *,
+    bound: Callable[[str], None],
+    task_status: trio.TaskStatus[str],
+) -> None:
+    """Serve ``app`` on 127.0.0.1 (a free port; HTTPS with ``tls``: certfile, keyfile) until
+    ``scope`` is cancelled (a stand-in engine's server going away); its URL goes to
+    ``bound`` (the engine's record), then to ``task_status``."""
     config = HypercornConfig()
     config.bind = ["127.0.0.1:0"]
-    if engine.tls is not None:
-        config.certfile, config.keyfile = engine.tls
+    if tls is not None:
+        config.certfile, config.keyfile = tls
     config.accesslog = None
     config.errorlog = logging.getLogger("tests.fake_engine")
-    with engine.scope:
+    with scope:
         async with trio.open_nursery() as nursery:
-            binds: list[str] = await nursery.start(
-                partial(
-                    hypercorn.trio.serve,
-                    make_fake_app(engine),
-                    config,
-                    shutdown_trigger=trio.sleep_forever,
-                )
-            )
-            engine.url = binds[0]
-            task_status.started(engine.url)
+            serve = partial(hypercorn.trio.serve, app, config, shutdown_trigger=trio.sleep_forever)
+            binds: list[str] = await nursery.start(serve)
+            bound(binds[0])
+            task_status.started(binds[0])
+
+
+async def serve_fake(engine: FakeEngine, *, task_status: trio.TaskStatus[str]) -> None:
+    def bound(url: str) -> None:
+        engine.url = url
+
+    app = make_fake_app(engine)
+    await serve_app(app, engine.scope, engine.tls, bound=bound, task_status=task_status)
 
 
 # --------------------------------------------------------------------------- set-up
