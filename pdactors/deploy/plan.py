@@ -1,6 +1,7 @@
 """What ``pdactors launch`` starts: :func:`plan_deployment` turns a
 :class:`~pdactors.deploy.launch_config.LaunchConfig` into a :class:`Plan`, the child processes
-(argv, environment, health URL) of P and D vLLM servers with PdActorsConnector and the proxy.
+(argv, environment, health URL) of P, D and every-role (``kv_both``) vLLM servers with
+PdActorsConnector and the proxy.
 
 Pure but for picking free ports; it starts vLLM only as a subprocess (``python -m
 vllm.entrypoints.openai.api_server``) and imports neither vllm nor torch.
@@ -113,7 +114,7 @@ def plan_deployment(
     if config.secure and run_secrets is None:
         raise BadDeployConfig("a secure deployment needs its secrets (make_secrets)")
     host = config.host
-    on_gpu = bool(config.prefill_gpus or config.decode_gpus)
+    on_gpu = bool(config.prefill_gpus or config.decode_gpus or config.both_gpus)
     base_env = {
         **env,
         "HF_HUB_OFFLINE": "1",
@@ -127,6 +128,7 @@ def plan_deployment(
     servers: list[Child] = []
     prefills: list[tuple[str, str]] = []
     decodes: list[str] = []
+    boths: list[tuple[str, str]] = []  # engines of every role (kv_both)
 
     # vLLM reads its --api-key from VLLM_API_KEY: the key stays out of argv (ps).
     server_env = {**base_env, "VLLM_API_KEY": run_secrets.engine_key} if run_secrets else base_env
@@ -148,51 +150,54 @@ def plan_deployment(
     if run_secrets is not None:
         extra["side_channel_secret_file"] = str(run_secrets.side_channel)
         extra["bootstrap_token_file"] = str(run_secrets.bootstrap_token)
-    for i in range(config.prefill):
-        port, bootstrap = _port(0, host), _port(config.bootstrap_port if i == 0 else 0, host)
-        kv = {
-            "kv_connector": "PdActorsConnector",
-            "kv_role": "kv_producer",
-            "engine_id": f"prefill-{i}",
-            "kv_connector_extra_config": {
-                **extra,
-                "bootstrap_host": host,
-                "bootstrap_port": bootstrap,
-            },
-        }
-        servers.append(
-            _vllm_server(
-                f"prefill-{i}", model, host, port, kv_transfer_config=kv,
-                env=env_for(i, config.prefill_gpus, i), max_model_len=config.max_model_len,
-                vllm_args=vllm_args,
-            )
-        )  # fmt: skip
-        prefills.append((f"http://{host}:{port}", f"http://{host}:{bootstrap}"))
-    for j in range(config.decode):
-        port = _port(0, host)
-        d_extra = dict(extra)
-        if run_secrets is not None:  # D sends the bootstrap token to these only
-            d_extra["trusted_bootstraps"] = [boot for _, boot in prefills]
-        kv = {
-            "kv_connector": "PdActorsConnector",
-            "kv_role": "kv_consumer",
-            "engine_id": f"decode-{j}",
-            "kv_connector_extra_config": d_extra,
-        }
-        servers.append(
-            _vllm_server(
-                f"decode-{j}", model, host, port, kv_transfer_config=kv,
-                env=env_for(j, config.decode_gpus, config.prefill + j),
-                max_model_len=config.max_model_len, vllm_args=vllm_args,
-            )
-        )  # fmt: skip
-        decodes.append(f"http://{host}:{port}")
+    # Every server that may compute prompts for others (P, and every-role engines: kv_both)
+    # runs a bootstrap registry; the first one's on config.bootstrap_port when given.
+    sending = [("prefill", i) for i in range(config.prefill)]
+    sending += [("engine", i) for i in range(config.both)]
+    bootstraps = {
+        name: _port(config.bootstrap_port if k == 0 else 0, host)
+        for k, name in enumerate(f"{role}-{i}" for role, i in sending)
+    }
+    boot_urls = [f"http://{host}:{port}" for port in bootstraps.values()]
+    d_extra = dict(extra)
+    if run_secrets is not None:  # D sends the bootstrap token to these only
+        d_extra["trusted_bootstraps"] = boot_urls
+    roles = [("prefill", "kv_producer", config.prefill, config.prefill_gpus)]
+    roles += [("decode", "kv_consumer", config.decode, config.decode_gpus)]
+    roles += [("engine", "kv_both", config.both, config.both_gpus)]
+    slot = 0  # CPU: each server bound to the next core
+    for role, kv_role, count, gpus in roles:
+        for i in range(count):
+            name, port = f"{role}-{i}", _port(0, host)
+            connector = dict(d_extra) if kv_role != "kv_producer" else dict(extra)
+            if name in bootstraps:
+                connector |= {"bootstrap_host": host, "bootstrap_port": bootstraps[name]}
+            kv = {
+                "kv_connector": "PdActorsConnector",
+                "kv_role": kv_role,
+                "engine_id": name,
+                "kv_connector_extra_config": connector,
+            }
+            servers.append(
+                _vllm_server(
+                    name, model, host, port, kv_transfer_config=kv,
+                    env=env_for(i, gpus, slot), max_model_len=config.max_model_len,
+                    vllm_args=vllm_args,
+                )
+            )  # fmt: skip
+            slot += 1
+            url = f"http://{host}:{port}"
+            if role == "decode":
+                decodes.append(url)
+            else:
+                boot = f"http://{host}:{bootstraps[name]}"
+                (prefills if role == "prefill" else boths).append((url, boot))
     if single:
         port = _port(0, host)
         servers.append(
             _vllm_server(
                 "single", model, host, port, kv_transfer_config=None,
-                env=env_for(0, config.decode_gpus or config.prefill_gpus, 0),
+                env=env_for(0, config.decode_gpus or config.prefill_gpus or config.both_gpus, 0),
                 max_model_len=config.max_model_len, vllm_args=vllm_args,
             )
         )  # fmt: skip
@@ -211,6 +216,8 @@ def plan_deployment(
         argv += ["--prefill", f"{p_url}@{p_bootstrap}"]
     for d_url in decodes:
         argv += ["--decode", d_url]
+    for e_url, e_bootstrap in boths:
+        argv += ["--engine", f"{e_url}@{e_bootstrap}"]
     argv += proxy_policy_args(config)
     proxy_env = base_env
     if run_secrets is not None:

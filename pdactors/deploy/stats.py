@@ -87,6 +87,8 @@ async def read_stats(http: httpx.AsyncClient, plan: Plan) -> Stats:
     stats = Stats()
     names = [c.name for c in plan.children]
     stats.add_proxy(await text("proxy"))
-    stats.add_prefill([await text(n) for n in names if n.startswith("prefill-")])
+    # An every-role engine (engine-*) counts with the P's: the KV it sent; the prompt tokens it
+    # computed are a P's or a D's, which its metrics do not tell apart.
+    stats.add_prefill([await text(n) for n in names if n.startswith(("prefill-", "engine-"))])
     stats.add_decode([await text(n) for n in names if n.startswith("decode-")])
     return stats

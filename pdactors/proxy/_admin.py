@@ -50,36 +50,40 @@ def add_admin_routes(app: QuartTrio, proxy: Proxy) -> None:
         asked = await _asked(proxy)
         if isinstance(asked, Response):
             return asked
-        b, body = asked
+        halves, body = asked
         migrate, wait = body.get("migrate", False), body.get("wait", 0)
         if not isinstance(migrate, bool) or not isinstance(wait, int | float) or wait < 0:
             message = '"migrate" must be true or false, "wait" a number of seconds >= 0'
             return Failure.of(400, message, "invalid_request_error", "").response()
-        if not b.draining:
-            log.warning(
-                "proxy: %s %s draining (by the operator): %d requests in flight %s",
-                b.role, b.url, b.outstanding,
-                "handed to other engines" if migrate else "left to finish",
-            )  # fmt: skip
-        b.draining = True
-        if migrate:
-            for cut in b.waiting_on:
-                cut.cancel()
-            b.waiting_on.clear()
+        for b in halves:  # an engine of every role: both its records
+            if not b.draining:
+                log.warning(
+                    "proxy: %s %s draining (by the operator): %d requests in flight %s",
+                    b.role, b.url, b.outstanding,
+                    "handed to other engines" if migrate else "left to finish",
+                )  # fmt: skip
+            b.draining = True
+            if migrate:
+                for cut in b.waiting_on:
+                    cut.cancel()
+                b.waiting_on.clear()
         with trio.move_on_after(min(float(wait), proxy.config.request_timeout)):
-            await b.wait_empty()
-        return json_response({**_state(b), "empty": b.outstanding == 0})
+            for b in halves:
+                await b.wait_empty()
+        empty = all(b.outstanding == 0 for b in halves)
+        return json_response({**_state(halves[0]), "empty": empty})
 
     @app.post("/admin/resume")
     async def resume() -> Response:
         asked = await _asked(proxy)
         if isinstance(asked, Response):
             return asked
-        b, _ = asked
-        if b.draining:
-            log.warning("proxy: %s %s resumed (by the operator)", b.role, b.url)
-        b.draining = False
-        return json_response(_state(b))
+        halves, _ = asked
+        for b in halves:
+            if b.draining:
+                log.warning("proxy: %s %s resumed (by the operator)", b.role, b.url)
+            b.draining = False
+        return json_response(_state(halves[0]))
 
 
 def _backends(proxy: Proxy) -> list[Backend]:
@@ -90,16 +94,17 @@ def _state(b: Backend) -> dict[str, Any]:
     return {"role": b.role, **b.describe()}
 
 
-async def _asked(proxy: Proxy) -> tuple[Backend, dict[str, Any]] | Response:
-    """The engine the request names (``{"engine": URL}``) and the request's body, or the 4xx
-    answer: no JSON object, no such engine."""
+async def _asked(proxy: Proxy) -> tuple[list[Backend], dict[str, Any]] | Response:
+    """The engine the request names (``{"engine": URL}``: its record, or for an engine of
+    every role its two) and the request's body, or the 4xx answer: no JSON object, no such
+    engine."""
     body = await request.get_json(silent=True)
     if not isinstance(body, dict) or not isinstance(body.get("engine"), str):
         message = 'the body must be a JSON object with "engine": the engine\'s URL'
         return Failure.of(400, message, "invalid_request_error", "").response()
     url = body["engine"].rstrip("/")
-    found = next((b for b in _backends(proxy) if b.url == url), None)
-    if found is None:
+    found = [b for b in _backends(proxy) if b.url == url]
+    if not found:
         known = ", ".join(b.url for b in _backends(proxy))
         message = f"no engine {url} behind this proxy (it has {known})"
         return Failure.of(404, message, "invalid_request_error", "").response()

@@ -13,7 +13,7 @@ comes in too many small pieces (400). Refusals that leave a body unread close th
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Final
+from typing import Final, get_args
 
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
@@ -21,17 +21,19 @@ from quart_trio import QuartTrio
 
 from pdactors.errors import PdError
 from pdactors.proxy._openai import Failure
-from pdactors.proxy_config import ProxyConfig
+from pdactors.proxy_config import Placement, ProxyConfig
 
 __all__ = [
     "MAX_SMALL_PIECES",
     "MIN_MEAN_PIECE",
     "PLACEMENT_HEADER",
+    "SLO_HEADERS",
     "ClientGone",
     "ProxyApp",
     "Reply",
     "cancel_on_disconnect",
     "header",
+    "placing",
     "receive_body",
 ]
 
@@ -44,6 +46,8 @@ MIN_MEAN_PIECE: Final = 256
 #: A request header that overrides ``--placement`` for that request (auto, disaggregate,
 #: local); the answer's header of the same name says where its prompt was computed.
 PLACEMENT_HEADER: Final = b"x-pdactors-placement"
+#: A request's own objectives, in ms, for ``auto`` placement: time to first token, per token.
+SLO_HEADERS: Final = (b"x-pdactors-slo-ttft-ms", b"x-pdactors-slo-tpot-ms")
 
 
 class Reply:
@@ -183,3 +187,30 @@ def header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
+
+
+def placing(
+    headers: Iterable[tuple[bytes, bytes]], config: ProxyConfig
+) -> tuple[str, tuple[float, float]] | Failure:
+    """A request's placement (its :data:`PLACEMENT_HEADER`, else ``config.placement``) and its
+    ``(TTFT, TPOT)`` objectives in ms (its :data:`SLO_HEADERS`, each a number >= 0 where 0 is
+    not weighed, else the operator's); a 400 naming the header for any other value."""
+    asked = header(headers, PLACEMENT_HEADER)
+    pin = config.placement if asked is None else asked.strip().lower()
+    if pin not in get_args(Placement):
+        allowed = ", ".join(get_args(Placement))
+        message = f"the {PLACEMENT_HEADER.decode()} header must be one of {allowed}"
+        return Failure.of(400, message, "invalid_request_error", "invalid")
+    slo = [config.slo_ttft_ms, config.slo_tpot_ms]
+    for i, name in enumerate(SLO_HEADERS):
+        value = header(headers, name)
+        if value is None:
+            continue
+        try:
+            slo[i] = float(value)
+        except ValueError:
+            slo[i] = -1.0
+        if not 0 <= slo[i] < float("inf"):
+            message = f"the {name.decode()} header must be a number of ms >= 0"
+            return Failure.of(400, message, "invalid_request_error", "invalid")
+    return pin, (slo[0], slo[1])

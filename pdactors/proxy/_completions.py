@@ -16,7 +16,7 @@ import ssl
 import uuid
 from collections.abc import Iterable
 from functools import partial
-from typing import Any, Final, get_args
+from typing import Any, Final
 
 import httpx
 import msgspec
@@ -34,6 +34,7 @@ from pdactors.proxy._asgi import (
     Reply,
     cancel_on_disconnect,
     header,
+    placing,
     receive_body,
 )
 from pdactors.proxy._calibrate import calibrate
@@ -46,7 +47,7 @@ from pdactors.proxy._openai import Endpoint, Failure, validate
 from pdactors.proxy._p_first import complete_p_first
 from pdactors.proxy._state import Backend, Metrics, Pool, Role
 from pdactors.proxy._tracing import RequestTracing
-from pdactors.proxy_config import Placement, ProxyConfig
+from pdactors.proxy_config import ProxyConfig
 from pdactors.web._auth import BearerCheck
 from pdactors.web._refusals import RefusalLog
 from pdactors.wire import KVTransferParams
@@ -55,8 +56,6 @@ __all__ = ["Proxy"]
 
 log = logging.getLogger("pdactors.proxy")
 
-#: A request's own objectives, in ms, for ``auto`` placement: time to first token, per token.
-SLO_HEADERS: Final = (b"x-pdactors-slo-ttft-ms", b"x-pdactors-slo-tpot-ms")
 #: The longest one calibration probe may take (a larger health_timeout wins).
 _PROBE_TIMEOUT: Final = 10.0
 #: How long P's leg may go on once the client's answer is complete, before it is cancelled.
@@ -70,6 +69,20 @@ def _pool(config: ProxyConfig, role: Role, backends: list[Backend], routing: str
     if routing == "prefix_aware":
         prefixes = PrefixIndex(config.prefix_max_blocks, config.prefix_max_age)
     return Pool(role, backends, routing, prefixes, config.prefix_imbalance)
+
+
+def _decoding(b: Backend) -> int:
+    """The requests ``b`` decodes, in its role: a P's count holds its legs until their token
+    (prefills) and the requests it serves whole; a D's also those whose prompt is still at a
+    P (incoming)."""
+    return b.outstanding - b.prefills - b.incoming
+
+
+def _engine_load(b: Backend) -> EngineLoad:
+    """What the placer weighs of ``b``'s engine: in both its roles for an engine of every
+    role (``kv_both``), whose prefills and decodes share one engine's steps."""
+    halves = (b,) if b.twin is None else (b, b.twin)
+    return EngineLoad(sum(h.waiting_tokens for h in halves), sum(map(_decoding, halves)))
 
 
 class Proxy:
@@ -90,6 +103,14 @@ class Proxy:
         self.auth = BearerCheck(config.api_key, "the proxy")  # refusals logged by the caller
         prefill = [Backend("prefill", p.url.rstrip("/"), p.bootstrap_url) for p in config.prefill]
         decode = [Backend("decode", url.rstrip("/")) for url in config.decode]
+        for e in config.engines:  # kv_both: one engine in both pools, each half its twin's
+            as_p, as_d = (
+                Backend("prefill", e.url.rstrip("/"), e.bootstrap_url),
+                Backend("decode", e.url.rstrip("/")),
+            )
+            as_p.twin, as_d.twin = as_d, as_p
+            prefill.append(as_p)
+            decode.append(as_d)
         self.prefill = _pool(config, "prefill", prefill, config.prefill_routing)
         self.decode = _pool(config, "decode", decode, config.decode_routing)
         slots = trio.Semaphore(config.max_connections)
@@ -113,7 +134,11 @@ class Proxy:
             self.watch.entering = self._calibrate
 
     async def _calibrate(self, b: Backend) -> None:
-        """Probe ``b`` before it enters the rotation; the placer learns from it."""
+        """Probe ``b`` before it enters the rotation; the placer learns from it. An engine of
+        every role is probed once, as it enters as a P (the placer's models are the
+        engine's, whatever its role)."""
+        if b.twin is not None and b.role == "decode":
+            return
         headers = {k.decode(): v.decode() for k, v in self.engine_auth(())}
         timeout = max(_PROBE_TIMEOUT, self.config.health_timeout)
         await calibrate(self.probe_http, b.url, headers, self.placer, timeout)
@@ -144,18 +169,11 @@ class Proxy:
         if isinstance(body, Failure):
             await self._refuse(endpoint, client, body, reply)
             return
-        asked = header(scope["headers"], PLACEMENT_HEADER)
-        pin = self.config.placement if asked is None else asked.strip().lower()
-        if pin not in get_args(Placement):
-            allowed = ", ".join(get_args(Placement))
-            message = f"the {PLACEMENT_HEADER.decode()} header must be one of {allowed}"
-            no = Failure.of(400, message, "invalid_request_error", "invalid")
-            await self._refuse(endpoint, client, no, reply)
+        placed = placing(scope["headers"], self.config)
+        if isinstance(placed, Failure):
+            await self._refuse(endpoint, client, placed, reply)
             return
-        slo = self._slo(scope["headers"])
-        if isinstance(slo, Failure):
-            await self._refuse(endpoint, client, slo, reply)
-            return
+        pin, slo = placed
         subs = split(body, endpoint.chat)
         try:
             async with trio.open_nursery() as nursery:
@@ -214,9 +232,11 @@ class Proxy:
         if whole is not None:  # a P serves it whole, in D's place
             d, d_why = self.prefill.route(prompt)
         p, p_why = None, ""
-        if d is not None and whole is None:  # only a P that answers with D's model
+        if d is not None and whole is None:  # another engine than D, with D's model
             pair = self.watch.pairs
-            p, p_why = self.prefill.route(prompt, lambda b: pair.refusal(b, d) is None)
+            p, p_why = self.prefill.route(
+                prompt, lambda b: b.url != d.url and pair.refusal(b, d) is None
+            )
         alone = None if p is not None or whole is not None else self._why_alone(d)
         if d is None or (alone is not None and not self.config.fall_back_to_d):
             pool = self.decode if whole is None else self.prefill  # the role d was to have
@@ -291,9 +311,12 @@ class Proxy:
         return None
 
     def _why_alone(self, d: Backend | None) -> str:
-        """Why a request for ``d`` got no P: none is in rotation (``no_prefill``), or every P
-        in rotation answers with another model than D (``incompatible``)."""
-        return "incompatible" if d is not None and self.prefill.any_up else "no_prefill"
+        """Why a request for ``d`` got no P: none is in rotation but D itself, an engine of
+        every role (``no_prefill``), or every other P in rotation answers with another model
+        than D (``incompatible``)."""
+        if d is None or not any(b.serving and b.url != d.url for b in self.prefill.backends):
+            return "no_prefill"
+        return "incompatible"
 
     def _why_no_prefill(self, d: Backend) -> str:
         """The 503's text for a request that got no P (without the fall-back to D)."""
@@ -307,23 +330,6 @@ class Proxy:
         return (
             f"no prefill engine answers with decode engine {d.url}'s model ({'; '.join(refused)})"
         )
-
-    def _slo(self, headers: Iterable[tuple[bytes, bytes]]) -> tuple[float, float] | Failure:
-        """The request's ``(TTFT, TPOT)`` objectives in ms: the operator's, or the request's
-        own headers' (a number >= 0; 0: not weighed); a 400 for any other value."""
-        out = [self.config.slo_ttft_ms, self.config.slo_tpot_ms]
-        for i, name in enumerate(SLO_HEADERS):
-            asked = header(headers, name)
-            if asked is None:
-                continue
-            try:
-                out[i] = float(asked)
-            except ValueError:
-                out[i] = -1.0
-            if not 0 <= out[i] < float("inf"):
-                message = f"the {name.decode()} header must be a number of ms >= 0"
-                return Failure.of(400, message, "invalid_request_error", "invalid")
-        return out[0], out[1]
 
     def _place(
         self,
@@ -352,11 +358,7 @@ class Proxy:
             where = "local" if pinned == "local" else "disaggregated"
             self.metrics.placement.labels(where, "pinned").inc()
             return where
-        # P's count holds its legs until their token (prefills) and the requests it serves
-        # whole; D's also those whose prompt is still at a P (incoming).
-        p_load = EngineLoad(ex.p.waiting_tokens, ex.p.outstanding - ex.p.prefills)
-        decoding = ex.d.outstanding - ex.d.prefills - ex.d.incoming
-        d_load = EngineLoad(ex.d.waiting_tokens, decoding)
+        p_load, d_load = _engine_load(ex.p), _engine_load(ex.d)
         tokens = ex.state.prompt_tokens
         ttft, tpot = slo
         decision = self.placer.decide(

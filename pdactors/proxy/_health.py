@@ -183,6 +183,8 @@ class HealthWatch:
             if old is not None and b.engine_id != old:
                 log.warning("proxy: %s engine id changed %s -> %s", b.url, old, b.engine_id)
                 self.prefill.restarted(b)  # a new engine: its prefix cache is empty
+                if b.twin is not None:  # the same engine as a D
+                    self.decode.restarted(b.twin)
         self.metrics.backend_up.labels(b.role, b.url).set(1 if b.up else 0)
         if not b.up and b.identity_rounds is not None:
             # D: its identity is read again at the next round (perhaps it restarted), but a

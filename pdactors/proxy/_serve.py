@@ -148,8 +148,10 @@ async def _serve(
         )
         url = await nursery.start(serve)  # announced below, with the backends
         prefill = ", ".join(f"{p.url} (bootstrap {p.bootstrap_url})" for p in config.prefill)
+        both = ", ".join(f"{p.url} (bootstrap {p.bootstrap_url})" for p in config.engines)
         log.info(
-            "proxy: listening on %s; prefill %s (%s); decode %s (%s)",
-            url, prefill, proxy.prefill.routing, ", ".join(config.decode), proxy.decode.routing,
+            "proxy: listening on %s; prefill %s (%s); decode %s (%s)%s",
+            url, prefill or "-", proxy.prefill.routing, ", ".join(config.decode) or "-",
+            proxy.decode.routing, f"; every role {both}" if both else "",
         )  # fmt: skip
         task_status.started(url)

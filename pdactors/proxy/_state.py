@@ -54,7 +54,15 @@ class Backend:
     #: D only: health rounds since its identity was read; None: not read since it last came
     #: into rotation (D enters the rotation only once it was read).
     identity_rounds: int | None = None
+    #: The same engine in the other role: an engine that takes every role (``kv_both``) is in
+    #: both pools, as one record each, each the other's twin; None: an engine of one role.
+    twin: Backend | None = field(default=None, repr=False)
     _dp_next: int = 0
+
+    @property
+    def load(self) -> int:
+        """Requests in flight on the engine, in both its roles (what routing weighs)."""
+        return self.outstanding + (self.twin.outstanding if self.twin is not None else 0)
 
     def released(self) -> None:
         """Its ``outstanding`` count just went down. Not a checkpoint."""
@@ -100,6 +108,8 @@ class Backend:
         }
         if self.role == "decode":
             out["incoming"] = self.incoming
+        if self.twin is not None:
+            out["every_role"] = True  # kv_both: listed in both roles
         if self.role == "prefill":
             out |= {"bootstrap_url": self.bootstrap_url, "engine_id": self.engine_id}
             if len(self.dp_engines) > 1:
@@ -162,11 +172,11 @@ class Pool:
             return None, self.routing
         chosen, why = candidates[0], self.routing
         if self.routing == "least_outstanding":
-            chosen = min(candidates, key=lambda i: self.backends[i].outstanding)
+            chosen = min(candidates, key=lambda i: self.backends[i].load)
         elif self.prefixes is not None:
             now = trio.current_time()
             weighed = [
-                Candidate(i, b.outstanding, self.prefixes.matched(b.url, prompt, now))
+                Candidate(i, b.load, self.prefixes.matched(b.url, prompt, now))
                 for i in candidates
                 for b in (self.backends[i],)
             ]

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -334,19 +334,35 @@ def pd_completion(
         return (p_answer.result() if p_answer else None), d_answer.result()
 
 
+def both_config(engine_id: str, bootstrap_port: int, **extra: Any) -> dict[str, Any]:
+    """An engine of every role's ``--kv-transfer-config``: PdActorsConnector as ``kv_both``
+    (P's bootstrap on ``bootstrap_port``, D's failed load failing its request)."""
+    p, d = producer_config(engine_id, bootstrap_port, **extra), consumer_config(engine_id)
+    return {**d, "kv_role": "kv_both", "kv_connector_extra_config": {
+        **p["kv_connector_extra_config"], **d["kv_connector_extra_config"]
+    }}  # fmt: skip
+
+
 @contextmanager
 def proxy(
-    prefill: list[tuple[str, str]], decode: list[str], log: Path, *extra: str
+    prefill: list[tuple[str, str]],
+    decode: list[str],
+    log: Path,
+    *extra: str,
+    engines: Sequence[tuple[str, str]] = (),
 ) -> Iterator[str]:
-    """``pdactors proxy`` in front of ``prefill`` ((engine URL, bootstrap URL) pairs) and
-    ``decode`` URLs, every prompt disaggregated unless ``extra`` says otherwise; yields its
-    URL once ``/health`` answers 200; stopped on exit."""
+    """``pdactors proxy`` in front of ``prefill`` ((engine URL, bootstrap URL) pairs),
+    ``decode`` URLs and ``engines`` of every role (as ``prefill``), every prompt disaggregated
+    unless ``extra`` says otherwise; yields its URL once ``/health`` answers 200; stopped on
+    exit."""
     args = [sys.executable, "-m", "pdactors.cli", "proxy", "--port", "0"]
     args += ["--placement", "disaggregate", *extra]  # the PD path; a later --placement wins
     for url, bootstrap in prefill:
         args += ["--prefill", f"{url}@{bootstrap}"]
     for url in decode:
         args += ["--decode", url]
+    for url, bootstrap in engines:
+        args += ["--engine", f"{url}@{bootstrap}"]
     with open(log, "w") as err:
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
     try:
