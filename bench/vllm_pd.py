@@ -194,20 +194,23 @@ def segments(results: list[Result], marks: dict[str, dict[str, float]]) -> dict[
 
 @contextlib.contextmanager
 def proxy_process(
-    p_url: str,
+    p_url: str | None,
     bootstrap: str,
-    d_url: str,
+    d_url: str | None,
     log: Path,
     cwd: Path = ROOT,
     extra: Sequence[str] = (),
+    engines: Sequence[tuple[str, str]] = (),
 ) -> Iterator[Server]:
-    """``pdactors proxy`` (the one in ``cwd``, with the options ``extra``) in front of P and D,
-    stopped on exit; its messages go to ``log``."""
+    """``pdactors proxy`` (the one in ``cwd``, with the options ``extra``) in front of P and D
+    (None: none) and ``engines`` of every role ((URL, bootstrap URL) pairs), stopped on exit;
+    its messages go to ``log``."""
     port = free_port()
-    cmd = [
-        sys.executable, "-m", "pdactors.cli", "proxy", "--port", str(port),
-        "--prefill", f"{p_url}@{bootstrap}", "--decode", d_url, *extra,
-    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "pdactors.cli", "proxy", "--port", str(port), *extra]
+    cmd += ["--prefill", f"{p_url}@{bootstrap}"] if p_url is not None else []
+    cmd += ["--decode", d_url] if d_url is not None else []
+    for url, boot in engines:
+        cmd += ["--engine", f"{url}@{boot}"]
     env = {**os.environ, "PYTHONPATH": str(cwd)}
     with (
         open(log, "wb") as out,
