@@ -13,7 +13,9 @@ concurrency, sends the same prompts (greedy, streamed, lengths drawn from ``--pr
   (per request, P or D computes the prompt: its counts are printed after each level);
   ``proxy d-first``: disaggregated with ``--first-token d`` (upstream's concurrent flow, D
   computing the first token); and ``proxy <rev>`` for the proxy of another git revision (its
-  own defaults), with ``--old-proxy REV``.
+  own defaults), with ``--old-proxy REV``; ``pool`` (with ``--pool``): two engines of every
+  role (``kv_both``, cores 0 and 1) behind ``pdactors proxy --engine ... --engine ...`` with
+  its defaults.
 
 It prints TTFT p50/p99, the second streamed chunk's p50 and output tokens/s per setup, then
 the PD timeline (``pdactors.timeline`` marks written by P and D, joined by transfer id): p50 of
@@ -54,7 +56,14 @@ from common import placed, worktree  # noqa: E402  (bench/ is the script's direc
 
 from pdactors import timeline  # noqa: E402
 from pdactors_vllm.tiny_model import SHAPES, ensure_tiny_model  # noqa: E402
-from tests.vllm.servers import Server, free_port, producer_config, servers, wait_healthy  # noqa: E402
+from tests.vllm.servers import (  # noqa: E402
+    Server,
+    both_config,
+    free_port,
+    producer_config,
+    servers,
+    wait_healthy,
+)
 
 #: One client for every request (thread-safe; a new client per request would cost each one
 #: an SSL context and a connection, several ms on this machine).
@@ -241,12 +250,14 @@ def main() -> None:
     ap.add_argument(
         "--only", nargs="+", metavar="SETUP",
         help="measure only these setups (single, direct, 'direct whole', proxy, "
-        "'proxy d-first', 'proxy REV')",
+        "'proxy d-first', 'proxy REV', pool)",
     )  # fmt: skip
     ap.add_argument("--engine-args", default="", help='more vLLM arguments, "--dtype bfloat16"')
+    ap.add_argument("--pool", action="store_true", help="also two kv_both engines (pool)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     ports = {"eager": free_port(), "whole": free_port()}
+    pool_ports = [free_port(), free_port()] if args.pool else []
 
     def p_config(kind: str) -> dict[str, Any]:
         return producer_config(f"prefill-{kind}", ports[kind], eager_send=kind == "eager")
@@ -260,6 +271,9 @@ def main() -> None:
         "prefill-whole": {"core": 0, "kv_transfer_config": p_config("whole"), "extra_args": extra},
         "decode": {"core": 1, "kv_transfer_config": d_config, "extra_args": extra},
     }
+    for i, e_port in enumerate(pool_ports):
+        e_config = both_config(f"pool-{i}", e_port)
+        specs[f"pool-{i}"] = {"core": i, "kv_transfer_config": e_config, "extra_args": extra}
     boot = {kind: f"http://127.0.0.1:{port}" for kind, port in ports.items()}
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="vllm-pd-"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -292,6 +306,16 @@ def main() -> None:
             )
         )  # fmt: skip
         setups["proxy d-first"] = lambda pr: stream(concurrent.url, pr, args.max_tokens, None)
+        pool_url = None
+        if args.pool:
+            engines = [
+                (s[f"pool-{i}"].url, f"http://127.0.0.1:{e}") for i, e in enumerate(pool_ports)
+            ]
+            pool = stack.enter_context(
+                proxy_process(None, "", None, logs / "proxy-pool.log", ROOT, (), engines)
+            )
+            pool_url = pool.url
+            setups["pool"] = lambda pr: stream(pool.url, pr, args.max_tokens, None)
         if args.only:
             setups = {k: v for k, v in setups.items() if k in args.only}
         if args.old_proxy:
@@ -335,14 +359,14 @@ def main() -> None:
                     elapsed[name] += time.perf_counter() - start
             time.sleep(0.5)  # the last marks reach the file
             marks = timeline.read_timelines(sink)
-            placed_auto = placed(auto.url)
             for name in names:
                 print(f"| {n} | {name} | {summary(results[name], elapsed[name])} |", flush=True)
                 if name != "single":
                     timelines[n, name] = segments(results[name], marks)
-            if "proxy auto" in names:  # counts since the proxy started (warm-ups included)
-                counts = ", ".join(f"{k} {v:.0f}" for k, v in placed_auto.items())
-                print(f"# proxy auto, placed so far after {n} in flight: {counts}")
+            for name, url in (("proxy auto", auto.url), ("pool", pool_url)):
+                if name in names and url:  # counts since the proxy started (warm-ups included)
+                    counts = ", ".join(f"{k} {v:.0f}" for k, v in placed(url).items())
+                    print(f"# {name}, placed so far after {n} in flight: {counts}")
         print("\n# PD timeline: p50 per segment, ms (a segment starts at the latest of its marks)")
         cols = list(timelines)
         print("| segment | " + " | ".join(f"{name} @{n}" for n, name in cols) + " |")
