@@ -1,8 +1,8 @@
 """The proxy's completion requests, from arrival to their engines: the client's key, its body
 and its placement header checked, P and D picked, where the prompt is computed decided, and
-the exchange started in the concurrent flow (P's leg beside D's answer), the P-first flow
-(:mod:`pdactors.proxy._p_first`) or on D alone (placement ``local``). A request for several
-choices (a list of prompts, ``n`` > 1) is one exchange per choice, merged
+the exchange's record (:mod:`pdactors.core.exchange`) admitted in its flow — P-first,
+concurrent, local or whole-on-P — and served (:mod:`pdactors.proxy._flows`). A request for
+several choices (a list of prompts, ``n`` > 1) is one exchange per choice, merged
 (:mod:`pdactors.proxy._fan_out`).
 
 :class:`Proxy` also holds the proxy's state (engines, pools, metrics, placer, health loop) for
@@ -19,17 +19,16 @@ from functools import partial
 from typing import Any, Final
 
 import httpx
-import msgspec
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope
 
 from pdactors.bootstrap_client import BootstrapClient, tls_verify
-from pdactors.core.exchange import ExchangeState
+from pdactors.core.exchange import ExchangeState, flow_for
 from pdactors.core.placement import EngineLoad, Placer, prompt_size
 from pdactors.core.prefixes import PrefixIndex, prefix_keys
 from pdactors.proxy import _bodies
+from pdactors.proxy._answer import Answers
 from pdactors.proxy._asgi import (
-    PLACEMENT_HEADER,
     ClientGone,
     Reply,
     cancel_on_disconnect,
@@ -38,19 +37,19 @@ from pdactors.proxy._asgi import (
     receive_body,
 )
 from pdactors.proxy._calibrate import calibrate
+from pdactors.proxy._effects import ExchangeEffects
 from pdactors.proxy._engine_http import EngineClient
 from pdactors.proxy._exchange import Exchange
 from pdactors.proxy._fan_out import serve_fanned_out, split
+from pdactors.proxy._flows import serve_flow
 from pdactors.proxy._health import HealthWatch
 from pdactors.proxy._legs import Legs
 from pdactors.proxy._openai import Endpoint, Failure, validate
-from pdactors.proxy._p_first import complete_p_first
 from pdactors.proxy._state import Backend, Metrics, Pool, Role
 from pdactors.proxy._tracing import RequestTracing
 from pdactors.proxy_config import ProxyConfig
 from pdactors.web._auth import BearerCheck
 from pdactors.web._refusals import RefusalLog
-from pdactors.wire import KVTransferParams
 
 __all__ = ["Proxy"]
 
@@ -129,7 +128,9 @@ class Proxy:
             self.metrics.backend_up.labels(b.role, b.url).set(0)
         pools = (self.prefill, self.decode)
         self.watch = HealthWatch(config, probe_http, self.bootstrap, pools, self.metrics)
-        self.legs = Legs(config, self.engines, self.metrics, self.placer, self.watch)
+        self.effects = ExchangeEffects(config, self.metrics, self.placer)
+        self.legs = Legs(config, self.engines, self.effects, self.watch)
+        self.answers = Answers(config, self.legs, self.effects, self.watch)
         if config.calibrate and config.placement == "auto":
             self.watch.entering = self._calibrate
 
@@ -262,43 +263,26 @@ class Proxy:
         if dp_rank is not None:  # vLLM's API server sends the request to that DP engine
             p_headers = [*headers, (b"x-data-parallel-rank", str(dp_rank).encode())]
         ids, chars = prompt_size(body, endpoint.chat)
-        state = ExchangeState(arrived, self.placer.count.tokens((ids, chars)))
-        ex = Exchange(
-            endpoint, body.get("stream") is True, p, d, tid, arrived + self.config.request_timeout,
-            headers, p_headers, p_engine_id, state, prompt_chars=chars,
+        tokens = self.placer.count.tokens((ids, chars))
+        where, why, fallback = self._place(p, d, tokens, tid, pin, (alone, whole), slo)
+        serving = d
+        if where == "whole-on-p" and whole is None:  # auto: P serves it whole, as D
+            p, serving = self._no_prefill, p
+        p_first = self.config.first_token == "p" and _bodies.applies(body, endpoint.chat)
+        flow = flow_for(where, p_first=p_first)
+        state = ExchangeState(
+            arrived, p, serving, deadline=arrived + self.config.request_timeout,
+            prompt_tokens=tokens, prompt_chars=chars,
         )  # fmt: skip
+        stream = body.get("stream") is True
+        ex = Exchange(endpoint, stream, tid, headers, p_headers, p_engine_id, state, reply)
         ex.span = span
-        ex.placement = self._place(ex, pin, alone, whole, slo)
-        if ex.placement == "whole-on-p" and whole is None:  # auto: P serves it whole
-            ex.p, ex.d = self._no_prefill, ex.p
-        reply.headers.append((PLACEMENT_HEADER, ex.placement.encode()))
         # One engine serves it whole (D, or a P in D's place): the other takes no part.
-        local = ex.placement in ("local", "whole-on-p")
-        if not local:  # P computes the prompt (and caches it); D holds it either way
+        if where not in ("local", "whole-on-p"):  # P computes the prompt (and caches it)
             self.prefill.sent(p, prompt)
-        (self.prefill if ex.placement == "whole-on-p" else self.decode).sent(ex.d, prompt)
-        with self.legs.admitted(ex, with_p=not local):
-            self.legs.prefill_sent(ex, "d" if local else "p")
-            if local:
-                await self.legs.answer_from_decode(ex, body, reply)
-            elif self.config.first_token == "p" and _bodies.applies(body, endpoint.chat):
-                await complete_p_first(self.legs, ex, body, reply)
-            else:
-                p_params = KVTransferParams(do_remote_decode=True, transfer_id=tid)
-                d_params = KVTransferParams(
-                    do_remote_prefill=True,
-                    remote_engine_id=p_engine_id,
-                    remote_bootstrap_addr=p.bootstrap_url,
-                    transfer_id=tid,
-                )
-                p_body, d_body = _bodies.concurrent_bodies(body, endpoint.chat, p_params, d_params)
-                # P's leg runs beside D's for as long as the request does: it is cancelled
-                # when the client's answer is complete (D no longer needs P) or when D fails.
-                # P failing cancels nothing but for a 4xx: D's answer decides, and a D whose
-                # KV did not come is asked again with the client's body (computing it all).
-                nursery.start_soon(partial(self.legs.prefill_leg, ex, p_body, beside_d=True))
-                local_body = msgspec.json.encode(body)
-                await self.legs.answer_from_decode(ex, body, reply, d_body=d_body, local=local_body)
+        (self.prefill if where == "whole-on-p" else self.decode).sent(serving, prompt)
+        with self.effects.admitted(ex, flow, why=why, fallback=fallback):
+            await serve_flow(self.answers, ex, body, nursery)
 
     def _why_whole_on_p(self, pin: str, d: Backend | None) -> str | None:
         """Why a P serves the request whole: the operator or the request pinned it
@@ -333,49 +317,45 @@ class Proxy:
 
     def _place(
         self,
-        ex: Exchange,
+        p: Backend,
+        d: Backend,
+        tokens: int,
+        tid: str,
         pinned: str,
-        alone: str | None,
-        whole: str | None,
+        reasons: tuple[str | None, str | None],
         slo: tuple[float, float],
-    ) -> str:
-        """Where ``ex``'s prompt is computed: on a P serving it whole (``whole``: why), on D
-        when it has no P (``alone``: why; this wins over a pin: an incompatible P's token
-        would be another model's), else ``pinned`` (the operator's ``--placement`` or the
-        request's header), or for ``auto`` the placer's estimate against the ``slo``
-        objectives, ``(TTFT, TPOT)`` in ms (counted, and logged at DEBUG with the figures
-        behind it)."""
+    ) -> tuple[str, str, str | None]:
+        """Where a request of ``tokens`` prompt tokens routed to ``p`` and ``d`` has its prompt
+        computed, why (the placement metric's reason), and why one engine serves a request
+        meant for two (the fallbacks metric's, or None) — counted when it is admitted. On a P
+        serving it whole (``whole``, of ``reasons``: why); on D when it has no P (``alone``:
+        why; this wins over a pin: an incompatible P's token would be another model's); else
+        ``pinned`` (the operator's ``--placement`` or the request's header), or for ``auto``
+        the placer's estimate against the ``slo`` objectives, ``(TTFT, TPOT)`` in ms (logged
+        at DEBUG with the figures behind it)."""
+        alone, whole = reasons
         if whole is not None:
-            self.metrics.placement.labels("whole-on-p", whole).inc()
-            if whole != "pinned":
-                self.metrics.fallbacks.labels(whole).inc()
-            return "whole-on-p"
+            return "whole-on-p", whole, None if whole == "pinned" else whole
         if alone is not None:
-            self.metrics.placement.labels("local", alone).inc()
-            self.metrics.fallbacks.labels(alone).inc()
-            return "local"
+            return "local", alone, alone
         if pinned != "auto":
-            where = "local" if pinned == "local" else "disaggregated"
-            self.metrics.placement.labels(where, "pinned").inc()
-            return where
-        p_load, d_load = _engine_load(ex.p), _engine_load(ex.d)
-        tokens = ex.state.prompt_tokens
+            return ("local" if pinned == "local" else "disaggregated"), "pinned", None
+        p_load, d_load = _engine_load(p), _engine_load(d)
         ttft, tpot = slo
         decision = self.placer.decide(
-            tokens, ex.p.url, p_load, ex.d.url, d_load,
+            tokens, p.url, p_load, d.url, d_load,
             slo_tpot_ms=tpot or None, slo_ttft_ms=ttft or None,
         )  # fmt: skip
-        self.metrics.placement.labels(decision.where, decision.reason).inc()
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "proxy: request %s placed %s (%s): ~%d prompt tokens, P waiting on %d, "
                 "D waiting on %d and decoding %d; estimates local %.1f ms, disaggregated "
                 "%.1f ms",
-                ex.transfer_id, decision.where, decision.reason, decision.tokens,
+                tid, decision.where, decision.reason, decision.tokens,
                 p_load.waiting_tokens, d_load.waiting_tokens, d_load.decoding,
                 decision.local_ms, decision.disaggregated_ms,
             )  # fmt: skip
-        return decision.where
+        return decision.where, decision.reason, None
 
     async def _refuse(self, endpoint: Endpoint, client: str, no: Failure, reply: Reply) -> None:
         self.metrics.requests.labels(endpoint.name, no.outcome).inc()

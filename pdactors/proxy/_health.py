@@ -5,7 +5,7 @@ An engine judged failed itself (its ``/health`` gave no answer within ``health_t
 error status, a refused connection) has every request waiting on it cut from it at once
 (:attr:`Backend.waiting_on`): a P-first request still waiting for P's token is then served as
 one whose P failed before its token (:mod:`pdactors.proxy._p_first`), a request the engine was
-decoding goes on on another engine (migration: :mod:`pdactors.proxy._legs`). A failed
+decoding goes on on another engine (migration: :mod:`pdactors.proxy._answer`). A failed
 bootstrap only takes P out of the rotation: the requests at P may still get their token, and
 D's look-ups are cached.
 An engine that restarted (P: a new engine id; D: back in rotation after being out) has what

@@ -2,8 +2,8 @@
 made the client's (``feed``: :class:`~pdactors.proxy._stream.ClientStream`), its events fed to
 the exchange's record (D's first chunk timed), and what ends the leg early — an error event
 before D's first token (what vLLM sends when the KV did not come), one later, a broken
-answer, the deadline — made the exchange's failure for :class:`~pdactors.proxy._legs.Legs` to
-act on (ask D again, migrate, or tell the client).
+answer, the deadline — made the exchange's failure, after which the record says what follows
+(ask D again, migrate, or tell the client: :mod:`pdactors.proxy._flows`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Final
 
 import trio
 
-from pdactors.proxy._asgi import Reply
 from pdactors.proxy._effects import ExchangeEffects
 from pdactors.proxy._engine_failures import ERROR_EVENT, EngineFailures
 from pdactors.proxy._engine_http import EngineError, EngineResponse
@@ -27,17 +26,17 @@ _ROLE_ONLY: Final = b'"delta":{"role":"assistant","content":""}'
 
 
 async def relay_stream(
-    legs: ExchangeEffects,
+    effects: ExchangeEffects,
     failures: EngineFailures,
     ex: Exchange,
     resp: EngineResponse,
-    reply: Reply,
     feed: Callable[[bytes], bytes],
 ) -> str | None:
     """Relay D's stream (``feed`` makes each chunk the client's): ``"ok"``, or None with
     ``ex.failure`` set and nothing more sent: D's stream began with an error event (what
     vLLM sends when the KV did not come), had one later (what came before it relayed),
     broke, or ran past the deadline."""
+    reply = ex.reply
     began = False  # this leg relayed something (a chat's role alone does not count)
     held = b""  # a chat's role announcement, relayed with what follows it
     with ex.decode_scope(), trio.move_on_at(ex.deadline):
@@ -48,7 +47,7 @@ async def relay_stream(
                         chunk, held = held + chunk, b""
                         rest = _after_role(chunk)
                         if rest.startswith(ERROR_EVENT):  # before any of D's tokens
-                            legs.fail(ex, failures.event_failure(ex.d, rest))
+                            effects.fail(ex, failures.event_failure(ex.d, rest))
                             return None
                         if not rest:  # only a chat's role so far: held until a token
                             held = chunk
@@ -56,7 +55,7 @@ async def relay_stream(
                     # Only the client's first chunk of D's is timed (TTFT); D's step is
                     # learnt from the stream's span when it ends.
                     first = not ex.state.d_relayed
-                    legs.apply(ex, ex.state.d_chunk(trio.current_time() if first else None))
+                    effects.apply(ex, ex.state.d_chunk(trio.current_time() if first else None))
                     began = True
                     at = chunk.find(ERROR_EVENT)
                     if at >= 0:  # D reports a failure in a stream it began (200)
@@ -64,18 +63,18 @@ async def relay_stream(
                             await reply.chunk(data)
                         event = chunk[at:].split(b"\n\n", 1)[0]
                         failure = failures.event_failure(ex.d, event, before_token=False)
-                        legs.fail(ex, failure)
+                        effects.fail(ex, failure)
                         return None
                     if data := feed(chunk):
                         await reply.chunk(data)
             if held:  # a stream of a role announcement only
-                legs.apply(ex, ex.state.d_chunk(trio.current_time()))
+                effects.apply(ex, ex.state.d_chunk(trio.current_time()))
                 await reply.chunk(feed(held))
             return "ok"
         except EngineError as exc:
-            legs.fail(ex, failures.transport_failure(ex.d, exc))
+            effects.fail(ex, failures.transport_failure(ex.d, exc))
     if ex.failure is None:
-        legs.fail(ex, failures.timeout_failure("D did not finish"))
+        effects.fail(ex, failures.timeout_failure("D did not finish"))
     return None
 
 

@@ -1,25 +1,41 @@
 """The proxy: an OpenAI-compatible front door for prefill/decode disaggregation.
 
 :func:`serve_proxy` serves ``POST /v1/completions`` and ``POST /v1/chat/completions`` (quart-trio
-on hypercorn). Each request goes to one prefill engine (P) and one decode engine (D) at once,
-with upstream vLLM's ``kv_transfer_params``:
+on hypercorn). Each request is routed to a prefill engine (P) and a decode engine (D), placed
+(P computes the prompt, or D does: ``--placement``, ``auto`` by default) and served in one of
+four flows, each a path through the exchange's transition table
+(:mod:`pdactors.core.exchange_rules`), with upstream vLLM's ``kv_transfer_params``:
 
-* P gets the client's body with ``max_tokens: 1`` (and ``max_completion_tokens: 1`` for chat),
-  ``stream: false`` and ``{"do_remote_decode": true, "transfer_id": T}``;
-* D gets the client's body with ``{"do_remote_prefill": true, "remote_engine_id": P's engine id,
-  "remote_bootstrap_addr": P's bootstrap URL, "transfer_id": T}``.
+* **P-first** (the default, ``first_token = "p"``): P is asked for one token (its token ids
+  returned). A streamed client gets that token at once; when it ends the answer (EOS, a stop
+  string, one token asked) nothing else is asked. Otherwise D gets a completion of the
+  prompt's ids and P's token with ``{"do_remote_prefill": true, "remote_engine_id": ...,
+  "remote_bootstrap_addr": ..., "transfer_id": T, "first_token_from_p": true}``, pulls the
+  prompt's KV from P and continues after P's token. A P that fails (or is judged failed by the
+  health loop) before its token leaves the request to D alone (``fall_back_to_d``).
+* **Concurrent** (``first_token = "d"``, or a body the P-first flow cannot carry): P gets the
+  client's body with ``max_tokens: 1``, ``stream: false`` and ``{"do_remote_decode": true,
+  "transfer_id": T}`` and D the client's body with the pull's params, both at once, as in
+  upstream's example proxy. D's answer reaches the client as soon as D gives it (nothing waits
+  for P's answer); P failing beside D is only noted (D's KV decides; P's 4xx, the request's
+  own fault, fails it), D failing cancels P's leg (its connection closed: vLLM aborts it).
+* **Local**: D alone computes the prompt (placed local, or no P in rotation, or none that
+  answers with D's model).
+* **Whole-on-P**: a P serves it whole in D's place (pinned, or no D in rotation:
+  ``fall_back_to_p``).
 
-Both calls start at once, as in upstream's example proxy, and D's answer reaches the client as
-soon as D gives it: its headers when D's come, each SSE chunk as D sends it (nothing waits for
-P's answer, which vLLM's API server sends after D may already have the KV). P's leg is watched
-beside D's for the whole request: when one fails, the other is cancelled (closing its
-connection, which makes vLLM abort the request). A failure before D's answer began is an HTTP
-status (a 4xx passes through, anything else is a 502 naming the engine); once a stream has
-begun it ends with an error event. D's answer complete, P's leg (if still running) gets a
-moment to end (``_PREFILL_GRACE``, so that its connection is reused), then it is cancelled.
-A client that goes away cancels both (as does one that stops reading its answer, after
-``write_timeout``: :mod:`pdactors.web._connections`); a stream in which D reports an error event
-counts as ``decode_error``.
+In every flow D's answer is relayed as it comes: its headers when D's come, each SSE chunk as D
+sends it. A D that fails before any of its answer reached the client, its KV missing, is asked
+once more computing the prompt itself (a retry); one that fails otherwise (a 5xx, a broken
+answer, an error event, judged failed by the health loop) hands the request to another engine,
+which continues after what the client got (a migration, up to ``migration_limit``). What is
+left is told to the client: before D's answer began an HTTP status (a 4xx passes through,
+anything else is a 502 naming the engine, a 504 past ``request_timeout``), once a stream has
+begun an error event. D's answer complete, P's leg (if still running) gets a moment to end
+(``_PREFILL_GRACE``, so that its connection is reused), then it is cancelled. A client that
+goes away cancels both (as does one that stops reading its answer, after ``write_timeout``:
+:mod:`pdactors.web._connections`); a stream in which D reports an error event counts as
+``decode_error``.
 
 Other routes: ``GET /v1/models`` (a healthy D's answer), ``GET /health`` (200 ``ok`` with a P
 and a D in rotation, 200 ``degraded`` while one role alone can serve, else 503 with the
@@ -39,13 +55,17 @@ request still waiting for its first token cut from it, served by D alone. Engine
 through :mod:`pdactors.proxy._engine_http` (h11); the completion routes and the forwarded ones
 are served on raw ASGI, the proxy's other routes by Quart.
 
-Where each step lives: the request's arrival, checks and routing in
-:mod:`~pdactors.proxy._completions`; its exchange's life (phase, first failure, the counts it
-holds) in :mod:`pdactors.core.exchange`, its effects carried out in
-:mod:`~pdactors.proxy._effects`; the calls to P and D in :mod:`~pdactors.proxy._legs` (what a
-failed one tells the client in :mod:`~pdactors.proxy._engine_failures`, whether D's is asked again
-in :mod:`~pdactors.proxy._retry`); the P-first flow in :mod:`~pdactors.proxy._p_first` (its bodies
-in :mod:`~pdactors.proxy._bodies`); the OpenAI body rules in :mod:`~pdactors.proxy._openai`; the
+Where each step lives: the request's arrival, checks, routing and placement in
+:mod:`~pdactors.proxy._completions`; its whole life — flow, phase, engines, failures, what the
+client got, the counts it holds — in one sans-IO record, :mod:`pdactors.core.exchange` (its
+table: :mod:`~pdactors.core.exchange_rules`; what follows a failure:
+:mod:`~pdactors.core.exchange_next`), whose effects are carried out in
+:mod:`~pdactors.proxy._effects` only; the flows performed in :mod:`~pdactors.proxy._flows`
+(P-first: :mod:`~pdactors.proxy._p_first`; D's answer, retries and migrations:
+:mod:`~pdactors.proxy._answer`); the calls to P and D in :mod:`~pdactors.proxy._legs` (what a
+failed one tells the client in :mod:`~pdactors.proxy._engine_failures`, which engine continues
+a migrated request in :mod:`~pdactors.proxy._retry`); the bodies in
+:mod:`~pdactors.proxy._bodies`; the OpenAI body rules in :mod:`~pdactors.proxy._openai`; the
 raw ASGI plumbing in :mod:`~pdactors.proxy._asgi`; the Quart routes in :mod:`~pdactors.proxy._app`;
 the forwarded routes in :mod:`~pdactors.proxy._forward`; health in :mod:`~pdactors.proxy._health`.
 """
