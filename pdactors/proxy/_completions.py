@@ -275,8 +275,9 @@ class Proxy:
             prompt_tokens=tokens, prompt_chars=chars,
         )  # fmt: skip
         stream = body.get("stream") is True
-        ex = Exchange(endpoint, stream, tid, headers, p_headers, p_engine_id, state, reply)
-        ex.span = span
+        ex = Exchange(
+            endpoint, stream, tid, headers, p_headers, p_engine_id, state, reply, span=span
+        )
         # One engine serves it whole (D, or a P in D's place): the other takes no part.
         if where not in ("local", "whole-on-p"):  # P computes the prompt (and caches it)
             self.prefill.sent(p, prompt)
