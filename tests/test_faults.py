@@ -9,6 +9,8 @@ import trio
 import trio.testing
 
 from pdactors import PullFailedError, ReceiverConfig, SenderConfig
+from pdactors.actors._p_connections import PARTING_PAUSES
+from pdactors.config import Liveness
 from pdactors.testing import (
     Cluster,
     FaultyTransport,
@@ -140,3 +142,41 @@ async def test_a_cut_mid_stream_ends_every_transfer_and_leaks_nothing(seed: int)
                 assert faulty.cut() >= 1
             assert len(ends) == 16  # every transfer ended: delivered or failed, none hung
             await cluster.wait_settled()
+
+
+async def test_a_partition_that_heals_frees_the_kv_p_holds_for_pulls_d_gave_up(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """P readies a transfer while D cannot reach it (a partition: D's pull is lost with its
+    connection, or gets no handshake on a new one, and ends as P gone; P never hears of it):
+    P still holds the KV. Once the partition heals, D's
+    parting cancel reaches P within one pause of its tries, long before P's unclaimed_ttl
+    would free it."""
+    memory = MemoryTransport()
+    receiver = ReceiverConfig(lookup_timeout=1e6, tick_interval=1)
+    autojump_clock.autojump_threshold = 0.01
+    async with open_cluster(
+        sender=QUIET_SENDER, receiver=receiver, transport=memory, **SMALL
+    ) as cluster:
+        p = cluster.prefill[0]
+        assert (await run_transfer(cluster, "first", 2)).ok  # D knows P's worker now
+        assert memory.partition(p.sender.address) == 1
+        src = p.pool.allocate(3)
+        p.owned["held"] = src
+        p.kv.fill("held", src)
+        p.sender.transfer_pending("held")
+        p.sender.transfer_ready("held", src)
+        reason = await pull(cluster, "held")
+        assert "P gone" in reason, reason
+        await trio.sleep(30)  # the partition lasts; P keeps the KV meanwhile
+        assert p.sender.transfer_state("held").value == "ready"  # type: ignore[union-attr]
+        healed = trio.current_time()
+        memory.heal(p.sender.address)
+        bound = PARTING_PAUSES[1] + 2 * Liveness().connect_timeout
+        await wait_until(
+            lambda: p.sender.transfer_state("held").value == "cancelled",  # type: ignore[union-attr]
+            within=bound,
+        )
+        print(f"P told {trio.current_time() - healed:.1f} s after the partition healed")
+        assert cluster.decode[0].receiver._links.owed_cancels == 0
+        await cluster.wait_settled()

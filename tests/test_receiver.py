@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from pdactors import Liveness, PullFailedError, ReceiverConfig
-from pdactors.actors._p_connections import DOWN_MEMORY
+from pdactors.actors._p_connections import DOWN_MEMORY, PARTING_MEMORY
 from pdactors.actors.receiver import Receiver
 from pdactors.bootstrap_client import BootstrapClient
 from pdactors.dataplane import DataPlane
@@ -81,11 +81,11 @@ async def test_maps_return_to_their_size_after_p_workers_come_and_go(
                 nursery.start_soon(pull_fails, receiver, n)
         await trio.testing.wait_all_tasks_blocked()
         assert len(receiver._links._down) == 20  # remembered as down a while (INFO next time)
-        await trio.sleep(DOWN_MEMORY)
+        await trio.sleep(max(DOWN_MEMORY, PARTING_MEMORY))  # the parting cancels tried too
         assert "P gone" in await pull_fails(receiver, 99)
         await trio.testing.wait_all_tasks_blocked()
-        # ...and forgotten after it: only the one just lost is left.
-        assert sizes(receiver) == {**before, "links._down": 1}
+        # ...and forgotten after it: only the one just lost is left (and its cancel owed).
+        assert sizes(receiver) == {**before, "links._down": 1, "links._owed": 1}
 
 
 class _CountingTicks:

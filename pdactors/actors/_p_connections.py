@@ -4,8 +4,13 @@ kept while P is alive.
 ZMQ heartbeats and the socket's monitor tell when P's side channel is lost; so does an answer
 D cannot use (another protocol version, garbage), after which nothing more on that connection
 is trusted. Either way the connection is closed, its owner (the receiver) ends the pulls sent
-there, and the next pull dials P afresh. A lost connection's pulls get a best-effort parting
-cancel on a fresh connection, in case only the link broke and P still holds their KV.
+there, and the next pull dials P afresh. A lost connection's pulls get a parting cancel on a
+fresh connection, in case only the link broke and P still holds their KV: tried again, with
+pauses doubling up to :data:`PARTING_PAUSES`' longest, until P answers or
+:data:`PARTING_MEMORY` seconds have passed (a partition that heals within them costs P's KV
+nothing more; a dead P never answers, and a longer partition leaves P its ``unclaimed_ttl``).
+A dead P is tried as a cut one is (a refused connection does not tell them apart): a few
+connection attempts over :data:`PARTING_MEMORY`.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Final
 
 import trio
 
@@ -29,12 +35,19 @@ from pdactors.wire import (
     encode_frames,
 )
 
-__all__ = ["DOWN_MEMORY", "PConnections", "Peer"]
+__all__ = ["DOWN_MEMORY", "PARTING_MEMORY", "PARTING_PAUSES", "PConnections", "Peer"]
 
 log = logging.getLogger("pdactors.receiver")
 
 #: Seconds a lost P worker is remembered as down: a loss again within them logs at INFO.
 DOWN_MEMORY = 60.0
+#: How long D keeps trying to tell a P worker it lost the connection to which transfers D gave
+#: up on: a little longer than P's default ``unclaimed_ttl`` (120 s), after which P has freed
+#: their KV itself.
+PARTING_MEMORY: Final = 150.0
+#: The first and the longest pause between two tries of the parting cancels (each try takes
+#: at most twice the liveness ``connect_timeout``).
+PARTING_PAUSES: Final = (1.0, 16.0)
 
 
 @dataclass(slots=True)
@@ -95,6 +108,9 @@ class PConnections:
         # P workers lost and not heard from since, and when (a repeat loss logs at INFO); kept
         # DOWN_MEMORY seconds, about as long as a dead P's registration lingers.
         self._down: dict[str, float] = {}
+        #: P worker address -> the transfers it was not yet told D gave up on (its connection
+        #: was lost with their pulls); one task per address tells it (:meth:`_parting_cancels`)
+        self._owed: dict[str, set[str]] = {}
         self.protocol_errors = 0  #: ErrorReplies and bad frames from P (logged once a minute)
         self._every = Every(60.0)
 
@@ -181,16 +197,49 @@ class PConnections:
         log.log(level, "P worker %s gone (%r): %d pulls end", address, reason, len(pulls))
         self._down.setdefault(address, now)
         if pulls and not peer.broken:
-            self._nursery.start_soon(self._parting_cancels, address, peer.curve_key, pulls)
+            owed = self._owed.get(address)
+            if owed is None:
+                self._owed[address] = set(pulls)
+                self._nursery.start_soon(self._parting_cancels, address, peer.curve_key)
+            else:  # its task, trying already, tells these too
+                owed.update(pulls)
 
-    async def _parting_cancels(self, address: str, key: str, transfer_ids: list[str]) -> None:
-        """Best effort after a lost connection: if P is in fact alive (only the link broke),
-        tell it on a fresh connection that D gave up on these transfers, so it frees their KV
-        now rather than at its expiry. A dead P never answers; the attempt ends with the
-        connection (refused, or no handshake within ``connect_timeout``), or after one more
-        ``connect_timeout`` for a live P that does not answer every cancel."""
+    @property
+    def owed_cancels(self) -> int:
+        """Transfers whose P worker D lost before it could tell it D gave up on them."""
+        return sum(map(len, self._owed.values()))
+
+    async def _parting_cancels(self, address: str, key: str) -> None:
+        """After a lost connection: if P is in fact alive (only the link broke), tell it on a
+        fresh connection that D gave up on the transfers :attr:`_owed` to ``address``, so that
+        it frees their KV now rather than at its expiry; tried again after a pause (doubling,
+        :data:`PARTING_PAUSES`) until P answered or :data:`PARTING_MEMORY` seconds passed."""
+        give_up = trio.current_time() + PARTING_MEMORY
+        pause, longest = PARTING_PAUSES
+        try:
+            while owed := sorted(self._owed[address]):
+                if await self._tell(address, key, owed):
+                    self._owed[address].difference_update(owed)
+                    continue  # others may have been lost to it meanwhile
+                if trio.current_time() + pause >= give_up:
+                    log.info("P worker %s not reached for %.0f s: %d cancels not delivered",
+                             address, PARTING_MEMORY, len(owed))  # fmt: skip
+                    return
+                await trio.sleep(pause)
+                pause = min(2 * pause, longest)
+        finally:
+            del self._owed[address]
+
+    async def _tell(self, address: str, key: str, transfer_ids: list[str]) -> bool:
+        """One try of the parting cancels on a fresh connection; True once P answered one (the
+        connection works, and messages on it arrive in order: P read them all) or its key is
+        refused (nothing this D may tell it). A P that gives no handshake within
+        ``connect_timeout`` is not reached: False. So is one whose address refuses the
+        connection at once, which is not taken for a dead P here: a link whose carrier is
+        down (this host's own cable) refuses at once too, and a P behind it still holds KV."""
         liveness = self._config.liveness
         cancels = [encode_frames(CancelPull(t, "D lost its connection to P")) for t in transfer_ids]
+        heard = False
         with trio.move_on_after(2 * liveness.connect_timeout):
             try:
                 async with (
@@ -201,8 +250,10 @@ class PConnections:
                 ):
 
                     async def answers() -> None:
-                        for _ in cancels:  # P answers each cancel it did not already end
+                        nonlocal heard
+                        for _ in cancels:  # P answers each cancel (PullFailed "cancelled")
                             await dealer.receive()
+                            heard = True
                         nursery.cancel_scope.cancel()
 
                     nursery.start_soon(answers)
@@ -211,7 +262,8 @@ class PConnections:
                     await dealer.wait_lost(liveness.connect_timeout)
                     nursery.cancel_scope.cancel()
             except (PdError, trio.ClosedResourceError):
-                pass  # P is gone after all: there is nothing left to free
+                return True  # P is gone after all: there is nothing left to free
+        return heard
 
     async def _read_answers(self, peer: Peer) -> None:
         while True:

@@ -32,6 +32,7 @@ class _MemoryDealer:
         self.identity = identity
         self.inbox_send, self._inbox = trio.open_memory_channel[list[bytes]](math.inf)
         self.router: _MemoryRouter | None = None
+        self.unreachable = False  # dialled across a partition: no handshake will come
         self.lost: str | None = None
         self.dead: str | None = None  # no router at its address any more (closed, refused)
         self._changed = Pulse()
@@ -54,6 +55,9 @@ class _MemoryDealer:
         # like ZMQ: a message to a peer that is gone is dropped, not an error
 
     async def wait_lost(self, connect_timeout: float) -> str:
+        if self.unreachable and self.lost is None:
+            await trio.sleep(connect_timeout)
+            self.lose(f"no handshake from {self.address} within {connect_timeout:g} s")
         while self.lost is None:
             await self._changed.wait()
         return self.lost
@@ -102,11 +106,14 @@ class _MemoryRouter:
 class MemoryTransport:
     """One in-memory "network": every router and dealer opened through it can reach the others.
 
-    :meth:`cut` drops every connection to a router now (as a dead or cut-off peer would).
+    :meth:`cut` drops every connection to a router now (as a dead or cut-off peer would);
+    :meth:`partition` also keeps every new one from reaching it (a dealer opened across it
+    hears nothing, and is lost once its ``connect_timeout`` passes) until :meth:`heal`.
     """
 
     def __init__(self) -> None:
         self._routers: dict[str, _MemoryRouter] = {}
+        self._partitioned: set[str] = set()
         self._ports = itertools.count(1)
         self._identities = itertools.count(1)
 
@@ -134,7 +141,9 @@ class MemoryTransport:
             raise TransportError(f"cannot connect to {address!r}: not a tcp://host:port address")
         dealer = _MemoryDealer(address, next(self._identities).to_bytes(4, "big"))
         router = self._routers.get(address)
-        if router is None:
+        if address in self._partitioned:
+            dealer.unreachable, router = True, None
+        elif router is None:
             dealer.lose(f"connection to {address} refused or failed", dead=True)
         else:
             dealer.router = router
@@ -156,3 +165,13 @@ class MemoryTransport:
             dealer.lose(f"side channel to {address} lost ({reason})")
             router.drop(dealer)
         return len(dealers)
+
+    def partition(self, address: str) -> int:
+        """Cut the router at ``address`` off until :meth:`heal`: its connections are dropped
+        now (:meth:`cut`) and none made meanwhile reaches it; returns how many were dropped."""
+        self._partitioned.add(address)
+        return self.cut(address, "partitioned")
+
+    def heal(self, address: str) -> None:
+        """The router at ``address`` is reachable again (for connections made from now on)."""
+        self._partitioned.discard(address)

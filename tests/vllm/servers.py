@@ -135,19 +135,24 @@ def vllm_server(
     port: int | None = None,
     max_num_seqs: int = 64,
     extra_args: tuple[str, ...] = (),
+    host: str = "127.0.0.1",
+    netns: str | None = None,
 ) -> Iterator[Server]:
-    """Start ``python -m vllm.entrypoints.openai.api_server`` (on ``port``, or a free one);
-    the caller waits for it to be healthy (:func:`wait_healthy`)."""
+    """Start ``python -m vllm.entrypoints.openai.api_server`` (on ``host`` and ``port``, or a
+    free one; in network namespace ``netns`` when given: ``ip netns exec``); the caller waits
+    for it to be healthy (:func:`wait_healthy`)."""
     port = port or free_port()
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", "tiny",
-        "--host", "127.0.0.1", "--port", str(port),
+        "--host", host, "--port", str(port),
         "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_model_len),
         "--max-num-seqs", str(max_num_seqs), "--seed", "0", *extra_args,
     ]  # fmt: skip
     if kv_transfer_config is not None:
         args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    if netns is not None:  # ip execs the server: the process group is still the server's
+        args = ["ip", "netns", "exec", netns, *args]
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -165,7 +170,7 @@ def vllm_server(
         process = subprocess.Popen(
             args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    server = Server(name, f"http://127.0.0.1:{port}", process, log)
+    server = Server(name, f"http://{host}:{port}", process, log)
     try:
         yield server
     except BaseException as exc:

@@ -1,0 +1,229 @@
+"""P and D on hosts of their own (issue 41, item 4): real vLLM P and D each in a network
+namespace, joined to the proxy's by a bridge (tests/vllm/hosts.py), so that the KV, the side
+channel, the bootstrap and the proxy's calls all cross a network that a test can cut.
+
+* Across the namespaces the answers equal P's own as a plain server, token for token, and the
+  KV crossed (D's prompt tokens came by transfer).
+* A 2 s and a 6 s cut of P's link, then of D's, with eight streams in flight: every request
+  ends within its bound (none hangs), each either answered whole and equal to P's own answer
+  or failed with a clear error, and no KV block is left held on P or D once they settle.
+
+``tc netem`` (delay, loss) is used where the kernel has it (the link cut needs only ``ip``);
+this module is skipped where network namespaces cannot be made (not root, no iproute2). The
+servers start once for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm")
+
+from pdactors_vllm.tiny_model import ensure_tiny_model
+from tests.vllm.hosts import Host, can_make_hosts, hosts
+from tests.vllm.servers import (
+    Server,
+    completion,
+    consumer_config,
+    producer_config,
+    proxy,
+    servers,
+)
+from tests.vllm.test_e2e import prompt_ids
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not can_make_hosts(), reason="needs root and iproute2 network namespaces"),
+]
+
+BOOTSTRAP_PORT, ENGINE_PORT = 8998, 8100
+#: The longest one request may take here, cut or not: it ends (served or failed) by then.
+BOUND = 90.0
+
+
+@dataclass
+class Net:
+    p: Server
+    d: Server
+    hosts: dict[str, Host]
+    proxy_url: str
+    answers: dict[tuple[int, ...], str] = field(default_factory=dict)  # P's own, per prompt
+
+    def alone(self, prompt: list[int], max_tokens: int) -> str:
+        """P's greedy answer as a plain server (no transfer), cached."""
+        key = (*prompt, -max_tokens)
+        if key not in self.answers:
+            self.answers[key] = completion(self.p, prompt, max_tokens=max_tokens)["choices"][0][
+                "text"
+            ]
+        return self.answers[key]
+
+    def proxy_json(self, path: str) -> dict[str, Any]:
+        return dict(httpx.get(f"{self.proxy_url}{path}", timeout=10, trust_env=False).json())
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
+    model = ensure_tiny_model()
+    logs = tmp_path_factory.mktemp("vllm-netns-logs")
+    with hosts("p", "d") as (_, h):
+        p_host, d_host = h["p"], h["d"]
+        p_kv = producer_config(
+            "prefill-ns", BOOTSTRAP_PORT, host=p_host.ip, bootstrap_host=p_host.ip
+        )
+        d_kv = consumer_config("decode-ns", host=d_host.ip)
+        specs: dict[str, dict[str, Any]] = {
+            "prefill": {"core": 0, "kv_transfer_config": p_kv},
+            "decode": {"core": 1, "kv_transfer_config": d_kv},
+        }
+        for name, host in (("prefill", p_host), ("decode", d_host)):
+            specs[name] |= {"host": host.ip, "netns": host.netns, "port": ENGINE_PORT}
+        with servers(specs, model, logs) as s:
+            p, d = s["prefill"], s["decode"]
+            bootstrap = f"http://{p_host.ip}:{BOOTSTRAP_PORT}"
+            with proxy(
+                [(p.url, bootstrap)], [d.url], logs / "proxy.log", "--health-interval", "0.5"
+            ) as url:
+                yield Net(p, d, h, url)
+
+
+def _events(resp: httpx.Response) -> Iterator[dict[str, Any]]:
+    for line in resp.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line.removeprefix("data: "))
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How one request through the proxy ended: its text when answered whole, else why not."""
+
+    text: str | None
+    error: str | None
+    seconds: float  # from its start
+    ended: float = field(default_factory=time.monotonic)  # when (time.monotonic)
+
+
+def _stream(net: Net, prompt: list[int], max_tokens: int) -> Ended:
+    """One streamed request, pinned disaggregated (every one moves KV across the network)."""
+    body = {
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "stream": True,
+    }  # fmt: skip
+    start = time.monotonic()
+    try:
+        with httpx.stream(
+            "POST", f"{net.proxy_url}/v1/completions", json=body, timeout=BOUND,
+            headers={"x-pdactors-placement": "disaggregate"}, trust_env=False,
+        ) as resp:  # fmt: skip
+            if resp.status_code != 200:
+                return Ended(None, f"HTTP {resp.status_code}: {resp.read()[:300]!r}", 0)
+            events = list(_events(resp))
+    except httpx.TimeoutException as exc:
+        return Ended(None, f"hung: {exc!r}", time.monotonic() - start)
+    took = time.monotonic() - start
+    errors = [e["error"] for e in events if "error" in e]
+    if errors:
+        return Ended(None, f"error event: {errors[0]}", took)
+    text = "".join(c.get("text", "") for e in events for c in e.get("choices", ()))
+    return Ended(text, None, took)
+
+
+def _wait_for(what: str, ok: Callable[[], bool], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
+        time.sleep(0.2)
+
+
+def _both_up(net: Net) -> bool:
+    report = net.proxy_json("/health")
+    return report["status"] == "ok"
+
+
+def test_answers_across_namespaces_equal_p_alone_and_the_kv_crossed(net: Net) -> None:
+    received = net.d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    for i, length in enumerate((20, 300, 700)):
+        prompt = prompt_ids(length, seed=700 + i)
+        ended = _stream(net, prompt, 16)
+        assert ended.error is None, ended.error
+        assert ended.text == net.alone(prompt, 16)
+    moved = net.d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    assert moved - received >= 20 + 300 + 700 - 3  # each prompt's KV but P's token came
+    assert net.p.metric("vllm:pdactors_transfers_sent_total") >= 3
+
+
+@pytest.mark.parametrize("seconds", [2, 6])
+@pytest.mark.parametrize("cut", ["p", "d"])
+def test_a_link_cut_under_load_ends_every_request_and_leaks_no_block(
+    net: Net, cut: str, seconds: float
+) -> None:
+    """Eight streams in flight, then P's (or D's) link down for 2 s (TCP's retransmissions
+    outlast it) or 6 s (longer than the proxy's health verdict: the engine leaves the rotation
+    and what waits on it is cut from it) and up again: every request ends within
+    :data:`BOUND` (none hangs) and after the cut began, each answered whole and equal to P's
+    own answer or failed with a clear error; once they settle P and D hold no block, and the
+    proxy has both back in rotation."""
+    _wait_for("P and D in rotation", lambda: _both_up(net))
+    prompts = [prompt_ids(200 + 40 * i, seed=800 + i) for i in range(8)]
+    max_tokens = 64
+    host, d_group = net.hosts[cut], net.d.process.pid
+    with ThreadPoolExecutor(8) as pool:
+        # D is frozen while the eight are sent, so that none can end before the cut; the cut
+        # comes with all eight in flight, D let go with it.
+        os.killpg(d_group, signal.SIGSTOP)
+        try:
+            futures = [pool.submit(_stream, net, pr, max_tokens) for pr in prompts]
+            _wait_for("eight requests in flight", lambda: _in_flight(net) == 8, timeout=30)
+            host.cut()
+        finally:
+            os.killpg(d_group, signal.SIGCONT)
+        cut_at = time.monotonic()
+        try:
+            time.sleep(seconds)  # the fault itself: the link down
+        finally:
+            host.restore()
+        ended = [f.result(timeout=BOUND + 30) for f in futures]
+    hung = [e for e in ended if e.error is not None and e.error.startswith("hung")]
+    assert not hung, hung
+    assert all(e.seconds <= BOUND for e in ended)
+    assert all(e.ended > cut_at for e in ended)  # each was in flight when the link went
+    for prompt, e in zip(prompts, ended, strict=True):
+        if e.error is None:
+            assert e.text == net.alone(prompt, max_tokens)
+        else:  # a clear failure: it says which engine and what happened
+            assert "engine" in e.error or "error" in e.error, e.error
+    served = sum(e.error is None for e in ended)
+    failures = [e.error for e in ended if e.error]
+    took = sorted(round(e.ended - cut_at, 1) for e in ended)
+    print(f"link {cut} cut {seconds} s: {served} of 8 served, ended {took} s after the cut, "
+          f"failures: {failures}")  # fmt: skip
+    _wait_for("P and D back in rotation", lambda: _both_up(net))
+    _wait_for("nothing in flight at the proxy", lambda: _in_flight(net) == 0)
+    for engine in (net.p, net.d):
+        _wait_for(f"{engine.name} freed the blocks", partial(_holds_no_block, engine))
+    # and it serves across the network again
+    prompt = prompt_ids(100, seed=900)
+    again = _stream(net, prompt, 8)
+    assert again.error is None and again.text == net.alone(prompt, 8)
+
+
+def _holds_no_block(engine: Server) -> bool:
+    return engine.metric("vllm:kv_cache_usage_perc") == 0
+
+
+def _in_flight(net: Net) -> float:
+    text = httpx.get(f"{net.proxy_url}/metrics", timeout=10, trust_env=False).text
+    line = next(x for x in text.splitlines() if x.startswith("pdactors_proxy_requests_in_flight "))
+    return float(line.split()[-1])
