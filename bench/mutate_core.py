@@ -62,6 +62,9 @@ _SEND = ["tests/test_send_rules.py", "tests/test_send_table.py", "tests/test_pul
 TESTS: dict[str, list[str]] = {
     "exchange_rules": ["tests/test_exchange.py"],
     "exchange": ["tests/test_exchange.py"],
+    "exchange_next": ["tests/test_exchange.py"],
+    "exchange_answer": ["tests/test_exchange.py"],
+    "exchange_effects": ["tests/test_exchange.py"],
     "pull_rules": _PULL,
     "pull_records": [*_PULL, "tests/test_epochs.py"],
     "pull_table": [*_PULL, "tests/test_epochs.py"],
