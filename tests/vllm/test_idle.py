@@ -3,6 +3,8 @@ time it has waited; each new wait starts spinning again. A fake clock stands in 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pdactors_vllm import idle
@@ -27,6 +29,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     monkeypatch.setattr(idle.time, "monotonic", c.monotonic)
     monkeypatch.setattr(idle.time, "sleep", c.sleep)
     monkeypatch.setattr(idle._waits, "last", 0.0, raising=False)
+    monkeypatch.setattr(idle, "contended", lambda: True)  # another task wants the CPU
     return c
 
 
@@ -59,6 +62,47 @@ def test_a_wait_spins_first_then_naps_a_share_of_what_it_waited(clock: Clock) ->
         assert nap <= idle.NAP_SHARE * waited * 1.01
         waited += nap
     assert len(clock.naps) < 200  # ~60 growing naps, then ~100 of 0.5 ms: not ~50,000 spins
+
+
+def test_without_another_task_wanting_a_cpu_a_wait_only_spins(
+    clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone request's decode steps: nobody else wants a CPU, so a nap would only make the
+    answer later; the wait spins as vLLM's does. Once another task wants one, it naps."""
+    monkeypatch.setattr(idle, "contended", lambda: False)
+    assert set(spin(clock, 0.005)) == {"spin"}
+    monkeypatch.setattr(idle, "contended", lambda: True)
+    assert "nap" in spin(clock, 0.0005)
+
+
+@pytest.mark.parametrize(
+    ("loadavg", "cpus", "expected"),
+    [
+        (b"0.50 0.40 0.30 2/345 9876\n", 2, False),  # the reader and one more on 2 CPUs
+        (b"3.10 2.00 1.00 3/345 9876\n", 2, True),  # one task waits for a CPU
+        (b"garbage", 2, True),  # unreadable: nap, as before
+    ],
+)
+def test_contention_is_more_runnable_tasks_than_cpus_and_read_at_most_once_a_ms(
+    clock: Clock,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    loadavg: bytes,
+    cpus: int,
+    expected: bool,
+) -> None:
+    monkeypatch.undo()  # the real contended(), on the fake clock
+    monkeypatch.setattr(idle.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(idle._waits, "checked_until", 0.0, raising=False)
+    path = tmp_path / "loadavg"
+    path.write_bytes(loadavg)
+    monkeypatch.setattr(idle, "_LOADAVG", str(path))
+    monkeypatch.setattr(idle, "_CPUS", cpus)
+    assert idle.contended() is expected
+    path.write_bytes(b"9.00 9.00 9.00 1/345 9876\n")  # the host calms down...
+    assert idle.contended() is expected  # ...seen only once the reading is a ms old
+    clock.now += idle.CONTENTION_TTL
+    assert idle.contended() is False
 
 
 def test_each_new_wait_spins_again(clock: Clock) -> None:

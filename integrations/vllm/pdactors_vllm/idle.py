@@ -28,18 +28,23 @@ D share the cores, each engine's spinning core process takes the CPU the other e
 worker needs (measured with py-spy on 2 cores: 67–86 % of the engine cores' samples were
 ``sched_yield``). With the patch a wait spins for :data:`SPIN_S` and then naps a twentieth of
 the time it has waited so far, at most :data:`NAP`: an answer is noticed at most 5 % (and
-0.5 ms) later than by spinning, and a long wait costs almost no CPU. :func:`install` is
-called in the engine core's process (scheduler side) and in the worker's (worker side).
+0.5 ms) later than by spinning, and a long wait costs almost no CPU. It naps only while the
+host has more runnable tasks than CPUs (:func:`contended`, read from ``/proc/loadavg`` at most
+every :data:`CONTENTION_TTL`): a spin then takes a CPU another task wants; without such a task
+it costs nobody anything, and a lone request's decode steps are not made later by naps.
+:func:`install` is called in the engine core's process (scheduler side) and in the worker's
+(worker side).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["IDLE_POLL_MS", "NAP", "begin", "end", "install"]
+__all__ = ["CONTENTION_TTL", "IDLE_POLL_MS", "NAP", "begin", "contended", "end", "install"]
 
 log = logging.getLogger("pdactors.vllm")
 
@@ -57,6 +62,10 @@ SPIN_S = 0.0002
 NAP_SHARE = 0.05
 #: A call to ``sched_yield`` this long after the previous one returned starts a new wait.
 _NEW_WAIT = 0.001
+#: How long one reading of the host's runnable tasks stands, per thread (seconds).
+CONTENTION_TTL = 0.001
+_LOADAVG = "/proc/loadavg"
+_CPUS = os.cpu_count() or 1
 
 _idle = threading.Event()
 _installed = False
@@ -85,10 +94,28 @@ def _busy_nap(original: Callable[[], object]) -> None:
     _waits.last = time.monotonic()
 
 
+def contended() -> bool:
+    """Whether the host has more runnable tasks now than CPUs (``/proc/loadavg``'s count of
+    runnable scheduling entities, this one included), read at most once per
+    :data:`CONTENTION_TTL` per thread; True where it cannot be read (a wait naps, as before)."""
+    now = time.monotonic()
+    if now < getattr(_waits, "checked_until", 0.0):
+        return bool(_waits.contended)
+    try:
+        with open(_LOADAVG, "rb") as f:
+            running = int(f.read().split()[3].split(b"/")[0])
+        busy = running > _CPUS
+    except (OSError, ValueError, IndexError):
+        busy = True
+    _waits.contended, _waits.checked_until = busy, now + CONTENTION_TTL
+    return busy
+
+
 def _nap(waited: float, original: Callable[[], object]) -> None:
     """One spin of a busy wait that has lasted ``waited`` seconds: vLLM's own for the first
-    :data:`SPIN_S`, then a nap of :data:`NAP_SHARE` of the time waited, at most :data:`NAP`."""
-    if waited < SPIN_S:
+    :data:`SPIN_S` or while no other task wants a CPU (:func:`contended`), else a nap of
+    :data:`NAP_SHARE` of the time waited, at most :data:`NAP`."""
+    if waited < SPIN_S or not contended():
         original()
     else:
         time.sleep(min(NAP, waited * NAP_SHARE))
