@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import random
+import socket
 import subprocess
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -223,3 +225,15 @@ class TimedPlane:
             out["after"].append(spent)
             out["from_call"].append(end - calls[0][1] - spent)
         return out
+
+
+def bootstrap_port() -> int:
+    """A free port below Linux's ephemeral range (32768-60999): P's worker binds it a minute or
+    two after it is chosen, while four servers' processes take ephemeral ports (a port from
+    ``free_port`` was taken in between once: "Address already in use")."""
+    while True:
+        with socket.socket() as s:
+            port = random.randrange(20000, 32768)
+            with suppress(OSError):
+                s.bind(("127.0.0.1", port))
+                return port

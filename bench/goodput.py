@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shlex
-import socket
 import sys
 import tempfile
 import time
@@ -56,7 +55,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import group_cpu_seconds, placed
+from bench.common import bootstrap_port, group_cpu_seconds, placed
 from bench.vllm_pd import Result, direct, proxy_process, stream
 from pdactors_vllm.tiny_model import SHAPES, ensure_tiny_model
 from tests.vllm.servers import both_config, consumer_config, producer_config, servers
@@ -65,19 +64,6 @@ from tests.vllm.test_e2e import prompt_ids
 ENGINE = "prefill-goodput"
 #: Sends request ``i`` of a schedule with this prompt (raises httpx.HTTPError if it got no answer).
 Send = Callable[[int, list[int]], Result]
-
-
-def bootstrap_port() -> int:
-    """A free port below Linux's ephemeral range (32768-60999): P's worker binds it a minute or
-    two after it is chosen, while four servers' processes take ephemeral ports (a port from
-    ``free_port`` was taken in between once: "Address already in use")."""
-    rng = np.random.default_rng()
-    while True:
-        with socket.socket() as s:
-            port = int(rng.integers(20000, 32768))
-            with contextlib.suppress(OSError):
-                s.bind(("127.0.0.1", port))
-                return port
 
 
 @dataclass(frozen=True)
