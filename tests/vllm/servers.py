@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -237,6 +237,15 @@ def proxy_ready(url: str) -> bool:
     read)."""
     resp = httpx.get(f"{url}/health", timeout=2, trust_env=False)
     return resp.status_code == 200 and resp.json().get("status") == "ok"
+
+
+def wait_for(what: str, ok: Callable[[], bool], timeout: float = 60) -> None:
+    """Poll ``ok`` (a server's state, read over HTTP) until it holds; fail after ``timeout``
+    seconds naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
+        time.sleep(0.2)
 
 
 def wait_healthy(servers: list[Server], timeout: float = STARTUP_TIMEOUT) -> None:

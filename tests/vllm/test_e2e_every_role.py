@@ -9,8 +9,7 @@ The two servers (one core each) and the proxy start once for the module.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -21,7 +20,15 @@ import pytest
 pytest.importorskip("vllm")
 
 from pdactors_vllm.tiny_model import ensure_tiny_model
-from tests.vllm.servers import Server, both_config, completion, free_port, proxy, servers
+from tests.vllm.servers import (
+    Server,
+    both_config,
+    completion,
+    free_port,
+    proxy,
+    servers,
+    wait_for,
+)
 from tests.vllm.test_e2e import prompt_ids, text_and_reason
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -71,13 +78,6 @@ def _holds_no_block(e: Server) -> bool:
     return e.metric("vllm:kv_cache_usage_perc") == 0
 
 
-def _wait_for(what: str, predicate: Callable[[], bool], timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
-        time.sleep(0.2)
-
-
 def test_disaggregated_either_way_round_equals_an_engine_alone(pool: Pool) -> None:
     """Each prompt disaggregated (pinned by header) twice: the proxy's round robin makes each
     engine the other's P in turn. Both engines sent KV and both received it; the answers
@@ -96,7 +96,7 @@ def test_disaggregated_either_way_round_equals_an_engine_alone(pool: Pool) -> No
         received = e.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
         assert received > got[i], e.name
     for e in pool.engines:
-        _wait_for(f"{e.name} freed the blocks", partial(_holds_no_block, e))
+        wait_for(f"{e.name} freed the blocks", partial(_holds_no_block, e))
 
 
 @pytest.mark.parametrize("placement", [None, "local", "whole-on-p"])

@@ -19,7 +19,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -39,6 +39,7 @@ from tests.vllm.servers import (
     producer_config,
     proxy,
     servers,
+    wait_for,
 )
 from tests.vllm.test_e2e import prompt_ids
 
@@ -140,13 +141,6 @@ def _stream(net: Net, prompt: list[int], max_tokens: int) -> Ended:
     return Ended(text, None, took)
 
 
-def _wait_for(what: str, ok: Callable[[], bool], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not ok():
-        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
-        time.sleep(0.2)
-
-
 def _both_up(net: Net) -> bool:
     report = net.proxy_json("/health")
     return report["status"] == "ok"
@@ -175,7 +169,7 @@ def test_a_link_cut_under_load_ends_every_request_and_leaks_no_block(
     :data:`BOUND` (none hangs) and after the cut began, each answered whole and equal to P's
     own answer or failed with a clear error; once they settle P and D hold no block, and the
     proxy has both back in rotation."""
-    _wait_for("P and D in rotation", lambda: _both_up(net))
+    wait_for("P and D in rotation", lambda: _both_up(net))
     prompts = [prompt_ids(200 + 40 * i, seed=800 + i) for i in range(8)]
     max_tokens = 64
     host, d_group = net.hosts[cut], net.d.process.pid
@@ -185,7 +179,7 @@ def test_a_link_cut_under_load_ends_every_request_and_leaks_no_block(
         os.killpg(d_group, signal.SIGSTOP)
         try:
             futures = [pool.submit(_stream, net, pr, max_tokens) for pr in prompts]
-            _wait_for("eight requests in flight", lambda: _in_flight(net) == 8, timeout=30)
+            wait_for("eight requests in flight", lambda: _in_flight(net) == 8, timeout=30)
             host.cut()
         finally:
             os.killpg(d_group, signal.SIGCONT)
@@ -209,10 +203,10 @@ def test_a_link_cut_under_load_ends_every_request_and_leaks_no_block(
     took = sorted(round(e.ended - cut_at, 1) for e in ended)
     print(f"link {cut} cut {seconds} s: {served} of 8 served, ended {took} s after the cut, "
           f"failures: {failures}")  # fmt: skip
-    _wait_for("P and D back in rotation", lambda: _both_up(net))
-    _wait_for("nothing in flight at the proxy", lambda: _in_flight(net) == 0)
+    wait_for("P and D back in rotation", lambda: _both_up(net))
+    wait_for("nothing in flight at the proxy", lambda: _in_flight(net) == 0)
     for engine in (net.p, net.d):
-        _wait_for(f"{engine.name} freed the blocks", partial(_holds_no_block, engine))
+        wait_for(f"{engine.name} freed the blocks", partial(_holds_no_block, engine))
     # and it serves across the network again
     prompt = prompt_ids(100, seed=900)
     again = _stream(net, prompt, 8)
