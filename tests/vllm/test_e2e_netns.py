@@ -52,6 +52,12 @@ pytestmark = [
 BOOTSTRAP_PORT, ENGINE_PORT = 8998, 8100
 #: The longest one request may take here, cut or not: it ends (served or failed) by then.
 BOUND = 90.0
+#: P's ``unclaimed_ttl`` here (120 s by default): a P-first request cut from P by the health
+#: verdict while P's answer was still crossing the cut leaves KV no D will pull (D serves it
+#: alone) and P hears nothing of it until its answer's connection breaks after the link is
+#: back; a prompt P had finished by then waits for this (docs/proxy.md, "A P that stops
+#: answering"). Every transfer D gave up on is cancelled, never left to it.
+UNCLAIMED_TTL = 20.0
 
 
 @dataclass
@@ -82,8 +88,9 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
     with hosts("p", "d") as (_, h):
         p_host, d_host = h["p"], h["d"]
         p_kv = producer_config(
-            "prefill-ns", BOOTSTRAP_PORT, host=p_host.ip, bootstrap_host=p_host.ip
-        )
+            "prefill-ns", BOOTSTRAP_PORT, host=p_host.ip, bootstrap_host=p_host.ip,
+            unclaimed_ttl=UNCLAIMED_TTL,
+        )  # fmt: skip
         d_kv = consumer_config("decode-ns", host=d_host.ip)
         specs: dict[str, dict[str, Any]] = {
             "prefill": {"core": 0, "kv_transfer_config": p_kv},
@@ -173,6 +180,8 @@ def test_a_link_cut_under_load_ends_every_request_and_leaks_no_block(
     prompts = [prompt_ids(200 + 40 * i, seed=800 + i) for i in range(8)]
     max_tokens = 64
     host, d_group = net.hosts[cut], net.d.process.pid
+    expired = net.p.metric("vllm:pdactors_transfers_expired_total")
+    orphaned = _fallbacks(net, "p_unhealthy")
     with ThreadPoolExecutor(8) as pool:
         # D is frozen while the eight are sent, so that none can end before the cut; the cut
         # comes with all eight in flight, D let go with it.
@@ -206,11 +215,22 @@ def test_a_link_cut_under_load_ends_every_request_and_leaks_no_block(
     wait_for("P and D back in rotation", lambda: _both_up(net))
     wait_for("nothing in flight at the proxy", lambda: _in_flight(net) == 0)
     for engine in (net.p, net.d):
-        wait_for(f"{engine.name} freed the blocks", partial(_holds_no_block, engine))
+        freed = partial(_holds_no_block, engine)
+        wait_for(f"{engine.name} freed the blocks", freed, timeout=UNCLAIMED_TTL + 30)
+    # Only the KV of P-first requests cut from P while P's answer was in flight may have
+    # waited for the TTL; what D gave up on was cancelled (D's parting cancels, retried).
+    expired = net.p.metric("vllm:pdactors_transfers_expired_total") - expired
+    assert expired <= _fallbacks(net, "p_unhealthy") - orphaned
     # and it serves across the network again
     prompt = prompt_ids(100, seed=900)
     again = _stream(net, prompt, 8)
     assert again.error is None and again.text == net.alone(prompt, 8)
+
+
+def _fallbacks(net: Net, why: str) -> float:
+    text = httpx.get(f"{net.proxy_url}/metrics", timeout=10, trust_env=False).text
+    key = f'pdactors_proxy_fallbacks_total{{why="{why}"}} '
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(key))
 
 
 def _holds_no_block(engine: Server) -> bool:
