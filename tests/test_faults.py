@@ -4,6 +4,8 @@ duplicated and delayed messages, cut links). Every test ends with every block ba
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import trio
 import trio.testing
@@ -179,4 +181,62 @@ async def test_a_partition_that_heals_frees_the_kv_p_holds_for_pulls_d_gave_up(
         )
         print(f"P told {trio.current_time() - healed:.1f} s after the partition healed")
         assert cluster.decode[0].receiver._links.owed_cancels == 0
+        await cluster.wait_settled()
+
+
+@pytest.mark.parametrize("cancel", ["arrives", "lost with its connection"])
+async def test_a_pull_given_up_while_d_looks_p_up_still_frees_ps_kv(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, cancel: str
+) -> None:
+    """P holds a transfer's KV (P first) while D's lookup of P hangs on a cut link; D gives up
+    on the pull before it asked P (the request was moved off D): it ends on D at once, and once
+    the lookup answers D tells P, which frees the KV long before its unclaimed_ttl. If that
+    cancel is sent into a link that then breaks (lost with the connection, P never heard of
+    it), P has not answered it: D owes it and tells it again on a fresh connection."""
+    faults = MessageFaults()
+    faulty = FaultyTransport(MemoryTransport(), faults)
+    receiver = ReceiverConfig(lookup_timeout=1e6, tick_interval=1)
+    autojump_clock.autojump_threshold = 0.01
+    async with open_cluster(
+        sender=QUIET_SENDER, receiver=receiver, transport=faulty, **SMALL
+    ) as cluster:
+        p, d = cluster.prefill[0], cluster.decode[0]
+        assert (await run_transfer(cluster, "first", 2)).ok  # D's connection to P is up
+        src = p.pool.allocate(3)
+        p.owned["held"] = src
+        p.kv.fill("held", src)
+        p.sender.transfer_pending("held")
+        p.sender.transfer_ready("held", src)
+        # The fault, at the lookup's seam: its answer comes once the link is back.
+        lookups, link_back = d.receiver._lookups, trio.Event()
+        resolve = lookups.resolve
+
+        async def across_the_cut(url: str, engine_id: str) -> Any:
+            await link_back.wait()
+            return await resolve(url, engine_id)
+
+        monkeypatch.setattr(lookups, "resolve", across_the_cut)
+        dst = d.pool.allocate(3)
+        d.receiver.start_pull(
+            "held", bootstrap_url=cluster.bootstrap_url, engine_id="prefill-0", block_ids=dst
+        )
+        await trio.testing.wait_all_tasks_blocked()
+        d.receiver.abort("held", "the request was aborted on D")
+        assert list(d.receiver.take_results().failed) == ["held"]  # at once: P was not asked
+        d.pool.free(dst)
+        if cancel == "lost with its connection":
+            faults.drop = 1.0  # what D sends on its connection now never arrives
+        link_back.set()
+        if cancel == "lost with its connection":
+            await wait_until(lambda: faulty.stats["dropped"] == 1)  # the cancel
+            faults.drop = 0.0
+            assert faulty.cut() == 1  # the connection breaks (heartbeats), the cancel in it
+        told = trio.current_time()
+        bound = PARTING_PAUSES[1] + 2 * Liveness().connect_timeout
+        await wait_until(
+            lambda: p.sender.transfer_state("held").value == "cancelled",  # type: ignore[union-attr]
+            within=bound,
+        )
+        print(f"P told {trio.current_time() - told:.1f} s after D gave up ({cancel})")
+        assert d.receiver._links.owed_cancels == 0
         await cluster.wait_settled()

@@ -5,7 +5,9 @@ ZMQ heartbeats and the socket's monitor tell when P's side channel is lost; so d
 D cannot use (another protocol version, garbage), after which nothing more on that connection
 is trusted. Either way the connection is closed, its owner (the receiver) ends the pulls sent
 there, and the next pull dials P afresh. A lost connection's pulls get a parting cancel on a
-fresh connection, in case only the link broke and P still holds their KV: tried again, with
+fresh connection, in case only the link broke and P still holds their KV, and so do the
+cancels sent on it that P had not answered (sent into a link that then broke, a cancel is
+lost with the connection, and P never heard of it): tried again, with
 pauses doubling up to :data:`PARTING_PAUSES`' longest, until P answers or
 :data:`PARTING_MEMORY` seconds have passed (a partition that heals within them costs P's KV
 nothing more; a dead P never answers, and a longer partition leaves P its ``unclaimed_ttl``).
@@ -31,6 +33,8 @@ from pdactors.wire import (
     CancelPull,
     FrameError,
     Msg,
+    PullDone,
+    PullFailed,
     decode_frames,
     encode_frames,
 )
@@ -62,6 +66,9 @@ class Peer:
     gone: trio.Event = field(default_factory=trio.Event)  # lost, or P broke the protocol
     gone_reason: str = ""
     broken: bool = False  # P broke the protocol: it cannot read a parting cancel either
+    #: transfers D told P it gave up on and P has not answered yet: lost with this connection
+    #: (sent into a link that then broke), they are told again as parting cancels
+    cancels: set[str] = field(default_factory=set)
 
     def end(self, reason: str, *, broken: bool = False) -> None:
         """Close this connection for ``reason`` (the first reason stands); ``broken``: P
@@ -148,6 +155,20 @@ class PConnections:
         if (n := self._every.due(peer.address, trio.current_time())) is not None:
             log.warning("P worker %s: %r (%d such in 60 s)", peer.address, reason, n)
 
+    def cancel(self, peer: Peer, transfer_id: str, reason: str) -> None:
+        """Tell ``peer`` that D gave up on ``transfer_id``, so that P frees its KV now. Owed
+        until P answers it: a cancel lost with its connection is told again on a fresh one."""
+        if peer.lost:
+            self._owe(peer, [transfer_id])
+        else:
+            peer.cancels.add(transfer_id)
+            self.send_soon(peer, encode_frames(CancelPull(transfer_id, reason)))
+
+    def cancel_all(self, peers: list[Peer], transfer_id: str, reason: str) -> None:
+        """:meth:`cancel` ``transfer_id`` on each of ``peers`` (every P worker it was for)."""
+        for peer in peers:
+            self.cancel(peer, transfer_id, reason)
+
     def send_soon(self, peer: Peer, frames: list[bytes]) -> None:
         """Send ``frames`` to ``peer`` in a task of its own; dropped if P is lost meanwhile."""
         self._nursery.start_soon(self._send_quietly, peer, frames)
@@ -196,13 +217,19 @@ class PConnections:
         level = logging.INFO if address in self._down or not pulls else logging.WARNING
         log.log(level, "P worker %s gone (%r): %d pulls end", address, reason, len(pulls))
         self._down.setdefault(address, now)
-        if pulls and not peer.broken:
-            owed = self._owed.get(address)
-            if owed is None:
-                self._owed[address] = set(pulls)
-                self._nursery.start_soon(self._parting_cancels, address, peer.curve_key)
-            else:  # its task, trying already, tells these too
-                owed.update(pulls)
+        self._owe(peer, [*pulls, *peer.cancels])
+
+    def _owe(self, peer: Peer, transfer_ids: list[str]) -> None:
+        """P at ``peer`` was not told (or did not answer) that D gave up on ``transfer_ids``:
+        tell it on a fresh connection (:meth:`_parting_cancels`)."""
+        if not transfer_ids or peer.broken:
+            return
+        owed = self._owed.get(peer.address)
+        if owed is None:
+            self._owed[peer.address] = set(transfer_ids)
+            self._nursery.start_soon(self._parting_cancels, peer.address, peer.curve_key)
+        else:  # its task, trying already, tells these too
+            owed.update(transfer_ids)
 
     @property
     def owed_cancels(self) -> int:
@@ -280,6 +307,8 @@ class PConnections:
                 peer.end(f"P worker {peer.address} {why}", broken=True)
                 return
             self._down.pop(peer.address, None)  # heard from: a loss again is news
+            if isinstance(msg, PullDone | PullFailed):  # a cancel of it is answered
+                peer.cancels.discard(msg.transfer_id)
             self._on_answer(peer, msg)
 
 

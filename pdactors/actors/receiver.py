@@ -52,7 +52,6 @@ from pdactors.wire import (
     MAX_ID,
     BlockIds,
     BlockIdsLike,
-    CancelPull,
     Layout,
     Msg,
     PullRequest,
@@ -235,15 +234,14 @@ class Receiver:
             where = f"P {pull.engine_id} via {pull.bootstrap_url}"
             self._apply(self._table.fail(tid, f"cannot reach {where}: {exc}"))
             return
-        if self._table.get(tid) is not pull:  # aborted or timed out while looking P up
-            return
+        if self._table.get(tid) is not pull:  # ended while looking P up: P may hold its KV
+            return self._links.cancel_all(peers, tid, "D gave up on it before asking P")
         if lost := [p.address for p in peers if p.lost]:
             self._apply(self._table.fail(tid, f"P worker {lost[0]} was just lost"))
             return
         for address, _, compat, _ in workers:  # P's registration: refused before it is asked
             if (refused := self._compat.refusal(f"P {address}", compat)) is not None:
-                for peer in peers:  # P frees its blocks now, not at their expiry
-                    self._links.send_soon(peer, encode_frames(CancelPull(tid, refused)))
+                self._links.cancel_all(peers, tid, refused)  # P frees its KV now, not at expiry
                 return self._apply(self._table.fail(tid, refused))
         ranks = self.config.ranks
         done_to, done_token = self._latches.open(pull, len(peers))
@@ -324,9 +322,7 @@ class Receiver:
     def _send_cancel(self, cancel: SendCancel) -> None:
         peer = self._links.live(cancel.peer)
         if peer is not None:
-            self._links.send_soon(
-                peer, encode_frames(CancelPull(cancel.transfer_id, cancel.reason))
-            )
+            self._links.cancel(peer, cancel.transfer_id, cancel.reason)
 
     def _apply(self, effects: list[PullEffect]) -> None:
         for effect in effects:
