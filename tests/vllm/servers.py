@@ -357,6 +357,11 @@ def both_config(engine_id: str, bootstrap_port: int, **extra: Any) -> dict[str, 
     }}  # fmt: skip
 
 
+#: ``proxy``'s ``extra`` for a test whose point is the disaggregated flow: every request's
+#: prompt computed on P, its KV moved to D (the shipped default places each request).
+DISAGGREGATE = ("--placement", "disaggregate")
+
+
 @contextmanager
 def proxy(
     prefill: list[tuple[str, str]],
@@ -366,11 +371,10 @@ def proxy(
     engines: Sequence[tuple[str, str]] = (),
 ) -> Iterator[str]:
     """``pdactors proxy`` in front of ``prefill`` ((engine URL, bootstrap URL) pairs),
-    ``decode`` URLs and ``engines`` of every role (as ``prefill``), every prompt disaggregated
-    unless ``extra`` says otherwise; yields its URL once ``/health`` answers 200; stopped on
-    exit."""
-    args = [sys.executable, "-m", "pdactors.cli", "proxy", "--port", "0"]
-    args += ["--placement", "disaggregate", *extra]  # the PD path; a later --placement wins
+    ``decode`` URLs and ``engines`` of every role (as ``prefill``), with its shipped defaults
+    but for ``extra`` (a test whose point is the disaggregated flow pins it there, or per
+    request); yields its URL once ``/health`` answers 200; stopped on exit."""
+    args = [sys.executable, "-m", "pdactors.cli", "proxy", "--port", "0", *extra]
     for url, bootstrap in prefill:
         args += ["--prefill", f"{url}@{bootstrap}"]
     for url in decode:

@@ -31,6 +31,7 @@ from pdactors.proxy._pairs import parse_identity
 from pdactors.wire import Compat
 from pdactors_vllm.tiny_model import ensure_tiny_model, perturbed_copy
 from tests.vllm.servers import (
+    DISAGGREGATE,
     Server,
     completion,
     free_port,
@@ -172,7 +173,8 @@ def test_our_proxy_never_pairs_them_and_every_answer_is_ds_own_model(
     expected = [completion(u.single, p, max_tokens=MAX_TOKENS) for p in PROMPTS]
     p_requests = u.p.metric("vllm:request_success_total")
     log = tmp_path / "proxy.log"
-    with proxy([(u.p.url, u.bootstrap_url)], [u.d.url], log, "--first-token", first_token) as url:
+    flow = (*DISAGGREGATE, "--first-token", first_token)
+    with proxy([(u.p.url, u.bootstrap_url)], [u.d.url], log, *flow) as url:
         for i, (prompt, want) in enumerate(zip(PROMPTS, expected, strict=True)):
             body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
             resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120, trust_env=False)

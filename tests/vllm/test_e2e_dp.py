@@ -22,6 +22,7 @@ pytest.importorskip("vllm")
 
 from pdactors_vllm.tiny_model import ensure_tiny_model
 from tests.vllm.servers import (
+    DISAGGREGATE,
     Server,
     completion,
     consumer_config,
@@ -70,8 +71,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DataParallel]:
     with servers(specs, model, logs) as s:
         backends = [(s["prefill"].url, bootstrap)]
         with proxy(
-            backends, [s["decode"].url], logs / "proxy.log", "--health-interval", "0.5"
-        ) as url:
+            backends, [s["decode"].url], logs / "proxy.log", "--health-interval", "0.5",
+            *DISAGGREGATE,
+        ) as url:  # fmt: skip
             yield DataParallel(s["single"], s["prefill"], s["decode"], bootstrap, url)
 
 

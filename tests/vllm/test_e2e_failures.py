@@ -31,6 +31,7 @@ pytest.importorskip("vllm")
 
 from pdactors_vllm.tiny_model import ensure_tiny_model
 from tests.vllm.servers import (
+    DISAGGREGATE,
     Server,
     completion,
     free_port,
@@ -107,8 +108,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         w = World(model, logs, free_port(), bootstrap_url, p_config, d, "", p_stack)
         p = w.start_p()
         wait_healthy([d])
-        interval = ("--health-interval", str(HEALTH_INTERVAL))
-        front = proxy([(p.url, bootstrap_url)], [d.url], logs / "proxy.log", *interval)
+        flow = ("--health-interval", str(HEALTH_INTERVAL), *DISAGGREGATE)
+        front = proxy([(p.url, bootstrap_url)], [d.url], logs / "proxy.log", *flow)
         w.proxy_url = stack.enter_context(front)
         yield w
 

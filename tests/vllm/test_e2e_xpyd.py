@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 
 from pdactors_vllm.tiny_model import ensure_tiny_model
 from tests.vllm.servers import (
+    DISAGGREGATE,
     Server,
     completion,
     free_port,
@@ -74,8 +75,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[XpYd]:
             (server.url, f"http://127.0.0.1:{port}") for server, port in zip(p, ports, strict=True)
         ]
         with proxy(
-            backends, [x.url for x in d], logs / "proxy.log", "--health-interval", "0.5"
-        ) as url:
+            backends, [x.url for x in d], logs / "proxy.log", "--health-interval", "0.5",
+            *DISAGGREGATE,
+        ) as url:  # fmt: skip
             yield XpYd(s["single"], p, d, url)
 
 

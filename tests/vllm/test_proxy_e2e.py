@@ -46,13 +46,16 @@ class Setup:
         self.proxy_url = proxy_url
         self._http = httpx.Client(trust_env=False)
         self.single = self.client(single.url)
-        self.proxy = self.client(proxy_url)
+        self.proxy = self.client(proxy_url)  # the proxy's defaults place each request
+        #: every request disaggregated (P computes the prompt, its KV crosses to D): for the
+        #: tests whose point is that flow
+        self.pd = self.client(proxy_url, {"x-pdactors-placement": "disaggregate"})
 
-    def client(self, url: str) -> Any:
+    def client(self, url: str, headers: dict[str, str] | None = None) -> Any:
         """An ``openai`` client for the server or proxy at ``url``, on this setup's connections."""
         return openai.OpenAI(
             base_url=f"{url}/v1", api_key="unused", http_client=self._http, max_retries=0,
-            timeout=120,
+            timeout=120, default_headers=headers,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -73,7 +76,7 @@ def _start_proxy(
     args = [
         sys.executable, "-m", "pdactors.cli", "proxy", "--port", "0",
         "--prefill", f"{p.url}@{bootstrap_url}", "--decode", d.url, "--health-interval", "0.5",
-        "--placement", "disaggregate", *extra,  # a later --placement in extra wins
+        *extra,
     ]  # fmt: skip
     with open(log, "w") as err:
         return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -148,7 +151,7 @@ def test_completion_equals_single_server(setup: Setup, prompt: str | list[int]) 
         model="tiny", prompt=prompt, max_tokens=16, temperature=0
     )
     before = setup.external_prompt_tokens()
-    got = setup.proxy.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
+    got = setup.pd.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
     assert got.choices[0].text == want.choices[0].text
     assert got.choices[0].finish_reason == want.choices[0].finish_reason
     assert got.usage is not None and want.usage is not None
@@ -157,6 +160,12 @@ def test_completion_equals_single_server(setup: Setup, prompt: str | list[int]) 
     assert got.usage.total_tokens == want.usage.total_tokens
     # D took the prompt's KV from P instead of computing it
     assert setup.external_prompt_tokens() - before == want.usage.prompt_tokens
+    # placed as the proxy's defaults place it: the same answer
+    placed = setup.proxy.completions.with_raw_response.create(
+        model="tiny", prompt=prompt, max_tokens=16, temperature=0
+    )
+    assert placed.headers["x-pdactors-placement"] in ("disaggregate", "local", "whole-on-p")
+    assert placed.parse().choices[0].text == want.choices[0].text
 
 
 @pytest.mark.parametrize("prompt", list(PROMPTS.values()), ids=list(PROMPTS))
@@ -231,7 +240,7 @@ def test_concurrent_requests_equal_single_server(setup: Setup) -> None:
 
 
 def test_the_first_token_is_ps_and_the_answer_continues_on_d(setup: Setup) -> None:
-    """P-first (the proxy's default): whole and streamed, the answer equals a single
+    """Disaggregated, P-first (the default first token): whole and streamed, equal to a single
     server's with logprobs and token ids; D computed one prompt token (P's) and took the rest
     by KV; usage counts what the client got."""
     prompt = prompt_ids(200, seed=21)
@@ -240,7 +249,7 @@ def test_the_first_token_is_ps_and_the_answer_continues_on_d(setup: Setup) -> No
     extra = {"return_token_ids": True}
     want = setup.single.completions.create(**kwargs, extra_body=extra)
     local, external = setup.local_prompt_tokens(), setup.external_prompt_tokens()
-    got = setup.proxy.completions.create(**kwargs, extra_body=extra)
+    got = setup.pd.completions.create(**kwargs, extra_body=extra)
     assert setup.local_prompt_tokens() - local == 1  # P's token, computed by D
     assert setup.external_prompt_tokens() - external == 200
     (g,), (w,) = got.choices, want.choices
@@ -250,7 +259,7 @@ def test_the_first_token_is_ps_and_the_answer_continues_on_d(setup: Setup) -> No
     assert g.logprobs.text_offset == w.logprobs.text_offset
     assert g.token_ids == w.token_ids and g.prompt_token_ids == w.prompt_token_ids
     assert got.usage == want.usage
-    stream = setup.proxy.completions.create(**kwargs, stream=True)
+    stream = setup.pd.completions.create(**kwargs, stream=True)
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks) == w.text
     offsets = [
@@ -268,7 +277,7 @@ def test_a_first_token_that_ends_the_answer_never_reaches_d(setup: Setup) -> Non
         want = setup.single.completions.create(
             model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0
         )
-        got = setup.proxy.completions.create(
+        got = setup.pd.completions.create(
             model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0
         )
         assert (got.choices[0].text, got.choices[0].finish_reason) == (
@@ -282,10 +291,11 @@ def test_a_first_token_that_ends_the_answer_never_reaches_d(setup: Setup) -> Non
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("flow", [("--placement", "local"), ("--first-token", "d")],
+@pytest.mark.parametrize("flow", [("--placement", "local"),
+                                  ("--placement", "disaggregate", "--first-token", "d")],
                          ids=["local", "d-first"])  # fmt: skip
 def test_the_other_placements_and_flows_serve_the_same_answers(
-    setup: Setup, flow: tuple[str, str], tmp_path: Path
+    setup: Setup, flow: tuple[str, ...], tmp_path: Path
 ) -> None:
     """Pinned local (D computes the prompt: no KV moves) and upstream's concurrent flow (D
     takes the prompt by KV and computes the first token): equal to a single server."""

@@ -24,7 +24,14 @@ pytest.importorskip("opentelemetry.proto")
 
 from pdactors_vllm.tiny_model import ensure_tiny_model
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, open_otlp_receiver
-from tests.vllm.servers import consumer_config, free_port, producer_config, proxy, servers
+from tests.vllm.servers import (
+    DISAGGREGATE,
+    consumer_config,
+    free_port,
+    producer_config,
+    proxy,
+    servers,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -64,7 +71,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             bootstrap = f"http://127.0.0.1:{bootstrap_port}"
             with proxy(
                 [(s["prefill"].url, bootstrap)], [s["decode"].url], logs / "proxy.log",
-                "--otlp-traces-endpoint", receiver.url,
+                "--otlp-traces-endpoint", receiver.url, *DISAGGREGATE,
             ) as url:  # fmt: skip
                 yield Setup(receiver, s["prefill"].process.pid, s["decode"].process.pid, url)
 
