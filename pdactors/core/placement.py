@@ -14,11 +14,18 @@ the proxy measured while it ran, what each choice costs in milliseconds of the c
   chunks), plus ``stall_weight`` times the pause its prefill puts on each request D is
   decoding (D's per-token cost × prompt tokens × requests D decodes).
 
-The cheaper one wins, except that once in 16 decisions the choice not taken for that long is
-taken (reason ``explore``): each model keeps following what its engine does now. With a TTFT
-objective (``slo_ttft_ms``), when only one choice's estimated time to the client's first token
-meets it — D's queue, running step and prompt for local; P's for disaggregated, plus D's
-catch-up unless P's token goes first — that one is taken (reason ``slo_ttft``; no exploring).
+A **lone request** (nothing in flight on either engine) is served whole by the engine whose
+estimated time to a first token is lower: D (local), or P (``whole-on-p``, reason
+``p_faster``) when P's is under :data:`_WHOLE_SHARE` of D's — disaggregating it would give the
+client the same first token (P's) and a later second one (D's catch-up), and keep both
+engines busy for one request.
+
+Otherwise the cheaper one wins, except that once in 16 decisions the choice not taken for
+that long is taken (reason ``explore``): each model keeps following what its engine does now.
+With a TTFT objective (``slo_ttft_ms``), when only one choice's estimated time to the client's
+first token meets it — D's queue, running step and prompt for local; P's for disaggregated,
+plus D's catch-up unless P's token goes first — that one is taken (reason ``slo_ttft``; no
+exploring).
 
 **Roles per request.** Both choices leave the decode to D, so at high rates D's clients get
 their tokens slower than the operator's TPOT objective while P idles between prefills. When D
@@ -65,14 +72,19 @@ _CHARS_PER_TOKEN_PRIOR: Final = 4.0
 #: One decision in this many takes the choice the estimates did not pick (when the other one
 #: has not been taken for that long): the engine's model is refreshed by what it does now.
 _EXPLORE: Final = 16
+#: A lone request goes to P whole when P's estimated time to a first token is under this share
+#: of D's (estimates move by a few per cent between engines that are the same; by default the
+#: decode engine serves it).
+_WHOLE_SHARE: Final = 0.9
 #: The time per token D's clients got, as a share of the TPOT objective, from which a request
 #: whose D is decoding goes to P whole (P's clients getting theirs faster).
 _SHED_SHARE: Final = 0.8
 
 
-def _choice(where: Where, d_url: str, p_url: str) -> tuple[Where, str]:
-    """A choice and the engine whose model it refreshes (D's for local, P's else)."""
-    return where, d_url if where == "local" else p_url
+def _choice(where: Where, d_url: str, p_url: str) -> tuple[str, str]:
+    """The engine whose model a choice refreshes: D's for local, P's else (P computes the
+    prompt, whole or for D)."""
+    return ("d", d_url) if where == "local" else ("p", p_url)
 
 
 class CostModel:
@@ -184,8 +196,8 @@ class Placer:
         #: (P's token, in the P-first flow) to the last: what a TPOT objective is met by
         self._tpot_ms: dict[str, float] = {}
         self.count = TokenCount()
-        #: (choice, its engine's URL) -> decisions since that choice was last taken
-        self._skipped: dict[tuple[Where, str], int] = {}
+        #: (role, engine URL) -> decisions since a choice that refreshes its model was taken
+        self._skipped: dict[tuple[str, str], int] = {}
 
     def _model(self, url: str) -> CostModel:
         return self._ttft.setdefault(url, CostModel(*_PRIOR_TTFT))
@@ -218,6 +230,13 @@ class Placer:
             p_tpot = self._tpot_ms.get(p_url, 0.0) if p.decoding else 0.0
             if d_tpot is not None and d_tpot >= _SHED_SHARE * slo_tpot_ms and p_tpot < d_tpot:
                 return Decision("whole-on-p", "d_decode_full", tokens, local, disaggregated, on_p)
+        if not (p.decoding or p.waiting_tokens or d.decoding or d.waiting_tokens):
+            # Nothing in flight on either (a lone request): the engine that answers it
+            # sooner serves it whole, with no transfer and no catch-up before its second
+            # token; disaggregation pays only for a prompt that would wait or pause decodes.
+            alone: Where = "whole-on-p" if p_ttft < _WHOLE_SHARE * d_ttft else "local"
+            return self._explored(alone, "d_idle" if alone == "local" else "p_faster",
+                                  tokens, d_url, p_url, local, disaggregated, on_p)  # fmt: skip
         # The client's first token: P's in the P-first flow, else D's after its catch-up.
         first_disaggregated = p_ttft if self.p_first else p_ttft + catch_up.predict(tokens)
         meets = (d_ttft <= slo_ttft_ms, first_disaggregated <= slo_ttft_ms) if slo_ttft_ms else ()
@@ -230,17 +249,25 @@ class Placer:
             reason = "d_idle" if not d.decoding else "p_queue" if p.waiting_tokens else "short"
         else:
             reason = "d_busy" if d.decoding else "p_faster"
-        # The choice not taken is taken once in ``_EXPLORE`` decisions, so that its engine's
-        # model follows what that engine does now, not what it did when last chosen.
+        return self._explored(where, reason, tokens, d_url, p_url, local, disaggregated)
+
+    def _explored(
+        self, where: Where, reason: str, tokens: int, d_url: str, p_url: str,
+        local: float, disaggregated: float, whole: float | None = None,
+    ) -> Decision:  # fmt: skip
+        """The decision for ``where``, unless the choice not taken has not been taken for
+        ``_EXPLORE`` decisions: then that one (reason ``explore``), so that its engine's model
+        follows what that engine does now, not what it did when last chosen (P's model is
+        refreshed by P's prefills, whole or not; exploring it disaggregates)."""
         other: Where = "disaggregated" if where == "local" else "local"
         if self._skipped.get(_choice(other, d_url, p_url), 0) + 1 >= _EXPLORE:
             where, reason = other, "explore"
         self._taken(where, d_url, p_url)
-        return Decision(where, reason, tokens, local, disaggregated)
+        return Decision(where, reason, tokens, local, disaggregated, whole)
 
     def _taken(self, where: Where, d_url: str, p_url: str) -> None:
         """``where`` was chosen: the other choice was skipped once more."""
-        other: Where = "disaggregated" if where == "local" else "local"
+        other: Where = "local" if where != "local" else "disaggregated"
         self._skipped[_choice(where, d_url, p_url)] = 0
         key = _choice(other, d_url, p_url)
         self._skipped[key] = self._skipped.get(key, 0) + 1
