@@ -8,6 +8,7 @@ from pdactors.actors.receiver import PullResults as PullResults
 from pdactors.actors.receiver import Receiver as Receiver
 from pdactors.actors.receiver import serve_receiver as serve_receiver
 from pdactors.actors.sender import Sender as Sender
+from pdactors.actors.sender import SideChannelStats as SideChannelStats
 from pdactors.actors.sender import serve_sender as serve_sender
 from pdactors.bootstrap_client import BootstrapClient as BootstrapClient
 from pdactors.bootstrap_client import open_bootstrap_client as open_bootstrap_client

@@ -357,6 +357,14 @@ def both_config(engine_id: str, bootstrap_port: int, **extra: Any) -> dict[str, 
     }}  # fmt: skip
 
 
+def proxy_fallbacks(proxy_url: str, why: str) -> float:
+    """The proxy's ``pdactors_proxy_fallbacks_total{why=...}``: requests meant for two
+    engines that one served, for ``why``."""
+    text = httpx.get(f"{proxy_url}/metrics", timeout=10, trust_env=False).text
+    key = f'pdactors_proxy_fallbacks_total{{why="{why}"}} '
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(key))
+
+
 #: ``proxy``'s ``extra`` for a test whose point is the disaggregated flow: every request's
 #: prompt computed on P, its KV moved to D (the shipped default places each request).
 DISAGGREGATE = ("--placement", "disaggregate")

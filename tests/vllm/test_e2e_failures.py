@@ -38,6 +38,7 @@ from tests.vllm.servers import (
     post_completion,
     producer_config,
     proxy,
+    proxy_fallbacks,
     vllm_server,
     wait_healthy,
 )
@@ -175,7 +176,7 @@ def test_a_p_killed_before_its_token_leaves_the_requests_to_d(world: World) -> N
     p = world.p
     assert p is not None
     reasons = ("prefill_failed", "p_unhealthy")
-    before = sum(_fallbacks(world, why) for why in reasons)
+    before = sum(proxy_fallbacks(world.proxy_url, why) for why in reasons)
     os.killpg(p.process.pid, signal.SIGSTOP)
     try:
         with ThreadPoolExecutor(3) as pool:
@@ -192,7 +193,7 @@ def test_a_p_killed_before_its_token_leaves_the_requests_to_d(world: World) -> N
             assert answer.json()["choices"][0]["text"] == alone["choices"][0]["text"]
         # Killed (prefill_failed) or, frozen long enough, judged failed by the proxy's health
         # loop first (p_unhealthy): either way each request is one fall-back to D.
-        assert sum(_fallbacks(world, why) for why in reasons) - before == 3
+        assert sum(proxy_fallbacks(world.proxy_url, why) for why in reasons) - before == 3
         assert _proxy_in_flight(world) == 0
         _wait_for("D freed the blocks", lambda: world.d.metric("vllm:kv_cache_usage_perc") == 0)
     finally:
@@ -245,12 +246,6 @@ def test_a_p_killed_after_its_token_still_gets_the_whole_answer(world: World) ->
         world.restart_p()
 
 
-def _fallbacks(w: World, why: str) -> float:
-    text = httpx.get(f"{w.proxy_url}/metrics", timeout=10, trust_env=False).text
-    key = f'pdactors_proxy_fallbacks_total{{why="{why}"}} '
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(key))
-
-
 def _retries(w: World) -> float:
     text = httpx.get(f"{w.proxy_url}/metrics", timeout=10, trust_env=False).text
     return sum(
@@ -292,7 +287,9 @@ def test_eight_requests_in_flight_survive_a_p_killed_or_stopped(world: World, fa
     max_tokens = 64
     _wait_for("P in rotation", lambda: _proxy_health(world)["prefill"][0]["up"])
     reasons = ("prefill_failed", "p_unhealthy")
-    recovered_before = _retries(world) + sum(_fallbacks(world, why) for why in reasons)
+    recovered_before = _retries(world) + sum(
+        proxy_fallbacks(world.proxy_url, why) for why in reasons
+    )
     d_group = world.d.process.pid
     p_stopped = d_frozen = False
     try:
@@ -322,7 +319,9 @@ def test_eight_requests_in_flight_survive_a_p_killed_or_stopped(world: World, fa
             # Each of the eight took one way back: still at P before its token, it fell back to
             # D alone; past it, D's pull failed and the proxy asked D again. How many took which
             # depends on how far P got, so only their sum is known.
-            recovered = _retries(world) + sum(_fallbacks(world, why) for why in reasons)
+            recovered = _retries(world) + sum(
+                proxy_fallbacks(world.proxy_url, why) for why in reasons
+            )
             assert recovered - recovered_before == 8
     finally:
         if d_frozen:

@@ -38,6 +38,7 @@ from tests.vllm.servers import (
     consumer_config,
     producer_config,
     proxy,
+    proxy_fallbacks,
     servers,
     wait_for,
 )
@@ -181,7 +182,7 @@ def test_a_link_cut_under_load_ends_every_request_and_leaks_no_block(
     max_tokens = 64
     host, d_group = net.hosts[cut], net.d.process.pid
     expired = net.p.metric("vllm:pdactors_transfers_expired_total")
-    orphaned = _fallbacks(net, "p_unhealthy")
+    orphaned = proxy_fallbacks(net.proxy_url, "p_unhealthy")
     with ThreadPoolExecutor(8) as pool:
         # D is frozen while the eight are sent, so that none can end before the cut; the cut
         # comes with all eight in flight, D let go with it.
@@ -220,17 +221,11 @@ def test_a_link_cut_under_load_ends_every_request_and_leaks_no_block(
     # Only the KV of P-first requests cut from P while P's answer was in flight may have
     # waited for the TTL; what D gave up on was cancelled (D's parting cancels, retried).
     expired = net.p.metric("vllm:pdactors_transfers_expired_total") - expired
-    assert expired <= _fallbacks(net, "p_unhealthy") - orphaned
+    assert expired <= proxy_fallbacks(net.proxy_url, "p_unhealthy") - orphaned
     # and it serves across the network again
     prompt = prompt_ids(100, seed=900)
     again = _stream(net, prompt, 8)
     assert again.error is None and again.text == net.alone(prompt, 8)
-
-
-def _fallbacks(net: Net, why: str) -> float:
-    text = httpx.get(f"{net.proxy_url}/metrics", timeout=10, trust_env=False).text
-    key = f'pdactors_proxy_fallbacks_total{{why="{why}"}} '
-    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(key))
 
 
 def _holds_no_block(engine: Server) -> bool:

@@ -622,3 +622,34 @@ def test_whole_on_p_equals_single_server_and_leaves_d_out(setup: Setup, stream: 
     assert text == want.choices[0].text
     assert setup.d.metric("vllm:request_success_total") == d_requests  # D took no part
     assert setup.p.metric("vllm:prompt_tokens_total") - p_prompt == len(prompt)
+
+
+def test_garbage_on_ps_side_channel_is_counted_on_its_metrics_and_p_serves_on(
+    setup: Setup,
+) -> None:
+    """A peer that sends P's side channel a frame that is no message (a port scanner, a
+    client of another protocol): P refuses it and serves on, and vLLM's /metrics counts it
+    (``vllm:pdactors_side_channel_bad_frames``) though no transfer ends after it."""
+    import zmq
+
+    registered = httpx.get(
+        f"http://127.0.0.1:{setup.bootstrap_port}/query", timeout=10, trust_env=False
+    ).json()
+    address = registered["0"]["worker_addr"]["0"]["0"]
+    metric = "vllm:pdactors_side_channel_bad_frames_total"
+    before = setup.p.metric(metric)
+    with zmq.Context() as context, context.socket(zmq.DEALER) as peer:
+        peer.setsockopt(zmq.LINGER, 1000)
+        peer.connect(address)
+        peer.send_multipart([b"GET / HTTP/1.1\r\n\r\n", b"not a side-channel message"])
+        # The actors' counters are read every 5 s (COUNT_EVERY) besides at transfers' ends,
+        # and reach /metrics with P's next step: plain requests to P, which move no KV.
+        p_alone, deadline = setup.client(setup.p.url), time.monotonic() + 60
+        while setup.p.metric(metric) == before:
+            assert time.monotonic() < deadline, "P's metrics never counted the bad frame"
+            p_alone.completions.create(model="tiny", prompt="hi", max_tokens=1)
+    assert setup.p.metric(metric) - before == 1
+    kwargs: dict[str, Any] = {"model": "tiny", "prompt": PROMPTS["text"], "max_tokens": 4}
+    got = setup.pd.completions.create(**kwargs, temperature=0)
+    want = setup.single.completions.create(**kwargs, temperature=0)
+    assert got.choices[0].text == want.choices[0].text  # P serves on

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 import trio
@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 __all__ = ["WorkerActors"]
 
 log = logging.getLogger("pdactors.vllm")
+
+#: Seconds between two readings of the actors' counters besides those at transfers' ends.
+COUNT_EVERY: Final = 5.0
 
 
 class WorkerActors:
@@ -100,7 +103,9 @@ class WorkerActors:
                     self._layout,
                 )
                 self._sender_epoch = self._sender.epoch
-                nursery.start_soon(self._collect_sent, self._sender)
+                sent = SenderReadings()
+                nursery.start_soon(self._collect_sent, self._sender, sent)
+                nursery.start_soon(_count_every, self._mailbox, partial(sent.add_new, self._sender))
             if c.receiver is not None:
                 self._receiver = await nursery.start(
                     partial(serve_receiver, transport=transport, hasher=self._hasher),
@@ -108,7 +113,11 @@ class WorkerActors:
                     plane,
                     self._layout,
                 )
-                nursery.start_soon(self._collect_received, self._receiver)
+                got = ReceiverReadings()
+                nursery.start_soon(self._collect_received, self._receiver, got)
+                nursery.start_soon(
+                    _count_every, self._mailbox, partial(got.add_new, self._receiver)
+                )
             task_status.started()
 
     def release_all(self) -> tuple[set[str], set[str]]:
@@ -197,8 +206,7 @@ class WorkerActors:
         self._told_early.add(tid)  # before vLLM can hear of it: a death now fails it not
         self._mailbox.add(recved={req_id}, landed=landed, count=_one_received)
 
-    async def _collect_sent(self, sender: Sender) -> None:
-        readings = SenderReadings()
+    async def _collect_sent(self, sender: Sender, readings: SenderReadings) -> None:
         while True:
             released = await sender.wait_finished()
             if self._tracer is not None:
@@ -206,8 +214,7 @@ class WorkerActors:
             reqs = {self._send_req.pop(tid) for tid in released if tid in self._send_req}
             self._mailbox.add(sent=reqs, count=partial(readings.add_new, sender))
 
-    async def _collect_received(self, receiver: Receiver) -> None:
-        readings = ReceiverReadings()
+    async def _collect_received(self, receiver: Receiver, readings: ReceiverReadings) -> None:
         while True:
             results = await receiver.wait_results()
             if self._tracer is not None:
@@ -290,3 +297,12 @@ def _logged(fn: Callable[..., None], *args: Any, **kwargs: Any) -> bool:
         log.error("%s%r failed: %s", fn.__name__, args, exc, exc_info=exc)
         return False
     return True
+
+
+async def _count_every(mailbox: Mailbox, read: Callable[[TransferCounters], None]) -> None:
+    """Count what the actor did every :data:`COUNT_EVERY` seconds besides at each transfer's
+    end: what a side channel refused shows on ``/metrics`` though no transfer ends (a peer
+    sending only garbage)."""
+    while True:
+        await trio.sleep(COUNT_EVERY)
+        mailbox.count(read)

@@ -63,6 +63,34 @@ COUNTERS = {
         "vllm:pdactors_pull_fallbacks",
         "Failed KV pulls whose prompt D computes itself instead (D, on_pull_failure recompute).",
     ),
+    "bad_frames": (
+        "vllm:pdactors_side_channel_bad_frames",
+        "Side-channel frames P refused: undecodable, or over a limit (P).",
+    ),
+    "peers_cut_off": (
+        "vllm:pdactors_side_channel_peers_cut_off",
+        "Side-channel peers P cut off for not reading their replies (P).",
+    ),
+    "messages_dropped": (
+        "vllm:pdactors_side_channel_dropped",
+        "Side-channel messages P dropped: from peers it cut off, or replies to peers gone (P).",
+    ),
+    "notices_sent": (
+        "vllm:pdactors_done_notices_sent",
+        "Fast completion notices P's write threads sent to D (P).",
+    ),
+    "notices_dropped": (
+        "vllm:pdactors_done_notices_dropped",
+        "Fast completion notices P could not send; the PullDone after them stands (P).",
+    ),
+    "notices_refused": (
+        "vllm:pdactors_done_notices_refused",
+        "Pulls whose done_to address P refused (not a numeric udp://ip:port) (P).",
+    ),
+    "protocol_errors": (
+        "vllm:pdactors_side_channel_protocol_errors",
+        "Answers from P workers D could not use: error replies, undecodable frames (D).",
+    ),
 }
 DURATIONS = {
     "write_seconds": ("vllm:pdactors_write_seconds", "Time of one KV write, plan included (P)."),
