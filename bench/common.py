@@ -8,7 +8,8 @@ import socket
 import subprocess
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
@@ -117,6 +118,21 @@ def group_cpu_seconds(pgid: int) -> float:
     """User + system CPU seconds of every live process in process group ``pgid``."""
     ticks = sum(int(f[11]) + int(f[12]) for f in group_stats(pgid).values())  # utime stime
     return ticks / CLK
+
+
+def settle(pgids: Sequence[int], *, share: float = 0.1, within: float = 20.0) -> float:
+    """Wait until the process groups ``pgids`` together use under ``share`` of one core over
+    a quarter second (at most ``within`` seconds); return how long it took. A vLLM server
+    without our connector keeps its workers spinning for a while after its last request
+    (vLLM's busy waits), on the core the next setup measured may need: a bench that measures
+    setups in turn settles between them, or the one that follows a plain server pays."""
+    start = time.monotonic()
+    while time.monotonic() - start < within:
+        before = sum(group_cpu_seconds(g) for g in pgids)
+        time.sleep(0.25)
+        if sum(group_cpu_seconds(g) for g in pgids) - before < share * 0.25:
+            break
+    return time.monotonic() - start
 
 
 @contextmanager

@@ -52,7 +52,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from common import bootstrap_port, placed, worktree  # noqa: E402  (bench/ is the script's directory)
+from common import bootstrap_port, placed, settle, worktree  # noqa: E402  (bench/ is the script's directory)
 
 from pdactors import timeline  # noqa: E402
 from pdactors_vllm.tiny_model import SHAPES, ensure_tiny_model  # noqa: E402
@@ -282,6 +282,7 @@ def main() -> None:
         sink = logs / "timeline.jsonl"
         os.environ[timeline.ENV] = str(sink)  # the servers (P and D) write their marks there
         s = stack.enter_context(servers(specs, ensure_tiny_model(shape=args.shape), logs))
+        groups = [server.process.pid for server in s.values()]  # each its own session
         single, p, p_whole, d = s["single"], s["prefill"], s["prefill-whole"], s["decode"]
         setups: dict[str, Callable[[list[int]], Result]] = {
             "single": lambda pr: stream(single.url, pr, args.max_tokens, None),
@@ -348,15 +349,18 @@ def main() -> None:
             names = list(setups)
             results: dict[str, list[Result]] = {name: [] for name in names}
             elapsed = dict.fromkeys(names, 0.0)
+            settled = 0.0
             share = -(-len(prompts) // args.rounds)
             for r in range(args.rounds):
                 batch = prompts[r * share : (r + 1) * share]
                 for name in names[r % len(names) :] + names[: r % len(names)]:
                     fn = setups[name]
+                    settled = max(settled, settle(groups))  # the last setup's servers quiet
                     run_level(fn, [[5, 6, 7]] * 2, 1)  # warm up the path
                     start = time.perf_counter()
                     results[name] += run_level(fn, batch, n)
                     elapsed[name] += time.perf_counter() - start
+            print(f"# waited up to {settled:.1f} s for the servers to go quiet between setups")
             time.sleep(0.5)  # the last marks reach the file
             marks = timeline.read_timelines(sink)
             for name in names:
