@@ -55,7 +55,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import bootstrap_port, group_cpu_seconds, placed
+from bench.common import bootstrap_port, group_cpu_seconds, placed, settle
 from bench.vllm_pd import Result, direct, proxy_process, stream
 from pdactors_vllm.tiny_model import SHAPES, ensure_tiny_model
 from tests.vllm.servers import both_config, consumer_config, producer_config, servers
@@ -224,6 +224,7 @@ def main() -> None:
             arrivals = schedule(rate, args, seed=args.seed * 100 + k)
             names = list(setups) if k % 2 == 0 else list(setups)[::-1]
             for name in names:
+                settle([srv.process.pid for srv in s.values()])  # the last setup's spin over
                 before = {e: group_cpu_seconds(srv.process.pid) for e, srv in s.items()}
                 placed_before = placed(proxies.get(name))
                 results, seconds = open_loop(setups[name], arrivals)
