@@ -109,30 +109,36 @@ def test_an_idle_d_computes_the_prompt_itself() -> None:
         placer.first_token(P, 500, 0.010)
         placer.first_token(D, 500, 0.200)
     decision = placer.decide(500, P, idle(), D, idle())
+    assert decision.where == "disaggregated" and decision.reason == "p_faster"
+    # P an engine of every role, which decodes for the pool anyway: it serves it whole
+    decision = placer.decide(500, P, idle(), D, idle(), p_decodes=True)
     assert decision.where == "whole-on-p" and decision.reason == "p_faster"  # no transfer
     assert decision.whole_ms is not None and decision.whole_ms < decision.local_ms
 
 
 def test_a_lone_request_is_served_whole_by_the_engine_that_answers_sooner() -> None:
-    """Nothing in flight on either engine: the faster one serves the request whole (no
-    transfer, no catch-up before its second token), even where disaggregating would have
-    won on the estimates (P faster, its first token the client's); with anything in flight
-    on either, the estimates between local and disaggregated decide as before."""
+    """In a pool of engines of every role, nothing in flight on either engine: the faster
+    one serves the request whole (no transfer, no catch-up before its second token), even
+    where disaggregating would have won on the estimates (P faster, its first token the
+    client's); with anything in flight on either, or a P that only prefills, the estimates
+    between local and disaggregated decide as before."""
     placer = Placer(stall_weight=0.25)
     for _ in range(20):
         for tokens in (100, 900):
             placer.first_token(P, tokens, (10 + 0.03 * tokens) / 1e3)
             placer.first_token(D, tokens, (10 + 0.05 * tokens) / 1e3)
-    lone = placer.decide(500, P, idle(), D, idle())
+    lone = placer.decide(500, P, idle(), D, idle(), p_decodes=True)
     assert (lone.where, lone.reason) == ("whole-on-p", "p_faster")
     assert lone.whole_ms is not None and lone.whole_ms < lone.disaggregated_ms < lone.local_ms
     for load in (EngineLoad(1, 0), EngineLoad(0, 1)):  # P (or D) has something in flight
-        assert placer.decide(500, P, load, D, idle()).where != "whole-on-p"
-        assert placer.decide(500, P, idle(), D, load).where != "whole-on-p"
+        assert placer.decide(500, P, load, D, idle(), p_decodes=True).where != "whole-on-p"
+        assert placer.decide(500, P, idle(), D, load, p_decodes=True).where != "whole-on-p"
+    dedicated = placer.decide(500, P, idle(), D, idle())  # a P that only prefills
+    assert (dedicated.where, dedicated.reason) == ("disaggregated", "p_faster")
     for _ in range(40):
         for tokens in (100, 900):  # now D answers sooner: it serves it alone
             placer.first_token(D, tokens, (5 + 0.01 * tokens) / 1e3)
-    assert placer.decide(500, P, idle(), D, idle()).where == "local"
+    assert placer.decide(500, P, idle(), D, idle(), p_decodes=True).where == "local"
 
 
 def test_lone_requests_served_whole_on_p_refresh_ds_model_once_in_a_while() -> None:
@@ -140,7 +146,7 @@ def test_lone_requests_served_whole_on_p_refresh_ds_model_once_in_a_while() -> N
     for _ in range(20):
         placer.first_token(P, 500, 0.010)
         placer.first_token(D, 500, 0.200)
-    wheres = [placer.decide(500, P, idle(), D, idle()).where for _ in range(48)]
+    wheres = [placer.decide(500, P, idle(), D, idle(), p_decodes=True).where for _ in range(48)]
     assert wheres.count("local") == 3 and wheres.count("whole-on-p") == 45  # one in 16
 
 
@@ -177,7 +183,7 @@ def test_each_engine_has_its_own_model() -> None:
     for _ in range(20):
         placer.first_token(D, 500, 0.600)
     after = placer.decide(500, P, idle(), D, idle())
-    assert after.where == "whole-on-p" and after.local_ms > before.local_ms * 3  # P: sooner
+    assert after.where == "disaggregated" and after.local_ms > before.local_ms * 3
     described = placer.describe()
     assert described["ttft"][D]["n"] == 20 and described["ttft"][P]["n"] == 20
 
@@ -395,8 +401,9 @@ def test_the_ttft_objective_takes_the_only_placement_that_meets_it() -> None:
     assert upstream.decide(500, P, idle(), D, ONE, slo_ttft_ms=120).reason != "slo_ttft"
     # Both meet a loose objective: the cheaper estimate decides, as without one.
     assert placer.decide(500, P, idle(), D, ONE, slo_ttft_ms=1000).where == "local"
-    # Nothing in flight on either: P, faster to a first token, serves it whole.
-    assert placer.decide(500, P, idle(), D, idle(), slo_ttft_ms=120).where == "whole-on-p"
+    # Nothing in flight on either, in a pool: P, faster to a first token, serves it whole.
+    lone = placer.decide(500, P, idle(), D, idle(), slo_ttft_ms=120, p_decodes=True)
+    assert lone.where == "whole-on-p"
 
 
 def test_exploring_never_breaks_the_ttft_objective() -> None:

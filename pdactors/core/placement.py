@@ -14,11 +14,13 @@ the proxy measured while it ran, what each choice costs in milliseconds of the c
   chunks), plus ``stall_weight`` times the pause its prefill puts on each request D is
   decoding (D's per-token cost × prompt tokens × requests D decodes).
 
-A **lone request** (nothing in flight on either engine) is served whole by the engine whose
-estimated time to a first token is lower: D (local), or P (``whole-on-p``, reason
-``p_faster``) when P's is under :data:`_WHOLE_SHARE` of D's — disaggregating it would give the
-client the same first token (P's) and a later second one (D's catch-up), and keep both
-engines busy for one request.
+In a pool of engines of every role (P decodes for the pool too), a **lone request** (nothing in
+flight on either engine) is served whole by the engine whose estimated time to a first token
+is lower: D (local), or P (``whole-on-p``, reason ``p_faster``) when P's is under
+:data:`_WHOLE_SHARE` of D's — disaggregating it would give the client the same first token
+(P's) and a later second one (D's catch-up), and keep both engines busy for one request. A
+dedicated P is not made to decode so: the next requests of a burst would wait behind its
+decode steps.
 
 Otherwise the cheaper one wins, except that once in 16 decisions the choice not taken for
 that long is taken (reason ``explore``): each model keeps following what its engine does now.
@@ -212,11 +214,14 @@ class Placer:
         *,
         slo_tpot_ms: float | None = None,
         slo_ttft_ms: float | None = None,
+        p_decodes: bool = False,
     ) -> Decision:
         """Where a prompt of ``tokens`` goes, P and D loaded as given. ``slo_tpot_ms``: the
         TPOT objective, from which P may serve the request whole (None: it may not);
         ``slo_ttft_ms``: the TTFT objective — when only one choice's estimated time to the
-        client's first token meets it, that one is taken (None: not weighed)."""
+        client's first token meets it, that one is taken (None: not weighed); ``p_decodes``:
+        P is an engine of every role, which decodes for the pool anyway, so that a lone
+        request may go to it whole."""
         p_model, d_model = self._model(p_url), self._model(d_url)
         catch_up = self._catch_up.setdefault(d_url, CostModel(*_PRIOR_CATCH_UP))
         w = self.stall_weight
@@ -230,7 +235,7 @@ class Placer:
             p_tpot = self._tpot_ms.get(p_url, 0.0) if p.decoding else 0.0
             if d_tpot is not None and d_tpot >= _SHED_SHARE * slo_tpot_ms and p_tpot < d_tpot:
                 return Decision("whole-on-p", "d_decode_full", tokens, local, disaggregated, on_p)
-        if not (p.decoding or p.waiting_tokens or d.decoding or d.waiting_tokens):
+        if p_decodes and not (p.decoding or p.waiting_tokens or d.decoding or d.waiting_tokens):
             # Nothing in flight on either (a lone request): the engine that answers it
             # sooner serves it whole, with no transfer and no catch-up before its second
             # token; disaggregation pays only for a prompt that would wait or pause decodes.

@@ -345,7 +345,7 @@ class Proxy:
         ttft, tpot = slo
         decision = self.placer.decide(
             tokens, p.url, p_load, d.url, d_load,
-            slo_tpot_ms=tpot or None, slo_ttft_ms=ttft or None,
+            slo_tpot_ms=tpot or None, slo_ttft_ms=ttft or None, p_decodes=p.twin is not None,
         )  # fmt: skip
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
