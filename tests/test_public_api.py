@@ -19,7 +19,7 @@ PUBLIC = {
     "KVTransferParams", "Layout", "Liveness",
     "LayoutMismatch", "MooncakeDataPlane", "PdError", "PlanError", "PrefillBackend",
     "ProxyConfig", "PullFailedError", "PullResults", "RankInfo", "Receiver", "ReceiverConfig",
-    "RunHasher", "Sender", "SenderConfig", "TransferError", "Xxh3Hasher",
+    "RunHasher", "Sender", "SenderConfig", "SideChannelStats", "TransferError", "Xxh3Hasher",
     "open_bootstrap_client", "open_mooncake",
     "serve_bootstrap", "serve_proxy", "serve_receiver", "serve_sender",
 }  # fmt: skip
