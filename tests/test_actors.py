@@ -5,6 +5,7 @@ Every test ends by checking that no KV block is left allocated on P or D.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -199,17 +200,23 @@ async def test_prefill_never_ready_times_out_at_ready_timeout(
         await settled(cluster)
 
 
-async def test_unclaimed_ready_transfer_expires(mock_clock: trio.testing.MockClock) -> None:
+async def test_unclaimed_ready_transfer_expires(
+    mock_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
     sender = SenderConfig(engine_id="p", unclaimed_ttl=3, tick_interval=0.5, register_timeout=1e6)
     async with open_cluster(sender=sender, **SMALL) as cluster:
         p = cluster.prefill[0]
         src = p.pool.allocate(3)
         p.owned["t6"] = src
         start = trio.current_time()
-        p.sender.transfer_ready("t6", src)
-        await settled(cluster)
+        with caplog.at_level(logging.INFO, logger="pdactors.sender"):
+            p.sender.transfer_ready("t6", src)
+            await settled(cluster)
         assert 3 <= trio.current_time() - start < 4
         assert p.sender.transfer_state("t6") is SendState.EXPIRED
+        # the operator's line names the transfer (its KV waited the whole TTL)
+        (line,) = [r.getMessage() for r in caplog.records if "expired" in r.getMessage()]
+        assert line.startswith("transfer t6 expired: no pull within unclaimed_ttl (3 s)"), line
 
 
 async def test_silent_p_times_out_and_is_told_to_cancel(

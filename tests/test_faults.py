@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 import trio
 import trio.testing
 
 from pdactors import PullFailedError, ReceiverConfig, SenderConfig
-from pdactors.actors._p_connections import PARTING_PAUSES
+from pdactors.actors._p_connections import PARTING_MEMORY, PARTING_PAUSES
 from pdactors.config import Liveness
 from pdactors.testing import (
     Cluster,
@@ -182,6 +183,78 @@ async def test_a_partition_that_heals_frees_the_kv_p_holds_for_pulls_d_gave_up(
         print(f"P told {trio.current_time() - healed:.1f} s after the partition healed")
         assert cluster.decode[0].receiver._links.owed_cancels == 0
         await cluster.wait_settled()
+
+
+async def test_a_new_connection_to_p_carries_the_cancels_owed_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A partition long enough that D's parting cancels pause for their longest: once it heals
+    and D sends P a pull again (the link is plainly back), the new connection carries the
+    cancels still owed to P at once, not at the next try."""
+    memory = MemoryTransport()
+    receiver = ReceiverConfig(lookup_timeout=1e6, tick_interval=1)
+    autojump_clock.autojump_threshold = 0.01
+    async with open_cluster(
+        sender=QUIET_SENDER, receiver=receiver, transport=memory, **SMALL
+    ) as cluster:
+        p = cluster.prefill[0]
+        assert (await run_transfer(cluster, "first", 2)).ok  # D knows P's worker now
+        assert memory.partition(p.sender.address) == 1
+        _hold(p, "held")
+        assert "P gone" in await pull(cluster, "held")
+        await trio.sleep(60)  # the tries pause for their longest now
+        assert p.sender.transfer_state("held").value == "ready"  # type: ignore[union-attr]
+        memory.heal(p.sender.address)
+        healed = trio.current_time()
+        assert (await run_transfer(cluster, "again", 2)).ok  # on a new connection
+        await wait_until(
+            lambda: p.sender.transfer_state("held").value == "cancelled",  # type: ignore[union-attr]
+            within=0.5,
+        )
+        print(f"P told {trio.current_time() - healed:.2f} s after the partition healed")
+        assert cluster.decode[0].receiver._links.owed_cancels == 0
+        await cluster.wait_settled()
+
+
+async def test_a_cancel_owed_late_in_a_long_partition_is_still_told_when_it_heals(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One partition: D gives up on a pull early in it, then on another just before its
+    parting cancels would stop trying (``PARTING_MEMORY`` after the first): the second is owed
+    as long as the first was. The partition heals after the first one's memory ran out: P
+    still hears of the second, at D's next try, and frees its KV."""
+    memory = MemoryTransport()
+    receiver = ReceiverConfig(lookup_timeout=1e6, tick_interval=1)
+    sender = msgspec.structs.replace(QUIET_SENDER, unclaimed_ttl=1e6)  # only D frees it here
+    autojump_clock.autojump_threshold = 0.01
+    async with open_cluster(sender=sender, receiver=receiver, transport=memory, **SMALL) as cluster:
+        p = cluster.prefill[0]
+        assert (await run_transfer(cluster, "first", 2)).ok  # D knows P's worker now
+        assert memory.partition(p.sender.address) == 1
+        _hold(p, "early")
+        assert "P gone" in await pull(cluster, "early")
+        await trio.sleep(PARTING_MEMORY - 20)
+        _hold(p, "late")
+        assert "P gone" in await pull(cluster, "late")
+        await trio.sleep(40)  # PARTING_MEMORY has passed since the first was owed
+        memory.heal(p.sender.address)
+        bound = PARTING_PAUSES[0] * 2**4 + 2 * Liveness().connect_timeout
+        await wait_until(
+            lambda: p.sender.transfer_state("late").value == "cancelled",  # type: ignore[union-attr]
+            within=bound,
+        )
+        assert p.sender.transfer_state("early").value == "cancelled"  # type: ignore[union-attr]
+        assert cluster.decode[0].receiver._links.owed_cancels == 0
+        await cluster.wait_settled()
+
+
+def _hold(p: Any, transfer_id: str) -> None:
+    """P computed ``transfer_id``'s prompt (P first): its KV waits for D's pull."""
+    src = p.pool.allocate(3)
+    p.owned[transfer_id] = src
+    p.kv.fill(transfer_id, src)
+    p.sender.transfer_pending(transfer_id)
+    p.sender.transfer_ready(transfer_id, src)
 
 
 @pytest.mark.parametrize("cancel", ["arrives", "lost with its connection"])

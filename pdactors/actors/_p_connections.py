@@ -9,10 +9,13 @@ fresh connection, in case only the link broke and P still holds their KV, and so
 cancels sent on it that P had not answered (sent into a link that then broke, a cancel is
 lost with the connection, and P never heard of it): tried again, with
 pauses doubling up to :data:`PARTING_PAUSES`' longest, until P answers or
-:data:`PARTING_MEMORY` seconds have passed (a partition that heals within them costs P's KV
-nothing more; a dead P never answers, and a longer partition leaves P its ``unclaimed_ttl``).
-A dead P is tried as a cut one is (a refused connection does not tell them apart): a few
-connection attempts over :data:`PARTING_MEMORY`.
+:data:`PARTING_MEMORY` seconds have passed since one was last owed (a partition that heals
+within them costs P's KV nothing more; a dead P never answers, and a longer partition leaves
+P its ``unclaimed_ttl``). They do not wait for the next try where the link is plainly back: a
+new connection to that P worker (a pull sent there again) carries them at once, and one newly
+owed is tried at once, its pauses starting again from the shortest. A dead P is tried as a
+cut one is (a refused connection does not tell them apart): a few connection attempts over
+:data:`PARTING_MEMORY`.
 """
 
 from __future__ import annotations
@@ -79,6 +82,15 @@ class Peer:
 
 
 @dataclass(slots=True)
+class _Owed:
+    """The transfers one P worker was not told D gave up on, and its task's wake-up."""
+
+    transfer_ids: set[str]
+    give_up: float  # when its task stops trying: PARTING_MEMORY after the last one owed
+    wake: trio.Event = field(default_factory=trio.Event)  # try now, pauses from the shortest
+
+
+@dataclass(slots=True)
 class _Connecting:
     """The tasks that want a connection to one P worker: one of them makes it."""
 
@@ -117,7 +129,7 @@ class PConnections:
         self._down: dict[str, float] = {}
         #: P worker address -> the transfers it was not yet told D gave up on (its connection
         #: was lost with their pulls); one task per address tells it (:meth:`_parting_cancels`)
-        self._owed: dict[str, set[str]] = {}
+        self._owed: dict[str, _Owed] = {}
         self.protocol_errors = 0  #: ErrorReplies and bad frames from P (logged once a minute)
         self._every = Every(60.0)
 
@@ -143,6 +155,7 @@ class PConnections:
                 peer = self._peers.get(address)
                 if peer is None:
                     peer = await self._nursery.start(self._serve, address, curve_key)
+                    self._hand_over(peer)
                 return peer
         finally:
             connecting.tasks -= 1
@@ -224,36 +237,54 @@ class PConnections:
         tell it on a fresh connection (:meth:`_parting_cancels`)."""
         if not transfer_ids or peer.broken:
             return
+        give_up = trio.current_time() + PARTING_MEMORY
         owed = self._owed.get(peer.address)
         if owed is None:
-            self._owed[peer.address] = set(transfer_ids)
+            self._owed[peer.address] = _Owed(set(transfer_ids), give_up)
             self._nursery.start_soon(self._parting_cancels, peer.address, peer.curve_key)
-        else:  # its task, trying already, tells these too
-            owed.update(transfer_ids)
+        else:  # its task, trying already, tells these too: now, and for longer
+            owed.transfer_ids.update(transfer_ids)
+            owed.give_up = give_up
+            owed.wake.set()
+
+    def _hand_over(self, peer: Peer) -> None:
+        """A new connection to a P worker owed cancels carries them now (its task, perhaps
+        pausing, ends): should it be lost too before P answers them, they are owed again."""
+        owed = self._owed.get(peer.address)
+        if owed is None or not owed.transfer_ids:
+            return
+        for transfer_id in sorted(owed.transfer_ids):
+            self.cancel(peer, transfer_id, "D lost its connection to P")
+        owed.transfer_ids.clear()
+        owed.wake.set()
 
     @property
     def owed_cancels(self) -> int:
         """Transfers whose P worker D lost before it could tell it D gave up on them."""
-        return sum(map(len, self._owed.values()))
+        return sum(len(owed.transfer_ids) for owed in self._owed.values())
 
     async def _parting_cancels(self, address: str, key: str) -> None:
         """After a lost connection: if P is in fact alive (only the link broke), tell it on a
         fresh connection that D gave up on the transfers :attr:`_owed` to ``address``, so that
         it frees their KV now rather than at its expiry; tried again after a pause (doubling,
-        :data:`PARTING_PAUSES`) until P answered or :data:`PARTING_MEMORY` seconds passed."""
-        give_up = trio.current_time() + PARTING_MEMORY
-        pause, longest = PARTING_PAUSES
+        :data:`PARTING_PAUSES`) until P answered or :data:`PARTING_MEMORY` seconds passed
+        since one was last owed; at once when one is newly owed (:meth:`_owe`); ended when a
+        new connection took them over (:meth:`_hand_over`)."""
+        first, longest = PARTING_PAUSES
+        pause, state = first, self._owed[address]
         try:
-            while owed := sorted(self._owed[address]):
+            while owed := sorted(state.transfer_ids):
                 if await self._tell(address, key, owed):
-                    self._owed[address].difference_update(owed)
+                    state.transfer_ids.difference_update(owed)
                     continue  # others may have been lost to it meanwhile
-                if trio.current_time() + pause >= give_up:
+                if trio.current_time() + pause >= state.give_up and not state.wake.is_set():
                     log.info("P worker %s not reached for %.0f s: %d cancels not delivered",
                              address, PARTING_MEMORY, len(owed))  # fmt: skip
                     return
-                await trio.sleep(pause)
-                pause = min(2 * pause, longest)
+                with trio.move_on_after(pause):
+                    await state.wake.wait()
+                pause = first if state.wake.is_set() else min(2 * pause, longest)
+                state.wake = trio.Event()
         finally:
             del self._owed[address]
 

@@ -350,7 +350,11 @@ class Sender:
                         self._outbox.put_now(identity, Writing(pull.transfer_id, self._fence.epoch))
                     self._nursery.start_soon(self._send, effect)
                 case Release(transfer_id=tid, state=state):
-                    log.debug("transfer %s released (%s)", tid, state.value)
+                    if state is SendState.EXPIRED:  # no D pulled or cancelled it: say which
+                        log.info("transfer %s expired: no pull within unclaimed_ttl (%g s); "
+                                 "its KV is freed", tid, self._table.unclaimed_ttl)  # fmt: skip
+                    else:
+                        log.debug("transfer %s released (%s)", tid, state.value)
                     self._finished.add(tid)
                     self._finished_changed.fire()
                 case Wake(waiter=waiter):

@@ -220,10 +220,9 @@ def test_a_link_cut_under_load_ends_every_request_and_leaks_no_block(
         wait_for(f"{engine.name} freed the blocks", freed, timeout=UNCLAIMED_TTL + 30)
     # P's link cut: only the KV of P-first requests cut from P while P's answer was in flight
     # may have waited for the TTL; what D gave up on was cancelled (D's parting cancels,
-    # retried). D's link cut: KNOWN GAP, not asserted — in the fresh-clone CI run at 6c7cfba
-    # (after the fix of pulls given up while D looked P up, which the runs before it lacked)
-    # a 6 s cut of D's link still left 3 of 8 transfers to P's TTL; the cause is not found
-    # yet (docs/proxy.md). Their blocks were freed (by the TTL), checked above.
+    # retried). D's link cut: KNOWN GAP, not asserted — a request the proxy moved to P before
+    # D's API server handed it to D's engine never reaches D's connector, and nobody tells P
+    # (0–3 of 8 per cut here; docs/proxy.md). Their blocks were freed (by the TTL), checked above.
     expired = net.p.metric("vllm:pdactors_transfers_expired_total") - expired
     print(f"link {cut} cut {seconds} s: {expired:.0f} transfers left to P's unclaimed_ttl")
     if cut == "p":
