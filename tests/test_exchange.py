@@ -23,6 +23,7 @@ from pdactors.core.exchange_effects import (
     Ended,
     FellBack,
     FirstChunk,
+    FreeAtP,
     FreshLeg,
     Hold,
     Migrate,
@@ -259,8 +260,8 @@ EFFECTS: dict[tuple[Phase, Event], list[type]] = {
     (S.FAILED, E.P_REFUSED): [CancelLegs],
     (S.FAILED, E.D_CHUNK): [],
     (S.FAILED, E.FAIL): [CancelLegs],
-    (S.FAILED, E.RETRY): [Retried, FreshLeg, Unhold, Hold],
-    (S.FAILED, E.MIGRATE): [Unhold, Migrate, FreshLeg],
+    (S.FAILED, E.RETRY): [Retried, FreshLeg, FreeAtP, Unhold, Hold],  # D's pull given up
+    (S.FAILED, E.MIGRATE): [FreeAtP, Unhold, Migrate, FreshLeg],
     (S.FAILED, E.END): [Unhold, Release, Release, Ended],
     **{(S.DONE, e): [] for e in (E.P_ENDED, E.P_FAILED, E.P_REFUSED, E.FAIL, E.END)},
 }
@@ -369,8 +370,9 @@ def test_p_first_falls_back_to_d() -> None:
     assert ex.p_failed(cut) == [CancelLegs()]
     assert ex.phase is Phase.FAILED_AT_P and ex.cause is cut
     assert after_failure(ex, 10.25, Policy()) is Next.FALL_BACK
-    assert ex.fall_back(10.3, 30) == [
-        FellBack("p_unhealthy", cut), Placed("local", None), FreshLeg(), Hold(D, TOKENS, None)
+    assert ex.fall_back(10.3, 30) == [  # (P's engine may have finished the prompt: freed)
+        FellBack("p_unhealthy", cut), Placed("local", None), FreshLeg(), FreeAtP(P),
+        Hold(D, TOKENS, None),
     ]  # fmt: skip
     assert ex.flow is Flow.LOCAL and ex.placement == "local" and ex.fallback == "p_unhealthy"
     assert ex.cause is None and ex.prefilling == "d" and ex.phase is Phase.OPEN
@@ -588,8 +590,8 @@ def test_a_retry_moves_the_prompt_to_d_and_keeps_the_first_failure() -> None:
     assert ex.fail(KV_MISSING) == [CancelLegs()]
     assert ex.may_retry and after_failure(ex, 1.0, Policy()) is Next.RETRY
     assert ex.retry(1.0, 30) == [
-        Retried("decode_failed", KV_MISSING), FreshLeg(), Unhold(P, TOKENS, D, TOKENS, None),
-        Hold(D, TOKENS, None),
+        Retried("decode_failed", KV_MISSING), FreshLeg(), FreeAtP(P),
+        Unhold(P, TOKENS, D, TOKENS, None), Hold(D, TOKENS, None),
     ]  # fmt: skip
     assert ex.phase is Phase.OPEN and ex.cause is None and ex.retried_after is KV_MISSING
     assert ex.prefilling == "d" and not ex.may_retry
@@ -597,6 +599,46 @@ def test_a_retry_moves_the_prompt_to_d_and_keeps_the_first_failure() -> None:
     # D computed the prompt itself: its first chunk ends that prefill (the placer learns it)
     assert ex.d_chunk(1.5) == [Unhold(D, TOKENS, None, 30, 0.5), FirstChunk(1.5)]
     assert ex.end("ok", 2.0) == [Release(P), Release(D), Ended("ok", 2.0)]
+
+
+def _freed(effects: list[Effect]) -> list[Effect]:
+    return [e for e in effects if isinstance(e, FreeAtP)]
+
+
+def test_p_is_told_to_free_the_kv_it_keeps_once_ds_leg_is_given_up_and_only_then() -> None:
+    """P keeps the prompt's KV for D's pull in the concurrent flow from its start and in the
+    P-first flow once its token did not end the answer: giving D's leg up (asked again, moved
+    to another engine, the request ending otherwise than ok) frees it at P, once; a request
+    served ok, P's own 4xx, and a P-first answer P's token ended keep nothing at P."""
+    # a migration, then the end: told once
+    ex = RECIPES[Phase.TO_D]()
+    ex.d_asked(0.6)
+    ex.fail(KV_MISSING)
+    assert _freed(ex.migrate("D2")) == [FreeAtP(P)]
+    ex.fail(KV_MISSING)
+    assert _freed(ex.end("decode_error", 2.0)) == []  # told already
+    # the concurrent flow, ended by the client before D answered
+    ex = started(Flow.CONCURRENT)
+    assert _freed(ex.end("cancelled", 1.0)) == [FreeAtP(P)]
+    # served ok: D pulled it
+    ex = RECIPES[Phase.TO_D]()
+    ex.d_asked(0.6)
+    ex.d_answered(0.7)
+    assert _freed(ex.end("ok", 1.0)) == []
+    # P-first, before P's token: P keeps nothing yet (its leg, closed, aborts its request)
+    ex = started(Flow.P_FIRST)
+    assert _freed(ex.end("cancelled", 1.0)) == []
+    # P's token ended the answer: P freed the KV itself
+    ex = RECIPES[Phase.P_ANSWERS]()
+    assert _freed(ex.end("cancelled", 1.0)) == []
+    # P refused the request (its 4xx): it computed nothing
+    ex = started(Flow.CONCURRENT)
+    ex.p_failed(P_400)
+    assert _freed(ex.end("prefill_error", 1.0)) == []
+    # a local request never asked P
+    ex = started(Flow.LOCAL)
+    ex.fail(KV_MISSING)
+    assert _freed(ex.end("decode_error", 1.0)) == []
 
 
 def test_a_p_first_retry_after_ps_token_is_no_catch_up() -> None:

@@ -28,7 +28,7 @@ from quart_trio import QuartTrio
 from pdactors import PrefillBackend, ProxyConfig, serve_proxy
 from pdactors.proxy._bodies import First
 from pdactors.proxy._stream import ClientStream
-from tests.test_proxy import Setup, serve_app
+from tests.test_proxy import Setup, eventually, serve_app
 
 TIMEOUT = 10.0
 PROMPT = [1, 2, 3]  # a text prompt's ids, as the counting engines tokenize any text
@@ -61,6 +61,9 @@ class Counting:
     resume: trio.Event = field(default_factory=trio.Event)
     held: int = 0  # streams waiting for ``resume`` now
     received: list[dict[str, Any]] = field(default_factory=list)
+    #: Transfers the proxy told it to free the KV of (``release_transfer_ids``); those
+    #: requests are not in ``received``.
+    released: list[str] = field(default_factory=list)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
 
@@ -73,7 +76,11 @@ def counting_app(engine: Counting) -> QuartTrio:
 
     async def complete(chat: bool) -> Response:
         body = await request.get_json()
-        engine.received.append(body)
+        release = (body.get("kv_transfer_params") or {}).get("release_transfer_ids")
+        if release:  # the proxy's word to P, whose connector frees that KV
+            engine.released += release
+        else:
+            engine.received.append(body)
         prompt = body["prompt"] if isinstance(body.get("prompt"), list) else PROMPT
         n = body.get("max_completion_tokens") or body["max_tokens"]
         ids = tokens_after(prompt, n)
@@ -279,6 +286,12 @@ async def test_d_dying_mid_stream_hands_the_stream_to_p(chat: bool, placement: s
             assert continued["prompt"] == PROMPT + tokens_after(PROMPT, got)
             assert continued["max_tokens"] == 6 - got and "kv_transfer_params" not in continued
             assert await migrations(s) == {"prefill": 1.0}
+            # P-first: P kept the prompt's KV for D, which D may not have pulled: P frees it
+            if placement == "disaggregate":
+                tid = s.p[0].received[0]["kv_transfer_params"]["transfer_id"]
+                await eventually(lambda: s.p[0].released == [tid])
+            else:
+                assert s.p[0].released == []
             await settled(s)
 
 

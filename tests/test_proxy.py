@@ -89,6 +89,9 @@ class FakeEngine:
     probes: list[dict[str, Any]] = field(default_factory=list)
 
     request_ids: list[str] = field(default_factory=list)  # completions' X-Request-Id
+    #: Transfers the proxy told it to free the KV of (``release_transfer_ids``: what our
+    #: connector on P does with them), in order; those requests are in no other list.
+    released: list[str] = field(default_factory=list)
     answered: list[str] = field(default_factory=list)  # request ids of the answers it ended
 
     def tids(self) -> list[str]:
@@ -152,6 +155,10 @@ def make_fake_app(engine: FakeEngine) -> QuartTrio:
 
     async def complete(chat: bool) -> Response:
         body = await request.get_json()
+        release = (body.get("kv_transfer_params") or {}).get("release_transfer_ids")
+        if release:  # the proxy's word to P, whose connector frees that KV
+            engine.released += release
+            return _json(answer(engine, {"model": "", **body}, chat))
         engine.received.append(body)
         engine.dp_ranks_seen.append(request.headers.get("X-data-parallel-rank"))
         engine.auth_seen.append(request.headers.get("Authorization"))
@@ -735,6 +742,8 @@ async def test_decode_failure_cancels_prefill() -> None:
             assert resp.status_code == 502 and s.d[0].url in resp.json()["error"]["message"]
             (tid,) = s.p[0].tids()
             await eventually(lambda: s.p[0].cancelled == [tid])
+            # P's leg is cut, but its KV may be ready already: P is told to free it
+            await eventually(lambda: s.p[0].released == [tid])
 
 
 async def test_decode_dying_while_prefill_works_cancels_prefill_at_once() -> None:
@@ -893,6 +902,7 @@ async def test_client_disconnect_while_waiting_cancels_p_and_d() -> None:
                 await s.client.post("/v1/completions", json=completion_body(stream=True))
             await eventually(lambda: s.p[0].cancelled == s.p[0].tids() != [])
             await eventually(lambda: s.d[0].cancelled == s.d[0].tids() != [])
+            await eventually(lambda: s.p[0].released == s.p[0].tids())  # P frees what it kept
 
 
 async def test_request_timeout_answers_504_and_cancels_both() -> None:

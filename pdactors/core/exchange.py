@@ -85,6 +85,10 @@ class ExchangeState(Generic[E]):
         self.migrated_after: list[fx.Cause] = []
         self.outcome: str | None = None  # set when DONE
         self._p_held = False  # P's outstanding count is raised
+        #: P may keep the prompt's KV for D's pull (the concurrent flow from its start, the
+        #: P-first flow once P's token did not end the answer): giving up D's leg frees it at
+        #: P (:class:`~pdactors.core.exchange_effects.FreeAtP`)
+        self._kv_at_p = False
         #: the prompt in a prefill queue: leg, engine, the D waiting, tokens, ahead, sent at
         self._held: tuple[Leg, E, E | None, int, int, float] | None = None
         self.answer = ClientAnswer(arrived)  # what the client got, and when
@@ -149,6 +153,7 @@ class ExchangeState(Generic[E]):
         self.flow, self.placed_why, self.fallback = flow, why, fallback
         pair = do is Do.ADMIT_PAIR
         self._p_held = pair
+        self._kv_at_p = flow is Flow.CONCURRENT
         effects: list[fx.Effect] = [fx.Placed(self.placement, why)]
         if fallback is not None:
             effects.append(fx.FellBack(fallback, None))
@@ -177,6 +182,8 @@ class ExchangeState(Generic[E]):
         concurrent flow) P's own failure is only noted: D's answer decides."""
         first = self.p_cause is None and self.cause is None
         do = self._move(Event.P_REFUSED if cause.status < 500 else Event.P_FAILED)
+        if cause.status < 500:  # P refused the request: it computed nothing
+            self._kv_at_p = False
         if do is Do.NOTE_P:
             if self.p_cause is not None:
                 return []
@@ -190,6 +197,7 @@ class ExchangeState(Generic[E]):
         """P-first: P's answer says the prompt is ``tokens`` tokens; its token ``ends`` the
         answer (P's is the client's), or D continues after it."""
         self._move(Event.ENDS_AT_P if ends else Event.GOES_ON)
+        self._kv_at_p = not ends  # a token that ends the answer: P freed its KV at once
         effects: list[fx.Effect] = []
         if self.prompt_chars:  # a text prompt: its characters per token, for the placer
             effects.append(fx.PromptCounted(self.prompt_chars, tokens))
@@ -234,6 +242,9 @@ class ExchangeState(Generic[E]):
             fx.Placed(self.placement, None),
             fx.FreshLeg(),
         ]
+        if why == "p_unhealthy":  # cut from P, whose engine may have finished the prompt
+            self._kv_at_p = True
+        effects += self._free_at_p()
         if self._held is not None:
             effects.append(self._unhold(None))
         effects.append(self._hold("d", now, tokens_ahead))
@@ -293,6 +304,7 @@ class ExchangeState(Generic[E]):
         # D's second answer is no catch-up after a pull: not learnt as one
         self.answer.d_sent = None
         effects: list[fx.Effect] = [fx.Retried(cause.retry, cause), fx.FreshLeg()]
+        effects += self._free_at_p()
         if self._held is not None:
             effects.append(self._unhold(None))
         effects.append(self._hold("d", now, tokens_ahead))
@@ -310,7 +322,7 @@ class ExchangeState(Generic[E]):
         self.cause = None
         frm, self.d = self.d, to
         self.failed_engines.append(frm)
-        effects: list[fx.Effect] = []
+        effects: list[fx.Effect] = self._free_at_p()
         if self._held is not None:
             effects.append(self._unhold(None))
         effects += [fx.Migrate(frm, to, len(self.migrated_after), cause), fx.FreshLeg()]
@@ -333,11 +345,19 @@ class ExchangeState(Generic[E]):
         effects.append(fx.Release(self.d))
         if outcome != "ok":  # else P's leg gets its moment to end (its connection is reused)
             effects.append(fx.CancelLegs())
+            effects += self._free_at_p()
         step = self.answer.step(now)
         if step is not None and outcome == "ok" and not self.migrated_after:  # one engine's
             effects.append(step)
         effects.append(fx.Ended(outcome, now - self.arrived if outcome == "ok" else None))
         return effects
+
+    def _free_at_p(self) -> list[fx.Effect]:
+        """D's leg is given up: P frees the KV it may keep for it (once)."""
+        if not self._kv_at_p:
+            return []
+        self._kv_at_p = False
+        return [fx.FreeAtP(self.p)]
 
     # ------------------------------------------------------------------ the prefill queues
 

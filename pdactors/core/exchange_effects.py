@@ -21,6 +21,7 @@ __all__ = [
     "Ended",
     "FellBack",
     "FirstChunk",
+    "FreeAtP",
     "FreshLeg",
     "Hold",
     "Migrate",
@@ -150,6 +151,15 @@ class FellBack:
 
 
 @dataclass(frozen=True)
+class FreeAtP:
+    """P may hold the prompt's KV for a pull no D will make now (D's leg was given up: asked
+    again computing the prompt, moved to another engine, the request ended without it):
+    ask ``engine`` to free it now, not at its ``unclaimed_ttl``. Once per exchange."""
+
+    engine: object
+
+
+@dataclass(frozen=True)
 class Retried:
     """D's leg is asked again computing the prompt itself after ``cause`` (counted as
     ``why``, logged)."""
@@ -221,6 +231,7 @@ Effect = (
     | Placed
     | FellBack
     | Retried
+    | FreeAtP
     | DGoesOn
     | PFirstPath
     | PromptCounted

@@ -43,6 +43,7 @@ from pdactors.proxy._exchange import Exchange
 from pdactors.proxy._fan_out import serve_fanned_out, split
 from pdactors.proxy._flows import serve_flow
 from pdactors.proxy._health import HealthWatch
+from pdactors.proxy._kv_release import KvReleases
 from pdactors.proxy._legs import Legs
 from pdactors.proxy._openai import Endpoint, Failure, validate
 from pdactors.proxy._state import Backend, Metrics, Pool, Role
@@ -128,7 +129,9 @@ class Proxy:
             self.metrics.backend_up.labels(b.role, b.url).set(0)
         pools = (self.prefill, self.decode)
         self.watch = HealthWatch(config, probe_http, self.bootstrap, pools, self.metrics)
-        self.effects = ExchangeEffects(config, self.metrics, self.placer)
+        #: P's KV kept for pulls no D will make now: P is told to free it (its task: ``run``)
+        self.releases = KvReleases(self.engines, self.metrics.kv_freed_at_p)
+        self.effects = ExchangeEffects(config, self.metrics, self.placer, self.releases)
         self.legs = Legs(config, self.engines, self.effects, self.watch)
         self.answers = Answers(config, self.legs, self.effects, self.watch)
         if config.calibrate and config.placement == "auto":
@@ -275,9 +278,11 @@ class Proxy:
             prompt_tokens=tokens, prompt_chars=chars,
         )  # fmt: skip
         stream = body.get("stream") is True
+        model = body.get("model")
         ex = Exchange(
-            endpoint, stream, tid, headers, p_headers, p_engine_id, state, reply, span=span
-        )
+            endpoint, stream, tid, headers, p_headers, p_engine_id, state, reply, span=span,
+            model=model if isinstance(model, str) else "",
+        )  # fmt: skip
         # One engine serves it whole (D, or a P in D's place): the other takes no part.
         if where not in ("local", "whole-on-p"):  # P computes the prompt (and caches it)
             self.prefill.sent(p, prompt)

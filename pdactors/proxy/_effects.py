@@ -27,6 +27,7 @@ from pdactors.core.exchange_effects import (
     Ended,
     FellBack,
     FirstChunk,
+    FreeAtP,
     FreshLeg,
     Hold,
     Migrate,
@@ -42,6 +43,7 @@ from pdactors.core.exchange_effects import (
 from pdactors.core.placement import Placer
 from pdactors.proxy._asgi import PLACEMENT_HEADER
 from pdactors.proxy._exchange import Exchange
+from pdactors.proxy._kv_release import KvReleases
 from pdactors.proxy._openai import Failure
 from pdactors.proxy._state import Backend, Metrics
 from pdactors.proxy_config import ProxyConfig
@@ -59,10 +61,13 @@ def _b(engine: object) -> Backend:
 class ExchangeEffects:
     """The bookkeeping of every exchange: counts, metrics, placer, logs, scopes."""
 
-    def __init__(self, config: ProxyConfig, metrics: Metrics, placer: Placer) -> None:
+    def __init__(
+        self, config: ProxyConfig, metrics: Metrics, placer: Placer, releases: KvReleases
+    ) -> None:
         self.config = config
         self.metrics = metrics
         self.placer = placer
+        self.releases = releases
 
     def apply(self, ex: Exchange, effects: Sequence[Effect]) -> None:
         """Carry out ``effects`` of ``ex``'s record, in order. Not a checkpoint."""
@@ -111,6 +116,8 @@ class ExchangeEffects:
                     scope.cancel()
             case FreshLeg():
                 ex.d_scopes = []  # the failed leg's, cancelled by its failure
+            case FreeAtP(engine=p):
+                self.releases.free(_b(p).url, ex.p_headers, ex.model, ex.transfer_id)
             case Placed(placement=placement, why=why):
                 if why is not None:
                     m.placement.labels(placement, why).inc()

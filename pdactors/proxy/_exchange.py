@@ -41,6 +41,7 @@ class Exchange:
     d_scopes: list[trio.CancelScope] = field(default_factory=list)
     #: The request's span (:mod:`pdactors.proxy._tracing`), ended with the exchange.
     span: RequestSpan | None = None
+    model: str = ""  # the model the client named ("": none)
 
     @property
     def p(self) -> Backend:

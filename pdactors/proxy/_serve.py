@@ -153,6 +153,7 @@ async def _serve(
     config = proxy.config
     async with trio.open_nursery() as nursery:
         nursery.start_soon(proxy.watch.run)
+        nursery.start_soon(proxy.releases.run)
         app = make_app(proxy)
         serve = partial(
             serve_http,

@@ -264,6 +264,13 @@ class Metrics:
             ["placement", "reason"],
             registry=r,
         )
+        self.kv_freed_at_p = Counter(
+            "pdactors_proxy_kv_freed_at_p",
+            "Transfers whose KV P kept for a pull no D will make now (D's leg given up): P "
+            "told to free it (told), or not reached and left to its unclaimed_ttl (not_told)",
+            ["outcome"],
+            registry=r,
+        )
         self.fallbacks = Counter(
             "pdactors_proxy_fallbacks",
             "Requests one engine served alone although they were meant for two: D, as no P "

@@ -33,6 +33,10 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
     remote_bootstrap_addr: str | None = None
     transfer_id: str | None = None
     first_token_from_p: bool | None = None
+    #: (ours; `pdactors proxy` sends it to P on a one-token request of its own): P frees the
+    #: KV it keeps for these transfers, as no D will pull them (D's leg was given up); one it
+    #: does not know is remembered as given up. The request itself is served as any other.
+    release_transfer_ids: list[str] | None = None
 
     @classmethod
     def from_dict(cls, params: dict[str, object]) -> KVTransferParams:

@@ -131,6 +131,29 @@ def test_p_without_eager_send_hands_blocks_over_at_finish(eos: bool) -> None:
     assert free_blocks(sched) == total_blocks(sched)
 
 
+def test_p_frees_the_kv_it_keeps_for_a_transfer_the_proxy_gave_up() -> None:
+    """The proxy's release (a request of its own naming transfers no D will pull): each is
+    handed to the worker as dropped in that step, known or not (the sender frees what it
+    keeps, or remembers the id as given up), said once; the request itself is served as any
+    other, and every block comes back once the worker reports the send ended."""
+    sched = make_scheduler(
+        kv_role="kv_producer", block_size=BS, engine_id="prefill-0", extra_config=NOT_EAGER
+    )
+    params = {"do_remote_decode": True, "transfer_id": "kept"}
+    sched.add_request(make_request("p1", 40, max_tokens=1, kv_transfer_params=params))
+    step(sched)
+    assert meta_of(step(sched)).ready == {"p1": SendSpec("kept", (tuple(block_ids(sched, "p1")),))}
+    release = {"release_transfer_ids": ["kept", "never-seen"]}
+    sched.add_request(make_request("rel", 1, max_tokens=1, kv_transfer_params=release))
+    result = step(sched)
+    assert meta_of(result).dropped == ["kept", "never-seen"]
+    assert result.outputs["rel"].finish_reason == FinishReason.LENGTH  # served as any other
+    assert result.outputs["rel"].kv_transfer_params is None
+    assert meta_of(step(sched)).dropped == []  # once
+    step(sched, finished_sending={"p1"})  # the sender released "kept"
+    assert free_blocks(sched) == total_blocks(sched)
+
+
 def test_p_with_more_than_one_output_token_sends_at_finish() -> None:
     """Eager send needs the request to end in the step that completes its prompt; a P request
     that decodes on (its blocks could still be preempted) is sent when it finishes."""

@@ -68,7 +68,8 @@ class Marks:
     """One request's marks. ``transfer_id``: P's (the router's, or the request id when it sent
     none), D's pull; ``request`` and ``tables`` (P, ``PREFILLING``): the request and its block
     table per KV-cache group so far; ``held_back``: P dropped the prompt's last token;
-    ``warned``: its unreadable params were logged."""
+    ``warned``: its unreadable params were logged; ``released``: (P) the transfers it named
+    for P to free were handed to the worker."""
 
     state: State = State.NEW
     transfer_id: str | None = None
@@ -76,6 +77,7 @@ class Marks:
     tables: list[list[int]] = field(default_factory=list)
     held_back: bool = False
     warned: bool = False
+    released: bool = False
 
     def move(self, event: Event) -> None:
         """Take ``event``. Raises :class:`IllegalTransition` when the state does not allow it."""

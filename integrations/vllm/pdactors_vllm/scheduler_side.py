@@ -165,6 +165,8 @@ class SchedulerSide:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = self._params(request)
+        if params is not None and params.release_transfer_ids:
+            self._release(request.request_id, params.release_transfer_ids)
         if params is None or not (params.do_remote_prefill or params.do_remote_decode):
             return
         marks = self._marks.setdefault(request.request_id, Marks())
@@ -208,6 +210,18 @@ class SchedulerSide:
                 marks.request, marks.tables = request, [[] for _ in self.groups]
             else:
                 marks.move(Event.ANNOUNCE)
+
+    def _release(self, req_id: str, transfer_ids: list[str]) -> None:
+        """P: the proxy gave up D's leg of ``transfer_ids`` (request ``req_id`` says so): the
+        KV kept for them is freed now, not at ``unclaimed_ttl``; KV readied later is freed
+        at once. Said once per request (allocated again after preemption: nothing new)."""
+        marks = self._marks.setdefault(req_id, Marks())
+        if marks.released:
+            return
+        marks.released = True
+        log.info("request %s: the proxy gave up D's pull of %d transfers, their KV is freed: %s",
+                 req_id, len(transfer_ids), ", ".join(transfer_ids))  # fmt: skip
+        self._meta.dropped.extend(transfer_ids)
 
     def _params(self, request: Request) -> KVTransferParams | None:
         """The request's ``kv_transfer_params`` read as upstream's keys; None when it has
