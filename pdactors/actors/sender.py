@@ -9,8 +9,8 @@ layer's KV is complete, then ``transfer_ready``: when D's pull is already here e
 written as it comes, and D is answered once, after the last.
 
 The actor is a thin trio shell around :class:`~pdactors.core.send_table.SendTable`: a receive
-loop feeds D's messages in, a loss loop feeds in the D workers whose side channel closed or
-went silent (ZMQ heartbeats and the ROUTER's monitor), a tick loop feeds the clock in when the
+loop feeds D's messages in, a loss loop feeds in the D workers whose side channel closed or went
+silent (ZMQ heartbeats and the ROUTER's monitor), a tick loop feeds the clock in when the
 table's next deadline comes, and the effects come out as replies (through one outbox task),
 writes (one task per transfer, :mod:`pdactors.actors._kv_writes`) and released ids. Every
 transfer's state, a streamed one's included, lives in the table's record of it. A lease loop
@@ -204,8 +204,7 @@ class Sender:
     def unreachable(self, reason: str) -> int:
         """No D can find this sender now (another registration holds its rank): release every
         READY transfer no D has pulled; returns how many."""
-        effects = self._table.unreachable(trio.current_time(), reason)
-        self._apply(effects)
+        self._apply(effects := self._table.unreachable(trio.current_time(), reason))
         return len(effects)
 
     def write_statistics(self) -> DurationStatistics:
@@ -327,17 +326,10 @@ class Sender:
             self.descriptors_sent += written.descriptors
             self.streamed_sent += job.streamed
             self._write_seconds.add(now - start)
-        self._apply(
-            self._table.send_finished(
-                job.transfer_id,
-                now,
-                identity=job.identity,
-                error=error,
-                nbytes=written.nbytes,
-                descriptors=written.descriptors,
-                sums=written.wire_sums(self._writer.hasher.header),
-            )
-        )
+        sums = written.wire_sums(self._writer.hasher.header)
+        self._apply(self._table.send_finished(
+            job.transfer_id, now, identity=job.identity, error=error, nbytes=written.nbytes,
+            descriptors=written.descriptors, sums=sums))  # fmt: skip
 
     def _apply(self, effects: list[Effect]) -> None:
         for effect in effects:
