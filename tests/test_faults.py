@@ -225,7 +225,8 @@ async def test_a_cancel_owed_late_in_a_long_partition_is_still_told_when_it_heal
     still hears of the second, at D's next try, and frees its KV."""
     memory = MemoryTransport()
     receiver = ReceiverConfig(lookup_timeout=1e6, tick_interval=1)
-    sender = msgspec.structs.replace(QUIET_SENDER, unclaimed_ttl=1e6)  # only D frees it here
+    # P's own expiry comes after the test's span (the KV is freed by D's word or not at all)
+    sender = msgspec.structs.replace(QUIET_SENDER, unclaimed_ttl=400)
     autojump_clock.autojump_threshold = 0.01
     async with open_cluster(sender=sender, receiver=receiver, transport=memory, **SMALL) as cluster:
         p = cluster.prefill[0]
