@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 import pytest
 import trio
 import trio.testing
 
 from pdactors import PullFailedError, ReceiverConfig, SenderConfig
-from pdactors.actors._p_connections import PARTING_MEMORY, PARTING_PAUSES
+from pdactors.actors import _p_connections
+from pdactors.actors._p_connections import PARTING_PAUSES
 from pdactors.config import Liveness
 from pdactors.testing import (
     Cluster,
@@ -217,29 +217,35 @@ async def test_a_new_connection_to_p_carries_the_cancels_owed_at_once(
 
 
 async def test_a_cancel_owed_late_in_a_long_partition_is_still_told_when_it_heals(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One partition: D gives up on a pull early in it, then on another just before its
     parting cancels would stop trying (``PARTING_MEMORY`` after the first): the second is owed
     as long as the first was. The partition heals after the first one's memory ran out: P
-    still hears of the second, at D's next try, and frees its KV."""
-    memory = MemoryTransport()
+    still hears of the second, at D's next try, and frees its KV (the late pull's own
+    connection takes the owed cancels over and, lost, owes them afresh; one owed with no new
+    connection extends the memory). Fails with both removed. (The memory and the pauses are
+    shortened here: every virtual second costs real ones under the autojump clock.)"""
+    memory, pauses = 30.0, (1.0, 4.0)
+    monkeypatch.setattr(_p_connections, "PARTING_MEMORY", memory)
+    monkeypatch.setattr(_p_connections, "PARTING_PAUSES", pauses)
+    transport = MemoryTransport()
     receiver = ReceiverConfig(lookup_timeout=1e6, tick_interval=1)
-    # P's own expiry comes after the test's span (the KV is freed by D's word or not at all)
-    sender = msgspec.structs.replace(QUIET_SENDER, unclaimed_ttl=400)
     autojump_clock.autojump_threshold = 0.01
-    async with open_cluster(sender=sender, receiver=receiver, transport=memory, **SMALL) as cluster:
+    async with open_cluster(
+        sender=QUIET_SENDER, receiver=receiver, transport=transport, **SMALL
+    ) as cluster:
         p = cluster.prefill[0]
         assert (await run_transfer(cluster, "first", 2)).ok  # D knows P's worker now
-        assert memory.partition(p.sender.address) == 1
+        assert transport.partition(p.sender.address) == 1
         _hold(p, "early")
         assert "P gone" in await pull(cluster, "early")
-        await trio.sleep(PARTING_MEMORY - 20)
+        await trio.sleep(memory - 10)
         _hold(p, "late")
         assert "P gone" in await pull(cluster, "late")
-        await trio.sleep(40)  # PARTING_MEMORY has passed since the first was owed
-        memory.heal(p.sender.address)
-        bound = PARTING_PAUSES[0] * 2**4 + 2 * Liveness().connect_timeout
+        await trio.sleep(20)  # PARTING_MEMORY has passed since the first was owed
+        transport.heal(p.sender.address)
+        bound = pauses[1] + 2 * Liveness().connect_timeout
         await wait_until(
             lambda: p.sender.transfer_state("late").value == "cancelled",  # type: ignore[union-attr]
             within=bound,
