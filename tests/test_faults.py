@@ -4,6 +4,8 @@ duplicated and delayed messages, cut links). Every test ends with every block ba
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -185,23 +187,35 @@ async def test_a_partition_that_heals_frees_the_kv_p_holds_for_pulls_d_gave_up(
         await cluster.wait_settled()
 
 
-async def test_a_new_connection_to_p_carries_the_cancels_owed_at_once(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """A partition long enough that D's parting cancels pause for their longest: once it heals
-    and D sends P a pull again (the link is plainly back), the new connection carries the
-    cancels still owed to P at once, not at the next try."""
+@asynccontextmanager
+async def partitioned(
+    clock: trio.testing.MockClock, held: str
+) -> AsyncIterator[tuple[Cluster, MemoryTransport, Any]]:
+    """A cluster on the in-memory transport whose D knows P's worker, then P partitioned away
+    while it holds ``held`` for a pull D gave up on (P gone): D owes P its cancel. Yields the
+    cluster, the transport and P; every block is back at the end."""
     memory = MemoryTransport()
     receiver = ReceiverConfig(lookup_timeout=1e6, tick_interval=1)
-    autojump_clock.autojump_threshold = 0.01
+    clock.autojump_threshold = 0.01
     async with open_cluster(
         sender=QUIET_SENDER, receiver=receiver, transport=memory, **SMALL
     ) as cluster:
         p = cluster.prefill[0]
         assert (await run_transfer(cluster, "first", 2)).ok  # D knows P's worker now
         assert memory.partition(p.sender.address) == 1
-        _hold(p, "held")
-        assert "P gone" in await pull(cluster, "held")
+        _hold(p, held)
+        assert "P gone" in await pull(cluster, held)
+        yield cluster, memory, p
+        await cluster.wait_settled()
+
+
+async def test_a_new_connection_to_p_carries_the_cancels_owed_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A partition long enough that D's parting cancels pause for their longest: once it heals
+    and D sends P a pull again (the link is plainly back), the new connection carries the
+    cancels still owed to P at once, not at the next try."""
+    async with partitioned(autojump_clock, "held") as (cluster, memory, p):
         await trio.sleep(60)  # the tries pause for their longest now
         assert p.sender.transfer_state("held").value == "ready"  # type: ignore[union-attr]
         memory.heal(p.sender.address)
@@ -213,7 +227,6 @@ async def test_a_new_connection_to_p_carries_the_cancels_owed_at_once(
         )
         print(f"P told {trio.current_time() - healed:.2f} s after the partition healed")
         assert cluster.decode[0].receiver._links.owed_cancels == 0
-        await cluster.wait_settled()
 
 
 async def test_a_cancel_owed_late_in_a_long_partition_is_still_told_when_it_heals(
@@ -229,17 +242,7 @@ async def test_a_cancel_owed_late_in_a_long_partition_is_still_told_when_it_heal
     memory, pauses = 30.0, (1.0, 4.0)
     monkeypatch.setattr(_p_connections, "PARTING_MEMORY", memory)
     monkeypatch.setattr(_p_connections, "PARTING_PAUSES", pauses)
-    transport = MemoryTransport()
-    receiver = ReceiverConfig(lookup_timeout=1e6, tick_interval=1)
-    autojump_clock.autojump_threshold = 0.01
-    async with open_cluster(
-        sender=QUIET_SENDER, receiver=receiver, transport=transport, **SMALL
-    ) as cluster:
-        p = cluster.prefill[0]
-        assert (await run_transfer(cluster, "first", 2)).ok  # D knows P's worker now
-        assert transport.partition(p.sender.address) == 1
-        _hold(p, "early")
-        assert "P gone" in await pull(cluster, "early")
+    async with partitioned(autojump_clock, "early") as (cluster, transport, p):
         await trio.sleep(memory - 10)
         _hold(p, "late")
         assert "P gone" in await pull(cluster, "late")
@@ -252,7 +255,6 @@ async def test_a_cancel_owed_late_in_a_long_partition_is_still_told_when_it_heal
         )
         assert p.sender.transfer_state("early").value == "cancelled"  # type: ignore[union-attr]
         assert cluster.decode[0].receiver._links.owed_cancels == 0
-        await cluster.wait_settled()
 
 
 def _hold(p: Any, transfer_id: str) -> None:
