@@ -10,6 +10,7 @@ and what follows its failure — a retry, a migration, the failure told), ``_leg
 to P and D, nothing else), ``_exchange`` and ``_effects`` (an exchange as the IO code holds
 it, and the one place the effects of its record are carried out), ``_engine_failures`` and
 ``_retry`` (what a failed leg tells the client, and which engine continues a migrated one),
+``_kv_release`` (P told to free the KV it keeps for a D leg the record gave up),
 ``_bodies`` (what each engine is sent), ``_relay`` and ``_stream`` (D's stream relayed, made
 the client's), ``_engine_http`` (h11 to the engines), ``_state`` and ``_health`` (the engines'
 pools, counters and health), ``_pairs`` (which P may compute prompts for which D: their models
