@@ -149,42 +149,13 @@ async def test_a_cut_mid_stream_ends_every_transfer_and_leaks_nothing(seed: int)
             await cluster.wait_settled()
 
 
-async def test_a_partition_that_heals_frees_the_kv_p_holds_for_pulls_d_gave_up(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """P readies a transfer while D cannot reach it (a partition: D's pull is lost with its
-    connection, or gets no handshake on a new one, and ends as P gone; P never hears of it):
-    P still holds the KV. Once the partition heals, D's
-    parting cancel reaches P within one pause of its tries, long before P's unclaimed_ttl
-    would free it."""
-    memory = MemoryTransport()
-    receiver = ReceiverConfig(lookup_timeout=1e6, tick_interval=1)
-    autojump_clock.autojump_threshold = 0.01
-    async with open_cluster(
-        sender=QUIET_SENDER, receiver=receiver, transport=memory, **SMALL
-    ) as cluster:
-        p = cluster.prefill[0]
-        assert (await run_transfer(cluster, "first", 2)).ok  # D knows P's worker now
-        assert memory.partition(p.sender.address) == 1
-        src = p.pool.allocate(3)
-        p.owned["held"] = src
-        p.kv.fill("held", src)
-        p.sender.transfer_pending("held")
-        p.sender.transfer_ready("held", src)
-        reason = await pull(cluster, "held")
-        assert "P gone" in reason, reason
-        await trio.sleep(30)  # the partition lasts; P keeps the KV meanwhile
-        assert p.sender.transfer_state("held").value == "ready"  # type: ignore[union-attr]
-        healed = trio.current_time()
-        memory.heal(p.sender.address)
-        bound = PARTING_PAUSES[1] + 2 * Liveness().connect_timeout
-        await wait_until(
-            lambda: p.sender.transfer_state("held").value == "cancelled",  # type: ignore[union-attr]
-            within=bound,
-        )
-        print(f"P told {trio.current_time() - healed:.1f} s after the partition healed")
-        assert cluster.decode[0].receiver._links.owed_cancels == 0
-        await cluster.wait_settled()
+def _hold(p: Any, transfer_id: str) -> None:
+    """P computed ``transfer_id``'s prompt (P first): its KV waits for D's pull."""
+    src = p.pool.allocate(3)
+    p.owned[transfer_id] = src
+    p.kv.fill(transfer_id, src)
+    p.sender.transfer_pending(transfer_id)
+    p.sender.transfer_ready(transfer_id, src)
 
 
 @asynccontextmanager
@@ -204,9 +175,32 @@ async def partitioned(
         assert (await run_transfer(cluster, "first", 2)).ok  # D knows P's worker now
         assert memory.partition(p.sender.address) == 1
         _hold(p, held)
-        assert "P gone" in await pull(cluster, held)
+        reason = await pull(cluster, held)
+        assert "P gone" in reason, reason
         yield cluster, memory, p
         await cluster.wait_settled()
+
+
+async def test_a_partition_that_heals_frees_the_kv_p_holds_for_pulls_d_gave_up(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """P readies a transfer while D cannot reach it (a partition: D's pull is lost with its
+    connection, or gets no handshake on a new one, and ends as P gone; P never hears of it):
+    P still holds the KV. Once the partition heals, D's
+    parting cancel reaches P within one pause of its tries, long before P's unclaimed_ttl
+    would free it."""
+    async with partitioned(autojump_clock, "held") as (cluster, memory, p):
+        await trio.sleep(30)  # the partition lasts; P keeps the KV meanwhile
+        assert p.sender.transfer_state("held").value == "ready"  # type: ignore[union-attr]
+        healed = trio.current_time()
+        memory.heal(p.sender.address)
+        bound = PARTING_PAUSES[1] + 2 * Liveness().connect_timeout
+        await wait_until(
+            lambda: p.sender.transfer_state("held").value == "cancelled",  # type: ignore[union-attr]
+            within=bound,
+        )
+        print(f"P told {trio.current_time() - healed:.1f} s after the partition healed")
+        assert cluster.decode[0].receiver._links.owed_cancels == 0
 
 
 async def test_a_new_connection_to_p_carries_the_cancels_owed_at_once(
@@ -257,15 +251,6 @@ async def test_a_cancel_owed_late_in_a_long_partition_is_still_told_when_it_heal
         assert cluster.decode[0].receiver._links.owed_cancels == 0
 
 
-def _hold(p: Any, transfer_id: str) -> None:
-    """P computed ``transfer_id``'s prompt (P first): its KV waits for D's pull."""
-    src = p.pool.allocate(3)
-    p.owned[transfer_id] = src
-    p.kv.fill(transfer_id, src)
-    p.sender.transfer_pending(transfer_id)
-    p.sender.transfer_ready(transfer_id, src)
-
-
 @pytest.mark.parametrize("cancel", ["arrives", "lost with its connection"])
 async def test_a_pull_given_up_while_d_looks_p_up_still_frees_ps_kv(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, cancel: str
@@ -284,11 +269,7 @@ async def test_a_pull_given_up_while_d_looks_p_up_still_frees_ps_kv(
     ) as cluster:
         p, d = cluster.prefill[0], cluster.decode[0]
         assert (await run_transfer(cluster, "first", 2)).ok  # D's connection to P is up
-        src = p.pool.allocate(3)
-        p.owned["held"] = src
-        p.kv.fill("held", src)
-        p.sender.transfer_pending("held")
-        p.sender.transfer_ready("held", src)
+        _hold(p, "held")
         # The fault, at the lookup's seam: its answer comes once the link is back.
         lookups, link_back = d.receiver._lookups, trio.Event()
         resolve = lookups.resolve
