@@ -1,21 +1,34 @@
 """Hosts of their own on one machine, for end-to-end tests across a network: each a network
-namespace joined to a bridge in this one by a veth pair, as machines on one switch (root and
-iproute2 needed). This namespace (the proxy's, the test's) is the bridge's host ``.1``.
+namespace joined to a bridge in this one, as machines on one switch (root and iproute2
+needed). This namespace (the proxy's, the test's) is the bridge's host ``.1``.
 
-A link is cut with :meth:`Host.cut` (its veth end here set down, both ways: the engine and its
-peers see a dead network, not a refused connection) and shaped with :meth:`Host.netem`
-(``tc netem`` on both ends: delay, loss). Everything is removed on exit.
+Each host's link is a pair of TAP devices, one on the bridge here and one in its namespace,
+joined by :class:`_Wire`: a thread that carries every Ethernet frame from one to the other.
+The wire is where a link is shaped (:meth:`Host.shape`: a delay each way and a share of frames
+lost, what ``tc netem`` does; this kernel has no ``sch_netem``, and the frames' fate is drawn
+from a seeded generator). A link is cut with :meth:`Host.cut` (its device here set down, both
+ways: the engine and its peers see a dead network, not a refused connection). Everything is
+removed on exit.
 """
 
 from __future__ import annotations
 
+import fcntl
+import heapq
 import os
+import random
+import selectors
+import struct
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["Host", "can_make_hosts", "hosts"]
+
+_TUNSETIFF, _IFF_TAP, _IFF_NO_PI = 0x400454CA, 0x0002, 0x1000
 
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
@@ -23,7 +36,9 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
 
 
 def can_make_hosts() -> bool:
-    """Whether this process may create network namespaces and veth pairs (root, iproute2)."""
+    """Whether this process may create network namespaces and TAP devices (root, iproute2)."""
+    if not os.access("/dev/net/tun", os.R_OK | os.W_OK):
+        return False
     name = f"pdprobe{os.getpid() % 100000}"
     try:
         made = _run("ip", "netns", "add", name, check=False).returncode == 0
@@ -34,13 +49,85 @@ def can_make_hosts() -> bool:
     return made
 
 
+def _tap(name: str) -> int:
+    """A TAP device ``name`` in this namespace; its frames are read and written on the fd."""
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
+    try:
+        fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH", name.encode(), _IFF_TAP | _IFF_NO_PI))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+@dataclass
+class _Shape:
+    delay: float = 0.0  # seconds, each way
+    loss: float = 0.0  # share of frames dropped, each way
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+
+class _Wire(threading.Thread):
+    """Carries frames between the TAP pairs of every host, each frame after its link's delay
+    unless its link's loss drops it; frames of one direction keep their order."""
+
+    def __init__(self) -> None:
+        super().__init__(name="hosts-wire", daemon=True)
+        self._sel = selectors.DefaultSelector()
+        self._due: list[tuple[float, int, int, bytes]] = []
+        self._seq = 0
+        self._done = threading.Event()
+        self.dropped = 0
+
+    def join_pair(self, a: int, b: int, shape: _Shape) -> None:
+        self._sel.register(a, selectors.EVENT_READ, (b, shape))
+        self._sel.register(b, selectors.EVENT_READ, (a, shape))
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join(timeout=5)
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            wait = 0.1 if not self._due else max(0.0, self._due[0][0] - time.monotonic())
+            for key, _ in self._sel.select(timeout=min(wait, 0.1)):
+                out, shape = key.data
+                self._take(key.fd, out, shape)
+            now = time.monotonic()
+            while self._due and self._due[0][0] <= now:
+                _, _, out, frame = heapq.heappop(self._due)
+                self._put(out, frame)
+
+    def _take(self, fd: int, out: int, shape: _Shape) -> None:
+        for _ in range(256):  # a burst, then the others' turn
+            try:
+                frame = os.read(fd, 65536)
+            except (BlockingIOError, OSError):
+                return
+            if shape.loss and shape.rng.random() < shape.loss:
+                self.dropped += 1
+            elif shape.delay:
+                self._seq += 1
+                heapq.heappush(self._due, (time.monotonic() + shape.delay, self._seq, out, frame))
+            else:
+                self._put(out, frame)
+
+    @staticmethod
+    def _put(out: int, frame: bytes) -> None:
+        try:
+            os.write(out, frame)
+        except OSError:  # its device is down (a cut link): the frame is lost, as on a wire
+            pass
+
+
 @dataclass(frozen=True)
 class Host:
     name: str
     netns: str
     ip: str
-    link: str  # its veth end in this namespace (on the bridge)
-    inner: str  # its veth end in its own namespace
+    link: str  # its device in this namespace (on the bridge)
+    inner: str  # its device in its own namespace
+    _shape: _Shape = field(default_factory=_Shape, repr=False, compare=False)
 
     def cut(self) -> None:
         """Its link down: nothing passes either way."""
@@ -49,14 +136,11 @@ class Host:
     def restore(self) -> None:
         _run("ip", "link", "set", self.link, "up")
 
-    def netem(self, *spec: str) -> None:
-        """``tc netem`` with ``spec`` (e.g. ``delay 20ms loss 1%``) on both ends of its link;
-        none to remove it."""
-        for cmd in (("tc",), ("ip", "netns", "exec", self.netns, "tc")):
-            dev = self.link if len(cmd) == 1 else self.inner
-            _run(*cmd, "qdisc", "del", "dev", dev, "root", check=False)
-            if spec:
-                _run(*cmd, "qdisc", "add", "dev", dev, "root", "netem", *spec)
+    def shape(self, delay_ms: float = 0.0, loss: float = 0.0, seed: int = 0) -> None:
+        """Each frame on its link, either way, delayed ``delay_ms`` and lost with probability
+        ``loss`` (``tc netem delay … loss …`` on both ends); no arguments: a plain link again."""
+        self._shape.rng.seed(seed)
+        self._shape.delay, self._shape.loss = delay_ms / 1000, loss
 
 
 @contextmanager
@@ -66,6 +150,8 @@ def hosts(*names: str) -> Iterator[tuple[str, dict[str, Host]]]:
     net = f"10.{150 + tag % 50}.{tag % 250}"
     bridge = f"pdbr{tag}"
     made: list[Host] = []
+    fds: list[int] = []
+    wire = _Wire()
     try:
         _run("ip", "link", "add", bridge, "type", "bridge")
         _run("ip", "addr", "add", f"{net}.1/24", "dev", bridge)
@@ -75,7 +161,8 @@ def hosts(*names: str) -> Iterator[tuple[str, dict[str, Host]]]:
             host = Host(name, ns, f"{net}.{i + 2}", f"{ns}r", f"{ns}n")
             _run("ip", "netns", "add", host.netns)
             made.append(host)
-            _run("ip", "link", "add", host.link, "type", "veth", "peer", "name", host.inner)
+            fds += [_tap(host.link), _tap(host.inner)]
+            wire.join_pair(fds[-2], fds[-1], host._shape)
             _run("ip", "link", "set", host.inner, "netns", host.netns)
             _run("ip", "link", "set", host.link, "master", bridge)
             _run("ip", "link", "set", host.link, "up")
@@ -83,8 +170,13 @@ def hosts(*names: str) -> Iterator[tuple[str, dict[str, Host]]]:
             _run(*inside, "addr", "add", f"{host.ip}/24", "dev", host.inner)
             _run(*inside, "link", "set", host.inner, "up")
             _run(*inside, "link", "set", "lo", "up")
+        wire.start()
         yield f"{net}.1", {h.name: h for h in made}
     finally:
+        if wire.is_alive():
+            wire.stop()
+        for fd in fds:
+            os.close(fd)  # a TAP device goes with its last fd
         for host in made:
             _run("ip", "link", "del", host.link, check=False)
             _run("ip", "netns", "del", host.netns, check=False)

@@ -7,10 +7,12 @@ channel, the bootstrap and the proxy's calls all cross a network that a test can
 * A 2 s and a 6 s cut of P's link, then of D's, with eight streams in flight: every request
   ends within its bound (none hangs), each either answered whole and equal to P's own answer
   or failed with a clear error, and no KV block is left held on P or D once they settle.
+* Both links slow and lossy (a delay each way and a share of frames lost, as ``tc netem``
+  makes them; here the hosts' wire does it, this kernel having no ``sch_netem``) with eight
+  streams in flight: every request served, equal to P's own answer, and nothing left held.
 
-``tc netem`` (delay, loss) is used where the kernel has it (the link cut needs only ``ip``);
-this module is skipped where network namespaces cannot be made (not root, no iproute2). The
-servers start once for the module.
+This module is skipped where network namespaces cannot be made (not root, no iproute2, no
+``/dev/net/tun``). The servers start once for the module.
 """
 
 from __future__ import annotations
@@ -223,6 +225,43 @@ def test_a_link_cut_under_load_ends_every_request_and_leaks_no_block(
     prompt = prompt_ids(100, seed=900)
     again = _stream(net, prompt, 8)
     assert again.error is None and again.text == net.alone(prompt, 8)
+
+
+@pytest.mark.parametrize(("delay_ms", "loss"), [(20, 0.01), (50, 0.05)])
+def test_a_slow_lossy_network_under_load_serves_every_request_and_leaks_no_block(
+    net: Net, delay_ms: float, loss: float
+) -> None:
+    """P's and D's links each delay every frame ``delay_ms`` each way and lose a ``loss`` share
+    of them (so the KV, crossing both, meets twice that), with eight streams in flight: a
+    slow, lossy network is not a failure — every request is served whole, equal to P's own
+    answer, its KV having crossed, and once they settle nothing is held and nothing left to
+    P's TTL."""
+    wait_for("P and D in rotation", lambda: _both_up(net))
+    prompts = [prompt_ids(150 + 50 * i, seed=950 + i) for i in range(8)]
+    max_tokens = 48
+    wanted = [net.alone(pr, max_tokens) for pr in prompts]  # asked before the links slow
+    received = net.d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    expired = net.p.metric("vllm:pdactors_transfers_expired_total")
+    try:
+        for i, name in enumerate(("p", "d")):
+            net.hosts[name].shape(delay_ms, loss, seed=i)
+        with ThreadPoolExecutor(8) as pool:
+            ended = list(pool.map(partial(_stream, net, max_tokens=max_tokens), prompts))
+    finally:
+        for host in net.hosts.values():
+            host.shape()
+    took = sorted(round(e.seconds, 1) for e in ended)
+    print(f"links {delay_ms} ms, {loss:.0%} lost: {sum(e.error is None for e in ended)} of 8 "
+          f"served in {took} s")  # fmt: skip
+    assert [e.error for e in ended] == [None] * 8
+    assert [e.text for e in ended] == wanted
+    assert all(e.seconds <= BOUND for e in ended)
+    moved = net.d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    assert moved - received >= sum(len(pr) - 1 for pr in prompts)  # every prompt's KV crossed
+    wait_for("nothing in flight at the proxy", lambda: _in_flight(net) == 0)
+    for engine in (net.p, net.d):
+        wait_for(f"{engine.name} freed the blocks", partial(_holds_no_block, engine), timeout=60)
+    assert net.p.metric("vllm:pdactors_transfers_expired_total") == expired
 
 
 def _holds_no_block(engine: Server) -> bool:
