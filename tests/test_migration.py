@@ -56,6 +56,12 @@ class Counting:
     #: and so does its ``/health``, until the test ends.
     stop_after: int | None = None
     stopped: bool = False
+    #: Its ``/health`` answers nothing from its next stream's token of this index on, while
+    #: its streams flow on (a late answer on a slow, lossy network); ``token_pause``: seconds
+    #: between its tokens.
+    late_health_after: int | None = None
+    health_late: bool = False
+    token_pause: float = 0.0
     #: Its streams wait for ``resume`` before the token of this index (a slow engine).
     hold_at: int | None = None
     resume: trio.Event = field(default_factory=trio.Event)
@@ -129,6 +135,8 @@ def counting_app(engine: Counting) -> QuartTrio:
             if engine.stop_after == i:
                 engine.stopped = True
                 await trio.sleep_forever()
+            engine.health_late = engine.health_late or engine.late_health_after == i
+            await trio.sleep(engine.token_pause)
             if engine.error_after == i:
                 error = {"error": {"message": "Internal server error", "code": 500}}
                 yield _event(error)
@@ -165,7 +173,7 @@ def counting_app(engine: Counting) -> QuartTrio:
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.stopped:
+        if engine.stopped or engine.health_late:
             await trio.sleep_forever()
         return Response(b"", status=200)
 
@@ -326,6 +334,23 @@ async def test_a_stopped_d_is_judged_failed_and_its_stream_goes_on_on_p(placemen
             assert await migrations(s) == {"prefill": 1.0}
             _, report = await s.health()
             assert not report["decode"][0]["up"]
+            await settled(s)
+
+
+async def test_a_d_whose_health_answer_is_late_while_its_stream_flows_keeps_the_stream() -> None:
+    """D's ``/health`` answers nothing for several health timeouts while its stream brings
+    a token every 0.15 s (what a slow, lossy link does to one connection): D is alive, and
+    its stream is not cut from it."""
+    with trio.fail_after(TIMEOUT):
+        async with open_counting(health_timeout=0.3) as s:
+            d = s.d[0]
+            d.late_health_after, d.token_pause = 1, 0.15
+            body = body_for(False, stream=True)
+            headers = {"x-pdactors-placement": "local"}
+            resp = await s.client.post(ROUTES[False], json=body, headers=headers)
+            assert streamed_text(resp, False) == SINGLE
+            assert await migrations(s) == {}
+            assert [len(e.received) for e in (*s.p, d)] == [0, 1]  # D alone served it
             await settled(s)
 
 

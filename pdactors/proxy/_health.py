@@ -1,8 +1,9 @@
 """The proxy's health loop: every engine's ``GET /health`` and every P's bootstrap
 ``GET /query`` each ``health_interval``; engines in and out of rotation, P's engine ids.
 
-An engine judged failed itself (its ``/health`` gave no answer within ``health_timeout``, an
-error status, a refused connection) has every request waiting on it cut from it at once
+An engine judged failed itself (its ``/health`` gave no answer within ``health_timeout`` while
+none of its streams brought a byte either, an error status, a refused connection) has every
+request waiting on it cut from it at once
 (:attr:`Backend.waiting_on`): a P-first request still waiting for P's token is then served as
 one whose P failed before its token (:mod:`pdactors.proxy._p_first`), a request the engine was
 decoding goes on on another engine (migration: :mod:`pdactors.proxy._answer`). A failed
@@ -125,7 +126,18 @@ class HealthWatch:
             except httpx.HTTPError as exc:
                 return f"GET /health failed: {describe(exc)}"
         if scope.cancelled_caught:
-            return f"GET /health gave no answer within {timeout:g} s"
+            heard = trio.current_time() - b.heard
+            if heard >= timeout:
+                return f"GET /health gave no answer within {timeout:g} s"
+            # Its streams flow: the answer is late on the way (a slow or lossy network), not
+            # from a stopped engine. Judged on the next round's.
+            if not b.health_late:
+                b.health_late = True
+                log.info("proxy: %s %s: GET /health gave no answer within %g s, but its "
+                         "streams brought bytes %.1f s ago: kept", b.role, b.url, timeout,
+                         heard)  # fmt: skip
+            return None
+        b.health_late = False
         if resp.status_code != 200:
             return f"GET /health answered HTTP {resp.status_code}"
         return None

@@ -43,6 +43,7 @@ async def relay_stream(
         try:
             async with aclosing(resp.chunks()) as chunks:
                 async for chunk in chunks:
+                    ex.d.heard = trio.current_time()  # it is alive (for the health loop)
                     if not began:
                         chunk, held = held + chunk, b""
                         rest = _after_role(chunk)

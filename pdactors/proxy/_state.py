@@ -43,6 +43,10 @@ class Backend:
     prefills: int = 0  # requests whose prompt it computes now (their first token not back)
     incoming: int = 0  # D only: requests it continues whose prompt is still at a P
     bootstrap_slow: bool = False  # P only: its bootstrap gave no answer in the last round
+    #: When a stream of its last brought bytes (trio time): an engine whose streams flow is
+    #: alive though its ``/health`` answer is late (a slow or lossy network).
+    heard: float = float("-inf")
+    health_late: bool = False  # its ``/health`` was late in the last round, its streams not
     #: A scope around each request's wait on this engine — a P-first request's for P's token,
     #: a decoding leg's for its answer — cancelled when the engine is judged failed
     #: meanwhile (a stopped or hung engine: :meth:`pdactors.proxy._health.HealthWatch.set`):
