@@ -237,7 +237,8 @@ def test_a_slow_lossy_network_under_load_serves_every_request_and_leaks_no_block
     answer, its KV having crossed, and once they settle nothing is held and nothing left to
     P's TTL."""
     wait_for("P and D in rotation", lambda: _both_up(net))
-    prompts = [prompt_ids(150 + 50 * i, seed=950 + i) for i in range(8)]
+    # prompts of its own (none in D's prefix cache: all of each must cross as KV)
+    prompts = [prompt_ids(150 + 50 * i, seed=950 + int(delay_ms) * 10 + i) for i in range(8)]
     max_tokens = 48
     wanted = [net.alone(pr, max_tokens) for pr in prompts]  # asked before the links slow
     received = net.d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
