@@ -24,7 +24,7 @@ from pdactors.proxy._admin import add_admin_routes
 from pdactors.proxy._asgi import ProxyApp
 from pdactors.proxy._completions import Proxy
 from pdactors.proxy._forward import serve_forwarded
-from pdactors.proxy._openai import CHAT, COMPLETIONS, Failure
+from pdactors.proxy._openai import CHAT, COMPLETIONS, RESPONSES, Failure
 from pdactors.web._app import guard, json_response
 
 __all__ = ["make_app"]
@@ -42,7 +42,7 @@ def make_app(proxy: Proxy) -> QuartTrio:
     app.config["RESPONSE_TIMEOUT"] = None
 
     app.fast = {
-        e.path: partial(proxy.serve_completion, e) for e in (COMPLETIONS, CHAT)
+        e.path: partial(proxy.serve_completion, e) for e in (COMPLETIONS, CHAT, RESPONSES)
     }  # POST only; other methods on these paths reach Quart's routing (405)
 
     def unauthorized(client: str, reason: str) -> Response:
@@ -70,6 +70,7 @@ def make_app(proxy: Proxy) -> QuartTrio:
 
     @app.route("/v1/completions", methods=["PUT"])
     @app.route("/v1/chat/completions", methods=["PUT"])
+    @app.route("/v1/responses", methods=["PUT"])
     async def completions_put() -> Response:  # never POST: served on raw ASGI (app.fast)
         return Failure.of(405, "use POST", "invalid_request_error", "").response()
 
@@ -120,6 +121,5 @@ async def _models(proxy: Proxy, incoming: bytes | None) -> Response:
 
 def _endpoint(path: str) -> str:
     """The metric label of a Quart route's path: a few known names, never the client's text."""
-    return {"/v1/models": "models", COMPLETIONS.path: COMPLETIONS.name, CHAT.path: CHAT.name}.get(
-        path, "other"
-    )
+    named = {e.path: e.name for e in (COMPLETIONS, CHAT, RESPONSES)}
+    return {"/v1/models": "models", **named}.get(path, "other")

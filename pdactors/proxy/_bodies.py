@@ -69,8 +69,12 @@ def concurrent_bodies(
     body: dict[str, Any], chat: bool, p_params: KVTransferParams, d_params: KVTransferParams
 ) -> tuple[bytes, bytes]:
     """P's and D's requests in the concurrent flow: P the client's body for one token, whole;
-    D the client's body. Each with its ``kv_transfer_params``."""
-    p_body = {**body, "max_tokens": 1, "stream": False}
+    D the client's body. Each with its ``kv_transfer_params``. (A Responses API body — its
+    ``input`` — counts ``max_output_tokens``, and P's one-token response is not stored.)"""
+    if "input" in body:
+        p_body = {**body, "max_output_tokens": 1, "stream": False, "store": False}
+    else:
+        p_body = {**body, "max_tokens": 1, "stream": False}
     if chat:
         p_body["max_completion_tokens"] = 1
     for key in ("stream_options", "min_tokens"):  # vLLM refuses them with the above
@@ -81,10 +85,12 @@ def concurrent_bodies(
 
 
 def applies(body: dict[str, Any], chat: bool) -> bool:
-    """Whether the request can take the P-first flow (see the module's doc)."""
+    """Whether the request can take the P-first flow (see the module's doc): a completion
+    continues as one, a chat as one of plain text; a Responses API body (no ``prompt``, its
+    stream of typed events) does not."""
     if chat:
         return all(k in _CHAT_CARRIED or k in _CHAT_HANDLED for k in body)
-    return not any(body.get(k) for k in _COMPLETION_OFF)
+    return "prompt" in body and not any(body.get(k) for k in _COMPLETION_OFF)
 
 
 def prefill_body(body: dict[str, Any], chat: bool, transfer_id: str) -> dict[str, Any]:

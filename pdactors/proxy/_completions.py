@@ -45,7 +45,7 @@ from pdactors.proxy._flows import serve_flow
 from pdactors.proxy._health import HealthWatch
 from pdactors.proxy._kv_release import KvReleases
 from pdactors.proxy._legs import Legs
-from pdactors.proxy._openai import Endpoint, Failure, validate
+from pdactors.proxy._openai import Endpoint, Failure, as_chat, validate
 from pdactors.proxy._state import Backend, Metrics, Pool, Role
 from pdactors.proxy._tracing import RequestTracing
 from pdactors.proxy_config import ProxyConfig
@@ -178,7 +178,7 @@ class Proxy:
             await self._refuse(endpoint, client, placed, reply)
             return
         pin, slo = placed
-        subs = split(body, endpoint.chat)
+        subs = split(body, endpoint.chat or endpoint.responses)
         try:
             async with trio.open_nursery() as nursery:
                 watch = trio.CancelScope()
@@ -230,7 +230,8 @@ class Proxy:
     ) -> None:
         pin, slo = placing
         keyed = self.prefill.prefixes is not None or self.decode.prefixes is not None
-        prompt = prefix_keys(body, endpoint.chat) if keyed else []
+        read = as_chat(body, endpoint)  # the prompt as the placement reads it
+        prompt = prefix_keys(*read) if keyed else []
         d, d_why = self.decode.route(prompt)
         whole = self._why_whole_on_p(pin, d)
         if whole is not None:  # a P serves it whole, in D's place
@@ -265,7 +266,7 @@ class Proxy:
         p_headers = headers
         if dp_rank is not None:  # vLLM's API server sends the request to that DP engine
             p_headers = [*headers, (b"x-data-parallel-rank", str(dp_rank).encode())]
-        ids, chars = prompt_size(body, endpoint.chat)
+        ids, chars = prompt_size(*read)
         tokens = self.placer.count.tokens((ids, chars))
         where, why, fallback = self._place(p, d, tokens, tid, pin, (alone, whole), slo)
         serving = d

@@ -21,10 +21,17 @@ from pdactors.proxy._openai import Failure
 from pdactors.proxy._state import Backend, Metrics
 from pdactors.proxy_config import ProxyConfig
 
-__all__ = ["ERROR_EVENT", "EngineFailures"]
+__all__ = ["EngineFailures", "error_event_at"]
 
-#: An SSE event in which an engine reports a failure of a stream it already answered 200 to.
-ERROR_EVENT: Final = b'data: {"error"'
+#: The SSE events in which an engine reports a failure of a stream it already answered 200
+#: to: a completion's or chat's, and the Responses API's (typed ``error``).
+_ERROR_EVENTS: Final = (b'data: {"error"', b"event: error\n")
+
+
+def error_event_at(chunk: bytes) -> int:
+    """Where the first error event in ``chunk`` begins (an event's start), or -1."""
+    found = [at for e in _ERROR_EVENTS if (at := chunk.find(e)) >= 0]
+    return min(found, default=-1)
 
 
 class EngineFailures:
@@ -66,9 +73,10 @@ class EngineFailures:
         what a pull that failed gives, as the bare "Internal server error") as a failure
         naming D and what it said."""
         self.metrics.backend_errors.labels(b.role, b.url).inc()
-        said = event.removeprefix(b"data: ").strip()
+        said = event.split(b"data: ", 1)[-1].strip()
         try:
-            error = msgspec.json.decode(said).get("error") or {}
+            said_json = msgspec.json.decode(said)
+            error = said_json.get("error") or said_json  # (the Responses API's: flat)
             text = str(error.get("message") or said[:300].decode(errors="replace"))
         except (msgspec.DecodeError, AttributeError):
             text = said[:300].decode(errors="replace")

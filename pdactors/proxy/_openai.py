@@ -1,5 +1,6 @@
-"""The OpenAI API as the proxy's clients speak it: its two completion endpoints, the rules a
-request body must keep before any engine sees it, and OpenAI's error shape.
+"""The OpenAI API as the proxy's clients speak it: its three generating endpoints (completions,
+chat, responses), the rules a request body must keep before any engine sees it, and OpenAI's
+error shape.
 
 A body is refused (400, naming the field) when it is not a JSON object, nests deeper than
 :data:`MAX_JSON_DEPTH`, lacks ``model`` or the endpoint's input, asks for more than
@@ -25,8 +26,10 @@ __all__ = [
     "MAX_CHOICES",
     "MAX_JSON_DEPTH",
     "MAX_TOKENS",
+    "RESPONSES",
     "Endpoint",
     "Failure",
+    "as_chat",
     "validate",
 ]
 
@@ -49,16 +52,38 @@ _GREEDY: Final = 1e-5
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One completion route: its metric label, path, input field, and whether it is chat."""
+    """One generating route: its metric label, path, input field, and whether it is chat."""
 
     name: str  # metric label
     path: str
     input_field: str
     chat: bool
 
+    @property
+    def responses(self) -> bool:
+        """The Responses API (``input``, ``max_output_tokens``, its own stream of typed
+        events): served in the concurrent flow only, its stream passed as the engine sends
+        it (:func:`pdactors.proxy._bodies.applies`)."""
+        return self.input_field == "input"
+
 
 COMPLETIONS: Final = Endpoint("completions", "/v1/completions", "prompt", chat=False)
 CHAT: Final = Endpoint("chat_completions", "/v1/chat/completions", "messages", chat=True)
+RESPONSES: Final = Endpoint("responses", "/v1/responses", "input", chat=False)
+
+
+def as_chat(body: dict[str, Any], endpoint: Endpoint) -> tuple[dict[str, Any], bool]:
+    """``body`` as the placement and the prefix index read a prompt: a responses body as the
+    chat it is templated into (its ``instructions`` first, a text ``input`` a user message,
+    a list of input items the messages among them); with whether it now reads as chat."""
+    if not endpoint.responses:
+        return body, endpoint.chat
+    given = body.get("input")
+    items = [{"role": "user", "content": given}] if isinstance(given, str) else given or []
+    messages = [i for i in items if isinstance(i, dict) and "role" in i]
+    if isinstance(body.get("instructions"), str):
+        messages.insert(0, {"role": "system", "content": body["instructions"]})
+    return {"messages": messages}, True
 
 
 @dataclass(frozen=True)
@@ -145,6 +170,8 @@ def _problem(raw: bytes, endpoint: Endpoint) -> dict[str, Any] | str:
         return "`model` is required (a string)"
     if body.get(endpoint.input_field) is None:
         return f"`{endpoint.input_field}` is required"
+    if endpoint.responses:
+        return _responses_problem(body) or body
     if endpoint.chat:
         problem = _messages_problem(body["messages"])
     else:
@@ -243,15 +270,45 @@ def _fields_problem(body: dict[str, Any], chat: bool) -> str | None:
     most = body.get("max_tokens") if most is None else most
     if most is not None and (body.get("min_tokens") or 0) > most:
         return f"`min_tokens` must be at most `max_tokens` ({most})"
+    if problem := _temperature_problem(body):
+        return problem
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not (isinstance(logprobs, bool) if chat else _is_int(logprobs)):
+        return f"`logprobs` must be {'true or false' if chat else 'an integer'}"
+    return _stream_options_problem(body)
+
+
+def _responses_problem(body: dict[str, Any]) -> str | None:
+    """What is wrong with a Responses API body's fields the proxy reads or sets."""
+    given = body["input"]
+    if not isinstance(given, str) and not (
+        isinstance(given, list) and given and all(isinstance(i, dict) for i in given)
+    ):
+        return "`input` must be a string or a list of input items (objects), not empty"
+    if body.get("kv_transfer_params") is not None:
+        return "`kv_transfer_params` is the PD proxy's to set: send the request without it"
+    if body.get("n") is not None and not (_is_int(body["n"]) and body["n"] == 1):
+        return "`n` must be 1: a response is one answer"
+    for key in ("stream", "background", "store"):
+        if not isinstance(body.get(key), bool | None):
+            return f"`{key}` must be true or false"
+    if body.get("background"):
+        # A background response is stored on the engine that made it and polled there by
+        # id; through the proxy its prefill and its decode are two engines' requests.
+        return "`background` responses are not served through the PD proxy"
+    most = body.get("max_output_tokens")
+    if most is not None and (not _is_int(most) or not 1 <= most <= MAX_TOKENS):
+        return f"`max_output_tokens` must be an integer from 1 to {MAX_TOKENS}"
+    return _temperature_problem(body)
+
+
+def _temperature_problem(body: dict[str, Any]) -> str | None:
     temperature = body.get("temperature")
     if temperature is not None and (
         not isinstance(temperature, int | float) or isinstance(temperature, bool) or temperature < 0
     ):
         return "`temperature` must be a number >= 0"
-    logprobs = body.get("logprobs")
-    if logprobs is not None and not (isinstance(logprobs, bool) if chat else _is_int(logprobs)):
-        return f"`logprobs` must be {'true or false' if chat else 'an integer'}"
-    return _stream_options_problem(body)
+    return None
 
 
 def _stream_options_problem(body: dict[str, Any]) -> str | None:

@@ -15,7 +15,7 @@ from typing import Final
 import trio
 
 from pdactors.proxy._effects import ExchangeEffects
-from pdactors.proxy._engine_failures import ERROR_EVENT, EngineFailures
+from pdactors.proxy._engine_failures import EngineFailures, error_event_at
 from pdactors.proxy._engine_http import EngineError, EngineResponse
 from pdactors.proxy._exchange import Exchange
 
@@ -23,6 +23,8 @@ __all__ = ["relay_stream"]
 
 #: A chat stream's first event (vLLM's): the role, no token yet.
 _ROLE_ONLY: Final = b'"delta":{"role":"assistant","content":""}'
+#: A Responses API stream's first events (vLLM's), before any output.
+_PREAMBLE: Final = (b"event: response.created\n", b"event: response.in_progress\n")
 
 
 async def relay_stream(
@@ -37,8 +39,8 @@ async def relay_stream(
     vLLM sends when the KV did not come), had one later (what came before it relayed),
     broke, or ran past the deadline."""
     reply = ex.reply
-    began = False  # this leg relayed something (a chat's role alone does not count)
-    held = b""  # a chat's role announcement, relayed with what follows it
+    began = False  # this leg relayed something (events before any output do not count)
+    held = b""  # events before any output, relayed with what follows them
     with ex.decode_scope(), trio.move_on_at(ex.deadline):
         try:
             async with aclosing(resp.chunks()) as chunks:
@@ -46,11 +48,11 @@ async def relay_stream(
                     ex.d.heard = trio.current_time()  # it is alive (for the health loop)
                     if not began:
                         chunk, held = held + chunk, b""
-                        rest = _after_role(chunk)
-                        if rest.startswith(ERROR_EVENT):  # before any of D's tokens
+                        rest = _after_preamble(chunk)
+                        if error_event_at(rest) == 0:  # before any of D's tokens
                             effects.fail(ex, failures.event_failure(ex.d, rest))
                             return None
-                        if not rest:  # only a chat's role so far: held until a token
+                        if not rest:  # nothing but a preamble so far: held until output
                             held = chunk
                             continue
                     # Only the client's first chunk of D's is timed (TTFT); D's step is
@@ -58,7 +60,7 @@ async def relay_stream(
                     first = not ex.state.d_relayed
                     effects.apply(ex, ex.state.d_chunk(trio.current_time() if first else None))
                     began = True
-                    at = chunk.find(ERROR_EVENT)
+                    at = error_event_at(chunk)
                     if at >= 0:  # D reports a failure in a stream it began (200)
                         if data := feed(chunk[:at]):
                             await reply.chunk(data)
@@ -68,7 +70,7 @@ async def relay_stream(
                         return None
                     if data := feed(chunk):
                         await reply.chunk(data)
-            if held:  # a stream of a role announcement only
+            if held:  # a stream of a preamble only
                 effects.apply(ex, ex.state.d_chunk(trio.current_time()))
                 await reply.chunk(feed(held))
             return "ok"
@@ -79,12 +81,16 @@ async def relay_stream(
     return None
 
 
-def _after_role(chunk: bytes) -> bytes:
-    """``chunk`` without a chat stream's leading role announcement (vLLM's first event,
-    which carries no token), if it begins with one."""
-    if not chunk.startswith(b"data: "):
-        return chunk
-    end = chunk.find(b"\n\n")
-    if end < 0 or _ROLE_ONLY not in chunk[:end]:
-        return chunk
-    return chunk[end + 2 :]
+def _after_preamble(chunk: bytes) -> bytes:
+    """``chunk`` without the leading events that carry no token, if it begins with any: a
+    chat stream's role announcement, the Responses API's ``response.created`` and
+    ``response.in_progress`` (vLLM sends them before the engine's first step)."""
+    while True:
+        end = chunk.find(b"\n\n")
+        if end < 0:
+            return chunk
+        head = chunk[:end]
+        if (head.startswith(b"data: ") and _ROLE_ONLY in head) or head.startswith(_PREAMBLE):
+            chunk = chunk[end + 2 :]
+        else:
+            return chunk

@@ -226,6 +226,39 @@ def test_streamed_chat_equals_single_server(setup: Setup) -> None:
     assert usage.completion_tokens == want.usage.completion_tokens
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_responses_equal_single_server_and_the_kv_crossed(setup: Setup, stream: bool) -> None:
+    """The Responses API (``/v1/responses``) through the proxy, disaggregated: P computes the
+    prompt for one token (upstream's concurrent flow), D takes its KV and answers. The
+    official client's text equals a single server's, D computed none of the prompt, and the
+    proxy's defaults serve it the same."""
+    kwargs: dict[str, Any] = {
+        "model": "tiny", "input": "Tell me about cats and mice, at length.",
+        "instructions": "Answer in English.", "max_output_tokens": 16, "temperature": 0,
+    }  # fmt: skip
+    want = setup.single.responses.create(**kwargs)
+    assert want.output_text and want.usage is not None
+    local, external = setup.local_prompt_tokens(), setup.external_prompt_tokens()
+    if stream:
+        events = list(setup.pd.responses.create(**kwargs, stream=True))
+        kinds = [e.type for e in events]
+        assert kinds[:2] == ["response.created", "response.in_progress"], kinds
+        assert kinds[-1] == "response.completed", kinds
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        done = events[-1].response
+        assert done.output_text == text and done.usage is not None
+        assert done.usage.output_tokens == want.usage.output_tokens
+    else:
+        got = setup.pd.responses.create(**kwargs)
+        text = got.output_text
+        assert got.status == want.status and got.usage is not None
+        assert got.usage.input_tokens == want.usage.input_tokens
+    assert text == want.output_text
+    assert setup.local_prompt_tokens() == local  # D computed none of it: its KV came from P
+    assert setup.external_prompt_tokens() > external
+    assert setup.proxy.responses.create(**kwargs).output_text == want.output_text  # defaults
+
+
 def test_concurrent_requests_equal_single_server(setup: Setup) -> None:
     prompts = [prompt_ids(20 + 31 * i, seed=50 + i) for i in range(8)]
 
