@@ -1,5 +1,6 @@
 """Issue 41's D targets, run as a new user would: N streams in flight through ``pdactors proxy``
-with its defaults (placement auto, migration on) when D is killed or stopped mid-stream.
+with its defaults (placement auto, migration on) when D is killed, stopped or drained
+mid-stream.
 
 Starts a single server (the reference: each prompt's greedy text), then a P and a D
 (PdActorsConnector, the connector's defaults) of the ``--shape`` model in ``--dtype`` and the
@@ -9,10 +10,15 @@ some to P whole), and the streams run to their end. Prints per run: how many fai
 texts differ from the single server's, the proxy's migrations, and the pause of each stream
 that D was decoding (its longest gap between two events) p50/p99. ``--placement
 disaggregate`` puts every stream on D.
-D is restarted between runs (same ports).
+Faults: ``killed`` (SIGKILL), ``stopped`` (SIGSTOP until the streams end), ``drained`` (the
+operator's ``POST /admin/drain``: no new request, what D holds finishes there; the drain's
+answer comes once D holds nothing, and its seconds are printed), ``drained-migrate`` (the
+same with ``"migrate": true``: what D holds goes on elsewhere at once).
+D is restarted between runs (same ports); a drained D is resumed.
 
     python bench/d_failover.py [--shape small] [--dtype bfloat16] [--tokens 64]
-                               [--streams 8 64] [--faults killed stopped] [--after 3]
+                               [--streams 8 64] [--after 3]
+                               [--faults killed stopped drained drained-migrate]
 """
 
 from __future__ import annotations
@@ -94,6 +100,15 @@ def migrations(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
     return sum(float(ln.split()[-1]) for ln in text.splitlines()
                if ln.startswith("pdactors_proxy_migrations_total{"))  # fmt: skip
+
+
+def admin(url: str, route: str, engine: str, **fields: Any) -> dict[str, Any]:
+    """``POST /admin/<route>`` on the proxy for ``engine``; its answer, with ``_took`` (s)."""
+    start = time.monotonic()
+    resp = httpx.post(f"{url}/admin/{route}", json={"engine": engine, **fields},
+                      timeout=660, trust_env=False)  # fmt: skip
+    resp.raise_for_status()
+    return {**resp.json(), "_took": time.monotonic() - start}
 
 
 def d_up(url: str) -> bool:
@@ -178,13 +193,21 @@ def main() -> None:
                     # Those D decodes (not those a P serves whole), still short of their end.
                     on_d = [s for s in streams if s.placement != "whole-on-p"
                             and len(s.times) < args.tokens]  # fmt: skip
+                    fault_at = time.monotonic()
                     if fault == "killed":
                         d.kill()
-                    else:
+                    elif fault == "stopped":
                         os.killpg(d.process.pid, signal.SIGSTOP)
                         stopped = True
-                    fault_at = time.monotonic()
+                    else:
+                        migrate = fault == "drained-migrate"
+                        drain = pool.submit(admin, url, "drain", d.url, migrate=migrate, wait=600)
                 took = time.monotonic() - start
+                drained = ""
+                if fault.startswith("drained"):
+                    state = drain.result()
+                    drained = (f"; the drain answered after {state['_took']:.1f} s, D empty: "
+                               f"{state.get('empty')}")  # fmt: skip
                 if stopped:
                     os.killpg(d.process.pid, signal.SIGCONT)
                 failed = [s for s in streams if s.error]
@@ -197,12 +220,15 @@ def main() -> None:
                     f"{len(failed)} "
                     f"failed, {differ} texts differ from the single server's, {moved:.0f} "
                     f"migrations; longest gap of each stream on D p50 {pct(gaps, 50):.0f} ms, p99 "
-                    f"{pct(gaps, 99):.0f} ms; {took:.1f} s for all"
+                    f"{pct(gaps, 99):.0f} ms; {took:.1f} s for all{drained}"
                 )
                 for s in failed[:3]:
                     print(f"  failure: {s.error}")
-                d_stack.close()
-                d = start_d(d_stack)
+                if fault.startswith("drained"):
+                    admin(url, "resume", d.url)
+                else:
+                    d_stack.close()
+                    d = start_d(d_stack)
     print(f"logs in {logs}")
 
 
