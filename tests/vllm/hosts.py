@@ -9,6 +9,12 @@ lost, what ``tc netem`` does; this kernel has no ``sch_netem``, and the frames' 
 from a seeded generator). A link is cut with :meth:`Host.cut` (its device here set down, both
 ways: the engine and its peers see a dead network, not a refused connection). Everything is
 removed on exit.
+
+Each host has a name (:attr:`Host.hostname`) that every host resolves (``/etc/netns/<ns>/
+hosts``, which ``ip netns exec`` mounts over ``/etc/hosts``), and so does a process of this
+namespace started under :meth:`Hosts.named` (its own mount namespace, the same file over
+``/etc/hosts``). :meth:`Hosts.renumber` gives a host another address and points its name
+there: a machine that comes back from a restart with a new address.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
-__all__ = ["Host", "can_make_hosts", "hosts"]
+__all__ = ["Host", "Hosts", "can_make_hosts", "hosts"]
 
 _TUNSETIFF, _IFF_TAP, _IFF_NO_PI = 0x400454CA, 0x0002, 0x1000
 
@@ -129,6 +136,10 @@ class Host:
     inner: str  # its device in its own namespace
     _shape: _Shape = field(default_factory=_Shape, repr=False, compare=False)
 
+    @property
+    def hostname(self) -> str:
+        return self.netns
+
     def cut(self) -> None:
         """Its link down: nothing passes either way."""
         _run("ip", "link", "set", self.link, "down")
@@ -143,14 +154,47 @@ class Host:
         self._shape.delay, self._shape.loss = delay_ms / 1000, loss
 
 
+class Hosts(dict[str, Host]):
+    """The hosts by their short names, with the names every one of them resolves."""
+
+    def __init__(self, hosts: list[Host], files: list[Path]) -> None:
+        super().__init__((h.name, h) for h in hosts)
+        self._files = files  # every hosts file: the namespaces' and this one's (the last)
+
+    def named(self, *command: str) -> tuple[str, ...]:
+        """``command`` as run here resolving the hosts' names (a mount namespace of its own
+        with their hosts file over ``/etc/hosts``; ``unshare`` execs it: same pid)."""
+        mount = f'mount --bind {self._files[-1]} /etc/hosts && exec "$@"'
+        return ("unshare", "--mount", "sh", "-c", mount, "sh", *command)
+
+    def renumber(self, name: str, last: int) -> Host:
+        """Host ``name`` at the address ending ``.last`` from now on, its name pointed there
+        (its old address gone: what was sent there is lost)."""
+        old = self[name]
+        new = replace(old, ip=f"{old.ip.rsplit('.', 1)[0]}.{last}")
+        inside = ("ip", "netns", "exec", old.netns, "ip", "addr")
+        _run(*inside, "add", f"{new.ip}/24", "dev", old.inner)
+        _run(*inside, "del", f"{old.ip}/24", "dev", old.inner)
+        self[name] = new
+        self._write()
+        return new
+
+    def _write(self) -> None:
+        lines = ["127.0.0.1 localhost", *(f"{h.ip} {h.hostname}" for h in self.values())]
+        for file in self._files:
+            with open(file, "w") as out:  # in place: a file mounted over /etc/hosts stays it
+                out.write("\n".join(lines) + "\n")
+
+
 @contextmanager
-def hosts(*names: str) -> Iterator[tuple[str, dict[str, Host]]]:
+def hosts(*names: str) -> Iterator[tuple[str, Hosts]]:
     """Namespaces ``names`` on a bridge; yields this namespace's address on it and the hosts."""
     tag = os.getpid() % 10000
     net = f"10.{150 + tag % 50}.{tag % 250}"
     bridge = f"pdbr{tag}"
     made: list[Host] = []
     fds: list[int] = []
+    files: list[Path] = []
     wire = _Wire()
     try:
         _run("ip", "link", "add", bridge, "type", "bridge")
@@ -161,6 +205,8 @@ def hosts(*names: str) -> Iterator[tuple[str, dict[str, Host]]]:
             host = Host(name, ns, f"{net}.{i + 2}", f"{ns}r", f"{ns}n")
             _run("ip", "netns", "add", host.netns)
             made.append(host)
+            files.append(Path("/etc/netns", ns, "hosts"))
+            files[-1].parent.mkdir(parents=True, exist_ok=True)
             fds += [_tap(host.link), _tap(host.inner)]
             wire.join_pair(fds[-2], fds[-1], host._shape)
             _run("ip", "link", "set", host.inner, "netns", host.netns)
@@ -170,8 +216,11 @@ def hosts(*names: str) -> Iterator[tuple[str, dict[str, Host]]]:
             _run(*inside, "addr", "add", f"{host.ip}/24", "dev", host.inner)
             _run(*inside, "link", "set", host.inner, "up")
             _run(*inside, "link", "set", "lo", "up")
+        files.append(Path(f"/tmp/pdhosts{tag}"))
+        every = Hosts(made, files)
+        every._write()
         wire.start()
-        yield f"{net}.1", {h.name: h for h in made}
+        yield f"{net}.1", every
     finally:
         if wire.is_alive():
             wire.stop()
@@ -179,5 +228,7 @@ def hosts(*names: str) -> Iterator[tuple[str, dict[str, Host]]]:
             os.close(fd)  # a TAP device goes with its last fd
         for host in made:
             _run("ip", "link", "del", host.link, check=False)
-            _run("ip", "netns", "del", host.netns, check=False)
+            _run("ip", "netns", "del", host.netns, check=False)  # (and /etc/netns/<ns>)
+        for file in files:
+            file.unlink(missing_ok=True)
         _run("ip", "link", "del", bridge, check=False)

@@ -377,12 +377,14 @@ def proxy(
     log: Path,
     *extra: str,
     engines: Sequence[tuple[str, str]] = (),
+    wrap: Sequence[str] = (),
 ) -> Iterator[str]:
     """``pdactors proxy`` in front of ``prefill`` ((engine URL, bootstrap URL) pairs),
     ``decode`` URLs and ``engines`` of every role (as ``prefill``), with its shipped defaults
     but for ``extra`` (a test whose point is the disaggregated flow pins it there, or per
-    request); yields its URL once ``/health`` answers 200; stopped on exit."""
-    args = [sys.executable, "-m", "pdactors.cli", "proxy", "--port", "0", *extra]
+    request); yields its URL once ``/health`` answers 200; stopped on exit. ``wrap``: a
+    command that execs the proxy's (tests/vllm/hosts.py's ``Hosts.named``)."""
+    args = [*wrap, sys.executable, "-m", "pdactors.cli", "proxy", "--port", "0", *extra]
     for url, bootstrap in prefill:
         args += ["--prefill", f"{url}@{bootstrap}"]
     for url in decode:

@@ -7,6 +7,8 @@ channel, the bootstrap and the proxy's calls all cross a network that a test can
 * A 2 s and a 6 s cut of P's link, then of D's, with eight streams in flight: every request
   ends within its bound (none hangs), each either answered whole and equal to P's own answer
   or failed with a clear error, and no KV block is left held on P or D once they settle.
+* A host that comes back from a restart with another address: found by its name (the proxy
+  names P and D by host name), the answers equal, the KV crossed.
 * Both links slow and lossy (a delay each way and a share of frames lost, as ``tc netem``
   makes them; here the hosts' wire does it, this kernel having no ``sch_netem``) with eight
   streams in flight: every request served, equal to P's own answer, and nothing left held.
@@ -23,8 +25,10 @@ import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,15 +37,16 @@ import pytest
 pytest.importorskip("vllm")
 
 from pdactors_vllm.tiny_model import ensure_tiny_model
-from tests.vllm.hosts import Host, can_make_hosts, hosts
+from tests.vllm.hosts import Hosts, can_make_hosts, hosts
 from tests.vllm.servers import (
     Server,
     completion,
     consumer_config,
     producer_config,
     proxy,
-    servers,
+    vllm_server,
     wait_for,
+    wait_healthy,
 )
 from tests.vllm.test_e2e import prompt_ids
 
@@ -63,8 +68,11 @@ UNCLAIMED_TTL = 20.0
 class Net:
     p: Server
     d: Server
-    hosts: dict[str, Host]
+    hosts: Hosts
     proxy_url: str
+    model: Path
+    logs: Path
+    stack: ExitStack  # the engines' servers (one restarted joins it)
     answers: dict[tuple[int, ...], str] = field(default_factory=dict)  # P's own, per prompt
 
     def alone(self, prompt: list[int], max_tokens: int) -> str:
@@ -79,31 +87,47 @@ class Net:
     def proxy_json(self, path: str) -> dict[str, Any]:
         return dict(httpx.get(f"{self.proxy_url}{path}", timeout=10, trust_env=False).json())
 
+    def start(self, role: str, name: str = "", wait: bool = True) -> Server:
+        """The server of ``role`` ("prefill", "decode") on its host as it is now (its
+        address), with its connector bound there (``name``: its log's, default ``role``);
+        healthy when returned, with ``wait``."""
+        host = self.hosts[role[0]]
+        if role == "prefill":
+            kv = producer_config(
+                "prefill-ns", BOOTSTRAP_PORT, host=host.ip, bootstrap_host=host.ip,
+                unclaimed_ttl=UNCLAIMED_TTL,
+            )  # fmt: skip
+        else:
+            kv = consumer_config("decode-ns", host=host.ip)
+        core = 0 if role == "prefill" else 1
+        server = vllm_server(
+            name or role, self.model, self.logs, kv_transfer_config=kv, core=core,
+            host=host.ip, netns=host.netns, port=ENGINE_PORT,
+        )  # fmt: skip
+        started = self.stack.enter_context(server)
+        if wait:
+            wait_healthy([started])
+        return started
+
 
 @pytest.fixture(scope="module")
 def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
+    """P and D on hosts of their own; the proxy, here, names them by their host names (what
+    a deployment whose machines change addresses does)."""
     model = ensure_tiny_model()
     logs = tmp_path_factory.mktemp("vllm-netns-logs")
-    with hosts("p", "d") as (_, h):
-        p_host, d_host = h["p"], h["d"]
-        p_kv = producer_config(
-            "prefill-ns", BOOTSTRAP_PORT, host=p_host.ip, bootstrap_host=p_host.ip,
-            unclaimed_ttl=UNCLAIMED_TTL,
-        )  # fmt: skip
-        d_kv = consumer_config("decode-ns", host=d_host.ip)
-        specs: dict[str, dict[str, Any]] = {
-            "prefill": {"core": 0, "kv_transfer_config": p_kv},
-            "decode": {"core": 1, "kv_transfer_config": d_kv},
-        }
-        for name, host in (("prefill", p_host), ("decode", d_host)):
-            specs[name] |= {"host": host.ip, "netns": host.netns, "port": ENGINE_PORT}
-        with servers(specs, model, logs) as s:
-            p, d = s["prefill"], s["decode"]
-            bootstrap = f"http://{p_host.ip}:{BOOTSTRAP_PORT}"
-            with proxy(
-                [(p.url, bootstrap)], [d.url], logs / "proxy.log", "--health-interval", "0.5"
-            ) as url:
-                yield Net(p, d, h, url)
+    with hosts("p", "d") as (_, h), ExitStack() as stack:
+        net = Net(None, None, h, "", model, logs, stack)  # type: ignore[arg-type]  # (below)
+        net.p, net.d = net.start("prefill", wait=False), net.start("decode", wait=False)
+        wait_healthy([net.p, net.d])
+        p_name, d_name = h["p"].hostname, h["d"].hostname
+        prefill = [(f"http://{p_name}:{ENGINE_PORT}", f"http://{p_name}:{BOOTSTRAP_PORT}")]
+        decode = [f"http://{d_name}:{ENGINE_PORT}"]
+        with proxy(
+            prefill, decode, logs / "proxy.log", "--health-interval", "0.5", wrap=h.named()
+        ) as url:
+            net.proxy_url = url
+            yield net
 
 
 def _events(resp: httpx.Response) -> Iterator[dict[str, Any]]:
@@ -259,6 +283,37 @@ def test_a_slow_lossy_network_under_load_serves_every_request_and_leaks_no_block
     assert all(e.seconds <= BOUND for e in ended)
     moved = net.d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
     assert moved - received >= sum(len(pr) - 1 for pr in prompts)  # every prompt's KV crossed
+    wait_for("nothing in flight at the proxy", lambda: _in_flight(net) == 0)
+    for engine in (net.p, net.d):
+        wait_for(f"{engine.name} freed the blocks", partial(_holds_no_block, engine), timeout=60)
+    assert net.p.metric("vllm:pdactors_transfers_expired_total") == expired
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_an_engine_back_at_another_address_is_found_by_its_name(net: Net, role: str) -> None:
+    """The engine's server dies, its host comes back with another address (its name pointed
+    there, as DNS would) and the engine starts again: the proxy, which names its engines by
+    host name, finds it at the new address, and P and D find each other (D looks P up again
+    at the bootstrap by name; P writes where D's pull says D is): the answers equal P's own,
+    their KV crossed, and nothing is held or left to P's TTL after."""
+    wait_for("P and D in rotation", lambda: _both_up(net))
+    prompts = [prompt_ids(120 + 40 * i, seed=1200 + 10 * len(role) + i) for i in range(3)]
+    wanted = [net.alone(pr, 16) for pr in prompts]  # asked of P before any restart
+    old: Server = getattr(net, role[0])
+    old.kill()
+    host = net.hosts.renumber(role[0], 30 + len(role))  # .36 for D, .37 for P: new ones
+    new = net.start(role, name=f"{role}-at-{host.ip}")
+    setattr(net, role[0], new)
+    assert new.url != old.url
+    wait_for("P and D in rotation", lambda: _both_up(net), timeout=60)
+    received = net.d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    expired = net.p.metric("vllm:pdactors_transfers_expired_total")
+    for prompt, want in zip(prompts, wanted, strict=True):
+        ended = _stream(net, prompt, 16)
+        assert ended.error is None, ended.error
+        assert ended.text == want
+    moved = net.d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    assert moved - received >= sum(len(pr) - 1 for pr in prompts)  # the KV crossed
     wait_for("nothing in flight at the proxy", lambda: _in_flight(net) == 0)
     for engine in (net.p, net.d):
         wait_for(f"{engine.name} freed the blocks", partial(_holds_no_block, engine), timeout=60)
