@@ -173,8 +173,9 @@ class Hosts(dict[str, Host]):
         old = self[name]
         new = replace(old, ip=f"{old.ip.rsplit('.', 1)[0]}.{last}")
         inside = ("ip", "netns", "exec", old.netns, "ip", "addr")
-        _run(*inside, "add", f"{new.ip}/24", "dev", old.inner)
+        # (the old one first: deleting a primary address deletes the secondaries of its subnet)
         _run(*inside, "del", f"{old.ip}/24", "dev", old.inner)
+        _run(*inside, "add", f"{new.ip}/24", "dev", old.inner)
         self[name] = new
         self._write()
         return new
