@@ -1,6 +1,9 @@
 """Issue 26's "done means", re-run as a new user would, on a model shape the tests do not use:
 eight streams in flight through ``pdactors proxy`` when P is killed, stopped for a while, or
-stopped for good; then P and D serving two models of the same shape with other weights.
+stopped for good, or stopped just before eight streams are sent (``stopped-before``: each
+waits on P until the proxy's health verdict, then D serves it alone; the time from the stop
+to each stream's first token is printed); then P and D serving two models of the same shape
+with other weights.
 
 Starts a single server (the reference), a P and a D (PdActorsConnector, the connector's
 defaults) of the ``--shape`` model in ``--dtype``, and the proxy (its defaults but for
@@ -12,7 +15,8 @@ Last (``--compat``), P is restarted with a perturbed copy of the model: every an
 the single server's (D refuses P's KV by name and computes the prompt itself).
 
     python bench/failover.py [--shape small] [--dtype bfloat16] [--tokens 64]
-                             [--faults killed stopped stopped-for-good] [--compat]
+                             [--faults killed stopped stopped-for-good stopped-before]
+                             [--compat]
 """
 
 from __future__ import annotations
@@ -54,8 +58,11 @@ def _events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
             yield json.loads(line[6:])
 
 
-def stream(url: str, prompt: list[int], tokens: int) -> str | Exception:
-    """The client's streamed text, or what went wrong (an HTTP status, an error event)."""
+def stream(
+    url: str, prompt: list[int], tokens: int, firsts: list[float] | None = None
+) -> str | Exception:
+    """The client's streamed text, or what went wrong (an HTTP status, an error event);
+    ``firsts``: gets the time (``time.monotonic``) its first event came."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": tokens, "temperature": 0,
             "stream": True}  # fmt: skip
     try:
@@ -63,7 +70,11 @@ def stream(url: str, prompt: list[int], tokens: int) -> str | Exception:
                           trust_env=False) as resp:  # fmt: skip
             if resp.status_code != 200:
                 return RuntimeError(f"HTTP {resp.status_code}: {resp.read()[:200]!r}")
-            events = list(_events(resp.iter_lines()))
+            events = []
+            for event in _events(resp.iter_lines()):
+                if not events and firsts is not None:
+                    firsts.append(time.monotonic())
+                events.append(event)
     except httpx.HTTPError as exc:
         return exc
     errors = [e for e in events if "error" in e]
@@ -142,21 +153,29 @@ def main() -> None:
                 f"{url}/health", timeout=5, trust_env=False).text)["prefill"][0]["up"])  # fmt: skip
             before = proxy_counts(url)
             start = time.monotonic()
+            firsts: list[float] = []
             with ThreadPoolExecutor(8) as pool:
-                os.killpg(d.process.pid, signal.SIGSTOP)
-                futures = [pool.submit(stream, url, pr, args.tokens) for pr in prompts]
-                try:
-                    wait_for("eight in flight", lambda: in_flight(url) == 8)
-                    if fault == "killed":
-                        p.kill()
-                    else:
-                        os.killpg(p.process.pid, signal.SIGSTOP)
-                finally:
-                    os.killpg(d.process.pid, signal.SIGCONT)
-                if fault == "stopped":
-                    time.sleep(args.stopped_seconds)
-                    os.killpg(p.process.pid, signal.SIGCONT)
+                if fault == "stopped-before":  # P stopped, then the eight sent at once
+                    os.killpg(p.process.pid, signal.SIGSTOP)
+                    start = time.monotonic()
+                    futures = [pool.submit(stream, url, pr, args.tokens, firsts) for pr in prompts]
+                else:  # D frozen while the eight are sent (none ends before the fault)
+                    os.killpg(d.process.pid, signal.SIGSTOP)
+                    futures = [pool.submit(stream, url, pr, args.tokens) for pr in prompts]
+                    try:
+                        wait_for("eight in flight", lambda: in_flight(url) == 8)
+                        if fault == "killed":
+                            p.kill()
+                        else:
+                            os.killpg(p.process.pid, signal.SIGSTOP)
+                    finally:
+                        os.killpg(d.process.pid, signal.SIGCONT)
+                    if fault == "stopped":
+                        time.sleep(args.stopped_seconds)
+                        os.killpg(p.process.pid, signal.SIGCONT)
                 got = [f.result(timeout=900) for f in futures]
+            if fault == "stopped-before":
+                os.killpg(p.process.pid, signal.SIGCONT)
             took = time.monotonic() - start
             failed = [g for g in got if isinstance(g, Exception)]
             differ = sum(1 for g, w in zip(got, want, strict=True) if isinstance(g, str) and g != w)
@@ -164,6 +183,9 @@ def main() -> None:
             moved = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
             print(f"P {fault}: {len(failed)} of 8 failed, {differ} texts differ from the single "
                   f"server's, {took:.1f} s for the eight; proxy counts {moved}")  # fmt: skip
+            if firsts:
+                after_stop = sorted(round(f - start, 2) for f in firsts)
+                print(f"  first token after P's stop, each stream: {after_stop} s")
             for g in failed:
                 print(f"  failure: {g!r}"[:300])
             if fault == "stopped-for-good":
