@@ -224,6 +224,13 @@ def main() -> None:
                 )
                 for s in failed[:3]:
                     print(f"  failure: {s.error}")
+                for s, w in [(s, w) for s, w in zip(streams, want, strict=False)
+                             if not s.error and s.text != w][:3]:  # fmt: skip
+                    pairs = enumerate(zip(s.text, w, strict=False))
+                    at = next((i for i, (a, b) in pairs if a != b), min(len(s.text), len(w)))
+                    print(f"  differs at char {at} of {len(w)} ({len(s.text)} got): got "
+                          f"{s.text[max(0, at - 30):at + 30]!r}, single server "
+                          f"{w[max(0, at - 30):at + 30]!r}")  # fmt: skip
                 if fault.startswith("drained"):
                     admin(url, "resume", d.url)
                 else:
