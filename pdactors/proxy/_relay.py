@@ -14,6 +14,7 @@ from typing import Final
 
 import trio
 
+from pdactors.proxy._asgi import Reply
 from pdactors.proxy._effects import ExchangeEffects
 from pdactors.proxy._engine_failures import EngineFailures, error_event_at
 from pdactors.proxy._engine_http import EngineError, EngineResponse
@@ -37,7 +38,13 @@ async def relay_stream(
     """Relay D's stream (``feed`` makes each chunk the client's): ``"ok"``, or None with
     ``ex.failure`` set and nothing more sent: D's stream began with an error event (what
     vLLM sends when the KV did not come), had one later (what came before it relayed),
-    broke, or ran past the deadline."""
+    broke, or ran past the deadline.
+
+    Each write to the client is shielded from the leg's cancellation (an engine judged
+    failed or drained with ``migrate``, the deadline): ``feed`` has counted its tokens as
+    the client's, and the next engine continues right after them, so they must reach the
+    client (cut in the write, they were counted and never sent: a token missing from the
+    text). A write is bounded by the door's ``write_timeout`` (:mod:`pdactors.web`)."""
     reply = ex.reply
     began = False  # this leg relayed something (events before any output do not count)
     held = b""  # events before any output, relayed with what follows them
@@ -63,22 +70,30 @@ async def relay_stream(
                     at = error_event_at(chunk)
                     if at >= 0:  # D reports a failure in a stream it began (200)
                         if data := feed(chunk[:at]):
-                            await reply.chunk(data)
+                            await _write(reply, data)
                         event = chunk[at:].split(b"\n\n", 1)[0]
                         failure = failures.event_failure(ex.d, event, before_token=False)
                         effects.fail(ex, failure)
                         return None
                     if data := feed(chunk):
-                        await reply.chunk(data)
+                        await _write(reply, data)
             if held:  # a stream of a preamble only
                 effects.apply(ex, ex.state.d_chunk(trio.current_time()))
-                await reply.chunk(feed(held))
+                await _write(reply, feed(held))
             return "ok"
         except EngineError as exc:
             effects.fail(ex, failures.transport_failure(ex.d, exc))
     if ex.failure is None:
         effects.fail(ex, failures.timeout_failure("D did not finish"))
     return None
+
+
+async def _write(reply: Reply, data: bytes) -> None:
+    """``data`` to the client, whatever cancels the leg meanwhile (see :func:`relay_stream`);
+    then a cancellation that came is taken (the engine's bytes may be read without one)."""
+    with trio.CancelScope(shield=True):
+        await reply.chunk(data)
+    await trio.lowlevel.checkpoint_if_cancelled()
 
 
 def _after_preamble(chunk: bytes) -> bytes:
