@@ -232,4 +232,6 @@ def hosts(*names: str) -> Iterator[tuple[str, Hosts]]:
             _run("ip", "netns", "del", host.netns, check=False)  # (and /etc/netns/<ns>)
         for file in files:
             file.unlink(missing_ok=True)
+            if file.parent.name.startswith("pd"):  # /etc/netns/<ns>: ours alone
+                file.parent.rmdir()
         _run("ip", "link", "del", bridge, check=False)
