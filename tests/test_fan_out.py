@@ -33,7 +33,7 @@ from tests.test_migration import (
     text_of,
     tokens_after,
 )
-from tests.test_proxy import Setup, eventually, eventually_metric
+from tests.test_proxy import Setup, completion_body, eventually, eventually_metric, open_setup
 
 PROMPTS = [[10], [20, 21], [30, 31, 32]]  # distinct answers: t11…, t22…, t33…
 MAX = 6  # tokens a choice
@@ -253,6 +253,33 @@ async def test_a_choice_refused_before_the_stream_opened_refuses_the_request() -
     assert [m.get("status") for m in sent] == [400, None]
     assert sent[1]["body"] == refusal and not sent[1]["more_body"]
     assert cancelled == 2
+
+
+async def test_a_choice_refused_while_anothers_stream_waits_to_open_refuses_the_request() -> None:
+    """Through the proxy and its relay: one choice's D streams (its first event waits for
+    the client's stream to open), the other's D answers 400: the client gets the 400 and both
+    choices end — the waiting write is cancelled with the request (not held past its end)."""
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(n_d=2) as s:
+            refusing = s.d[1]
+            refusing.status, refusing.hold = 400, trio.Event()
+            refusing.error_body = {"error": {"message": "no", "type": "BadRequestError",
+                                             "code": 400}}  # fmt: skip
+            body = {**completion_body(stream=True, n=2, temperature=1.0)}
+            answers: list[httpx.Response] = []
+
+            async def post() -> None:
+                answers.append(await s.client.post(ROUTES[False], json=body, headers=HEADERS))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(post)
+                await eventually(lambda: bool(s.d[0].received) and bool(refusing.received))
+                await trio.testing.wait_all_tasks_blocked()  # the streaming choice waits
+                refusing.hold.set()
+            assert answers[0].status_code == 400, answers[0].text
+            assert answers[0].json()["error"]["message"] == "no"
+            metrics = await s.metrics()
+            assert metrics[("pdactors_proxy_requests_in_flight", ())] == 0  # both ended
 
 
 def test_split_is_prompt_major_with_a_seed_per_choice() -> None:

@@ -9,7 +9,7 @@ answer, the deadline — made the exchange's failure, after which the record say
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import aclosing
+from contextlib import AbstractContextManager, aclosing, nullcontext
 from typing import Final
 
 import trio
@@ -34,17 +34,16 @@ async def relay_stream(
     ex: Exchange,
     resp: EngineResponse,
     feed: Callable[[bytes], bytes],
+    writing: Callable[[], AbstractContextManager[None]] = nullcontext,
 ) -> str | None:
     """Relay D's stream (``feed`` makes each chunk the client's): ``"ok"``, or None with
     ``ex.failure`` set and nothing more sent: D's stream began with an error event (what
     vLLM sends when the KV did not come), had one later (what came before it relayed),
     broke, or ran past the deadline.
 
-    Each write to the client is shielded from the leg's cancellation (an engine judged
-    failed or drained with ``migrate``, the deadline): ``feed`` has counted its tokens as
-    the client's, and the next engine continues right after them, so they must reach the
-    client (cut in the write, they were counted and never sent: a token missing from the
-    text). A write is bounded by the door's ``write_timeout`` (:mod:`pdactors.web`)."""
+    Each write to the client is inside ``writing()`` (the leg's cut held off: ``feed``
+    counted its tokens as the client's, the next engine continues after them) and is followed
+    by the cut if one came (the engine's bytes may be read without a checkpoint)."""
     reply = ex.reply
     began = False  # this leg relayed something (events before any output do not count)
     held = b""  # events before any output, relayed with what follows them
@@ -70,16 +69,16 @@ async def relay_stream(
                     at = error_event_at(chunk)
                     if at >= 0:  # D reports a failure in a stream it began (200)
                         if data := feed(chunk[:at]):
-                            await _write(reply, data)
+                            await _write(reply, data, writing)
                         event = chunk[at:].split(b"\n\n", 1)[0]
                         failure = failures.event_failure(ex.d, event, before_token=False)
                         effects.fail(ex, failure)
                         return None
                     if data := feed(chunk):
-                        await _write(reply, data)
+                        await _write(reply, data, writing)
             if held:  # a stream of a preamble only
                 effects.apply(ex, ex.state.d_chunk(trio.current_time()))
-                await _write(reply, feed(held))
+                await _write(reply, feed(held), writing)
             return "ok"
         except EngineError as exc:
             effects.fail(ex, failures.transport_failure(ex.d, exc))
@@ -88,10 +87,12 @@ async def relay_stream(
     return None
 
 
-async def _write(reply: Reply, data: bytes) -> None:
-    """``data`` to the client, whatever cancels the leg meanwhile (see :func:`relay_stream`);
-    then a cancellation that came is taken (the engine's bytes may be read without one)."""
-    with trio.CancelScope(shield=True):
+async def _write(
+    reply: Reply, data: bytes, writing: Callable[[], AbstractContextManager[None]]
+) -> None:
+    """``data`` to the client, the leg's cut held off meanwhile; then the cut, if it came
+    (see :func:`relay_stream`)."""
+    with writing():
         await reply.chunk(data)
     await trio.lowlevel.checkpoint_if_cancelled()
 

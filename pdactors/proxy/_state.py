@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, Protocol
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -12,9 +12,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pdactors.core.compat import Identity
 from pdactors.core.prefixes import Candidate, PrefixIndex, choose
 
-__all__ = ["Backend", "Metrics", "Pool", "Role"]
+__all__ = ["Backend", "Cut", "Metrics", "Pool", "Role"]
 
 Role = Literal["prefill", "decode"]
+
+
+class Cut(Protocol):
+    """What cuts a request from an engine judged failed: a cancel scope, or one that holds
+    the cut off while the client is written to (:mod:`pdactors.proxy._legs`)."""
+
+    def cancel(self) -> None: ...
+
+
 _LATENCY_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -51,7 +60,7 @@ class Backend:
     #: a decoding leg's for its answer — cancelled when the engine is judged failed
     #: meanwhile (a stopped or hung engine: :meth:`pdactors.proxy._health.HealthWatch.set`):
     #: the request is cut from it (P-first: served by D alone; decoding: migrated).
-    waiting_on: set[trio.CancelScope] = field(default_factory=set)
+    waiting_on: set[Cut] = field(default_factory=set)
     #: Which model it answers with (:mod:`pdactors.proxy._pairs`): P's from its bootstrap,
     #: D's from its ``/metrics``; None: not known (not compared).
     identity: Identity | None = None
