@@ -43,8 +43,14 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
 
 
 def can_make_hosts() -> bool:
-    """Whether this process may create network namespaces and TAP devices (root, iproute2)."""
-    if not os.access("/dev/net/tun", os.R_OK | os.W_OK):
+    """Whether this process may create network namespaces, TAP devices and mount namespaces
+    (root, iproute2, ``/dev/net/tun``, util-linux's ``unshare``)."""
+    try:
+        os.close(_tap(f"pdtap{os.getpid() % 100000}"))  # (not persistent: gone with its fd)
+        named = _run("unshare", "--mount", "true", check=False).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+    if not named:
         return False
     name = f"pdprobe{os.getpid() % 100000}"
     try:

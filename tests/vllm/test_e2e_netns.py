@@ -53,7 +53,7 @@ from tests.vllm.test_e2e import prompt_ids
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.timeout(900),
-    pytest.mark.skipif(not can_make_hosts(), reason="needs root and iproute2 network namespaces"),
+    pytest.mark.skipif(not can_make_hosts(), reason="needs namespaces, TAP devices, unshare"),
 ]
 
 BOOTSTRAP_PORT, ENGINE_PORT = 8998, 8100
