@@ -171,12 +171,18 @@ def _problem(raw: bytes, endpoint: Endpoint) -> dict[str, Any] | str:
     if body.get(endpoint.input_field) is None:
         return f"`{endpoint.input_field}` is required"
     if endpoint.responses:
-        return _responses_problem(body) or body
-    if endpoint.chat:
+        problem = _input_problem(body["input"])
+    elif endpoint.chat:
         problem = _messages_problem(body["messages"])
     else:
         problem = _prompt_problem(body["prompt"])
-    return problem or _fields_problem(body, endpoint.chat) or body
+    if problem is None and body.get("kv_transfer_params") is not None:
+        problem = "`kv_transfer_params` is the PD proxy's to set: send the request without it"
+    if problem is None:
+        problem = (
+            _responses_problem(body) if endpoint.responses else _fields_problem(body, endpoint.chat)
+        )
+    return problem or body
 
 
 #: Fields that are true, false or null.
@@ -244,8 +250,6 @@ def _messages_problem(messages: object) -> str | None:
 
 def _fields_problem(body: dict[str, Any], chat: bool) -> str | None:
     """What is wrong with the other fields the proxy reads."""
-    if body.get("kv_transfer_params") is not None:
-        return "`kv_transfer_params` is the PD proxy's to set: send the request without it"
     n = 1 if body.get("n") is None else body["n"]
     if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
         return f"`n` must be an integer from 1 to {MAX_CHOICES}"
@@ -278,15 +282,17 @@ def _fields_problem(body: dict[str, Any], chat: bool) -> str | None:
     return _stream_options_problem(body)
 
 
-def _responses_problem(body: dict[str, Any]) -> str | None:
-    """What is wrong with a Responses API body's fields the proxy reads or sets."""
-    given = body["input"]
-    if not isinstance(given, str) and not (
+def _input_problem(given: object) -> str | None:
+    """What is wrong with a Responses API body's ``input``: text, or a list of input items."""
+    if isinstance(given, str) or (
         isinstance(given, list) and given and all(isinstance(i, dict) for i in given)
     ):
-        return "`input` must be a string or a list of input items (objects), not empty"
-    if body.get("kv_transfer_params") is not None:
-        return "`kv_transfer_params` is the PD proxy's to set: send the request without it"
+        return None
+    return "`input` must be a string or a list of input items (objects), not empty"
+
+
+def _responses_problem(body: dict[str, Any]) -> str | None:
+    """What is wrong with a Responses API body's other fields the proxy reads or sets."""
     if body.get("n") is not None and not (_is_int(body["n"]) and body["n"] == 1):
         return "`n` must be 1: a response is one answer"
     for key in ("stream", "background", "store"):

@@ -90,7 +90,6 @@ class _Wire(threading.Thread):
         self._due: list[tuple[float, int, int, bytes]] = []
         self._seq = 0
         self._done = threading.Event()
-        self.dropped = 0
 
     def join_pair(self, a: int, b: int, shape: _Shape) -> None:
         self._sel.register(a, selectors.EVENT_READ, (b, shape))
@@ -118,8 +117,8 @@ class _Wire(threading.Thread):
             except (BlockingIOError, OSError):
                 return
             if shape.loss and shape.rng.random() < shape.loss:
-                self.dropped += 1
-            elif shape.delay:
+                continue  # lost on the wire
+            if shape.delay:
                 self._seq += 1
                 heapq.heappush(self._due, (time.monotonic() + shape.delay, self._seq, out, frame))
             else:

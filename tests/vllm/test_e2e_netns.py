@@ -13,8 +13,9 @@ channel, the bootstrap and the proxy's calls all cross a network that a test can
   makes them; here the hosts' wire does it, this kernel having no ``sch_netem``) with eight
   streams in flight: every request served, equal to P's own answer, and nothing left held.
 
-This module is skipped where network namespaces cannot be made (not root, no iproute2, no
-``/dev/net/tun``). The servers start once for the module.
+This module is skipped where network namespaces, TAP devices or mount namespaces cannot be
+made (not root, no iproute2, no ``/dev/net/tun``, no ``unshare``). The servers start once for
+the module.
 """
 
 from __future__ import annotations
@@ -86,6 +87,21 @@ class Net:
 
     def proxy_json(self, path: str) -> dict[str, Any]:
         return dict(httpx.get(f"{self.proxy_url}{path}", timeout=10, trust_env=False).json())
+
+    def kv_received(self) -> float:
+        """Prompt tokens D took by KV transfer (instead of computing them)."""
+        return self.d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+    def expired(self) -> float:
+        """Transfers whose KV P freed at its ``unclaimed_ttl`` (no pull came)."""
+        return self.p.metric("vllm:pdactors_transfers_expired_total")
+
+    def settle(self, timeout: float = 60) -> None:
+        """Until nothing is in flight at the proxy and neither P nor D holds a block."""
+        wait_for("nothing in flight at the proxy", lambda: _in_flight(self) == 0)
+        for engine in (self.p, self.d):
+            freed = partial(_holds_no_block, engine)
+            wait_for(f"{engine.name} freed the blocks", freed, timeout=timeout)
 
     def start(self, role: str, name: str = "", wait: bool = True) -> Server:
         """The server of ``role`` ("prefill", "decode") on its host as it is now (its
@@ -177,13 +193,13 @@ def _both_up(net: Net) -> bool:
 
 
 def test_answers_across_namespaces_equal_p_alone_and_the_kv_crossed(net: Net) -> None:
-    received = net.d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    received = net.kv_received()
     for i, length in enumerate((20, 300, 700)):
         prompt = prompt_ids(length, seed=700 + i)
         ended = _stream(net, prompt, 16)
         assert ended.error is None, ended.error
         assert ended.text == net.alone(prompt, 16)
-    moved = net.d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    moved = net.kv_received()
     assert moved - received >= 20 + 300 + 700 - 3  # each prompt's KV but P's token came
     assert net.p.metric("vllm:pdactors_transfers_sent_total") >= 3
 
@@ -203,7 +219,7 @@ def test_a_link_cut_under_load_ends_every_request_and_leaks_no_block(
     prompts = [prompt_ids(200 + 40 * i, seed=800 + i) for i in range(8)]
     max_tokens = 64
     host, d_group = net.hosts[cut], net.d.process.pid
-    expired = net.p.metric("vllm:pdactors_transfers_expired_total")
+    expired = net.expired()
     with ThreadPoolExecutor(8) as pool:
         # D is frozen while the eight are sent, so that none can end before the cut; the cut
         # comes with all eight in flight, D let go with it.
@@ -235,14 +251,11 @@ def test_a_link_cut_under_load_ends_every_request_and_leaks_no_block(
     print(f"link {cut} cut {seconds} s: {served} of 8 served, ended {took} s after the cut, "
           f"failures: {failures}")  # fmt: skip
     wait_for("P and D back in rotation", lambda: _both_up(net))
-    wait_for("nothing in flight at the proxy", lambda: _in_flight(net) == 0)
-    for engine in (net.p, net.d):
-        freed = partial(_holds_no_block, engine)
-        wait_for(f"{engine.name} freed the blocks", freed, timeout=UNCLAIMED_TTL + 30)
+    net.settle(timeout=UNCLAIMED_TTL + 30)
     # No transfer's KV waited for P's TTL: what D gave up on, D cancelled (its parting cancels,
     # told again once P is reachable); what the proxy gave up — a request cut from P by the
     # health verdict, or moved off D before D's engine saw it — the proxy told P to free.
-    expired = net.p.metric("vllm:pdactors_transfers_expired_total") - expired
+    expired = net.expired() - expired
     print(f"link {cut} cut {seconds} s: {expired:.0f} transfers left to P's unclaimed_ttl")
     assert expired == 0
     # and it serves across the network again
@@ -265,8 +278,8 @@ def test_a_slow_lossy_network_under_load_serves_every_request_and_leaks_no_block
     prompts = [prompt_ids(150 + 50 * i, seed=950 + int(delay_ms) * 10 + i) for i in range(8)]
     max_tokens = 48
     wanted = [net.alone(pr, max_tokens) for pr in prompts]  # asked before the links slow
-    received = net.d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-    expired = net.p.metric("vllm:pdactors_transfers_expired_total")
+    received = net.kv_received()
+    expired = net.expired()
     try:
         for i, name in enumerate(("p", "d")):
             net.hosts[name].shape(delay_ms, loss, seed=i)
@@ -281,12 +294,10 @@ def test_a_slow_lossy_network_under_load_serves_every_request_and_leaks_no_block
     assert [e.error for e in ended] == [None] * 8
     assert [e.text for e in ended] == wanted
     assert all(e.seconds <= BOUND for e in ended)
-    moved = net.d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    moved = net.kv_received()
     assert moved - received >= sum(len(pr) - 1 for pr in prompts)  # every prompt's KV crossed
-    wait_for("nothing in flight at the proxy", lambda: _in_flight(net) == 0)
-    for engine in (net.p, net.d):
-        wait_for(f"{engine.name} freed the blocks", partial(_holds_no_block, engine), timeout=60)
-    assert net.p.metric("vllm:pdactors_transfers_expired_total") == expired
+    net.settle()
+    assert net.expired() == expired
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])
@@ -306,18 +317,16 @@ def test_an_engine_back_at_another_address_is_found_by_its_name(net: Net, role: 
     setattr(net, role[0], new)
     assert new.url != old.url
     wait_for("P and D in rotation", lambda: _both_up(net), timeout=60)
-    received = net.d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-    expired = net.p.metric("vllm:pdactors_transfers_expired_total")
+    received = net.kv_received()
+    expired = net.expired()
     for prompt, want in zip(prompts, wanted, strict=True):
         ended = _stream(net, prompt, 16)
         assert ended.error is None, ended.error
         assert ended.text == want
-    moved = net.d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    moved = net.kv_received()
     assert moved - received >= sum(len(pr) - 1 for pr in prompts)  # the KV crossed
-    wait_for("nothing in flight at the proxy", lambda: _in_flight(net) == 0)
-    for engine in (net.p, net.d):
-        wait_for(f"{engine.name} freed the blocks", partial(_holds_no_block, engine), timeout=60)
-    assert net.p.metric("vllm:pdactors_transfers_expired_total") == expired
+    net.settle()
+    assert net.expired() == expired
 
 
 def _holds_no_block(engine: Server) -> bool:
