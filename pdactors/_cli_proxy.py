@@ -85,6 +85,13 @@ def proxy(
         float,
         typer.Option(metavar="SECONDS", help="prefix_aware: how long a block is remembered."),
     ] = default_of(ProxyConfig, "prefix_max_age"),
+    kv_events: Annotated[
+        bool,
+        typer.Option(
+            help="prefix_aware: match prompts against the KV events of engines that publish "
+            "them (vLLM's --kv-events-config), found at their /kv_event_sources.",
+        ),
+    ] = default_of(ProxyConfig, "kv_events"),
     first_token: Annotated[
         str,
         typer.Option(
@@ -258,6 +265,7 @@ def proxy(
             prefix_imbalance=prefix_imbalance,
             prefix_max_blocks=prefix_max_blocks,
             prefix_max_age=prefix_max_age,
+            kv_events=kv_events,
             first_token=first_token,  # type: ignore[arg-type]  # checked by ProxyConfig
             placement=placement,  # type: ignore[arg-type]  # checked by ProxyConfig
             placement_stall_weight=placement_stall_weight,

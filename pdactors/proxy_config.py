@@ -73,6 +73,11 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
       role's (None: ``routing``'s).
     * ``prefix_imbalance``: for ``"prefix_aware"``, how many more requests in flight than the
       least-loaded engine the best-matching one may have and still be picked.
+    * ``kv_events``: for ``"prefix_aware"``, follow the KV events of engines that publish them
+      (vLLM's ``--kv-events-config``, found at their ``GET /kv_event_sources``) and match a
+      prompt's tokens against what each engine's prefix cache holds
+      (:mod:`pdactors.proxy._kv_events`); engines that publish none are matched on what the
+      proxy sent them. False: the latter for every engine.
     * ``prefix_max_blocks`` / ``prefix_max_age``: for ``"prefix_aware"``, the most prompt
       blocks (64 characters or 16 token ids each) the proxy remembers per role, all engines
       together, least recently sent first out, and the seconds it remembers each.
@@ -158,6 +163,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefix_imbalance: int = 8
     prefix_max_blocks: int = 131_072
     prefix_max_age: float = 600.0
+    kv_events: bool = True
     first_token: FirstToken = "p"
     placement: Placement = "auto"
     placement_stall_weight: float = 0.25

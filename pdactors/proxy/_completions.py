@@ -43,6 +43,7 @@ from pdactors.proxy._exchange import Exchange
 from pdactors.proxy._fan_out import serve_fanned_out, split
 from pdactors.proxy._flows import serve_flow
 from pdactors.proxy._health import HealthWatch
+from pdactors.proxy._kv_events import KvEventFeeds
 from pdactors.proxy._kv_release import KvReleases
 from pdactors.proxy._legs import Legs
 from pdactors.proxy._openai import Endpoint, Failure, as_chat, validate
@@ -113,6 +114,9 @@ class Proxy:
             decode.append(as_d)
         self.prefill = _pool(config, "prefill", prefill, config.prefill_routing)
         self.decode = _pool(config, "decode", decode, config.decode_routing)
+        self.metrics = Metrics()
+        #: The engines' KV events, followed for prefix_aware pools (None: none is, or off).
+        self.feeds = KvEventFeeds.of(config, probe_http, (self.prefill, self.decode), self.metrics)
         slots = trio.Semaphore(config.max_connections)
         verify = tls_verify(config.ca_file)
         tls = verify if isinstance(verify, ssl.SSLContext) else None  # None: the system's CAs
@@ -121,7 +125,6 @@ class Proxy:
             b.url: EngineClient(b.url, connect_timeout=timeout, slots=slots, tls=tls)
             for b in (*prefill, *decode)
         }
-        self.metrics = Metrics()
         self.placer = Placer(config.placement_stall_weight, p_first=config.first_token == "p")
         #: Stands for P in a request D serves alone because no P is in rotation.
         self._no_prefill = Backend("prefill", "none")
@@ -232,15 +235,16 @@ class Proxy:
         keyed = self.prefill.prefixes is not None or self.decode.prefixes is not None
         read = as_chat(body, endpoint)  # the prompt as the placement reads it
         prompt = prefix_keys(*read) if keyed else []
-        d, d_why = self.decode.route(prompt)
+        token_ids = await self._token_ids(read, scope) if keyed else None
+        d, d_why = self.decode.route(prompt, token_ids=token_ids)
         whole = self._why_whole_on_p(pin, d)
         if whole is not None:  # a P serves it whole, in D's place
-            d, d_why = self.prefill.route(prompt)
+            d, d_why = self.prefill.route(prompt, token_ids=token_ids)
         p, p_why = None, ""
         if d is not None and whole is None:  # another engine than D, with D's model
             pair = self.watch.pairs
             p, p_why = self.prefill.route(
-                prompt, lambda b: b.url != d.url and pair.refusal(b, d) is None
+                prompt, lambda b: b.url != d.url and pair.refusal(b, d) is None, token_ids
             )
         alone = None if p is not None or whole is not None else self._why_alone(d)
         if d is None or (alone is not None and not self.config.fall_back_to_d):
@@ -290,6 +294,19 @@ class Proxy:
         (self.prefill if where == "whole-on-p" else self.decode).sent(serving, prompt)
         with self.effects.admitted(ex, flow, why=why, fallback=fallback):
             await serve_flow(self.answers, ex, body, nursery)
+
+    async def _token_ids(
+        self, read: tuple[dict[str, Any], bool], scope: HTTPScope
+    ) -> list[int] | None:
+        """The prompt's token ids for the engines' KV events, when some engine's are followed
+        (:mod:`pdactors.proxy._kv_events`); None: routed on remembered prefixes."""
+        if self.feeds is None or not self.feeds.following:
+            return None
+        engine = self.decode.pick() or self.prefill.pick()
+        if engine is None:
+            return None
+        headers = {k.decode(): v.decode() for k, v in self.engine_auth(scope["headers"])}
+        return await self.feeds.token_ids(*read, engine.url, headers)
 
     def _why_whole_on_p(self, pin: str, d: Backend | None) -> str | None:
         """Why a P serves the request whole: the operator or the request pinned it

@@ -241,6 +241,9 @@ class HealthWatch:
         }
         if remembered:  # prefix_aware routing: the prompt blocks it remembers per role
             report["prefix_blocks"] = remembered
+        exact = self.prefill.exact or self.decode.exact
+        if exact is not None:  # and the blocks each engine's KV events say it holds
+            report["kv_event_blocks"] = exact.report()
         if refused := self.pairs.report(self.prefill.backends, self.decode.backends):
             report["incompatible"] = refused  # never paired: D serves their requests alone
         if reasons:

@@ -154,6 +154,8 @@ async def _serve(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(proxy.watch.run)
         nursery.start_soon(proxy.releases.run)
+        if proxy.feeds is not None:
+            nursery.start_soon(proxy.feeds.run)
         app = make_app(proxy)
         serve = partial(
             serve_http,

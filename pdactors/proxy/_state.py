@@ -10,7 +10,7 @@ import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdactors.core.compat import Identity
-from pdactors.core.prefixes import Candidate, PrefixIndex, choose
+from pdactors.core.prefixes import BLOCK_IDS, Candidate, PrefixIndex, choose
 
 __all__ = ["Backend", "Cut", "Metrics", "Pool", "Role"]
 
@@ -22,6 +22,23 @@ class Cut(Protocol):
     the cut off while the client is written to (:mod:`pdactors.proxy._legs`)."""
 
     def cancel(self) -> None: ...
+
+
+class Exact(Protocol):
+    """What the engines' KV events say they hold
+    (:class:`pdactors.proxy._kv_events.KvEventFeeds`)."""
+
+    def matched(
+        self, url: str, keys_of: dict[int, list[int]], token_ids: Sequence[int]
+    ) -> int | None:
+        """The engine's leading tokens of the prompt in its prefix cache; None: not known
+        (``keys_of``: the prompt's block keys by block size, a cache across engines)."""
+
+    def restarted(self, url: str) -> None:
+        """The engine restarted: what it held is gone."""
+
+    def report(self) -> dict[str, int]:
+        """Blocks held per engine followed."""
 
 
 _LATENCY_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -159,6 +176,8 @@ class Pool:
             raise ValueError("prefix_aware routing needs a PrefixIndex")
         self.prefixes = prefixes if routing == "prefix_aware" else None
         self.imbalance = imbalance
+        #: The engines' KV events, for prefix_aware routing (None: not followed).
+        self.exact: Exact | None = None
         self._next = 0  # round-robin cursor (also the tie-break of the other rules)
 
     def pick(self) -> Backend | None:
@@ -167,11 +186,15 @@ class Pool:
         return self.route(())[0]
 
     def route(
-        self, prompt: Sequence[int], usable: Callable[[Backend], bool] | None = None
+        self,
+        prompt: Sequence[int],
+        usable: Callable[[Backend], bool] | None = None,
+        token_ids: Sequence[int] | None = None,
     ) -> tuple[Backend | None, str]:
         """The engine to use for a prompt of block keys ``prompt``
-        (:func:`pdactors.core.prefixes.prefix_keys`) and why (the routing's name, or for
-        prefix-aware routing ``prefix``, ``spill`` or ``no_match``); None when none is up
+        (:func:`pdactors.core.prefixes.prefix_keys`; its ``token_ids`` when known, matched
+        against the engines' KV events by :attr:`exact`) and why (the routing's name, or for
+        prefix-aware routing ``prefix``, ``exact``, ``spill`` or ``no_match``); None when none is up
         (and ``usable``, when given: e.g. P compatible with the request's D). Nothing is
         remembered: :meth:`sent` says where the prompt went. Not a checkpoint."""
         n = len(self.backends)
@@ -187,15 +210,31 @@ class Pool:
         if self.routing == "least_outstanding":
             chosen = min(candidates, key=lambda i: self.backends[i].load)
         elif self.prefixes is not None:
-            now = trio.current_time()
-            weighed = [
-                Candidate(i, b.load, self.prefixes.matched(b.url, prompt, now))
-                for i in candidates
-                for b in (self.backends[i],)
-            ]
-            chosen, why = choose(weighed, self.imbalance)
+            chosen, why = self._by_prefix(candidates, prompt, token_ids)
         self._next = (chosen + 1) % n
         return self.backends[chosen], why
+
+    def _by_prefix(
+        self, candidates: list[int], prompt: Sequence[int], token_ids: Sequence[int] | None
+    ) -> tuple[int, str]:
+        """Prefix-aware routing: each engine's match in tokens, from its KV events where
+        :attr:`exact` has them, else from what it was sent (a remembered block: ~16 tokens)."""
+        now = trio.current_time()
+        keys_of: dict[int, list[int]] = {}  # the prompt's keys by block size, for every engine
+        weighed, exact = [], False
+        for i in candidates:
+            b = self.backends[i]
+            found = None
+            if token_ids is not None and self.exact is not None:
+                found = self.exact.matched(b.url, keys_of, token_ids)
+            if found is None:
+                assert self.prefixes is not None
+                found = self.prefixes.matched(b.url, prompt, now) * BLOCK_IDS
+            else:
+                exact = True
+            weighed.append(Candidate(i, b.load, found))
+        chosen, why = choose(weighed, self.imbalance)
+        return chosen, "exact" if why == "prefix" and exact else why
 
     def sent(self, backend: Backend, prompt: Sequence[int]) -> None:
         """Note that ``backend`` computes (and will cache) the prompt of keys ``prompt``."""
@@ -206,6 +245,8 @@ class Pool:
         """``backend`` restarted (or may have): forget what it was sent. Not a checkpoint."""
         if self.prefixes is not None:
             self.prefixes.forget(backend.url)
+        if self.exact is not None:
+            self.exact.restarted(backend.url)
 
     @property
     def any_up(self) -> bool:
@@ -248,9 +289,17 @@ class Metrics:
         self.routed = Counter(
             "pdactors_proxy_routed",
             "Engines picked, by role and why: the routing's name, or for prefix_aware the "
-            "longest prefix match (prefix), the least-loaded engine because the best match had "
-            "too many requests in flight (spill) or because no engine matched (no_match)",
+            "longest prefix match (prefix; exact when it was read from the engine's KV events), "
+            "the least-loaded engine because the best match had too many requests in flight "
+            "(spill) or because no engine matched (no_match)",
             ["role", "why"],
+            registry=r,
+        )
+        self.kv_event_gaps = Counter(
+            "pdactors_proxy_kv_event_gaps",
+            "Gaps in an engine's KV event sequence: replayed from its publisher, or its index "
+            "cleared (no replay, or the gap no longer buffered)",
+            ["backend", "outcome"],
             registry=r,
         )
         pd = ["prefill", "decode"]

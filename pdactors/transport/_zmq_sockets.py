@@ -1,7 +1,8 @@
 """The side channel's ZMQ sockets: a ROUTER (P) that learns which identities each connection
-carries, and a DEALER (D) that knows when its peer is up and when it is lost. Opened by
-:func:`~pdactors.transport.zmq.open_router` / :func:`~pdactors.transport.zmq.open_dealer`,
-which also explain liveness."""
+carries, and a DEALER (D) that knows when its peer is up and when it is lost; and a SUB for
+what engines publish (the proxy's KV event feeds). Opened by
+:func:`~pdactors.transport.zmq.open_router` / :func:`~pdactors.transport.zmq.open_dealer` /
+:func:`~pdactors.transport.zmq.open_subscriber`, which also explain liveness."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from pdactors.transport._socket import (
     _TrioSocket,
 )
 
-__all__ = ["DealerSocket", "PeerUnreachable", "RouterSocket", "TransportError"]
+__all__ = ["DealerSocket", "PeerUnreachable", "RouterSocket", "SubSocket", "TransportError"]
 
 _MAX_FRAMES = 8  #: frames kept of a received message (beyond the identity); more are dropped
 #: A connection attempt that fails without a TCP connection within this many seconds was
@@ -250,3 +251,17 @@ class DealerSocket(_TrioSocket):
         :class:`trio.ClosedResourceError` if the socket is or gets closed.
         """
         await self._io(self._send, partial(self._send_now, _checked(frames)))
+
+
+class SubSocket(_TrioSocket):
+    """A connected SUB socket (someone else's PUB: vLLM's KV events). Make one with
+    :func:`~pdactors.transport.zmq.open_subscriber`."""
+
+    def __init__(self, socket: zmq.Socket[bytes], address: str) -> None:
+        super().__init__(socket)
+        self.address = address
+
+    async def receive(self) -> list[bytes]:
+        """Wait for the next published message and return its frames. A checkpoint;
+        cancelled, it has received nothing."""
+        return await self._io(self._receive, self._receive_now)

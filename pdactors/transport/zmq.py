@@ -54,6 +54,7 @@ from pdactors.transport._zmq_sockets import (
     DealerSocket,
     PeerUnreachable,
     RouterSocket,
+    SubSocket,
     TransportError,
 )
 from pdactors.transport.curve import (
@@ -69,9 +70,11 @@ __all__ = [
     "DealerSocket",
     "PeerUnreachable",
     "RouterSocket",
+    "SubSocket",
     "TransportError",
     "open_dealer",
     "open_router",
+    "open_subscriber",
 ]
 
 #: Messages queued per peer and direction before a send waits. The control plane has thousands of
@@ -204,3 +207,37 @@ async def open_dealer(
         raise
     async with _watched(DealerSocket(socket, address), monitor) as dealer:
         yield dealer
+
+
+@asynccontextmanager
+async def open_subscriber(
+    address: str,
+    *,
+    topic: bytes = b"",
+    context: zmq.Context[Any] | None = None,
+    hwm: int = DEFAULT_HWM,
+) -> AsyncIterator[SubSocket]:
+    """Connect a SUB socket to a publisher at ``address``, subscribed to ``topic`` (b"":
+    every message), for the block. ZMQ connects and reconnects in the background; what is
+    published while no connection is up is lost (the publisher's replay, where it has one,
+    fills the gap). Raises :class:`TransportError` if the address is malformed."""
+    socket = _new_socket(context, zmq.SUB, hwm, None)
+    try:
+        socket.setsockopt(zmq.SUBSCRIBE, topic)
+        socket.connect(address)
+    except zmq.ZMQError as exc:
+        _close_now(socket, None)
+        raise TransportError(f"cannot connect to {address!r}: {exc}") from None
+    except BaseException:
+        _close_now(socket, None)
+        raise
+    sub = SubSocket(socket, address)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sub._watch_fd)
+            try:
+                yield sub
+            finally:
+                sub.close()  # also ends the watcher
+    finally:
+        sub.close()
