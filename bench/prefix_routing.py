@@ -1,9 +1,14 @@
 """Does prefix-aware routing save P's prefills on multi-turn conversations?
 
-Starts two P and one D of the tiny model (block size ``--block-size``, prefix caching on) and,
-in front of the same servers one after the other, ``pdactors proxy`` with P's routing
-``round_robin``, then ``prefix_aware``, then vllm-router's ``cache_aware`` policy in its Mooncake
-PD mode (when ``vllm-router`` is installed beside this Python; skipped with a note otherwise).
+Starts two P and one D of the tiny model (block size ``--block-size``, prefix caching on, each
+P publishing its KV events: ``--kv-events-config``; ``--cache-blocks``: each engine's KV cache
+bounded to that many blocks, so that the conversations outgrow one engine's cache) and, in front
+of the same servers one after the other, ``pdactors proxy`` with P's routing ``round_robin``,
+then ``prefix_aware`` on what the proxy sent where (``--no-kv-events``), then ``prefix_aware``
+on the P's KV events (exact, the default where engines publish them), then vllm-router's
+``cache_aware`` policy in its Mooncake PD mode (when ``vllm-router`` is installed beside this
+Python; skipped with a note otherwise). ``--proxy-args``: more proxy options for every run
+(e.g. ``--placement disaggregate``: every prompt computed at a P).
 Each runs the same workload shape: ``--conversations`` conversations at once, each a client that
 sends ``--turns`` streamed completions one after the other, every prompt the last prompt plus
 the answer plus a new user message (words drawn from a seeded list; each router gets fresh
@@ -14,7 +19,7 @@ tokens computed versus served from its prefix cache
 p50/p99 at the client.
 
     python bench/prefix_routing.py [--conversations 8] [--turns 6] [--max-tokens 32]
-                                   [--block-size 32]
+                                   [--block-size 32] [--cache-blocks N] [--proxy-args "..."]
 """
 
 from __future__ import annotations
@@ -168,6 +173,25 @@ def vllm_router(p: list[tuple[Server, int]], d: Server, log: Path) -> Iterator[s
         stop(proc)
 
 
+def events_config() -> dict[str, object]:
+    """A P's ``--kv-events-config``: vLLM binds a wildcard endpoint (a host is connected to)."""
+    return {
+        "enable_kv_cache_events": True, "publisher": "zmq",
+        "endpoint": f"tcp://*:{free_port()}", "replay_endpoint": f"tcp://*:{free_port()}",
+    }  # fmt: skip
+
+
+def wait_following(url: str, ps: list[Server]) -> None:
+    """Until the proxy follows every P's KV events (its /health lists their blocks)."""
+    deadline = time.monotonic() + 30
+    while True:
+        held = httpx.get(f"{url}/health", timeout=5, trust_env=False).json()
+        if all(p.url in held.get("kv_event_blocks", {}) for p in ps):
+            return
+        assert time.monotonic() < deadline, f"the proxy follows no KV events: {held}"
+        time.sleep(0.2)
+
+
 def measure(name: str, url: str, ps: list[Server], seed0: int, args: argparse.Namespace) -> Run:
     run = Run(name)
     before = {p.name: sources(p) for p in ps}
@@ -188,14 +212,14 @@ def pct(values: list[float], q: float) -> float:
 
 
 def report(runs: list[Run]) -> None:
-    print(f"\n{'router':<28} {'reqs':>4} {'err':>3} {'P computed':>10} {'P cached':>9} "
+    print(f"\n{'router':<40} {'reqs':>4} {'err':>3} {'P computed':>10} {'P cached':>9} "
           f"{'hit %':>6} {'per P (computed)':>20} {'TTFT p50':>9} {'p99':>8}")  # fmt: skip
     for r in runs:
         computed, cached = sum(r.computed.values()), sum(r.cached.values())
         hit = 100 * cached / (computed + cached) if computed + cached else 0.0
         per_p = "/".join(f"{v:.0f}" for v in r.computed.values())
         print(
-            f"{r.name:<28} {r.requests:>4} {len(r.errors):>3} {computed:>10.0f} {cached:>9.0f} "
+            f"{r.name:<40} {r.requests:>4} {len(r.errors):>3} {computed:>10.0f} {cached:>9.0f} "
             f"{hit:>6.1f} {per_p:>20} {1000 * pct(r.ttft, 0.5):>7.1f}ms "
             f"{1000 * pct(r.ttft, 0.99):>6.1f}ms"
         )
@@ -215,15 +239,19 @@ def main() -> None:
     ap.add_argument("--first-words", type=int, default=70)
     ap.add_argument("--turn-words", type=int, default=30)
     ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--cache-blocks", type=int, default=0, help="KV blocks per engine (0: all)")
+    ap.add_argument("--proxy-args", default="", help="more pdactors proxy options, every run")
     args = ap.parse_args()
     args.model = ensure_tiny_model()
-    extra = ("--block-size", str(args.block_size))
+    extra: tuple[str, ...] = ("--block-size", str(args.block_size))
+    if args.cache_blocks:
+        extra += ("--num-gpu-blocks-override", str(args.cache_blocks))
     bootstrap_ports = [free_port(), free_port()]
     specs = {
         f"p{i}": {
             "kv_transfer_config": producer_config(f"prefill-prefix-{i}", bootstrap_ports[i]),
             "core": str(i),
-            "extra_args": extra,
+            "extra_args": (*extra, "--kv-events-config", json.dumps(events_config())),
         }
         for i in range(2)
     }
@@ -240,17 +268,24 @@ def main() -> None:
             (p.url, f"http://127.0.0.1:{port}") for p, port in zip(ps, bootstrap_ports, strict=True)
         ]
         runs: list[Run] = []
-        for i, routing in enumerate(("round_robin", "prefix_aware")):
-            log = logs / f"proxy-{routing}.log"
-            with proxy(pairs, [s["d"].url], log, "--prefill-routing", routing) as url:
-                runs.append(measure(f"pdactors proxy {routing}", url, ps, 1000 * i, args))
+        setups = {
+            "round_robin": ("--prefill-routing", "round_robin"),
+            "prefix_aware (sent)": ("--prefill-routing", "prefix_aware", "--no-kv-events"),
+            "prefix_aware (KV events)": ("--prefill-routing", "prefix_aware"),
+        }
+        for i, (name, options) in enumerate(setups.items()):
+            log = logs / f"proxy-{i}.log"
+            with proxy(pairs, [s["d"].url], log, *options, *args.proxy_args.split()) as url:
+                if "events" in name:
+                    wait_following(url, ps)
+                runs.append(measure(f"pdactors proxy {name}", url, ps, 1000 * i, args))
         if router is None:
             print("note: vllm-router is not installed beside this Python: its run is skipped")
         else:
             with vllm_router(
                 list(zip(ps, bootstrap_ports, strict=True)), s["d"], logs / "router.log"
             ) as url:
-                runs.append(measure("vllm-router cache_aware", url, ps, 2000, args))
+                runs.append(measure("vllm-router cache_aware", url, ps, 5000, args))
         report(runs)
 
 
