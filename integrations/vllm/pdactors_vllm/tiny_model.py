@@ -128,6 +128,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
 DTYPES: dict[str, str] = {"mla": "bfloat16", "gdn": "bfloat16"}
 
 
+#: Families built at any shape (their layer pattern repeats over the shape's layers); the
+#: others at the ``tiny`` shape only.
+ANY_SHAPE: frozenset[str] = frozenset({"llama", "sliding"})
+
+
+def _config(shape: str, family: str) -> dict[str, Any]:
+    config = {**SHAPES[shape], **FAMILIES[family]}
+    pattern = FAMILIES[family].get("layer_types")
+    if family in ANY_SHAPE and pattern:  # the pattern over every layer of the shape
+        layers = config["num_hidden_layers"]
+        config["layer_types"] = [pattern[i % len(pattern)] for i in range(layers)]
+    return config
+
+
 def serving_args(family: str = "llama") -> tuple[str, ...]:
     """The vLLM arguments a tiny ``family`` model must be served with: its dtype."""
     return ("--dtype", DTYPES.get(family, "float32"))
@@ -140,8 +154,9 @@ def ensure_tiny_model(
 
     ``shape`` picks one of :data:`SHAPES` (same tokenizer, weights drawn the same way); a shape
     other than ``tiny`` lives in ``MODEL_NAME-<shape>``. ``family`` picks one of
-    :data:`FAMILIES` (``tiny`` shape only); another than ``llama`` lives in
-    ``MODEL_NAME-<family>``. Raises `ValueError` for an unknown shape or family.
+    :data:`FAMILIES` (at the ``tiny`` shape, or any shape for :data:`ANY_SHAPE`); another than
+    ``llama`` lives in ``MODEL_NAME-<family>`` (``MODEL_NAME-<shape>-<family>`` beyond tiny).
+    Raises `ValueError` for an unknown shape or family.
     The model directory is ``cache_dir / MODEL_NAME``. It holds ``config.json``,
     ``model.safetensors``, ``generation_config.json`` and a ``PreTrainedTokenizerFast``
     (``tokenizer.json``, ``tokenizer_config.json``, special tokens, chat template). An existing
@@ -151,11 +166,14 @@ def ensure_tiny_model(
     """
     if shape not in SHAPES:
         raise ValueError(f"unknown model shape {shape!r}; known: {sorted(SHAPES)}")
-    if family not in FAMILIES or (family != "llama" and shape != "tiny"):
-        raise ValueError(f"unknown model family {family!r} (shape tiny); known: {sorted(FAMILIES)}")
+    if family not in FAMILIES or (family not in ANY_SHAPE and shape != "tiny"):
+        raise ValueError(
+            f"unknown model family {family!r} (shape tiny, or any for {sorted(ANY_SHAPE)}); "
+            f"known: {sorted(FAMILIES)}"
+        )
     root = (cache_dir if cache_dir is not None else default_cache_dir()).expanduser()
     name = MODEL_NAME if shape == "tiny" else f"{MODEL_NAME}-{shape}"
-    name = name if family == "llama" else f"{MODEL_NAME}-{family}"
+    name = name if family == "llama" else f"{name}-{family}"
     target = root / name
     if _is_complete(target, family):
         return target
@@ -164,7 +182,7 @@ def ensure_tiny_model(
     try:
         tmp.chmod(0o755)  # mkdtemp's 0700 would make a shared cache unreadable to others
         dtype = DTYPES.get(family, "float32")
-        _build(tmp, {**SHAPES[shape], **FAMILIES[family], "dtype": dtype}, family)
+        _build(tmp, _config(shape, family) | {"dtype": dtype}, family)
         for _ in range(3):
             if _is_complete(target, family):
                 return target
