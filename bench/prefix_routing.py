@@ -2,7 +2,7 @@
 
 Starts two P and one D of the tiny model (block size ``--block-size``, prefix caching on, each
 P publishing its KV events: ``--kv-events-config``; ``--cache-blocks``: each engine's KV cache
-bounded to that many blocks, so that the conversations outgrow one engine's cache) and, in front
+bounded to that many blocks, so that the conversations outgrow one P's cache) and, in front
 of the same servers one after the other, ``pdactors proxy`` with P's routing ``round_robin``,
 then ``prefix_aware`` on what the proxy sent where (``--no-kv-events``), then ``prefix_aware``
 on the P's KV events (exact, the default where engines publish them), then vllm-router's
@@ -239,7 +239,7 @@ def main() -> None:
     ap.add_argument("--first-words", type=int, default=70)
     ap.add_argument("--turn-words", type=int, default=30)
     ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--cache-blocks", type=int, default=0, help="KV blocks per engine (0: all)")
+    ap.add_argument("--cache-blocks", type=int, default=0, help="KV blocks per P (0: all)")
     ap.add_argument("--proxy-args", default="", help="more pdactors proxy options, every run")
     args = ap.parse_args()
     args.model = ensure_tiny_model()
@@ -255,10 +255,10 @@ def main() -> None:
         }
         for i in range(2)
     }
-    specs["d"] = {
+    specs["d"] = {  # D's cache unbounded: it holds every conversation's running request
         "kv_transfer_config": consumer_config("decode-prefix"),
         "core": "0-1",
-        "extra_args": extra,
+        "extra_args": ("--block-size", str(args.block_size)),
     }
     router = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
     with tempfile.TemporaryDirectory() as tmp, servers(specs, args.model, Path(tmp)) as s:
