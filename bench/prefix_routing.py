@@ -8,7 +8,10 @@ then ``prefix_aware`` on what the proxy sent where (``--no-kv-events``), then ``
 on the P's KV events (exact, the default where engines publish them), then vllm-router's
 ``cache_aware`` policy in its Mooncake PD mode (when ``vllm-router`` is installed beside this
 Python; skipped with a note otherwise). ``--proxy-args``: more proxy options for every run
-(e.g. ``--placement disaggregate``: every prompt computed at a P).
+(e.g. ``--placement disaggregate``: every prompt computed at a P); ``--proxies N``: N proxies
+of each setup in front of the same engines, a conversation's turns sent to each in turn (as
+replicas behind a load balancer: each proxy sends only some of the turns; vllm-router runs
+alone).
 Each runs the same workload shape: ``--conversations`` conversations at once, each a client that
 sends ``--turns`` streamed completions one after the other, every prompt the last prompt plus
 the answer plus a new user message (words drawn from a seeded list; each router gets fresh
@@ -20,11 +23,13 @@ p50/p99 at the client.
 
     python bench/prefix_routing.py [--conversations 8] [--turns 6] [--max-tokens 32]
                                    [--block-size 32] [--cache-blocks N] [--proxy-args "..."]
+                                   [--proxies N]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import shutil
@@ -80,7 +85,7 @@ def words(rng: random.Random, n: int) -> str:
 
 async def conversation(
     http: httpx.AsyncClient,
-    url: str,
+    urls: list[str],
     seed: int,
     args: argparse.Namespace,
     run: Run,
@@ -90,7 +95,8 @@ async def conversation(
     outgrow the model's context."""
     rng = random.Random(seed)
     prompt = f"conversation {seed}: " + words(rng, args.first_words)
-    for _ in range(args.turns):
+    for t in range(args.turns):
+        url = urls[(seed + t) % len(urls)]  # several proxies: each turn to the next
         prompt += "\nuser: " + words(rng, args.turn_words) + "\nassistant:"
         if count(prompt) + args.max_tokens > MAX_MODEL_LEN - 8:
             return
@@ -126,7 +132,7 @@ async def conversation(
         prompt += "".join(answer)
 
 
-async def workload(url: str, seed0: int, args: argparse.Namespace, run: Run) -> None:
+async def workload(urls: list[str], seed0: int, args: argparse.Namespace, run: Run) -> None:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(args.model / "tokenizer.json"))
@@ -138,7 +144,7 @@ async def workload(url: str, seed0: int, args: argparse.Namespace, run: Run) -> 
     async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
         async with trio.open_nursery() as nursery:
             for c in range(args.conversations):
-                nursery.start_soon(conversation, http, url, seed0 + c, args, run, count)
+                nursery.start_soon(conversation, http, urls, seed0 + c, args, run, count)
                 await trio.sleep(0.05)  # staggered starts, as clients arrive
 
 
@@ -192,10 +198,12 @@ def wait_following(url: str, ps: list[Server]) -> None:
         time.sleep(0.2)
 
 
-def measure(name: str, url: str, ps: list[Server], seed0: int, args: argparse.Namespace) -> Run:
+def measure(
+    name: str, urls: list[str], ps: list[Server], seed0: int, args: argparse.Namespace
+) -> Run:
     run = Run(name)
     before = {p.name: sources(p) for p in ps}
-    trio.run(workload, url, seed0, args, run)
+    trio.run(workload, urls, seed0, args, run)
     time.sleep(1.0)  # vLLM's metrics are logged on the engine's step: let the last one land
     for p in ps:
         computed, cached = sources(p)
@@ -241,6 +249,11 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--cache-blocks", type=int, default=0, help="KV blocks per P (0: all)")
     ap.add_argument("--proxy-args", default="", help="more pdactors proxy options, every run")
+    ap.add_argument(
+        "--proxies", type=int, default=1,
+        help="pdactors proxies in front of the same engines; a conversation's turns go to each "
+        "in turn (replicas behind a load balancer)",
+    )  # fmt: skip
     args = ap.parse_args()
     args.model = ensure_tiny_model()
     extra: tuple[str, ...] = ("--block-size", str(args.block_size))
@@ -275,10 +288,17 @@ def main() -> None:
         }
         for i, (name, options) in enumerate(setups.items()):
             log = logs / f"proxy-{i}.log"
-            with proxy(pairs, [s["d"].url], log, *options, *args.proxy_args.split()) as url:
-                if "events" in name:
+            with contextlib.ExitStack() as proxies:
+                urls = [
+                    proxies.enter_context(
+                        proxy(pairs, [s["d"].url], log.with_suffix(f".{k}.log"), *options,
+                              *args.proxy_args.split())
+                    )
+                    for k in range(args.proxies)
+                ]  # fmt: skip
+                for url in urls if "events" in name else ():
                     wait_following(url, ps)
-                runs.append(measure(f"pdactors proxy {name}", url, ps, 1000 * i, args))
+                runs.append(measure(f"pdactors proxy {name}", urls, ps, 1000 * i, args))
         report(runs)  # the proxy's figures, whatever becomes of the router's run
         if router is None:
             print("note: vllm-router is not installed beside this Python: its run is skipped")
@@ -286,7 +306,7 @@ def main() -> None:
             with vllm_router(
                 list(zip(ps, bootstrap_ports, strict=True)), s["d"], logs / "router.log"
             ) as url:
-                runs.append(measure("vllm-router cache_aware", url, ps, 5000, args))
+                runs.append(measure("vllm-router cache_aware", [url], ps, 5000, args))
         report(runs)
 
 
