@@ -314,7 +314,8 @@ def main() -> None:
                     wait_following(url, ps)
                 runs.append(measure(f"pdactors proxy {name}", urls, ps, 1000 * i, args))
         report(runs)  # the proxy's figures, whatever becomes of the router's run
-        print("POST /tokenize on an idle P: p50 %.1f ms, p99 %.1f ms" % tokenize_ms(ps[0]))
+        p50, p99 = tokenize_ms(ps[0])
+        print(f"POST /tokenize on an idle P: p50 {p50:.1f} ms, p99 {p99:.1f} ms")
         if router is None:
             print("note: vllm-router is not installed beside this Python: its run is skipped")
         else:
