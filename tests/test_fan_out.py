@@ -231,7 +231,7 @@ async def test_a_choice_refused_before_the_stream_opened_refuses_the_request() -
     cancelled = 0
     refusal = b'{"error": {"message": "prompt too long", "code": 400}}'
 
-    async def serve_one(body: dict[str, Any], reply: Reply) -> None:
+    async def serve_one(body: dict[str, Any], reply: Reply, *_: Any) -> None:
         nonlocal cancelled
         if body["prompt"] == "refused":
             await trio.testing.wait_all_tasks_blocked()  # the others' first events are out

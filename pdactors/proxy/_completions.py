@@ -25,7 +25,7 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope
 from pdactors.bootstrap_client import BootstrapClient, tls_verify
 from pdactors.core.exchange import ExchangeState, flow_for
 from pdactors.core.placement import EngineLoad, Placer, prompt_size
-from pdactors.core.prefixes import PrefixIndex, prefix_keys
+from pdactors.core.prefixes import prefix_keys
 from pdactors.proxy import _bodies
 from pdactors.proxy._answer import Answers
 from pdactors.proxy._asgi import (
@@ -39,7 +39,7 @@ from pdactors.proxy._asgi import (
 from pdactors.proxy._calibrate import calibrate
 from pdactors.proxy._effects import ExchangeEffects
 from pdactors.proxy._engine_http import EngineClient
-from pdactors.proxy._exchange import Exchange
+from pdactors.proxy._exchange import Exchange, Lead
 from pdactors.proxy._fan_out import serve_fanned_out, split
 from pdactors.proxy._flows import serve_flow
 from pdactors.proxy._health import HealthWatch
@@ -47,7 +47,7 @@ from pdactors.proxy._kv_events import KvEventFeeds
 from pdactors.proxy._kv_release import KvReleases
 from pdactors.proxy._legs import Legs
 from pdactors.proxy._openai import Endpoint, Failure, as_chat, validate
-from pdactors.proxy._state import Backend, Metrics, Pool, Role
+from pdactors.proxy._state import Backend, Metrics, Pool
 from pdactors.proxy._tracing import RequestTracing
 from pdactors.proxy_config import ProxyConfig
 from pdactors.web._auth import BearerCheck
@@ -61,15 +61,6 @@ log = logging.getLogger("pdactors.proxy")
 _PROBE_TIMEOUT: Final = 10.0
 #: How long P's leg may go on once the client's answer is complete, before it is cancelled.
 _PREFILL_GRACE: Final = 0.25
-
-
-def _pool(config: ProxyConfig, role: Role, backends: list[Backend], routing: str | None) -> Pool:
-    """One role's pool with its routing (``config.routing`` unless the role has its own)."""
-    routing = routing or config.routing
-    prefixes = None
-    if routing == "prefix_aware":
-        prefixes = PrefixIndex(config.prefix_max_blocks, config.prefix_max_age)
-    return Pool(role, backends, routing, prefixes, config.prefix_imbalance)
 
 
 def _decoding(b: Backend) -> int:
@@ -112,8 +103,8 @@ class Proxy:
             as_p.twin, as_d.twin = as_d, as_p
             prefill.append(as_p)
             decode.append(as_d)
-        self.prefill = _pool(config, "prefill", prefill, config.prefill_routing)
-        self.decode = _pool(config, "decode", decode, config.decode_routing)
+        self.prefill = Pool.of(config, "prefill", prefill, config.prefill_routing)
+        self.decode = Pool.of(config, "decode", decode, config.decode_routing)
         self.metrics = Metrics()
         #: The engines' KV events, followed for prefix_aware pools (None: none is, or off).
         self.feeds = KvEventFeeds.of(config, probe_http, (self.prefill, self.decode), self.metrics)
@@ -213,12 +204,19 @@ class Proxy:
         arrived: float,
         body: dict[str, Any],
         reply: Reply,
+        lead: Lead,
+        first: bool,
     ) -> None:
         """One choice of a request for several, an exchange of its own answering ``reply``
-        (:mod:`pdactors.proxy._fan_out`); its P leg, if still open once it is answered, ends
-        within the same grace as a request's."""
+        (:mod:`pdactors.proxy._fan_out`: the first choice of a prompt tells ``lead`` where its
+        prompt was computed, the others follow it there); its P leg, if still open once it is
+        answered, ends within the same grace as a request's."""
+        pin, slo = placing
+        if not first and lead.p is not None and pin == "auto":
+            pin = "disaggregate"  # the prompt is in that P's cache: it computes the rest
+        choice = (lead, first)
         async with trio.open_nursery() as nursery:
-            await self._complete(endpoint, scope, body, placing, reply, nursery, arrived)
+            await self._complete(endpoint, scope, body, (pin, slo), reply, nursery, arrived, choice)
             nursery.cancel_scope.deadline = trio.current_time() + _PREFILL_GRACE
 
     async def _complete(
@@ -230,12 +228,18 @@ class Proxy:
         reply: Reply,
         nursery: trio.Nursery,
         arrived: float,
+        choice: tuple[Lead, bool] | None = None,
     ) -> None:
         pin, slo = placing
+        lead, first = choice or (None, True)
+        follow = lead.p if lead is not None and not first else None
         keyed = self.prefill.prefixes is not None or self.decode.prefixes is not None
         read = as_chat(body, endpoint)  # the prompt as the placement reads it
         prompt = prefix_keys(*read) if keyed else []
-        token_ids = await self._token_ids(read, scope) if keyed else None
+        token_ids = None
+        if keyed and self.feeds is not None:  # for the engines' KV events
+            auth = {k.decode(): v.decode() for k, v in self.engine_auth(scope["headers"])}
+            token_ids = await self.feeds.prompt_ids(read, (self.decode, self.prefill), auth)
         d, d_why = self.decode.route(prompt, token_ids=token_ids)
         whole = self._why_whole_on_p(pin, d)
         if whole is not None:  # a P serves it whole, in D's place
@@ -243,9 +247,14 @@ class Proxy:
         p, p_why = None, ""
         if d is not None and whole is None:  # another engine than D, with D's model
             pair = self.watch.pairs
-            p, p_why = self.prefill.route(
-                prompt, lambda b: b.url != d.url and pair.refusal(b, d) is None, token_ids
-            )
+
+            def pairs(b: Backend) -> bool:
+                return b.url != d.url and pair.refusal(b, d) is None
+
+            if follow is not None:  # the P whose cache holds the prompt, while it may serve
+                p, p_why = self.prefill.route(prompt, lambda b: b.url == follow and pairs(b))
+            if p is None:
+                p, p_why = self.prefill.route(prompt, pairs, token_ids)
         alone = None if p is not None or whole is not None else self._why_alone(d)
         if d is None or (alone is not None and not self.config.fall_back_to_d):
             pool = self.decode if whole is None else self.prefill  # the role d was to have
@@ -286,27 +295,16 @@ class Proxy:
         model = body.get("model")
         ex = Exchange(
             endpoint, stream, tid, headers, p_headers, p_engine_id, state, reply, span=span,
-            model=model if isinstance(model, str) else "",
+            model=model if isinstance(model, str) else "", lead=lead if first else None,
         )  # fmt: skip
+        if ex.lead is not None and where in ("local", "whole-on-p"):
+            ex.lead.done()  # not computed at a P: the other choices are placed on their own
         # One engine serves it whole (D, or a P in D's place): the other takes no part.
         if where not in ("local", "whole-on-p"):  # P computes the prompt (and caches it)
             self.prefill.sent(p, prompt)
         (self.prefill if where == "whole-on-p" else self.decode).sent(serving, prompt)
         with self.effects.admitted(ex, flow, why=why, fallback=fallback):
             await serve_flow(self.answers, ex, body, nursery)
-
-    async def _token_ids(
-        self, read: tuple[dict[str, Any], bool], scope: HTTPScope
-    ) -> list[int] | None:
-        """The prompt's token ids for the engines' KV events, when some engine's are followed
-        (:mod:`pdactors.proxy._kv_events`); None: routed on remembered prefixes."""
-        if self.feeds is None or not self.feeds.following:
-            return None
-        engine = self.decode.pick() or self.prefill.pick()
-        if engine is None:
-            return None
-        headers = {k.decode(): v.decode() for k, v in self.engine_auth(scope["headers"])}
-        return await self.feeds.token_ids(*read, engine.url, headers)
 
     def _why_whole_on_p(self, pin: str, d: Backend | None) -> str | None:
         """Why a P serves the request whole: the operator or the request pinned it

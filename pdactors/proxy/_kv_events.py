@@ -202,6 +202,19 @@ class KvEventFeeds:
                 continue
         return whole
 
+    async def prompt_ids(
+        self, read: tuple[dict[str, Any], bool], pools: Sequence[Pool], auth: dict[str, str]
+    ) -> list[int] | None:
+        """The prompt's token ids while some engine's events are followed (else a prompt's
+        tokens would match nothing), asked of the first engine of ``pools`` in rotation (the
+        routing's turn untouched); None: routed on remembered prefixes."""
+        if not self.following:
+            return None
+        engine = next((b for pool in pools for b in pool.backends if b.serving), None)
+        if engine is None:
+            return None
+        return await self.token_ids(*read, engine.url, auth)
+
     async def token_ids(
         self, body: dict[str, Any], chat: bool, engine: str, headers: dict[str, str]
     ) -> list[int] | None:

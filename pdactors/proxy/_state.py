@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdactors.core.compat import Identity
 from pdactors.core.prefixes import BLOCK_IDS, Candidate, PrefixIndex, choose
+from pdactors.proxy_config import ProxyConfig
 
 __all__ = ["Backend", "Cut", "Metrics", "Pool", "Role"]
 
@@ -179,6 +180,17 @@ class Pool:
         #: The engines' KV events, for prefix_aware routing (None: not followed).
         self.exact: Exact | None = None
         self._next = 0  # round-robin cursor (also the tie-break of the other rules)
+
+    @classmethod
+    def of(
+        cls, config: ProxyConfig, role: Role, backends: list[Backend], routing: str | None
+    ) -> Pool:
+        """One role's pool with its routing (``config.routing`` unless the role has its own)."""
+        routing = routing or config.routing
+        prefixes = None
+        if routing == "prefix_aware":
+            prefixes = PrefixIndex(config.prefix_max_blocks, config.prefix_max_age)
+        return cls(role, backends, routing, prefixes, config.prefix_imbalance)
 
     def pick(self) -> Backend | None:
         """The next engine to use, or None when none is up (no prompt: prefix-aware routing

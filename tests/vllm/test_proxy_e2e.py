@@ -483,6 +483,36 @@ def test_n_choices_through_the_proxy(setup: Setup) -> None:
         setup.proxy.completions.create(**kwargs, n=2, temperature=0)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_n_choices_prefill_their_prompt_once_as_a_single_server_does(
+    setup: Setup, stream: bool
+) -> None:
+    """n = 4 of a 500-token prompt, disaggregated: P computes the prompt once and the other
+    three choices only what its prefix cache cannot hold (the last, partial block) — the
+    same count as the single server's four children; D computed none of the prompt."""
+    computed = "vllm:prompt_tokens_by_source_total"
+    ids = prompt_ids(500, seed=77 + stream)
+    kwargs: dict[str, Any] = {"model": "tiny", "prompt": ids, "max_tokens": 4, "n": 4}
+    kwargs |= {"temperature": 1.0, "seed": 11, "stream": stream}
+    engines = (setup.single_server, setup.p, setup.d)
+    before = [x.metric(computed, source="local_compute") for x in engines]
+    received = setup.external_prompt_tokens()
+    for client in (setup.single, setup.pd):
+        answer = client.completions.create(**kwargs)
+        if stream:
+            indexes = {c.index for chunk in answer for c in chunk.choices}
+        else:
+            indexes = {c.index for c in answer.choices}
+        assert indexes == {0, 1, 2, 3}
+    time.sleep(1.0)  # vLLM's counters move on the engine's next step
+    after = [x.metric(computed, source="local_compute") for x in engines]
+    single, p, d = (a - b for a, b in zip(after, before, strict=True))
+    assert 500 <= single < 4 * 500, single  # the single server's children share the prompt
+    assert p == single
+    assert d == 4  # P's first token of each choice, none of the prompt
+    assert setup.external_prompt_tokens() - received >= 500
+
+
 def test_prompt_too_long_is_refused_at_once(setup: Setup) -> None:
     start = time.monotonic()
     with pytest.raises(openai.BadRequestError):  # P's (or D's) 400 passes through
