@@ -129,6 +129,62 @@ async def test_a_chats_n_choices() -> None:
             await settled(s)
 
 
+# --------------------------------------------------------------------------- one prefill
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prompts_choices_follow_its_first_to_the_p_that_computes_its_prompt(
+    stream: bool,
+) -> None:
+    """n = 3, every request disaggregated (the point is P's flow), two P in turn: the three
+    choices' P legs all go to the P the first was given (whose engine then computes the
+    prompt once, as a single server does for its children), not round robin."""
+    with trio.fail_after(TIMEOUT):
+        async with open_setup(2, 1, placement="disaggregate") as s, trio.open_nursery() as n:
+            held = trio.Event()
+            for p in s.p:
+                p.hold = held
+            body = {"model": "tiny", "prompt": "hello", "n": 3, "temperature": 1.0}
+            body |= {"max_tokens": 4, "stream": stream}
+            got: list[httpx.Response] = []
+
+            async def ask() -> None:
+                got.append(await s.client.post(ROUTES[False], json=body))
+
+            n.start_soon(ask)
+            # Together at one P while it computes (their engine shares the prompt's blocks).
+            await eventually(lambda: max(len(p.received) for p in s.p) == 3)
+            assert sorted(len(p.received) for p in s.p) == [0, 3]
+            held.set()
+            await eventually(lambda: bool(got))
+            assert got[0].status_code == 200, got[0].text
+            assert len(s.d[0].received) == 3
+            if stream:
+                indexes = {c["index"] for e in events(got[0].text) for c in e["choices"]}
+            else:
+                indexes = {c["index"] for c in got[0].json()["choices"]}
+            assert indexes == {0, 1, 2}
+
+
+async def test_a_first_choice_decoded_on_d_alone_holds_no_other_back() -> None:
+    """The shipped defaults place these short prompts on D alone: no P computes the prompt,
+    and every choice reaches D at once (each stream held there)."""
+    with trio.fail_after(TIMEOUT):
+        async with open_counting() as s, trio.open_nursery() as n:
+            d = decoders(s)[0]
+            d.hold_at = 1
+            body = {"model": "tiny", "prompt": "hello", "n": 3, "temperature": 1.0}
+            body |= {"max_tokens": MAX, "stream": True}
+
+            async def ask() -> None:
+                resp = await s.client.post(ROUTES[False], json=body)
+                assert streamed_choices(resp.text) == dict.fromkeys(range(3), answer_of("x"))
+
+            n.start_soon(ask)
+            await eventually(lambda: d.held == 3)  # all three decoding on D together
+            d.resume.set()
+
+
 async def test_a_failing_choice_fails_the_whole_answer() -> None:
     with trio.fail_after(TIMEOUT):
         async with open_counting(n_d=2, migration_limit=0) as s:

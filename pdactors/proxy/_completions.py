@@ -39,8 +39,8 @@ from pdactors.proxy._asgi import (
 from pdactors.proxy._calibrate import calibrate
 from pdactors.proxy._effects import ExchangeEffects
 from pdactors.proxy._engine_http import EngineClient
-from pdactors.proxy._exchange import Exchange, Lead
-from pdactors.proxy._fan_out import serve_fanned_out, split
+from pdactors.proxy._exchange import Exchange
+from pdactors.proxy._fan_out import Lead, serve_fanned_out, split
 from pdactors.proxy._flows import serve_flow
 from pdactors.proxy._health import HealthWatch
 from pdactors.proxy._kv_events import KvEventFeeds
@@ -208,8 +208,8 @@ class Proxy:
         first: bool,
     ) -> None:
         """One choice of a request for several, an exchange of its own answering ``reply``
-        (:mod:`pdactors.proxy._fan_out`: the first choice of a prompt tells ``lead`` where its
-        prompt was computed, the others follow it there); its P leg, if still open once it is
+        (:mod:`pdactors.proxy._fan_out`: the first choice of a prompt tells ``lead`` which P
+        computes its prompt, the others follow it there); its P leg, if still open once it is
         answered, ends within the same grace as a request's."""
         pin, slo = placing
         if not first and lead.p is not None and pin == "auto":
@@ -295,10 +295,10 @@ class Proxy:
         model = body.get("model")
         ex = Exchange(
             endpoint, stream, tid, headers, p_headers, p_engine_id, state, reply, span=span,
-            model=model if isinstance(model, str) else "", lead=lead if first else None,
+            model=model if isinstance(model, str) else "",
         )  # fmt: skip
-        if ex.lead is not None and where in ("local", "whole-on-p"):
-            ex.lead.done()  # not computed at a P: the other choices are placed on their own
+        if lead is not None and first:  # the prompt's other choices follow it to its P
+            lead.done(p.url if where not in ("local", "whole-on-p") else None)
         # One engine serves it whole (D, or a P in D's place): the other takes no part.
         if where not in ("local", "whole-on-p"):  # P computes the prompt (and caches it)
             self.prefill.sent(p, prompt)

@@ -18,23 +18,7 @@ from pdactors.proxy._openai import Endpoint, Failure
 from pdactors.proxy._state import Backend
 from pdactors.proxy._tracing import RequestSpan
 
-__all__ = ["Exchange", "Lead"]
-
-
-@dataclass(eq=False)
-class Lead:
-    """What the first choice of a prompt asked ``n`` > 1 times tells the others
-    (:mod:`pdactors.proxy._fan_out`): ``computed`` is set once its prompt is in an engine's
-    prefix cache, or once nothing is worth waiting for (it was not placed on a P, or it
-    ended); ``p``: the P that computed it, whose cache the others then find it in."""
-
-    computed: trio.Event = field(default_factory=trio.Event)
-    p: str | None = None
-
-    def done(self, p: str | None = None) -> None:
-        if not self.computed.is_set():
-            self.p = p
-            self.computed.set()
+__all__ = ["Exchange"]
 
 
 @dataclass(eq=False)
@@ -58,8 +42,6 @@ class Exchange:
     #: The request's span (:mod:`pdactors.proxy._tracing`), ended with the exchange.
     span: RequestSpan | None = None
     model: str = ""  # the model the client named ("": none)
-    #: The first choice of a prompt asked several times: told when P computed the prompt.
-    lead: Lead | None = None
 
     @property
     def p(self) -> Backend:

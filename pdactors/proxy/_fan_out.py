@@ -20,25 +20,25 @@ into the client's answer:
 The first choice to fail fails the request: the others are cancelled, then the client gets its
 status and body (before the client's stream opened), else its error event as the stream's last.
 
-*One prefill for a prompt's ``n`` choices.* Its first choice is served at once; the others
-wait until that choice's prompt is computed — its P leg answered: the prompt's whole blocks are
-then in that P's prefix cache (a :class:`~pdactors.proxy._exchange.Lead`) — and are then served
-disaggregated by the same P (unless the request pinned another placement or that P left the
-rotation), which finds the prompt's blocks in its cache and computes only the rest (its last,
-partial block). A single vLLM server does the same with its ``n`` children (measured: the
-second to fourth child of a 500-token prompt each computed 116 tokens, the rest from its cache).
-A first choice not computed at a P (placed on D alone, or served whole by a P) releases the
-others at once, each then placed on its own. Each choice's KV still crosses to its D once.
+*One prefill for a prompt's ``n`` choices.* Its first choice is placed and routed first (a
+:class:`Lead`); once it is given to a P, the others go disaggregated to the same P (unless the
+request pinned another placement, or that P left the rotation), as a single vLLM server's
+``n`` children share one engine: that engine computes the prompt once and each other choice
+only the last, partial block its prefix cache cannot hold (measured on vLLM 0.32, a 500-token
+prompt, ``n`` = 4, 128-token blocks: 848 prompt tokens computed by a single server and by P
+through the proxy, 2,000 without the pin over two P). A first choice not given to a P (placed
+on D alone, or served whole by a P) lets the others be placed on their own. Each choice's KV
+still crosses to its D.
 
 What differs from one vLLM server: choice ``j`` of a prompt is asked with ``seed + j`` (vLLM's
 V1 engine seeds its ``n`` child requests the same way, vllm/v1/engine/parallel_sampling.py,
-but draws them in one engine, batched); the choices after the first start once the prompt is
-computed, not in the same step.
+but draws them in one engine, batched).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgspec
@@ -46,17 +46,33 @@ import trio
 from hypercorn.typing import ASGISendEvent
 
 from pdactors.proxy._asgi import PLACEMENT_HEADER, Reply, header
-from pdactors.proxy._exchange import Lead
 from pdactors.proxy._openai import Failure
 
-__all__ = ["ServeOne", "serve_fanned_out", "split"]
+__all__ = ["Lead", "ServeOne", "serve_fanned_out", "split"]
 
 #: Serves one single-choice body on the proxy's own path, answering its reply; with its prompt's
 #: :class:`Lead` and whether it is the prompt's first choice (which tells the lead).
-ServeOne = Callable[[dict[str, Any], Reply, Lead, bool], Awaitable[None]]
+ServeOne = Callable[[dict[str, Any], Reply, "Lead", bool], Awaitable[None]]
 _Message = tuple[int, dict[str, Any]]  # a choice's position and one of its reply's messages
 
 _DATA: Final = b"data: "
+
+
+@dataclass(eq=False)
+class Lead:
+    """What the first choice of a prompt asked ``n`` > 1 times tells the others: ``placed`` is
+    set once it was given an engine (or ended); ``p``: the P that computes its prompt (None:
+    none does), where the others follow it."""
+
+    placed: trio.Event = field(default_factory=trio.Event)
+    p: str | None = None
+
+    def done(self, p: str | None = None) -> None:
+        if not self.placed.is_set():
+            self.p = p
+            self.placed.set()
+
+
 _END: Final = b"\n\n"
 
 
@@ -139,7 +155,7 @@ async def _serve_choice(
     lead, first = choice
     async with out:
         if not first:
-            await lead.computed.wait()
+            await lead.placed.wait()
         try:
             await serve_one(body, Reply(send), lead, first)
         finally:

@@ -79,8 +79,6 @@ class Legs:
             finally:
                 now = answered_at if status is not None else trio.current_time()
                 self.effects.apply(ex, ex.state.p_ended(now, status=status))
-                if ex.lead is not None:  # P computed the prompt (status 200): in its cache
-                    ex.lead.done(ex.p.url if status == 200 else None)
         if cut.cancelled_caught:
             failure = self.failures.judged_failed(ex.p)
         elif timer.cancelled_caught:

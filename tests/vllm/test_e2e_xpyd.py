@@ -112,6 +112,29 @@ def test_2p2d_equals_a_single_server_and_every_engine_serves(cluster: XpYd) -> N
     assert all(n > 0 for n in served), served  # both P served
 
 
+def test_n_choices_compute_their_prompt_once_over_two_p(cluster: XpYd) -> None:
+    """n = 4 of a 500-token prompt, P in turn: the four choices go to the P the first was
+    given, which computes the prompt once and the others' last partial blocks — the prompt
+    tokens a single server computes for its four children (without following the first, two
+    P would each compute the whole prompt)."""
+    computed = "vllm:prompt_tokens_by_source_total"
+    body = {"model": "tiny", "prompt": prompt_ids(500, seed=990), "max_tokens": 4, "n": 4}
+    body |= {"temperature": 1.0, "seed": 3}
+
+    def count(servers: list[Server]) -> float:
+        return sum(x.metric(computed, source="local_compute") for x in servers)
+
+    before = (count([cluster.single]), count(cluster.p))
+    for url in (cluster.single.url, cluster.proxy_url):
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120, trust_env=False)
+        assert answer.status_code == 200, answer.text
+        assert [c["index"] for c in answer.json()["choices"]] == [0, 1, 2, 3]
+    time.sleep(1.0)  # vLLM's counters move on the engine's next step
+    single, p = count([cluster.single]) - before[0], count(cluster.p) - before[1]
+    assert 500 <= single < 2 * 500, single  # the single server's children share the prompt
+    assert p == single
+
+
 def until(what: str, check: Callable[[], bool], within: float = 30) -> None:
     deadline = time.monotonic() + within
     while not check():

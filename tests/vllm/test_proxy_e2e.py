@@ -489,7 +489,9 @@ def test_n_choices_prefill_their_prompt_once_as_a_single_server_does(
 ) -> None:
     """n = 4 of a 500-token prompt, disaggregated: P computes the prompt once and the other
     three choices only what its prefix cache cannot hold (the last, partial block) — the
-    same count as the single server's four children; D computed none of the prompt."""
+    same count as the single server's four children; D computed none of the prompt. (With
+    one P, its engine shares the prompt between the choices as a single server does;
+    tests/vllm/test_e2e_xpyd.py checks the choices follow the first over two P.)"""
     computed = "vllm:prompt_tokens_by_source_total"
     ids = prompt_ids(500, seed=77 + stream)
     kwargs: dict[str, Any] = {"model": "tiny", "prompt": ids, "max_tokens": 4, "n": 4}
