@@ -26,9 +26,9 @@ request pinned another placement, or that P left the rotation), as a single vLLM
 ``n`` children share one engine: that engine computes the prompt once and each other choice
 only the last, partial block its prefix cache cannot hold (measured on vLLM 0.32, a 500-token
 prompt, ``n`` = 4, 128-token blocks: 848 prompt tokens computed by a single server and by P
-through the proxy, 2,000 without the pin over two P). A first choice not given to a P (placed
-on D alone, or served whole by a P) lets the others be placed on their own. Each choice's KV
-still crosses to its D.
+through the proxy; 1,232 at two P without following the first). A first choice not given
+to a P (placed on D alone, or served whole by a P) lets the others be placed on their own.
+Each choice's KV still crosses to its D.
 
 What differs from one vLLM server: choice ``j`` of a prompt is asked with ``seed + j`` (vLLM's
 V1 engine seeds its ``n`` child requests the same way, vllm/v1/engine/parallel_sampling.py,
@@ -56,6 +56,7 @@ ServeOne = Callable[[dict[str, Any], Reply, "Lead", bool], Awaitable[None]]
 _Message = tuple[int, dict[str, Any]]  # a choice's position and one of its reply's messages
 
 _DATA: Final = b"data: "
+_END: Final = b"\n\n"
 
 
 @dataclass(eq=False)
@@ -71,9 +72,6 @@ class Lead:
         if not self.placed.is_set():
             self.p = p
             self.placed.set()
-
-
-_END: Final = b"\n\n"
 
 
 def split(body: dict[str, Any], chat: bool) -> list[dict[str, Any]] | None:
@@ -137,7 +135,8 @@ async def _serve_choice(
     merge: _Merge,
 ) -> None:
     """One choice's exchange, its reply's messages handed to ``merge``; a stream's events wait
-    until the client's stream is open. A prompt's choices after its first wait for its lead."""
+    until the client's stream is open. A prompt's choices after its first wait until it is
+    placed."""
     status = 0
 
     async def send(event: ASGISendEvent) -> None:
