@@ -102,6 +102,8 @@ def test_a_block_whose_parent_was_never_seen_is_skipped() -> None:
 
 
 def test_blocks_with_extra_keys_or_a_lora_never_match_plain_tokens() -> None:
+    odd = {"b": [1, {"x": None}], 2: "two", "2": [3]}  # keys whose values do not compare
+    index(stored(IDS, extra_keys=[odd, None, [b"mm", 4], None, {"c": 1.5}]))
     salted = stored(IDS, extra_keys=[["salt"]] * 5)
     lora = stored(IDS, lora_name="adapter", lora_id=1)
     for event in (salted, lora):
@@ -229,6 +231,7 @@ class EventRoutes:
 
     publishers: dict[str, Publisher]
     tokenize_status: int = 200
+    tokens: list[Any] | None = None  # its answer's tokens (None: the prompt's)
     tokenized: list[dict[str, Any]] = field(default_factory=list)
 
     def __call__(self, app: QuartTrio, engine: FakeEngine) -> None:
@@ -241,7 +244,8 @@ class EventRoutes:
         async def tokenize() -> Response:
             body = await request.get_json()
             self.tokenized.append(body)
-            answer = {"tokens": tokens(body["prompt"]), "count": 0, "max_model_len": 4096}
+            ids = tokens(body["prompt"]) if self.tokens is None else self.tokens
+            answer = {"tokens": ids, "count": 0, "max_model_len": 4096}
             return Response(msgspec.json.encode(answer), status=self.tokenize_status)
 
 
@@ -380,6 +384,8 @@ async def test_a_failed_tokenize_routes_on_remembered_prefixes_and_serves() -> N
             routes.tokenize_status = 500
             await ask(s, prompt(9))  # no tokens: p1's events cannot be matched
             assert where(s, prompt(9)) == ["p0"]
+            routes.tokenize_status, routes.tokens = 200, ["x", {"y": 1}]  # not token ids
+            await ask(s, prompt(9))
             assert await routed(s, "prefill", "exact") == 0
 
 

@@ -230,9 +230,13 @@ def _extras(event: BlockStored) -> Iterator[Any]:
 def _frozen(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return tuple(_frozen(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
+    if isinstance(value, dict):  # (ordered by key text alone: values may not compare)
+        return tuple(sorted(((str(k), _frozen(v)) for k, v in value.items()), key=_first))
     return value
+
+
+def _first(pair: tuple[str, Any]) -> str:
+    return pair[0]
 
 
 def _leading(held: dict[int, int], keys: Sequence[int]) -> int:

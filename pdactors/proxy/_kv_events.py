@@ -238,7 +238,7 @@ class KvEventFeeds:
             try:
                 resp = await self.http.post(f"{engine}/tokenize", json=ask, headers=headers)
                 tokens = resp.json().get("tokens") if resp.status_code == 200 else None
-                if isinstance(tokens, list):
+                if isinstance(tokens, list) and all(type(t) is int for t in tokens):
                     return tokens
             except (httpx.HTTPError, ValueError, AttributeError) as exc:
                 log.debug("proxy: %s/tokenize: %s", engine, describe(exc))
