@@ -384,7 +384,7 @@ async def test_a_failed_tokenize_routes_on_remembered_prefixes_and_serves() -> N
             routes.tokenize_status = 500
             await ask(s, prompt(9))  # no tokens: p1's events cannot be matched
             assert where(s, prompt(9)) == ["p0"]
-            routes.tokenize_status, routes.tokens = 200, ["x", {"y": 1}]  # not token ids
+            routes.tokenize_status, routes.tokens = 200, ["x", {"y": 1}] * 8  # not token ids
             await ask(s, prompt(9))
             assert await routed(s, "prefill", "exact") == 0
 
