@@ -527,6 +527,37 @@ def test_prompt_too_long_is_refused_at_once(setup: Setup) -> None:
     assert answer.choices[0].finish_reason in ("length", "stop")
 
 
+def test_the_grafana_dashboard_finds_every_metric_it_names_in_a_runs_scrapes(
+    setup: Setup,
+) -> None:
+    """The dashboard (docs/grafana) loads the metrics a run produced: after the requests above,
+    every metric its queries name is on the /metrics of this module's proxy, P or D — a
+    family whose events did not happen in this run (a counter with no labelled child yet) is
+    there by its HELP and TYPE, which Grafana's metric browser lists too."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.test_grafana_dashboard import DASHBOARD, parse, queries
+
+    samples: set[str] = set()
+    families: set[str] = set()
+    for url in (setup.proxy_url, setup.p.url, setup.d.url):
+        text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
+        for family in text_string_to_metric_families(text):
+            families.add(family.name)
+            samples |= {sample.name for sample in family.samples}
+    named = set()
+    for _, query, _ in queries(json.loads(DASHBOARD.read_text())):
+        named |= parse(query)[0]
+    suffixes = ("_total", "_bucket", "_sum", "_count", "_info")
+    missing = {
+        name
+        for name in named
+        if name not in samples and not any(name.removesuffix(x) in families for x in suffixes)
+    }
+    assert not missing, sorted(missing)
+    assert len(named) > 30 and named & samples  # (the parse found the dashboard's names)
+
+
 # --------------------------------------------------------------------------- upstream's proxy
 
 UPSTREAM_PROXY = Path(__file__).parent / "upstream" / "mooncake_connector_proxy.py"
