@@ -42,6 +42,8 @@ __all__ = [
     "Why",
     "choose",
     "prefix_keys",
+    "prompt_ids",
+    "prompt_text",
 ]
 
 #: Characters per block of a text prompt (~16 tokens).
@@ -59,14 +61,14 @@ Why = Literal["prefix", "spill", "no_match"]
 def prefix_keys(body: dict[str, Any], chat: bool) -> list[int]:
     """The chained keys of a (validated) request's prompt blocks, at most :data:`MAX_BLOCKS`;
     a last, partial block counts (a prompt shorter than a block has one key)."""
-    ids = _prompt_ids(body) if not chat else None
+    ids = prompt_ids(body) if not chat else None
     if ids is not None:
         pieces: Sequence[Any] = [
             tuple(ids[i : i + BLOCK_IDS])
             for i in range(0, min(len(ids), BLOCK_IDS * MAX_BLOCKS), BLOCK_IDS)
         ]
     else:
-        text = _prompt_text(body, chat)[: BLOCK_CHARS * MAX_BLOCKS]
+        text = prompt_text(body, chat)[: BLOCK_CHARS * MAX_BLOCKS]
         pieces = [text[i : i + BLOCK_CHARS] for i in range(0, len(text), BLOCK_CHARS)]
     keys: list[int] = []
     key = 0
@@ -76,7 +78,8 @@ def prefix_keys(body: dict[str, Any], chat: bool) -> list[int]:
     return keys
 
 
-def _prompt_ids(body: dict[str, Any]) -> list[int] | None:
+def prompt_ids(body: dict[str, Any]) -> list[int] | None:
+    """A completion body's prompt as token ids (alone or a list of one), else None."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
         prompt = prompt[0]  # a list of one prompt of ids
@@ -85,7 +88,8 @@ def _prompt_ids(body: dict[str, Any]) -> list[int] | None:
     return None
 
 
-def _prompt_text(body: dict[str, Any], chat: bool) -> str:
+def prompt_text(body: dict[str, Any], chat: bool) -> str:
+    """A body's prompt text (a chat's messages, role and text, in order); "" when it has none."""
     if not chat:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:

@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 import httpx
 import trio
 
+from pdactors.core import prefixes
 from pdactors.core.kv_events import BadBatch, EngineBlocks, decode_batch
 from pdactors.core.prefixes import BLOCK_IDS, MAX_BLOCKS
 from pdactors.errors import describe
@@ -155,9 +156,9 @@ class KvEventFeeds:
                     if last is not None and seq <= last:  # the counter began again: a restart
                         blocks.clear()
                         last = None
-                    if seq > (-1 if last is None else last) + 1:
-                        start = 0 if last is None else last + 1
-                        if not await self._replay(replay, start, seq, blocks):
+                    expected = 0 if last is None else last + 1
+                    if seq > expected:  # missed (or published before this SUB joined)
+                        if not await self._replay(replay, expected, seq, blocks):
                             self.metrics.kv_event_gaps.labels(url, "cleared").inc()
                         else:
                             self.metrics.kv_event_gaps.labels(url, "replayed").inc()
@@ -221,12 +222,10 @@ class KvEventFeeds:
         """The prompt's token ids (:mod:`this module's docstring <pdactors.proxy._kv_events>`),
         asked of ``engine``; None when they could not be had. A checkpoint when it asks."""
         if not chat:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1:
-                prompt = prompt[0]
-            if isinstance(prompt, list):
-                return prompt[: BLOCK_IDS * MAX_BLOCKS]
-            ask: dict[str, Any] = {"prompt": prompt}
+            ids = prefixes.prompt_ids(body)
+            if ids is not None:
+                return ids[: BLOCK_IDS * MAX_BLOCKS]
+            ask: dict[str, Any] = {"prompt": prefixes.prompt_text(body, chat=False)}
             if "add_special_tokens" in body:
                 ask["add_special_tokens"] = body["add_special_tokens"]
         else:

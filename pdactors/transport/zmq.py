@@ -36,7 +36,7 @@ inproc, driven like the others) turns ZMQ's connection events into knowledge:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -49,6 +49,7 @@ from pdactors.transport._socket import (
     _Monitor,
     _monitor,
     _new_socket,
+    _TrioSocket,
 )
 from pdactors.transport._zmq_sockets import (
     DealerSocket,
@@ -81,17 +82,23 @@ __all__ = [
 #: small messages in flight at most; the bound only matters when a peer stops reading.
 DEFAULT_HWM = 100_000
 
-_S = TypeVar("_S", bound="RouterSocket | DealerSocket")
+_S = TypeVar("_S", bound=_TrioSocket)
+#: A socket's reading of its monitor's connection events (``RouterSocket._follow``...).
+_Follow = Callable[[_Monitor], Awaitable[None]]
 
 
 @asynccontextmanager
-async def _watched(socket: _S, monitor: _Monitor | None) -> AsyncIterator[_S]:
+async def _watched(
+    socket: _S, monitor: _Monitor | None = None, follow: _Follow | None = None
+) -> AsyncIterator[_S]:
+    """``socket`` driven for the block: its fd watched, and with a ``monitor`` its connection
+    events read by ``follow``; closed (with the monitor) on leaving."""
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(socket._watch_fd)
-            if monitor is not None:
+            if monitor is not None and follow is not None:
                 nursery.start_soon(monitor._watch_fd)
-                nursery.start_soon(_follow_until_closed, socket, monitor)
+                nursery.start_soon(_follow_until_closed, follow, monitor)
             try:
                 yield socket
             finally:
@@ -104,9 +111,9 @@ async def _watched(socket: _S, monitor: _Monitor | None) -> AsyncIterator[_S]:
             monitor.close()
 
 
-async def _follow_until_closed(socket: RouterSocket | DealerSocket, monitor: _Monitor) -> None:
+async def _follow_until_closed(follow: _Follow, monitor: _Monitor) -> None:
     try:
-        await socket._follow(monitor)
+        await follow(monitor)
     except trio.ClosedResourceError:
         return
 
@@ -156,7 +163,7 @@ async def open_router(
         raise
     try:
         router_socket = RouterSocket(socket, address, curve.public if curve else "")
-        async with _watched(router_socket, monitor) as router:
+        async with _watched(router_socket, monitor, router_socket._follow) as router:
             yield router
     finally:
         if domain is not None:
@@ -205,7 +212,8 @@ async def open_dealer(
     except BaseException:
         _close_now(socket, monitor)
         raise
-    async with _watched(DealerSocket(socket, address), monitor) as dealer:
+    dealer_socket = DealerSocket(socket, address)
+    async with _watched(dealer_socket, monitor, dealer_socket._follow) as dealer:
         yield dealer
 
 
@@ -231,13 +239,5 @@ async def open_subscriber(
     except BaseException:
         _close_now(socket, None)
         raise
-    sub = SubSocket(socket, address)
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(sub._watch_fd)
-            try:
-                yield sub
-            finally:
-                sub.close()  # also ends the watcher
-    finally:
-        sub.close()
+    async with _watched(SubSocket(socket, address)) as sub:
+        yield sub
