@@ -410,3 +410,28 @@ def test_exploring_never_breaks_the_ttft_objective() -> None:
     placer = _placer_where_d_is_cheap_but_slow_to_a_first_token()
     decisions = [placer.decide(500, P, idle(), D, ONE, slo_ttft_ms=120) for _ in range(100)]
     assert {d.where for d in decisions} == {"disaggregated"}
+
+
+def test_an_overloaded_pair_serves_a_request_whole_where_it_waits_least() -> None:
+    """Neither placement's first token meets the TTFT objective because of the queues (an
+    idle engine would meet it): the request is served whole — on D when D's queue is shorter,
+    on P when P's is — never disaggregated (two engines' time for one request); a prompt
+    that misses the objective even on an idle engine is placed as without one."""
+    placer = Placer(stall_weight=0.25)
+    for _ in range(20):
+        for tokens in (100, 900):
+            for url in (P, D):
+                placer.first_token(url, tokens, (10 + 0.1 * tokens) / 1e3)  # 60 ms for 500
+    p_queued, d_queued = EngineLoad(3000, 0), EngineLoad(2000, 0)
+    d_shorter = placer.decide(500, P, p_queued, D, d_queued, slo_ttft_ms=200)
+    assert (d_shorter.where, d_shorter.reason) == ("local", "overloaded")
+    p_shorter = placer.decide(500, P, d_queued, D, p_queued, slo_ttft_ms=200)
+    assert (p_shorter.where, p_shorter.reason) == ("whole-on-p", "overloaded")
+    assert p_shorter.whole_ms is not None and p_shorter.whole_ms < p_shorter.local_ms
+    # Without the objective, or with one no idle engine meets: the estimates decide.
+    assert placer.decide(500, P, d_queued, D, p_queued).reason != "overloaded"
+    unmeetable = placer.decide(500, P, d_queued, D, p_queued, slo_ttft_ms=50)
+    assert unmeetable.reason != "overloaded" and unmeetable.where != "whole-on-p"
+    # Queues short enough for one placement to meet it: that one, as before.
+    met = placer.decide(500, P, idle(), D, d_queued, slo_ttft_ms=200)
+    assert (met.where, met.reason) == ("disaggregated", "slo_ttft")

@@ -27,7 +27,12 @@ that long is taken (reason ``explore``): each model keeps following what its eng
 With a TTFT objective (``slo_ttft_ms``), when only one choice's estimated time to the client's
 first token meets it — D's queue, running step and prompt for local; P's for disaggregated,
 plus D's catch-up unless P's token goes first — that one is taken (reason ``slo_ttft``; no
-exploring).
+exploring). When neither meets it although the prompt would on an idle engine (the queues make
+it miss: the engines are overloaded), it is served whole where its estimate is lower, D
+(``local``) or P (``whole-on-p``), reason ``overloaded``: no transfer, no catch-up and one
+engine's time instead of two, so that the queues drain for the requests behind it as two plain
+replicas' would. A prompt that misses the objective even on an idle engine is placed by the
+estimates as without one.
 
 **Roles per request.** Both choices leave the decode to D, so at high rates D's clients get
 their tokens slower than the operator's TPOT objective while P idles between prefills. When D
@@ -245,6 +250,16 @@ class Placer:
         # The client's first token: P's in the P-first flow, else D's after its catch-up.
         first_disaggregated = p_ttft if self.p_first else p_ttft + catch_up.predict(tokens)
         meets = (d_ttft <= slo_ttft_ms, first_disaggregated <= slo_ttft_ms) if slo_ttft_ms else ()
+        if meets == (False, False) and min(
+            p_model.predict(tokens), d_model.predict(tokens)
+        ) <= (slo_ttft_ms or 0):
+            # Overloaded: the prompt would meet the objective on an idle engine, but the
+            # queues make it miss wherever it goes. Serve it whole where it costs the least
+            # (no transfer, no catch-up, one engine's time): the queues drain sooner for the
+            # requests behind it, as two replicas' would (``overloaded``; no exploring).
+            where = "whole-on-p" if on_p < local else "local"
+            self._taken(where, d_url, p_url)
+            return Decision(where, "overloaded", tokens, local, disaggregated, on_p)
         if meets and meets[0] != meets[1]:  # only one choice meets the TTFT objective
             where: Where = "local" if meets[0] else "disaggregated"
             self._taken(where, d_url, p_url)
