@@ -10,7 +10,9 @@ Two setups serve the same open-loop workload:
   ``i`` of the schedule to replica ``i % 2`` (round-robin);
 * ``pool`` (``--pool``): two engines of every role (``kv_both``), one per core, behind
   ``pdactors proxy --engine ... --engine ...`` (with ``--proxy-args``): per request one
-  computes the prompt for the other, or one serves it whole.
+  computes the prompt for the other, or one serves it whole;
+* with ``--old-proxy REV``, 1P1D (and the pool) behind the proxy of git revision ``REV`` too,
+  named with the revision: the same engines, a second proxy in front of them.
 
 All four engines start at once (one wait for start-up, instead of one per setup) and stay up;
 an engine with no request blocks in vLLM's engine loop, so the setup not being measured costs
@@ -34,7 +36,7 @@ prompts of the other setup's run or of a warm-up leave nothing to reuse.
     python bench/goodput.py [--shape tiny|small] [--family llama|sliding] [--rates 2 4 8]
         [--requests 40]
         [--slo-ttft-ms 200] [--slo-tpot-ms 25] [--flow proxy|direct] [--proxy-args "..."]
-        [--engine-args "--dtype bfloat16"]
+        [--engine-args "--dtype bfloat16"] [--pool] [--old-proxy REV]
 
 It prints a markdown table per rate and setup, then the ratios to replicas.
 """
@@ -50,14 +52,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import bootstrap_port, group_cpu_seconds, placed, settle
-from bench.vllm_pd import Result, direct, proxy_process, stream
+from bench.common import bootstrap_port, group_cpu_seconds, placed, settle, worktree
+from bench.vllm_pd import ROOT, Result, direct, proxy_process, stream
 from pdactors_vllm.tiny_model import ANY_SHAPE, SHAPES, ensure_tiny_model
 from tests.vllm.servers import both_config, consumer_config, producer_config, servers
 from tests.vllm.test_e2e import prompt_ids
@@ -129,6 +132,11 @@ def stats(results: list[Result | None], seconds: float, args: argparse.Namespace
     return Stats(len(results), ttft, tpot, met, len(results) - len(done), seconds)
 
 
+def send_to(url: str, n: int, i: int, prompt: list[int]) -> Result:
+    """Request ``i`` of a schedule streamed to ``url`` (a proxy), ``n`` tokens."""
+    return stream(url, prompt, n, None)
+
+
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b > 0 and a == a and b == b else "–"
 
@@ -153,6 +161,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logs", help="directory for the servers' logs (default: a new one)")
     ap.add_argument("--pool", action="store_true", help="also two kv_both engines (pool)")
+    ap.add_argument(
+        "--old-proxy", metavar="REV", help="also 1P1D (and the pool) behind this revision's proxy"
+    )
     args = ap.parse_args()
     engine_args = ("--block-size", str(args.block_size), "--no-enable-prefix-caching")
     engine_args += tuple(shlex.split(args.engine_args))
@@ -194,16 +205,29 @@ def main() -> None:
             pd_name: pd,
         }
         proxies = {pd_name: proxy_url}
-        if args.pool:
-            engines = [(s[f"E{i}"].url, f"http://127.0.0.1:{e}") for i, e in enumerate(pool_ports)]
-            pool = stack.enter_context(
-                proxy_process(
-                    None, "", None, logs / "proxy-pool.log",
-                    extra=shlex.split(args.proxy_args), engines=engines,
-                )
-            )  # fmt: skip
-            proxies["pool"] = pool.url
-            setups["pool"] = lambda i, prompt: stream(pool.url, prompt, n, None)
+        engines = [(s[f"E{i}"].url, f"http://127.0.0.1:{e}") for i, e in enumerate(pool_ports)]
+        trees = {"": ROOT}
+        if args.old_proxy:
+            trees[f" {args.old_proxy}"] = stack.enter_context(worktree(args.old_proxy))
+        for rev, tree in trees.items():
+            if rev and args.flow == "proxy":  # the same 1P1D behind the older proxy
+                old = stack.enter_context(
+                    proxy_process(
+                        p.url, bootstrap, d.url, logs / "proxy-old.log", cwd=tree,
+                        extra=shlex.split(args.proxy_args),
+                    )
+                )  # fmt: skip
+                proxies[pd_name + rev] = old.url
+                setups[pd_name + rev] = partial(send_to, old.url, n)
+            if args.pool:
+                pool = stack.enter_context(
+                    proxy_process(
+                        None, "", None, logs / f"proxy-pool{rev.replace(' ', '-')}.log",
+                        cwd=tree, extra=shlex.split(args.proxy_args), engines=engines,
+                    )
+                )  # fmt: skip
+                proxies["pool" + rev] = pool.url
+                setups["pool" + rev] = partial(send_to, pool.url, n)
         for name, send in setups.items():  # warm up every path (and check it works)
             for i in range(2):
                 got = send(i, prompt_ids(args.prompt_lens[1], seed=10**6 + i)).tokens
