@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdactors.core.placement import CostModel, EngineLoad, Placer, TokenCount, prompt_size
-from tests.test_proxy import TIMEOUT, completion_body, open_setup
+from tests.test_proxy import TIMEOUT, completion_body, eventually, open_setup
 
 P, D = "http://p", "http://d"
 
@@ -435,3 +435,40 @@ def test_an_overloaded_pair_serves_a_request_whole_where_it_waits_least() -> Non
     # Queues short enough for one placement to meet it: that one, as before.
     met = placer.decide(500, P, idle(), D, d_queued, slo_ttft_ms=200)
     assert (met.where, met.reason) == ("disaggregated", "slo_ttft")
+
+
+async def test_an_overloaded_pair_serves_the_next_request_whole_on_the_shorter_queue() -> None:
+    """The shipped defaults (auto, TTFT objective 200 ms), the prior estimates (stand-ins give
+    calibration nothing to fit): D holds a local prompt of 2,000 tokens and P a disaggregated
+    one of 1,500, neither answered. A 500-token prompt would meet the objective on an idle
+    engine (~70 ms) but on neither queue (~270 ms on D, ~220 on P): P, the shorter, serves it
+    whole — an ordinary request, no transfer — and every request is answered once released."""
+    with trio.fail_after(TIMEOUT):
+        async with open_setup() as s:
+            p, d = s.p[0], s.d[0]
+            p.hold, d.hold = trio.Event(), trio.Event()
+            answers: list[httpx.Response] = []
+
+            async def post(tokens: int, pin: str | None = None) -> None:
+                headers = {"x-pdactors-placement": pin} if pin else {}
+                body = completion_body(prompt=list(range(tokens)), stream=True)
+                answers.append(await s.client.post("/v1/completions", json=body, headers=headers))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(post, 2000, "local")
+                await eventually(lambda: len(d.received) == 1)
+                nursery.start_soon(post, 1500, "disaggregate")
+                await eventually(lambda: len(p.received) == 1)
+                nursery.start_soon(post, 500)
+                await eventually(lambda: len(p.received) == 2)
+                whole = p.received[1]
+                assert "kv_transfer_params" not in whole and len(whole["prompt"]) == 500
+                p.hold.set()
+                d.hold.set()
+            assert [a.status_code for a in answers] == [200] * 3
+            assert sorted(a.headers["x-pdactors-placement"] for a in answers) == [
+                "disaggregated", "local", "whole-on-p",
+            ]  # fmt: skip
+            counts = await _placement_counts(s)
+            assert counts == {("local", "pinned"): 1, ("disaggregated", "pinned"): 1,
+                              ("whole-on-p", "overloaded"): 1}  # fmt: skip
