@@ -218,9 +218,11 @@ def test_a_d_whose_decode_step_nears_the_tpot_objective_sheds_requests_to_p_whol
     placer.steps(P, 0.022, gaps=63)
     p_busy = EngineLoad(0, 12)
     assert placer.decide(500, P, p_busy, D, busy, slo_tpot_ms=25).where != "whole-on-p"
-    # ... though P decoding faster still takes it
+    # ... though P decoding faster still takes it, while it decodes no more than D
     placer.steps(P, 0.010, gaps=63)
     assert placer.decide(500, P, p_busy, D, busy, slo_tpot_ms=25).where == "whole-on-p"
+    more = placer.decide(500, P, EngineLoad(0, 13), D, busy, slo_tpot_ms=25)
+    assert more.reason != "d_decode_full"  # P's times per token are known only later
 
 
 def test_what_ds_clients_got_per_token_decides_not_ds_own_step() -> None:
@@ -414,9 +416,10 @@ def test_exploring_never_breaks_the_ttft_objective() -> None:
 
 def test_an_overloaded_pair_serves_a_request_whole_where_it_waits_least() -> None:
     """Neither placement's first token meets the TTFT objective because of the queues (an
-    idle engine would meet it): the request is served whole — on D when D's queue is shorter,
-    on P when P's is — never disaggregated (two engines' time for one request); a prompt
-    that misses the objective even on an idle engine is placed as without one."""
+    idle engine would meet it): the request is served whole — by the engine with fewer
+    requests in flight, or when they hold as many, where the queue is shorter — never
+    disaggregated (two engines' time for one request); a prompt that misses the objective
+    even on an idle engine is placed as without one."""
     placer = Placer(stall_weight=0.25)
     for _ in range(20):
         for tokens in (100, 900):
@@ -428,6 +431,13 @@ def test_an_overloaded_pair_serves_a_request_whole_where_it_waits_least() -> Non
     p_shorter = placer.decide(500, P, d_queued, D, p_queued, slo_ttft_ms=200)
     assert (p_shorter.where, p_shorter.reason) == ("whole-on-p", "overloaded")
     assert p_shorter.whole_ms is not None and p_shorter.whole_ms < p_shorter.local_ms
+    # Requests in flight decide before the estimates: the engine with fewer takes it.
+    fewer_on_d = placer.decide(500, P, EngineLoad(2000, 0, 3), D, EngineLoad(3000, 0, 2),
+                               slo_ttft_ms=200)  # fmt: skip
+    assert (fewer_on_d.where, fewer_on_d.reason) == ("local", "overloaded")
+    fewer_on_p = placer.decide(500, P, EngineLoad(3000, 4, 4), D, EngineLoad(2000, 6, 6),
+                               slo_ttft_ms=200)  # fmt: skip
+    assert (fewer_on_p.where, fewer_on_p.reason) == ("whole-on-p", "overloaded")
     # Without the objective, or with one no idle engine meets: the estimates decide.
     assert placer.decide(500, P, d_queued, D, p_queued).reason != "overloaded"
     unmeetable = placer.decide(500, P, d_queued, D, p_queued, slo_ttft_ms=50)

@@ -28,18 +28,20 @@ With a TTFT objective (``slo_ttft_ms``), when only one choice's estimated time t
 first token meets it — D's queue, running step and prompt for local; P's for disaggregated,
 plus D's catch-up unless P's token goes first — that one is taken (reason ``slo_ttft``; no
 exploring). When neither meets it although the prompt would on an idle engine (the queues make
-it miss: the engines are overloaded), it is served whole where its estimate is lower, D
-(``local``) or P (``whole-on-p``), reason ``overloaded``: no transfer, no catch-up and one
-engine's time instead of two, so that the queues drain for the requests behind it as two plain
-replicas' would. A prompt that misses the objective even on an idle engine is placed by the
-estimates as without one.
+it miss: the engines are overloaded), it is served whole by the engine with fewer requests in
+flight (ties: the lower estimate), D (``local``) or P (``whole-on-p``), reason ``overloaded``:
+no transfer, no catch-up and one engine's time instead of two, so that the queues drain for
+the requests behind it as least-outstanding replicas' would. A prompt that misses the
+objective even on an idle engine is placed by the estimates as without one.
 
 **Roles per request.** Both choices leave the decode to D, so at high rates D's clients get
 their tokens slower than the operator's TPOT objective while P idles between prefills. When D
 is decoding and the time per token its last streams' clients got (the mean gap from a
 client's first chunk, P's token in the P-first flow, to its last: D's catch-up included) has
 reached :data:`_SHED_SHARE` of ``slo_tpot_ms``, and P's clients got theirs faster (P decodes
-the requests it serves whole), the request goes to P whole (reason ``d_decode_full``): P
+the requests it serves whole) and P decodes no more requests than D (the times per token are
+known only once streams end: the count keeps a burst from piling onto P meanwhile), the
+request goes to P whole (reason ``d_decode_full``): P
 prefills and decodes it, D takes no part. P's decodes then count against P as D's do against
 D: a prompt P computes waits for P's running step and pauses each request P decodes.
 
@@ -188,6 +190,7 @@ class EngineLoad:
 
     waiting_tokens: int  # prompt tokens sent to it whose first token has not come back
     decoding: int  # requests in flight on it that it decodes
+    requests: int = 0  # requests in flight on it, prefilling or decoding (both its roles)
 
 
 class Placer:
@@ -238,7 +241,8 @@ class Placer:
         if slo_tpot_ms is not None and d.decoding:
             d_tpot = self._tpot_ms.get(d_url)
             p_tpot = self._tpot_ms.get(p_url, 0.0) if p.decoding else 0.0
-            if d_tpot is not None and d_tpot >= _SHED_SHARE * slo_tpot_ms and p_tpot < d_tpot:
+            full = d_tpot is not None and d_tpot >= _SHED_SHARE * slo_tpot_ms
+            if full and p_tpot < d_tpot and p.decoding <= d.decoding:
                 return Decision("whole-on-p", "d_decode_full", tokens, local, disaggregated, on_p)
         if p_decodes and not (p.decoding or p.waiting_tokens or d.decoding or d.waiting_tokens):
             # Nothing in flight on either (a lone request): the engine that answers it
@@ -253,10 +257,13 @@ class Placer:
         idle_best = min(p_model.predict(tokens), d_model.predict(tokens))
         if meets == (False, False) and idle_best <= (slo_ttft_ms or 0):
             # Overloaded: the prompt would meet the objective on an idle engine, but the
-            # queues make it miss wherever it goes. Serve it whole where it costs the least
-            # (no transfer, no catch-up, one engine's time): the queues drain sooner for the
-            # requests behind it, as two replicas' would (``overloaded``; no exploring).
-            where = "whole-on-p" if on_p < local else "local"
+            # queues make it miss wherever it goes. Serve it whole (no transfer, no catch-up,
+            # one engine's time) on the engine with fewer requests in flight, as
+            # least-outstanding replicas would (ties: the lower estimate). Counts, not the
+            # estimates: they follow at once, where each engine's fit lags and differs in kind
+            # (P's fitted on prefills, D's on prompts queued behind decodes).
+            fewer = p.requests < d.requests if p.requests != d.requests else on_p < local
+            where = "whole-on-p" if fewer else "local"
             self._taken(where, d_url, p_url)
             return Decision(where, "overloaded", tokens, local, disaggregated, on_p)
         if meets and meets[0] != meets[1]:  # only one choice meets the TTFT objective
