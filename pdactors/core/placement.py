@@ -239,9 +239,9 @@ class Placer:
         disaggregated = on_p + w * catch_up.predict(tokens)
         local = d_ttft + self._stall(d_url, d, tokens)
         if slo_tpot_ms is not None and d.decoding:
-            d_tpot = self._tpot_ms.get(d_url)
+            d_tpot = self._tpot_ms.get(d_url, 0.0)  # 0 before D's first stream ended
             p_tpot = self._tpot_ms.get(p_url, 0.0) if p.decoding else 0.0
-            full = d_tpot is not None and d_tpot >= _SHED_SHARE * slo_tpot_ms
+            full = d_tpot > 0 and d_tpot >= _SHED_SHARE * slo_tpot_ms
             if full and p_tpot < d_tpot and p.decoding <= d.decoding:
                 return Decision("whole-on-p", "d_decode_full", tokens, local, disaggregated, on_p)
         if p_decodes and not (p.decoding or p.waiting_tokens or d.decoding or d.waiting_tokens):
@@ -263,11 +263,11 @@ class Placer:
             # estimates: they follow at once, where each engine's fit lags and differs in kind
             # (P's fitted on prefills, D's on prompts queued behind decodes).
             fewer = p.requests < d.requests if p.requests != d.requests else on_p < local
-            where = "whole-on-p" if fewer else "local"
+            where: Where = "whole-on-p" if fewer else "local"
             self._taken(where, d_url, p_url)
             return Decision(where, "overloaded", tokens, local, disaggregated, on_p)
         if meets and meets[0] != meets[1]:  # only one choice meets the TTFT objective
-            where: Where = "local" if meets[0] else "disaggregated"
+            where = "local" if meets[0] else "disaggregated"
             self._taken(where, d_url, p_url)
             return Decision(where, "slo_ttft", tokens, local, disaggregated)
         where = "local" if local < disaggregated else "disaggregated"
