@@ -197,7 +197,7 @@ def main() -> None:
                 )
             )  # fmt: skip
             proxy_url = proxy.url
-            pd: Send = lambda i, prompt: stream(proxy.url, prompt, n, None)  # noqa: E731
+            pd: Send = partial(send_to, proxy.url, n)
         else:
             pd = lambda i, prompt: direct(p, ENGINE, bootstrap, d, prompt, n)  # noqa: E731
         setups: dict[str, Send] = {

@@ -254,8 +254,10 @@ class Placer:
         # The client's first token: P's in the P-first flow, else D's after its catch-up.
         first_disaggregated = p_ttft if self.p_first else p_ttft + catch_up.predict(tokens)
         meets = (d_ttft <= slo_ttft_ms, first_disaggregated <= slo_ttft_ms) if slo_ttft_ms else ()
-        idle_best = min(p_model.predict(tokens), d_model.predict(tokens))
-        if meets == (False, False) and idle_best <= (slo_ttft_ms or 0):
+        overloaded = meets == (False, False) and (
+            min(p_model.predict(tokens), d_model.predict(tokens)) <= (slo_ttft_ms or 0)
+        )  # estimated only when neither placement meets the objective
+        if overloaded:
             # Overloaded: the prompt would meet the objective on an idle engine, but the
             # queues make it miss wherever it goes. Serve it whole (no transfer, no catch-up,
             # one engine's time) on the engine with fewer requests in flight, as

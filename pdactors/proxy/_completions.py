@@ -74,11 +74,7 @@ def _engine_load(b: Backend) -> EngineLoad:
     """What the placer weighs of ``b``'s engine: in both its roles for an engine of every
     role (``kv_both``), whose prefills and decodes share one engine's steps."""
     halves = (b,) if b.twin is None else (b, b.twin)
-    return EngineLoad(
-        sum(h.waiting_tokens for h in halves),
-        sum(map(_decoding, halves)),
-        sum(h.outstanding for h in halves),
-    )
+    return EngineLoad(sum(h.waiting_tokens for h in halves), sum(map(_decoding, halves)), b.load)
 
 
 class Proxy:
