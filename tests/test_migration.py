@@ -65,6 +65,10 @@ class Counting:
     #: Its streams wait for ``resume`` before the token of this index (a slow engine).
     hold_at: int | None = None
     resume: trio.Event = field(default_factory=trio.Event)
+    #: Seconds its streams wait before their first token (a slower engine); ``first_pauses``:
+    #: those of its next streams, one each, before ``first_pause`` again.
+    first_pause: float = 0.0
+    first_pauses: list[float] = field(default_factory=list)
     held: int = 0  # streams waiting for ``resume`` now
     received: list[dict[str, Any]] = field(default_factory=list)
     #: Transfers the proxy told it to free the KV of (``release_transfer_ids``); those
@@ -117,6 +121,7 @@ def counting_app(engine: Counting) -> QuartTrio:
         head: dict[str, Any], usage: dict[str, int],
     ) -> AsyncIterator[bytes]:  # fmt: skip
         kind = "chat.completion.chunk" if chat else "text_completion"
+        await trio.sleep(engine.first_pauses.pop(0) if engine.first_pauses else engine.first_pause)
         if chat:
             role = {"index": 0, "delta": {"role": "assistant", "content": ""},
                     "logprobs": None, "finish_reason": None}  # fmt: skip
@@ -195,31 +200,57 @@ async def serve_counting(engine: Counting, *, task_status: trio.TaskStatus[str])
 
 @asynccontextmanager
 async def open_counting(
-    n_p: int = 1, n_d: int = 1, *, models: int = 200, **config: Any
+    n_p: int = 1,
+    n_d: int = 1,
+    *,
+    n_both: int = 0,
+    models: int = 200,
+    first_pause: tuple[float | list[float], ...] = (),
+    **config: Any,
 ) -> AsyncIterator[Setup]:
-    """Counting engines (``models``: what their ``GET /v1/models`` answers) behind a proxy with
-    its shipped defaults (but ``config``; calibration off unless asked: its probes would be
-    among the requests the tests check the engines got, tests/test_calibration.py runs it)."""
+    """Counting engines (``models``: what their ``GET /v1/models`` answers; ``n_both``: of
+    every role, in :attr:`Setup.both`; ``first_pause``: each engine's
+    :attr:`Counting.first_pause`, or its ``first_pauses`` when a list, P's, D's then the
+    others', from the start) behind a proxy
+    with its shipped defaults (but ``config``; calibration off unless asked: its probes would
+    be among the requests the tests check the engines got, tests/test_calibration.py runs
+    it)."""
     config.setdefault("calibrate", False)
     p = [Counting(f"p{i}", models_status=models) for i in range(n_p)]
     d = [Counting(f"d{i}", models_status=models) for i in range(n_d)]
+    both = [Counting(f"e{i}", models_status=models) for i in range(n_both)]
+    for engine, pause in zip(p + d + both, first_pause, strict=False):
+        if isinstance(pause, list):
+            engine.first_pauses = list(pause)
+        else:
+            engine.first_pause = pause
     async with trio.open_nursery() as nursery:
-        for engine in p + d:
+        for engine in p + d + both:
             await nursery.start(serve_counting, engine)
         proxy_config = ProxyConfig(
             prefill=tuple(PrefillBackend(e.url, e.url) for e in p),
             decode=tuple(e.url for e in d),
+            engines=tuple(PrefillBackend(e.url, e.url) for e in both),
             health_interval=0.05,
             **config,
         )
         url = await nursery.start(serve_proxy, proxy_config)
         async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=TIMEOUT) as client:
-            setup = Setup(p, d, url, client)  # type: ignore[arg-type]  # counting engines
-            with trio.fail_after(5):
-                while (await client.get("/health")).status_code != 200:
+            setup = Setup(p, d, url, client, both)  # type: ignore[arg-type]  # counting engines
+            with trio.fail_after(5):  # every engine in rotation (calibrated, when asked)
+                while not all(e["up"] for e in await _engines(client)):
                     await trio.sleep(0.02)
             yield setup
         nursery.cancel_scope.cancel()
+
+
+async def _engines(client: httpx.AsyncClient) -> list[dict[str, Any]]:
+    """The proxy's engines as its ``GET /health`` lists them (none before it answers 200)."""
+    resp = await client.get("/health")
+    if resp.status_code != 200:
+        return [{"up": False}]
+    report = resp.json()
+    return report["prefill"] + report["decode"]  # type: ignore[no-any-return]
 
 
 def events(text: str) -> list[Any]:
