@@ -67,6 +67,19 @@ CONFIGS = {
         """
     ),
     "example": load(EXAMPLE.read_text()),
+    # P, D and engines of every role, secure: every pairing's trust and wiring at once.
+    "mixed": load(
+        """
+        model = "Qwen/Qwen3-0.6B"
+        prefill = 1
+        decode = 1
+        both = 2
+        secure = true
+        [k8s]
+        gpus_per_engine = 2
+        engine_node_selector = { pool = "gpu" }
+        """
+    ),
 }
 
 
@@ -204,6 +217,10 @@ def test_replicas_follow_the_config(case: tuple[LaunchConfig, list[Manifest]]) -
     config, manifests = case
     assert component(manifests, "prefill", "StatefulSet")["spec"]["replicas"] == config.prefill
     assert component(manifests, "decode", "StatefulSet")["spec"]["replicas"] == config.decode
+    role = "app.kubernetes.io/component"
+    sets = by_kind(manifests, "StatefulSet")
+    engines = [m for m in sets if m["metadata"]["labels"][role] == "engine"]
+    assert [m["spec"]["replicas"] for m in engines] == ([config.both] if config.both else [])
     assert component(manifests, "proxy", "Deployment")["spec"]["replicas"] == 1
 
 
@@ -234,6 +251,15 @@ def test_the_proxy_names_every_p_and_d_pod(case: tuple[LaunchConfig, list[Manife
     assert [u.hostname for u in decodes] == pod_dns_names(manifests, "decode")
     assert {u.port for u in decodes} == {d_ports["http"]}
     assert {u.scheme for u in engines + bootstraps + decodes} == {"http"}
+    every = [v.partition("@") for v in flag_values(argv, "--engine")]
+    if config.both:  # each engine of every role, with its own pod's bootstrap, as a P's
+        e_ports = container_ports(component(manifests, "engine", "StatefulSet"))
+        names = pod_dns_names(manifests, "engine")
+        assert [urlsplit(e).hostname for e, _, _ in every] == names
+        assert [urlsplit(b).hostname for _, _, b in every] == names
+        assert {urlsplit(e).port for e, _, _ in every} == {e_ports["http"]}
+        assert {urlsplit(b).port for _, _, b in every} == {e_ports["bootstrap"]}
+    assert len(every) == config.both
     assert flag_values(argv, "--routing") == [config.routing]
     assert flag_values(argv, "--placement") == [config.placement]
     assert flag_values(argv, "--slo-tpot-ms") == [str(config.slo_tpot_ms)]
@@ -334,6 +360,46 @@ def test_secure_mode_references_the_secret_and_inlines_nothing() -> None:
     # Without secure, no credential anywhere.
     plain = json.dumps(render_k8s(CONFIGS["default"]))
     assert "secret" not in plain.lower() and "token" not in plain and "API_KEY" not in plain
+
+
+def test_engines_of_every_role_compute_prompts_for_others_and_pull_from_them() -> None:
+    """``both``: kv_both servers, each with its own bootstrap sidecar (it computes prompts for
+    others, as a P) and, in secure mode, trusting every bootstrap of a server that computes
+    prompts (it pulls, as a D) — as D does; GPUs and node selector their own."""
+    config = CONFIGS["mixed"]
+    manifests = render_k8s(config)
+    sts = component(manifests, "engine", "StatefulSet")
+    kv = kv_config(sts)
+    assert (kv["kv_connector"], kv["kv_role"]) == ("PdActorsConnector", "kv_both")
+    extra = kv["kv_connector_extra_config"]
+    assert set(extra) <= set(ConnectorSettings.__struct_fields__)
+    settings = settings_from_extra_config(
+        json.loads(json.dumps(extra).replace("$(POD_IP)", "10.1.2.3"))
+    )
+    ports = container_ports(sts)
+    assert settings.external_bootstrap
+    assert settings.bootstrap_url == f"http://10.1.2.3:{ports['bootstrap']}"
+    (bootstrap,) = [c for c in containers(sts) if c["name"] == "bootstrap"]
+    assert flag_values(bootstrap["command"], "--port") == [str(ports["bootstrap"])]
+    argv = containers(component(manifests, "proxy", "Deployment"))[0]["command"]
+    senders = [v.partition("@")[2] for f in ("--prefill", "--engine") for v in flag_values(argv, f)]
+    assert len(senders) == config.prefill + config.both
+    d_extra = kv_config(component(manifests, "decode", "StatefulSet"))["kv_connector_extra_config"]
+    assert extra["trusted_bootstraps"] == d_extra["trusted_bootstraps"] == senders
+    (vllm, _) = containers(sts)
+    assert vllm["resources"]["limits"] == {"nvidia.com/gpu": 2}
+    assert flag_values(vllm["args"], "--tensor-parallel-size") == ["2"]
+    assert sts["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "gpu"}
+    # A pool alone: no P or D objects, the proxy names the engines only.
+    pool = render_k8s(LaunchConfig(model="m", prefill=0, decode=0, both=2))
+    assert {m["metadata"]["labels"]["app.kubernetes.io/component"] for m in pool} == {
+        "engine", "proxy",
+    }  # fmt: skip
+    argv = containers(component(pool, "proxy", "Deployment"))[0]["command"]
+    assert len(flag_values(argv, "--engine")) == 2
+    assert not flag_values(argv, "--prefill") and not flag_values(argv, "--decode")
+    for manifest in pool:
+        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
 
 
 def test_cpu_servers_request_no_gpu() -> None:

@@ -395,11 +395,16 @@ def test_servers_of_both_roles_are_kv_both_each_with_a_bootstrap_and_the_proxys_
         LaunchConfig(both=2, both_gpus=("0",))
 
 
-def test_launch_both_is_refused_for_k8s_with_a_reason(tmp_path: Path) -> None:
+def test_launch_both_renders_a_pool_for_k8s(tmp_path: Path) -> None:
+    """`pdactors launch --both 2 --render k8s`: the engines' objects and the proxy's, no P or
+    D ones (tests/test_k8s.py checks their wiring)."""
     args = ["launch", "--model", "/models/m", "--render", "k8s", "--out", str(tmp_path)]
     done = CliRunner().invoke(app, [*args, "--both", "2"])
-    assert done.exit_code == 2 and "not rendered for Kubernetes" in done.output, done.output
-    assert not list(tmp_path.glob("*.yaml"))
+    assert done.exit_code == 0, done.output
+    assert sorted(p.name for p in tmp_path.glob("*.yaml")) == [
+        "00-pdactors-engine-service.yaml", "01-pdactors-engine-statefulset.yaml",
+        "02-pdactors-proxy-deployment.yaml", "03-pdactors-proxy-service.yaml",
+    ]  # fmt: skip
 
 
 def test_launch_takes_placement_and_slo_options(tmp_path: Path) -> None:

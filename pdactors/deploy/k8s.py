@@ -9,8 +9,12 @@ From a :class:`~pdactors.deploy.launch_config.LaunchConfig` (its ``[k8s]`` table
   One bootstrap per P server, not one for all: the registry keeps one engine per DP rank, so
   independent P servers (each DP rank 0) registering at one bootstrap would replace each other.
 * D: a StatefulSet (``kv_consumer``) behind a headless Service, likewise.
-* The proxy: a Deployment of ``pdactors proxy`` naming every P pod (``ENGINE_URL@BOOTSTRAP_URL``)
-  and every D pod by its DNS name, and a Service in front of it.
+* Engines of every role (``both``): a StatefulSet (``kv_both``) behind a headless Service, each
+  pod with its bootstrap sidecar as P's (it computes prompts for others too), D's trusted
+  bootstraps in secure mode (it pulls from others too).
+* The proxy: a Deployment of ``pdactors proxy`` naming every P pod (``ENGINE_URL@BOOTSTRAP_URL``),
+  every D pod and every engine of every role (``--engine ENGINE_URL@BOOTSTRAP_URL``) by its
+  DNS name, and a Service in front of it. A role with no server has no objects.
 
 Workers advertise their pod IP (the downward API: ``host`` in the connector config is what
 the side channel and Mooncake bind and advertise). Servers are ready when ``/health`` answers
@@ -38,7 +42,7 @@ from pdactors.deploy.plan import proxy_policy_args
 
 __all__ = ["SECRETS_DIR", "SECRET_KEYS", "render_k8s", "write_manifests"]
 
-PREFILL_PORT, DECODE_PORT, DEFAULT_PROXY_PORT = 8100, 8200, 8000
+PREFILL_PORT, DECODE_PORT, ENGINE_PORT, DEFAULT_PROXY_PORT = 8100, 8200, 8300, 8000
 SECRETS_DIR = "/etc/pdactors/secrets"
 #: The Secret's keys: the file names ``pdactors launch --secure`` writes (make_secrets).
 SECRET_KEYS = SECRET_FILES
@@ -48,8 +52,8 @@ def render_k8s(config: LaunchConfig) -> list[dict[str, Any]]:
     """The manifests of ``config``'s deployment, as plain dicts (Services before workloads).
 
     Raises :class:`~pdactors.deploy.errors.BadDeployConfig` when ``config`` cannot be
-    deployed: no ``model`` (the tiny model is built on the launching machine), ``rdma`` with
-    neither an RDMA resource nor the host's network, or servers of both roles (not yet).
+    deployed: no ``model`` (the tiny model is built on the launching machine), or ``rdma``
+    with neither an RDMA resource nor the host's network.
     """
     k = config.k8s
     if config.model is None:
@@ -62,15 +66,12 @@ def render_k8s(config: LaunchConfig) -> list[dict[str, Any]]:
             "protocol rdma needs the NIC in the pod: set k8s.rdma_resource (a device plugin's "
             "resource) or k8s.host_network = true"
         )
-    if config.both:
-        raise BadDeployConfig(
-            "servers of both roles (both, kv_both) are not rendered for Kubernetes yet: "
-            "launch them on one machine, or render prefill and decode servers"
-        )
     bootstrap_port = config.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
     p_urls = _pod_urls(k, "prefill", config.prefill, PREFILL_PORT)
     boot_urls = _pod_urls(k, "prefill", config.prefill, bootstrap_port)
     d_urls = _pod_urls(k, "decode", config.decode, DECODE_PORT)
+    e_urls = _pod_urls(k, "engine", config.both, ENGINE_PORT)
+    e_boot_urls = _pod_urls(k, "engine", config.both, bootstrap_port)
     extra: dict[str, Any] = {
         "protocol": config.protocol,
         "device_name": config.device_name,
@@ -80,8 +81,10 @@ def render_k8s(config: LaunchConfig) -> list[dict[str, Any]]:
         extra["side_channel_secret_file"] = f"{SECRETS_DIR}/side-channel.secret"
         extra["bootstrap_token_file"] = f"{SECRETS_DIR}/bootstrap.token"
     p_extra = {**extra, "bootstrap_server_address": f"$(POD_IP):{bootstrap_port}"}
-    # D sends the token only to bootstraps it trusts: P's, named as the proxy names them.
-    d_extra = {**extra, "trusted_bootstraps": boot_urls} if config.secure else extra
+    # D sends the token only to bootstraps it trusts: those of every server that computes
+    # prompts for others, named as the proxy names them.
+    trusted = {"trusted_bootstraps": boot_urls + e_boot_urls} if config.secure else {}
+    d_extra = {**extra, **trusted}
     bootstrap_argv = ["pdactors", "bootstrap", "--host", "0.0.0.0", "--port", str(bootstrap_port)]
     if config.secure:
         bootstrap_argv += ["--token-file", f"{SECRETS_DIR}/bootstrap.token"]
@@ -97,15 +100,19 @@ def render_k8s(config: LaunchConfig) -> list[dict[str, Any]]:
     model = config.model
     prefill = _server(config, model, PREFILL_PORT, k.gpus_per_prefill, "kv_producer", p_extra)
     decode = _server(config, model, DECODE_PORT, k.gpus_per_decode, "kv_consumer", d_extra)
-    p_ports = [("http", PREFILL_PORT), ("bootstrap", bootstrap_port)]
-    return [
-        _headless_service(k, "prefill", p_ports),
-        _stateful_set(config, "prefill", config.prefill, [prefill, bootstrap]),
-        _headless_service(k, "decode", [("http", DECODE_PORT)]),
-        _stateful_set(config, "decode", config.decode, [decode]),
-        _proxy(config, list(zip(p_urls, boot_urls, strict=True)), d_urls),
-        _proxy_service(config),
-    ]
+    every = _server(config, model, ENGINE_PORT, k.gpus_per_engine, "kv_both", p_extra | trusted)
+    out = []
+    for role, count, port, pod in (
+        ("prefill", config.prefill, PREFILL_PORT, [prefill, bootstrap]),
+        ("decode", config.decode, DECODE_PORT, [decode]),
+        ("engine", config.both, ENGINE_PORT, [every, bootstrap]),
+    ):
+        if count:
+            ports = [("http", port)] + ([("bootstrap", bootstrap_port)] if len(pod) > 1 else [])
+            out += [_headless_service(k, role, ports), _stateful_set(config, role, count, pod)]
+    prefills = list(zip(p_urls, boot_urls, strict=True))
+    engines = list(zip(e_urls, e_boot_urls, strict=True))
+    return [*out, _proxy(config, prefills, d_urls, engines), _proxy_service(config)]
 
 
 def write_manifests(config: LaunchConfig, out_dir: Path) -> list[Path]:
@@ -179,7 +186,7 @@ def _secret_env(config: LaunchConfig, name: str, key: str) -> dict[str, Any]:
 def _server(
     config: LaunchConfig, model: str, port: int, gpus: int, kv_role: str, extra: dict[str, Any]
 ) -> dict[str, Any]:
-    """One vLLM OpenAI server container of P or D."""
+    """One vLLM OpenAI server container of P, D or an engine of every role."""
     k = config.k8s
     kv = {"kv_connector": "PdActorsConnector", "kv_role": kv_role,
           "kv_connector_extra_config": extra}  # fmt: skip
@@ -245,7 +252,11 @@ def _stateful_set(
         "volumes": volumes,
         "terminationGracePeriodSeconds": math.ceil(config.shutdown_timeout),
     }
-    selector = k.prefill_node_selector if role == "prefill" else k.decode_node_selector
+    selector = {
+        "prefill": k.prefill_node_selector,
+        "decode": k.decode_node_selector,
+        "engine": k.engine_node_selector,
+    }[role]
     if selector:
         spec["nodeSelector"] = dict(selector)
     if k.host_network:  # D still resolves P's bootstrap by its cluster DNS name
@@ -284,7 +295,10 @@ def _headless_service(k: K8sConfig, role: str, ports: list[tuple[str, int]]) -> 
 
 
 def _proxy(
-    config: LaunchConfig, prefills: list[tuple[str, str]], decodes: list[str]
+    config: LaunchConfig,
+    prefills: list[tuple[str, str]],
+    decodes: list[str],
+    engines: list[tuple[str, str]],
 ) -> dict[str, Any]:
     k = config.k8s
     port = config.proxy_port or DEFAULT_PROXY_PORT
@@ -293,6 +307,8 @@ def _proxy(
         argv += ["--prefill", f"{engine}@{bootstrap}"]
     for engine in decodes:
         argv += ["--decode", engine]
+    for engine, bootstrap in engines:
+        argv += ["--engine", f"{engine}@{bootstrap}"]
     argv += proxy_policy_args(config)
     container: dict[str, Any] = {
         "name": "proxy",

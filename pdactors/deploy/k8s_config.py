@@ -21,7 +21,8 @@ class K8sConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     ``image`` must have pdactors and pdactors-vllm installed (vLLM's image does not: build
     one FROM it, docs/deploy.md); ``proxy_image`` (default: ``image``) needs only pdactors.
-    ``gpus_per_prefill`` / ``gpus_per_decode``: ``gpu_resource`` requested per server, and
+    ``gpus_per_prefill`` / ``gpus_per_decode`` / ``gpus_per_engine`` (engines of every role:
+    ``both``): ``gpu_resource`` requested per server, and
     ``--tensor-parallel-size`` when above 1 (0: CPU, with the launcher's CPU flags).
     RDMA (``protocol = "rdma"``): ``rdma_resource`` (a device plugin's resource, e.g.
     ``rdma/rdma_shared_device_a``, ``rdma_per_server`` of it) and/or ``host_network``; the
@@ -39,6 +40,7 @@ class K8sConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     gpus_per_prefill: int = 1
     gpus_per_decode: int = 1
+    gpus_per_engine: int = 1
     gpu_resource: str = "nvidia.com/gpu"
     rdma_resource: str = ""
     rdma_per_server: int = 1
@@ -52,6 +54,7 @@ class K8sConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     pod_annotations: dict[str, str] = msgspec.field(default_factory=dict)
     prefill_node_selector: dict[str, str] = msgspec.field(default_factory=dict)
     decode_node_selector: dict[str, str] = msgspec.field(default_factory=dict)
+    engine_node_selector: dict[str, str] = msgspec.field(default_factory=dict)
     proxy_replicas: int = 1
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     secret_name: str = "pdactors-secrets"
@@ -64,7 +67,8 @@ class K8sConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                 raise BadDeployConfig(
                     f"k8s.{what} {value!r} must be a DNS label (a-z, 0-9, '-') of at most {most}"
                 )
-        if min(self.gpus_per_prefill, self.gpus_per_decode, self.rdma_per_server) < 0:
+        counts = (self.gpus_per_prefill, self.gpus_per_decode, self.gpus_per_engine)
+        if min(*counts, self.rdma_per_server) < 0:
             raise BadDeployConfig("k8s GPU and RDMA counts must not be negative")
         if self.proxy_replicas < 1:
             raise BadDeployConfig("k8s.proxy_replicas must be at least 1")
