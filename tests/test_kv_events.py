@@ -420,6 +420,18 @@ async def test_engines_that_publish_nothing_and_kv_events_off_use_remembered_pre
             assert "kv_event_blocks" not in (await s.health())[1]
 
 
+async def test_a_match_remembered_beside_an_exact_one_is_labelled_prefix() -> None:
+    """p1 publishes events (matched exactly: none of this prompt), p0 none (matched by what it
+    was sent): the second ask goes to p0 for its remembered prefix, and is counted so."""
+    with trio.fail_after(TIMEOUT):
+        async with open_events(names=("p1",)) as (s, _, _):
+            await ask(s, prompt(13))
+            await ask(s, prompt(13))
+            assert where(s, prompt(13)) == ["p0", "p0"]
+            assert await routed(s, "prefill", "prefix") == 1
+            assert await routed(s, "prefill", "exact") == 0
+
+
 def test_publishers_are_reached_at_the_engines_host() -> None:
     from pdactors.proxy._kv_events import _publishers
 

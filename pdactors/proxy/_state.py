@@ -233,7 +233,7 @@ class Pool:
         :attr:`exact` has them, else from what it was sent (a remembered block: ~16 tokens)."""
         now = trio.current_time()
         keys_of: dict[int, list[int]] = {}  # the prompt's keys by block size, for every engine
-        weighed, exact = [], False
+        weighed, exact = [], set()  # exact: the candidates matched by their KV events
         for i in candidates:
             b = self.backends[i]
             found = None
@@ -243,10 +243,10 @@ class Pool:
                 assert self.prefixes is not None
                 found = self.prefixes.matched(b.url, prompt, now) * BLOCK_IDS
             else:
-                exact = True
+                exact.add(i)
             weighed.append(Candidate(i, b.load, found))
         chosen, why = choose(weighed, self.imbalance)
-        return chosen, "exact" if why == "prefix" and exact else why
+        return chosen, "exact" if why == "prefix" and chosen in exact else why
 
     def sent(self, backend: Backend, prompt: Sequence[int]) -> None:
         """Note that ``backend`` computes (and will cache) the prompt of keys ``prompt``."""
