@@ -251,11 +251,15 @@ class EventRoutes:
 
 @asynccontextmanager
 async def open_events(
-    names: tuple[str, ...] = ("p0", "p1"), replay: bool = True, **config: Any
+    names: tuple[str, ...] = ("p0", "p1"),
+    replay: bool = True,
+    replay_endpoint: str | None = None,
+    **config: Any,
 ) -> AsyncIterator[tuple[Setup, dict[str, Publisher], EventRoutes]]:
     """Two P and one D behind a prefix_aware proxy pinned to disaggregate (P's routing is the
-    point); the engines ``names`` publish KV events, followed once the proxy subscribed."""
-    publishers = {name: Publisher(replay=replay) for name in names}
+    point); the engines ``names`` publish KV events, followed once the proxy subscribed
+    (without ``replay``: no replay endpoint, or the ``replay_endpoint`` they name)."""
+    publishers = {name: Publisher(replay=replay, replay_endpoint=replay_endpoint) for name in names}
     routes = EventRoutes(publishers)
     async with trio.open_nursery() as nursery:
         for pub in publishers.values():
@@ -346,6 +350,26 @@ async def test_a_gap_without_a_replay_clears_the_index_and_it_refills() -> None:
             pub.publish(removed(h(*tokens(prompt(4))[:4])), live=False)  # lost
             pub.publish(stored(tokens(prompt(5))[:8]))
             await held(s, s.p[0], 2)  # prompt 4's blocks are gone with the gap
+            metrics = await s.metrics()
+            assert metrics[("pdactors_proxy_kv_event_gaps_total",
+                            (("backend", s.p[0].url), ("outcome", "cleared")))] == 1  # fmt: skip
+
+
+async def test_a_replay_endpoint_that_cannot_be_reached_clears_and_the_feed_goes_on() -> None:
+    """A malformed replay address (ZMQ refuses to connect to it): the gap is a lost one — the
+    index cleared — and the feed goes on with the next batches."""
+    with trio.fail_after(TIMEOUT):
+        async with open_events(replay=False, replay_endpoint="tcp://no such host:1") as (
+            s, pubs, _,
+        ):  # fmt: skip
+            pub = pubs["p0"]
+            pub.publish(stored(tokens(prompt(4))))
+            await held(s, s.p[0], 10)
+            pub.publish(removed(h(*tokens(prompt(4))[:4])), live=False)  # lost
+            pub.publish(stored(tokens(prompt(5))[:8]))
+            await held(s, s.p[0], 2)
+            pub.publish(stored(tokens(prompt(6))))
+            await held(s, s.p[0], 12)  # still followed
             metrics = await s.metrics()
             assert metrics[("pdactors_proxy_kv_event_gaps_total",
                             (("backend", s.p[0].url), ("outcome", "cleared")))] == 1  # fmt: skip

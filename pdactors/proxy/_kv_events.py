@@ -158,7 +158,7 @@ class KvEventFeeds:
                         last = None
                     expected = 0 if last is None else last + 1
                     if seq > expected:  # missed (or published before this SUB joined)
-                        if not await self._replay(replay, expected, seq, blocks):
+                        if not await self._replay(url, replay, expected, seq, blocks):
                             self.metrics.kv_event_gaps.labels(url, "cleared").inc()
                         else:
                             self.metrics.kv_event_gaps.labels(url, "replayed").inc()
@@ -176,23 +176,27 @@ class KvEventFeeds:
             await trio.sleep_forever()  # until the engine restarts (the scope is cancelled)
 
     async def _replay(
-        self, address: str | None, start: int, upto: int, blocks: EngineBlocks
+        self, url: str, address: str | None, start: int, upto: int, blocks: EngineBlocks
     ) -> bool:
         """Apply the publisher's buffered batches ``start`` .. ``upto - 1``; whether they were
-        all there (else ``blocks`` is cleared first: what the gap held is lost)."""
+        all there (else ``blocks`` is cleared first: what the gap held is lost, as when the
+        replay address cannot be connected to: logged, the feed goes on)."""
         got: list[tuple[int, bytes]] = []
         ended = False
         if address is not None:
             with trio.move_on_after(self.config.health_timeout):
-                async with open_dealer(address) as dealer:
-                    await dealer.send([b"", start.to_bytes(8, "big")])
-                    while not ended:
-                        frames = await dealer.receive()
-                        if len(frames) == 4 and len(frames[2]) == 8:
-                            seq = int.from_bytes(frames[2], "big", signed=True)
-                            ended = seq == _END
-                            if start <= seq < upto:
-                                got.append((seq, frames[3]))
+                try:
+                    async with open_dealer(address) as dealer:
+                        await dealer.send([b"", start.to_bytes(8, "big")])
+                        while not ended:
+                            frames = await dealer.receive()
+                            if len(frames) == 4 and len(frames[2]) == 8:
+                                seq = int.from_bytes(frames[2], "big", signed=True)
+                                ended = seq == _END
+                                if start <= seq < upto:
+                                    got.append((seq, frames[3]))
+                except TransportError as exc:  # e.g. a malformed address in its sources
+                    log.warning("proxy: %s's KV event replay at %s: %s", url, address, exc)
         whole = ended and [seq for seq, _ in got] == list(range(start, upto))
         if not whole:
             blocks.clear()
