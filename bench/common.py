@@ -120,6 +120,12 @@ def group_cpu_seconds(pgid: int) -> float:
     return ticks / CLK
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK
+
+
 def settle(pgids: Sequence[int], *, share: float = 0.1, within: float = 20.0) -> float:
     """Wait until the process groups ``pgids`` together use under ``share`` of one core over
     a quarter second (at most ``within`` seconds); return how long it took. A vLLM server

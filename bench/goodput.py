@@ -18,7 +18,8 @@ All four engines start at once (one wait for start-up, instead of one per setup)
 an engine with no request blocks in vLLM's engine loop, so the setup not being measured costs
 the other almost nothing. The ``CPU %`` column shows, for each run, what each engine's whole
 process group used, in % of one core (API server, engine core and worker: only the worker is
-bound to the engine's core; the proxy and the client are not counted). For
+bound to the engine's core); ``CPU % proxy / client`` what the proxy the setup's requests
+went through used (0: none) and this process (the client's threads). For
 each rate of ``--rates`` both setups run the same schedule one after the other — Poisson
 arrivals (seed ``--seed``), at most ``--requests`` requests and none scheduled after
 ``--max-seconds``, prompts of uniformly drawn lengths in ``--prompt-lens`` — the setup that goes
@@ -59,7 +60,14 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import bootstrap_port, group_cpu_seconds, placed, settle, worktree
+from bench.common import (
+    bootstrap_port,
+    group_cpu_seconds,
+    placed,
+    process_cpu_seconds,
+    settle,
+    worktree,
+)
 from bench.vllm_pd import ROOT, Result, direct, proxy_process, stream
 from pdactors_vllm.tiny_model import ANY_SHAPE, SHAPES, ensure_tiny_model
 from tests.vllm.servers import both_config, consumer_config, producer_config, servers
@@ -197,8 +205,10 @@ def main() -> None:
                 )
             )  # fmt: skip
             proxy_url = proxy.url
+            proxy_pids = {pd_name: proxy.process.pid}
             pd: Send = partial(send_to, proxy.url, n)
         else:
+            proxy_pids = {}
             pd = lambda i, prompt: direct(p, ENGINE, bootstrap, d, prompt, n)  # noqa: E731
         setups: dict[str, Send] = {
             "replicas": lambda i, prompt: stream(replicas[i % 2].url, prompt, n, None),
@@ -218,6 +228,7 @@ def main() -> None:
                     )
                 )  # fmt: skip
                 proxies[pd_name + rev] = old.url
+                proxy_pids[pd_name + rev] = old.process.pid
                 setups[pd_name + rev] = partial(send_to, old.url, n)
             if args.pool:
                 pool = stack.enter_context(
@@ -227,6 +238,7 @@ def main() -> None:
                     )
                 )  # fmt: skip
                 proxies["pool" + rev] = pool.url
+                proxy_pids["pool" + rev] = pool.process.pid
                 setups["pool" + rev] = partial(send_to, pool.url, n)
         for name, send in setups.items():  # warm up every path (and check it works)
             for i in range(2):
@@ -244,9 +256,9 @@ def main() -> None:
         print(
             "| rate req/s | setup | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms |"
             " TPOT p99 ms | SLO met | goodput req/s | failed | CPU % " + " / ".join(s) + " |"
-            " local / disaggregated / whole-on-p |"
+            " CPU % proxy / client | local / disaggregated / whole-on-p |"
         )
-        print("|---" * 12 + "|")
+        print("|---" * 13 + "|")
         measured: dict[tuple[float, str], Stats] = {}
         for k, rate in enumerate(args.rates):
             arrivals = schedule(rate, args, seed=args.seed * 100 + k)
@@ -254,8 +266,14 @@ def main() -> None:
             for name in names:
                 settle([srv.process.pid for srv in s.values()])  # the last setup's spin over
                 before = {e: group_cpu_seconds(srv.process.pid) for e, srv in s.items()}
+                relay = proxy_pids.get(name)  # the proxy this setup's requests go through
+                relay_before = process_cpu_seconds(relay) if relay else 0.0
+                client_before = time.process_time()  # this process: the client's threads
                 placed_before = placed(proxies.get(name))
                 results, seconds = open_loop(setups[name], arrivals)
+                client = 100 * (time.process_time() - client_before) / seconds
+                relay_after = process_cpu_seconds(relay) if relay else 0.0
+                relayed = 100 * (relay_after - relay_before) / seconds
                 placed_after = placed(proxies.get(name))
                 where = (
                     " / ".join(
@@ -273,7 +291,8 @@ def main() -> None:
                     f"| {rate:g} | {name} | {st.sent} | {pct(st.ttft_ms, 50):.1f} |"
                     f" {pct(st.ttft_ms, 99):.1f} | {pct(st.tpot_ms, 50):.1f} |"
                     f" {pct(st.tpot_ms, 99):.1f} | {100 * st.met / st.sent:.0f} % |"
-                    f" {st.goodput:.2f} | {st.failed} | {cpu} | {where} |",
+                    f" {st.goodput:.2f} | {st.failed} | {cpu} | {relayed:.0f} / {client:.0f} |"
+                    f" {where} |",
                     flush=True,
                 )
         print("\n| rate req/s | setup | goodput / replicas | TTFT p50 | TPOT p50 | TPOT p99 |")
