@@ -20,10 +20,14 @@ the other almost nothing. The ``CPU %`` column shows, for each run, what each en
 process group used, in % of one core (API server, engine core and worker: only the worker is
 bound to the engine's core); ``CPU % proxy / client`` what the proxy the setup's requests
 went through used (0: none) and this process (the client's threads). For
-each rate of ``--rates`` both setups run the same schedule one after the other — Poisson
+each rate of ``--rates`` every setup runs the same schedule one after the other — Poisson
 arrivals (seed ``--seed``), at most ``--requests`` requests and none scheduled after
 ``--max-seconds``, prompts of uniformly drawn lengths in ``--prompt-lens`` — the setup that goes
-first alternating from rate to rate, so that a drift of the machine's load hits both.
+first rotating from rate to rate, so that a drift of the machine's load hits every one. With
+``--repeat N`` each rate has N such runs, each with a schedule of its own and the order rotated
+again; the ratios to replicas are then the median of the runs' ratios, each run's goodput ratio
+and the replicas' SLO share listed beside (this 2-core machine moves a setup's SLO share by up
+to 30 points between runs of one schedule: one run per rate proves little at high load).
 
 Open loop: each request is sent at its scheduled time by a thread of its own, whether or not
 the earlier ones have been answered. Every request is greedy, streamed, ``--max-tokens`` output
@@ -37,7 +41,7 @@ prompts of the other setup's run or of a warm-up leave nothing to reuse.
     python bench/goodput.py [--shape tiny|small] [--family llama|sliding] [--rates 2 4 8]
         [--requests 40]
         [--slo-ttft-ms 200] [--slo-tpot-ms 25] [--flow proxy|direct] [--proxy-args "..."]
-        [--engine-args "--dtype bfloat16"] [--pool] [--old-proxy REV]
+        [--engine-args "--dtype bfloat16"] [--pool] [--old-proxy REV] [--repeat N]
 
 It prints a markdown table per rate and setup, then the ratios to replicas.
 """
@@ -149,6 +153,12 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b > 0 and a == a and b == b else "–"
 
 
+def median_ratio(runs: list[tuple[Stats, Stats]], of: Callable[[Stats], float]) -> str:
+    """The median over runs of ``of(setup) / of(replicas)``, runs without a ratio left out."""
+    found = [of(a) / of(b) for a, b in runs if of(b) > 0 and of(a) == of(a) and of(b) == of(b)]
+    return f"{float(np.median(found)):.2f}" if found else "–"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -169,6 +179,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logs", help="directory for the servers' logs (default: a new one)")
     ap.add_argument("--pool", action="store_true", help="also two kv_both engines (pool)")
+    ap.add_argument(
+        "--repeat", type=int, default=1,
+        help="runs per rate, each a new schedule and every setup in turn (rotated order)",
+    )  # fmt: skip
     ap.add_argument(
         "--old-proxy", metavar="REV", help="also 1P1D (and the pool) behind this revision's proxy"
     )
@@ -259,52 +273,67 @@ def main() -> None:
             " CPU % proxy / client | local / disaggregated / whole-on-p |"
         )
         print("|---" * 13 + "|")
-        measured: dict[tuple[float, str], Stats] = {}
+        measured: dict[tuple[float, str], list[Stats]] = {}
         for k, rate in enumerate(args.rates):
-            arrivals = schedule(rate, args, seed=args.seed * 100 + k)
-            names = list(setups) if k % 2 == 0 else list(setups)[::-1]
-            for name in names:
-                settle([srv.process.pid for srv in s.values()])  # the last setup's spin over
-                before = {e: group_cpu_seconds(srv.process.pid) for e, srv in s.items()}
-                relay = proxy_pids.get(name)  # the proxy this setup's requests go through
-                relay_before = process_cpu_seconds(relay) if relay else 0.0
-                client_before = time.process_time()  # this process: the client's threads
-                placed_before = placed(proxies.get(name))
-                results, seconds = open_loop(setups[name], arrivals)
-                client = 100 * (time.process_time() - client_before) / seconds
-                relay_after = process_cpu_seconds(relay) if relay else 0.0
-                relayed = 100 * (relay_after - relay_before) / seconds
-                placed_after = placed(proxies.get(name))
-                where = (
-                    " / ".join(
-                        f"{placed_after[k] - placed_before.get(k, 0):.0f}" for k in placed_after
+            for r in range(args.repeat):
+                arrivals = schedule(rate, args, seed=args.seed * 100 + k + 10_000 * r)
+                turn = (k + r) % len(setups)
+                names = list(setups)[turn:] + list(setups)[:turn]
+                for name in names:
+                    settle([srv.process.pid for srv in s.values()])  # the last setup's spin over
+                    before = {e: group_cpu_seconds(srv.process.pid) for e, srv in s.items()}
+                    relay = proxy_pids.get(name)  # the proxy this setup's requests go through
+                    relay_before = process_cpu_seconds(relay) if relay else 0.0
+                    client_before = time.process_time()  # this process: the client's threads
+                    placed_before = placed(proxies.get(name))
+                    results, seconds = open_loop(setups[name], arrivals)
+                    client = 100 * (time.process_time() - client_before) / seconds
+                    relay_after = process_cpu_seconds(relay) if relay else 0.0
+                    relayed = 100 * (relay_after - relay_before) / seconds
+                    placed_after = placed(proxies.get(name))
+                    where = (
+                        " / ".join(
+                            f"{placed_after[k] - placed_before.get(k, 0):.0f}" for k in placed_after
+                        )
+                        if proxies.get(name)
+                        else "–"
                     )
-                    if proxies.get(name)
-                    else "–"
-                )
-                cpu = " / ".join(
-                    f"{100 * (group_cpu_seconds(srv.process.pid) - before[e]) / seconds:.0f}"
-                    for e, srv in s.items()
-                )
-                st = measured[rate, name] = stats(results, seconds, args)
-                print(
-                    f"| {rate:g} | {name} | {st.sent} | {pct(st.ttft_ms, 50):.1f} |"
-                    f" {pct(st.ttft_ms, 99):.1f} | {pct(st.tpot_ms, 50):.1f} |"
-                    f" {pct(st.tpot_ms, 99):.1f} | {100 * st.met / st.sent:.0f} % |"
-                    f" {st.goodput:.2f} | {st.failed} | {cpu} | {relayed:.0f} / {client:.0f} |"
-                    f" {where} |",
-                    flush=True,
-                )
-        print("\n| rate req/s | setup | goodput / replicas | TTFT p50 | TPOT p50 | TPOT p99 |")
-        print("|---|---|---|---|---|---|")
+                    cpu = " / ".join(
+                        f"{100 * (group_cpu_seconds(srv.process.pid) - before[e]) / seconds:.0f}"
+                        for e, srv in s.items()
+                    )
+                    st = stats(results, seconds, args)
+                    measured.setdefault((rate, name), []).append(st)
+                    print(
+                        f"| {rate:g} | {name} | {st.sent} | {pct(st.ttft_ms, 50):.1f} |"
+                        f" {pct(st.ttft_ms, 99):.1f} | {pct(st.tpot_ms, 50):.1f} |"
+                        f" {pct(st.tpot_ms, 99):.1f} | {100 * st.met / st.sent:.0f} % |"
+                        f" {st.goodput:.2f} | {st.failed} | {cpu} | {relayed:.0f} / {client:.0f} |"
+                        f" {where} |",
+                        flush=True,
+                    )
+        print(
+            "\n| rate req/s | setup | goodput / replicas | TTFT p50 | TPOT p50 | TPOT p99 |"
+            + (
+                " goodput / replicas, each run | replicas' SLO met, each run |"
+                if args.repeat > 1
+                else ""
+            )
+        )
+        print("|---" * (8 if args.repeat > 1 else 6) + "|")
         for rate in args.rates:
-            b = measured[rate, "replicas"]
+            base = measured[rate, "replicas"]
             for name in [x for x in setups if x != "replicas"]:
-                a = measured[rate, name]
-                cells = [ratio(a.goodput, b.goodput)]
-                cells.append(ratio(pct(a.ttft_ms, 50), pct(b.ttft_ms, 50)))
-                cells.append(ratio(pct(a.tpot_ms, 50), pct(b.tpot_ms, 50)))
-                cells.append(ratio(pct(a.tpot_ms, 99), pct(b.tpot_ms, 99)))
+                runs = list(zip(measured[rate, name], base, strict=True))
+                cells = [
+                    median_ratio(runs, lambda st: st.goodput),
+                    median_ratio(runs, lambda st: pct(st.ttft_ms, 50)),
+                    median_ratio(runs, lambda st: pct(st.tpot_ms, 50)),
+                    median_ratio(runs, lambda st: pct(st.tpot_ms, 99)),
+                ]
+                if args.repeat > 1:
+                    cells.append(", ".join(ratio(a.goodput, b.goodput) for a, b in runs))
+                    cells.append(", ".join(f"{100 * b.met / b.sent:.0f} %" for _, b in runs))
                 print(f"| {rate:g} | {name} | " + " | ".join(cells) + " |")
 
 
