@@ -10,9 +10,10 @@ length's probes took to its first token, for its prompt tokens, and the gaps bet
 go to the placer (:meth:`~pdactors.core.placement.Placer.first_token`,
 :meth:`~pdactors.core.placement.Placer.steps`), so the first client request is placed on what
 the engine does, not on the prior. The faster, because a probe that met other work on the
-engine (another proxy calibrating it at the same time, a client's request) measured that
-work's queue too, not only the engine's cost (measured: a D's first probe of 29 tokens took
-61 ms, its next, of 225, 46 ms, while three other proxies probed it). The prompts are random
+engine or its machine (another proxy calibrating it at the same time, processes starting)
+measured that work too, not only the engine's cost (measured in bench/vllm_pd.py, which starts
+four proxies at once: a D's first probe, of 29 tokens, took 61 ms and its next, of 225, 46
+ms; P's of the same lengths 20 and 44 ms). The prompts are random
 words (a new draw each probe: no prefix-cache hit makes one look cheap), as many as the
 warm-up's tokens per word say make the length; their token counts are the engine's own
 (``usage``).
