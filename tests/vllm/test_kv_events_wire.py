@@ -101,9 +101,9 @@ def test_vllms_replay_endpoint_fills_a_gap(publisher: tuple[ZmqEventPublisher, i
         with trio.fail_after(20):
             while not pub._buffer or len(pub._buffer) < 2:  # published by its thread
                 await trio.sleep(0.05)
-            whole = await feeds._replay(address, 0, 2, blocks)
+            whole = await feeds._replay("http://e", address, 0, 2, blocks)
             matched = blocks.matched({}, IDS, 100)
-            gone = await feeds._replay(address, 5, 9, EngineBlocks())  # beyond its buffer
+            gone = await feeds._replay("http://e", address, 5, 9, EngineBlocks())  # too old
         return whole, gone, matched
 
     whole, gone, matched = trio.run(main)
