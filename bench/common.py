@@ -249,13 +249,20 @@ class TimedPlane:
         return out
 
 
+#: The ports :func:`bootstrap_port` gave in this process (each is bound later, elsewhere).
+_GIVEN: set[int] = set()
+
+
 def bootstrap_port() -> int:
-    """A free port below Linux's ephemeral range (32768-60999): P's worker binds it a minute or
-    two after it is chosen, while four servers' processes take ephemeral ports (a port from
-    ``free_port`` was taken in between once: "Address already in use")."""
+    """A free port below Linux's ephemeral range (32768-60999), never given twice in this
+    process: P's worker binds it a minute or two after it is chosen, while four servers'
+    processes take ephemeral ports (a port found by binding port 0 was taken in between, in a
+    bench and in a CI run: "Address already in use")."""
     while True:
-        with socket.socket() as s:
-            port = random.randrange(20000, 32768)
-            with suppress(OSError):
-                s.bind(("127.0.0.1", port))
-                return port
+        port = random.randrange(20000, 32768)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s, suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            _GIVEN.add(port)
+            return port

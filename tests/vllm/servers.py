@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,31 +24,17 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.common import group_stats
+from bench.common import bootstrap_port, group_stats
 
 STARTUP_TIMEOUT = 240.0
 
 
-#: The ports :func:`free_port` gave in this process (each is bound later, by another process).
-_GIVEN: set[int] = set()
-
-
 def free_port() -> int:
-    """A port free now, below Linux's ephemeral range (32768-60999), never given twice in this
-    process. A server binds it seconds to a minute later (P's bootstrap after its model
-    loaded): an ephemeral port, taken by any connection meanwhile, was once taken in between
-    (test_e2e_compat's P: "Address already in use" binding its bootstrap, in a CI run)."""
-    while True:
-        port = random.randrange(20000, 32768)
-        if port in _GIVEN:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _GIVEN.add(port)
-        return port
+    """A port free now, below Linux's ephemeral range, never given twice in this process
+    (:func:`bench.common.bootstrap_port`). A server binds it seconds to a minute later (P's
+    bootstrap after its model loaded): a port found by binding port 0 is ephemeral, and one
+    was taken by a connection in between (test_e2e_compat's P, in a CI run)."""
+    return bootstrap_port()
 
 
 @dataclass
