@@ -98,15 +98,25 @@ async def open_pair(
 CLK = os.sysconf("SC_CLK_TCK")
 
 
+def stat_fields(pid: int | str) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the name (state ppid pgrp ... utime stime ...).
+    Raises OSError when the process is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(fields: list[str]) -> float:
+    """User + system CPU seconds in :func:`stat_fields` ``fields`` (utime, stime)."""
+    return (int(fields[11]) + int(fields[12])) / CLK
+
+
 def group_stats(pgid: int) -> dict[int, list[str]]:
-    """Every live process of process group ``pgid``: pid -> the fields of its
-    ``/proc/PID/stat`` after the name (state ppid pgrp ... utime stime ...)."""
+    """Every live process of process group ``pgid``: pid -> its :func:`stat_fields`."""
     members = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = stat_fields(pid)
         except OSError:
             continue
         if int(fields[2]) == pgid:
@@ -116,14 +126,12 @@ def group_stats(pgid: int) -> dict[int, list[str]]:
 
 def group_cpu_seconds(pgid: int) -> float:
     """User + system CPU seconds of every live process in process group ``pgid``."""
-    ticks = sum(int(f[11]) + int(f[12]) for f in group_stats(pgid).values())  # utime stime
-    return ticks / CLK
+    return sum(cpu_seconds(f) for f in group_stats(pgid).values())
 
 
 def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
+    return cpu_seconds(stat_fields(pid))
 
 
 def settle(pgids: Sequence[int], *, share: float = 0.1, within: float = 20.0) -> float:

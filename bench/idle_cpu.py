@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import CLK, group_cpu_seconds
+from bench.common import CLK, group_cpu_seconds, stat_fields
 from bench.vllm_pd import direct, run_level
 from pdactors_vllm.tiny_model import ensure_tiny_model
 from tests.vllm.servers import Server, free_port, producer_config, servers
@@ -46,7 +46,7 @@ def thread_ticks(pgid: int) -> dict[Thread, int]:
     ticks = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+            if int(stat_fields(pid)[2]) != pgid:
                 continue
             for tid in os.listdir(f"/proc/{pid}/task"):
                 stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()

@@ -47,16 +47,9 @@ import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from common import worktree  # noqa: E402  (bench/ is the script's directory)
+from common import process_cpu_seconds, worktree  # noqa: E402  (bench/ is the script's directory)
 
-_TICKS = os.sysconf("SC_CLK_TCK")
 _STAND_IN = Path(__file__).resolve().parent / "stand_in.py"
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 @dataclass
@@ -204,9 +197,9 @@ async def main(args: argparse.Namespace) -> None:
                 per_round = max(1, args.requests // args.rounds)
                 for _ in range(args.rounds):
                     for path in paths:
-                        cpu0 = cpu_seconds(path.pid) if path.pid else 0.0
+                        cpu0 = process_cpu_seconds(path.pid) if path.pid else 0.0
                         path.latencies += await measure(path, per_round, concurrency, args.stream)
-                        path.cpu += cpu_seconds(path.pid) - cpu0 if path.pid else 0.0
+                        path.cpu += process_cpu_seconds(path.pid) - cpu0 if path.pid else 0.0
                 for path in paths:
                     p50, p99 = path.percentiles()
                     rate = len(path.latencies) / path.elapsed
