@@ -74,7 +74,7 @@ from bench.common import (
 )
 from bench.vllm_pd import ROOT, Result, direct, proxy_process, stream
 from pdactors_vllm.tiny_model import ANY_SHAPE, SHAPES, ensure_tiny_model
-from tests.vllm.servers import both_config, consumer_config, producer_config, servers
+from tests.vllm.servers import Server, both_config, consumer_config, producer_config, servers
 from tests.vllm.test_e2e import prompt_ids
 
 ENGINE = "prefill-goodput"
@@ -210,7 +210,7 @@ def main() -> None:
         s = stack.enter_context(servers(specs, model, logs))
         p, d, replicas = s["P"], s["D"], [s["R0"], s["R1"]]
         pd_name = f"1P1D {args.flow}"
-        proxy_url: str | None = None
+        proxies: dict[str, Server] = {}  # setup -> the proxy its requests go through
         if args.flow == "proxy":
             proxy = stack.enter_context(
                 proxy_process(
@@ -218,17 +218,14 @@ def main() -> None:
                     extra=shlex.split(args.proxy_args),
                 )
             )  # fmt: skip
-            proxy_url = proxy.url
-            proxy_pids = {pd_name: proxy.process.pid}
+            proxies[pd_name] = proxy
             pd: Send = partial(send_to, proxy.url, n)
         else:
-            proxy_pids = {}
             pd = lambda i, prompt: direct(p, ENGINE, bootstrap, d, prompt, n)  # noqa: E731
         setups: dict[str, Send] = {
             "replicas": lambda i, prompt: stream(replicas[i % 2].url, prompt, n, None),
             pd_name: pd,
         }
-        proxies = {pd_name: proxy_url}
         engines = [(s[f"E{i}"].url, f"http://127.0.0.1:{e}") for i, e in enumerate(pool_ports)]
         trees = {"": ROOT}
         if args.old_proxy:
@@ -241,8 +238,7 @@ def main() -> None:
                         extra=shlex.split(args.proxy_args),
                     )
                 )  # fmt: skip
-                proxies[pd_name + rev] = old.url
-                proxy_pids[pd_name + rev] = old.process.pid
+                proxies[pd_name + rev] = old
                 setups[pd_name + rev] = partial(send_to, old.url, n)
             if args.pool:
                 pool = stack.enter_context(
@@ -251,8 +247,7 @@ def main() -> None:
                         cwd=tree, extra=shlex.split(args.proxy_args), engines=engines,
                     )
                 )  # fmt: skip
-                proxies["pool" + rev] = pool.url
-                proxy_pids["pool" + rev] = pool.process.pid
+                proxies["pool" + rev] = pool
                 setups["pool" + rev] = partial(send_to, pool.url, n)
         for name, send in setups.items():  # warm up every path (and check it works)
             for i in range(2):
@@ -282,20 +277,21 @@ def main() -> None:
                 for name in names:
                     settle([srv.process.pid for srv in s.values()])  # the last setup's spin over
                     before = {e: group_cpu_seconds(srv.process.pid) for e, srv in s.items()}
-                    relay = proxy_pids.get(name)  # the proxy this setup's requests go through
-                    relay_before = process_cpu_seconds(relay) if relay else 0.0
+                    relay = proxies.get(name)
+                    url = relay.url if relay else None
+                    relay_before = process_cpu_seconds(relay.process.pid) if relay else 0.0
                     client_before = time.process_time()  # this process: the client's threads
-                    placed_before = placed(proxies.get(name))
+                    placed_before = placed(url)
                     results, seconds = open_loop(setups[name], arrivals)
                     client = 100 * (time.process_time() - client_before) / seconds
-                    relay_after = process_cpu_seconds(relay) if relay else 0.0
+                    relay_after = process_cpu_seconds(relay.process.pid) if relay else 0.0
                     relayed = 100 * (relay_after - relay_before) / seconds
-                    placed_after = placed(proxies.get(name))
+                    placed_after = placed(url)
                     where = (
                         " / ".join(
                             f"{placed_after[k] - placed_before.get(k, 0):.0f}" for k in placed_after
                         )
-                        if proxies.get(name)
+                        if relay
                         else "–"
                     )
                     cpu = " / ".join(
