@@ -10,6 +10,7 @@ import trio
 
 from pdactors.proxy._calibrate import PROBE_TOKENS, REPEATS
 from tests.test_migration import TIMEOUT, open_counting
+from tests.test_placement import placement_counts
 
 
 async def test_every_engine_is_probed_before_it_serves_and_the_placer_starts_from_it() -> None:
@@ -71,10 +72,6 @@ async def test_a_lone_request_in_a_pool_goes_whole_to_the_engine_calibrated_fast
                     await trio.sleep(0.01)  # the stream's end counted: the next one is lone
             assert (len(fast.received) - probed[0], len(slow.received) - probed[1]) == (4, 0)
             assert all("kv_transfer_params" not in b for b in fast.received[probed[0] :])
-            counts = {
-                (dict(labels)["placement"], dict(labels)["reason"]): value
-                for (name, labels), value in (await s.metrics()).items()
-                if name == "pdactors_proxy_placement_total"
-            }
+            counts = await placement_counts(s)
             assert set(counts) == {("local", "d_idle"), ("whole-on-p", "p_faster")}, counts
             assert sum(counts.values()) == 4

@@ -251,7 +251,7 @@ def test_ps_decodes_count_against_the_prompts_it_computes() -> None:
 # --------------------------------------------------------------------------- in the proxy
 
 
-async def _placement_counts(s: object) -> dict[tuple[str, str], float]:
+async def placement_counts(s: object) -> dict[tuple[str, str], float]:
     m = await s.metrics()  # type: ignore[attr-defined]
     return {
         (dict(labels)["placement"], dict(labels)["reason"]): value
@@ -267,7 +267,7 @@ async def test_auto_serves_locally_while_d_is_idle_and_says_so() -> None:
             assert resp.status_code == 200
             assert resp.headers["x-pdactors-placement"] == "local"
             assert s.p[0].received == [] and len(s.d[0].received) == 1
-            assert await _placement_counts(s) == {("local", "d_idle"): 1}
+            assert await placement_counts(s) == {("local", "d_idle"): 1}
             health = (await s.client.get("/health")).json()
             assert health["placement"]["ttft"][s.d[0].url]["n"] == 0  # a whole answer: no TTFT
             assert health["decode"][0]["waiting_tokens"] == 0
@@ -303,7 +303,7 @@ async def test_auto_hands_a_long_prompt_to_p_while_d_decodes() -> None:
             assert answers["long"].headers["x-pdactors-placement"] == "disaggregated"
             assert answers["decoding"].headers["x-pdactors-placement"] == "local"
             assert len(s.p[0].received) == 1  # the long one, P first
-            counts = await _placement_counts(s)
+            counts = await placement_counts(s)
             assert counts == {("local", "d_idle"): 1, ("disaggregated", "d_busy"): 1}
             report = await health()
             assert report["prefill"][0]["waiting_tokens"] == 0
@@ -322,7 +322,7 @@ async def test_a_pinned_placement_is_counted_as_pinned(placement: str) -> None:
             assert resp.status_code == 200
             where = "local" if placement == "local" else "disaggregated"
             assert resp.headers["x-pdactors-placement"] == where
-            assert await _placement_counts(s) == {(where, "pinned"): 1}
+            assert await placement_counts(s) == {(where, "pinned"): 1}
             assert "placement" not in (await s.client.get("/health")).json()
 
 
@@ -479,6 +479,6 @@ async def test_an_overloaded_pair_serves_the_next_request_whole_on_the_shorter_q
             assert sorted(a.headers["x-pdactors-placement"] for a in answers) == [
                 "disaggregated", "local", "whole-on-p",
             ]  # fmt: skip
-            counts = await _placement_counts(s)
+            counts = await placement_counts(s)
             assert counts == {("local", "pinned"): 1, ("disaggregated", "pinned"): 1,
                               ("whole-on-p", "overloaded"): 1}  # fmt: skip
