@@ -108,7 +108,7 @@ def render_k8s(config: LaunchConfig) -> list[dict[str, Any]]:
         ("engine", config.both, ENGINE_PORT, [every, bootstrap]),
     ):
         if count:
-            ports = [("http", port)] + ([("bootstrap", bootstrap_port)] if len(pod) > 1 else [])
+            ports = [("http", port)] + ([("bootstrap", bootstrap_port)] if bootstrap in pod else [])
             out += [_headless_service(k, role, ports), _stateful_set(config, role, count, pod)]
     prefills = list(zip(p_urls, boot_urls, strict=True))
     engines = list(zip(e_urls, e_boot_urls, strict=True))
