@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import random
-import socket
 import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager, suppress
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -36,6 +34,7 @@ from pdactors import (
     serve_sender,
 )
 from pdactors.core.plan import packed_layout
+from pdactors.deploy.plan import free_port
 from pdactors.transport import ZMQ, Transport
 
 
@@ -257,20 +256,7 @@ class TimedPlane:
         return out
 
 
-#: The ports :func:`bootstrap_port` gave in this process (each is bound later, elsewhere).
-_GIVEN: set[int] = set()
-
-
 def bootstrap_port() -> int:
-    """A free port below Linux's ephemeral range (32768-60999), never given twice in this
-    process: P's worker binds it a minute or two after it is chosen, while four servers'
-    processes take ephemeral ports (a port found by binding port 0 was taken in between, in a
-    bench and in a CI run: "Address already in use")."""
-    while True:
-        port = random.randrange(20000, 32768)
-        if port in _GIVEN:
-            continue
-        with socket.socket() as s, suppress(OSError):
-            s.bind(("127.0.0.1", port))
-            _GIVEN.add(port)
-            return port
+    """A free port for a server that binds it a minute or two later (P's bootstrap, a proxy):
+    below the kernel's ephemeral range, never given twice in this process."""
+    return free_port()

@@ -244,6 +244,22 @@ def test_default_plan_is_1p1d_on_cpu_with_our_connector() -> None:
     assert plan.model_name == "tiny"
 
 
+def test_the_plans_ports_are_outside_the_ephemeral_range_and_never_given_twice() -> None:
+    # The servers bind them a minute or more later, while their own processes take ephemeral
+    # ports for connections: the proxy of a CI run found its port taken ("Address already in use").
+    low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    config = LaunchConfig(prefill=2, decode=2, both=2, proxy_port=0)
+    plan = plan_deployment(config, "/m", env={})
+    ports = [int(c.base_url.rsplit(":", 1)[1]) for c in plan.children]
+    for child in plan.children[:-1]:  # every vLLM server; P's and the engines' run a bootstrap
+        kv = json.loads(child.argv[child.argv.index("--kv-transfer-config") + 1])
+        if kv["kv_role"] != "kv_consumer":
+            ports.append(kv["kv_connector_extra_config"]["bootstrap_port"])
+    ports += [free_port() for _ in range(200)]
+    assert not [p for p in ports if low <= p <= high]
+    assert len(set(ports)) == len(ports)
+
+
 def test_gpu_plan_pins_devices_and_protocol() -> None:
     config = LaunchConfig(
         prefill=2, decode=1, prefill_gpus=("0", "1"), decode_gpus=("2",), protocol="nvlink_intra"

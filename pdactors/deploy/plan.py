@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import sys
 from collections.abc import Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pdactors.deploy.credentials import RunSecrets
@@ -50,11 +53,35 @@ class Plan:
     engine_key: str = field(default="", repr=False)
 
 
+#: The ports :func:`free_port` gave in this process (each is bound later, by another process).
+_GIVEN: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of ports it gives to connections and to binds of port 0."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port on ``host`` that nothing listens on now, outside the kernel's ephemeral range
+    and never given twice in this process. The servers bind it a minute or more later, after
+    loading a model, while their processes open connections that take ephemeral ports: a port
+    found by binding port 0 was taken in between (the proxy of a launcher test in CI, a P's
+    bootstrap in another: "Address already in use")."""
+    low, high = _ephemeral_range()
+    below = (10000, low) if low > 10000 else (high + 1, 65536)
+    while True:
+        port = random.randrange(*below)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s, suppress(OSError):
+            s.bind((host, port))
+            _GIVEN.add(port)
+            return port
 
 
 def _port(port: int, host: str) -> int:

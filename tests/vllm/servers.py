@@ -24,17 +24,10 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.common import bootstrap_port, group_stats
+from bench.common import group_stats
+from pdactors.deploy.plan import free_port
 
 STARTUP_TIMEOUT = 240.0
-
-
-def free_port() -> int:
-    """A port free now, below Linux's ephemeral range, never given twice in this process
-    (:func:`bench.common.bootstrap_port`). A server binds it seconds to a minute later (P's
-    bootstrap after its model loaded): a port found by binding port 0 is ephemeral, and one
-    was taken by a connection in between (test_e2e_compat's P, in a CI run)."""
-    return bootstrap_port()
 
 
 @dataclass
