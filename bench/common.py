@@ -163,15 +163,21 @@ def worktree(rev: str) -> Iterator[Path]:
             subprocess.run([*git, "worktree", "remove", "--force", str(path)], check=False)
 
 
-def placed(proxy_url: str | None) -> dict[str, float]:
-    """The proxy's requests so far by placement (``pdactors_proxy_placement_total``)."""
-    counts: dict[str, float] = {"local": 0.0, "disaggregated": 0.0, "whole-on-p": 0.0}
+PLACEMENTS = ("local", "disaggregated", "whole-on-p")
+
+
+def placed(proxy_url: str | None, *, why: bool = False) -> dict[str, float]:
+    """The proxy's requests so far by placement (``pdactors_proxy_placement_total``); with
+    ``why``, by placement and reason (``"whole-on-p/overloaded"``)."""
+    counts: dict[str, float] = {} if why else dict.fromkeys(PLACEMENTS, 0.0)
     if proxy_url is None:
         return counts
     text = httpx.get(f"{proxy_url}/metrics", timeout=10, trust_env=False).text
     for line in text.splitlines():
         if line.startswith("pdactors_proxy_placement_total{"):
             where = line.split('placement="', 1)[1].split('"', 1)[0]
+            if why:
+                where += "/" + line.split('why="', 1)[1].split('"', 1)[0]
             counts[where] = counts.get(where, 0.0) + float(line.rsplit(" ", 1)[1])
     return counts
 
