@@ -177,7 +177,7 @@ def placed(proxy_url: str | None, *, why: bool = False) -> dict[str, float]:
         if line.startswith("pdactors_proxy_placement_total{"):
             where = line.split('placement="', 1)[1].split('"', 1)[0]
             if why:
-                where += "/" + line.split('why="', 1)[1].split('"', 1)[0]
+                where += "/" + line.split('reason="', 1)[1].split('"', 1)[0]
             counts[where] = counts.get(where, 0.0) + float(line.rsplit(" ", 1)[1])
     return counts
 
