@@ -53,7 +53,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from common import bootstrap_port, placed, settle, worktree  # noqa: E402  (bench/ is the script's directory)
+from common import bootstrap_port, group_cpu_seconds, placed, settle, worktree  # noqa: E402  (bench/ is the script's directory)
 
 from pdactors import timeline  # noqa: E402
 from pdactors_vllm.tiny_model import ANY_SHAPE, SHAPES, ensure_tiny_model  # noqa: E402
@@ -343,9 +343,9 @@ def main() -> None:
         )
         print(
             "| concurrency | setup | TTFT p50 ms | TTFT p99 ms | 2nd chunk p50 ms | output tok/s "
-            "| failed |"
+            "| failed | servers' CPU, % of a core |"
         )
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
         timelines: dict[tuple[int, str], dict[str, float]] = {}
         for n in args.concurrency:
             prompts = [
@@ -357,6 +357,9 @@ def main() -> None:
             names = list(setups)
             results: dict[str, list[Result]] = {name: [] for name in names}
             elapsed = dict.fromkeys(names, 0.0)
+            # What every vLLM server's process group used meanwhile (a plain server's API
+            # server and engine core are not bound to its core: it takes what it finds idle).
+            cpu = dict.fromkeys(names, 0.0)
             settled = 0.0
             share = -(-len(prompts) // args.rounds)
             for r in range(args.rounds):
@@ -365,14 +368,19 @@ def main() -> None:
                     fn = setups[name]
                     settled = max(settled, settle(groups))  # the last setup's servers quiet
                     run_level(fn, [[5, 6, 7]] * 2, 1)  # warm up the path
-                    start = time.perf_counter()
+                    start, used = time.perf_counter(), sum(map(group_cpu_seconds, groups))
                     results[name] += run_level(fn, batch, n)
                     elapsed[name] += time.perf_counter() - start
+                    cpu[name] += sum(map(group_cpu_seconds, groups)) - used
             print(f"# waited up to {settled:.1f} s for the servers to go quiet between setups")
             time.sleep(0.5)  # the last marks reach the file
             marks = timeline.read_timelines(sink)
             for name in names:
-                print(f"| {n} | {name} | {summary(results[name], elapsed[name])} |", flush=True)
+                busy = f"{100 * cpu[name] / elapsed[name]:.0f}"
+                print(
+                    f"| {n} | {name} | {summary(results[name], elapsed[name])} | {busy} |",
+                    flush=True,
+                )
                 if name != "single":
                     timelines[n, name] = segments(results[name], marks)
             for name, url in (("proxy auto", auto.url), ("pool", pool_url)):
