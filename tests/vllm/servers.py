@@ -131,10 +131,13 @@ def vllm_server(
     extra_args: tuple[str, ...] = (),
     host: str = "127.0.0.1",
     netns: str | None = None,
+    confined: bool = False,
 ) -> Iterator[Server]:
     """Start ``python -m vllm.entrypoints.openai.api_server`` (on ``host`` and ``port``, or a
     free one; in network namespace ``netns`` when given: ``ip netns exec``); the caller waits
-    for it to be healthy (:func:`wait_healthy`)."""
+    for it to be healthy (:func:`wait_healthy`). ``core`` binds its OpenMP threads (vLLM's
+    ``VLLM_CPU_OMP_THREADS_BIND``); ``confined`` binds every process of it to ``core`` (an
+    int), its API server and engine core too, which otherwise use what other cores leave."""
     port = port or free_port()
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -161,9 +164,11 @@ def vllm_server(
     }
     log = log_dir / f"{name}.log"
     with open(log, "wb") as out:
+        cores = {int(core)} if confined else None
         process = subprocess.Popen(
-            args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+            args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=None if cores is None else lambda: os.sched_setaffinity(0, cores),
+        )  # fmt: skip
     server = Server(name, f"http://{host}:{port}", process, log)
     try:
         yield server
