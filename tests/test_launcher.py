@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import yaml
 from typer.testing import CliRunner
 
 import pdactors
+import pdactors.deploy.plan as plan_module
 from pdactors._cli_setup import scratch_dir
 from pdactors.cli import app
 from pdactors.config import default_of
@@ -258,6 +260,15 @@ def test_the_plans_ports_are_outside_the_ephemeral_range_and_never_given_twice()
     ports += [free_port() for _ in range(200)]
     assert not [p for p in ports if low <= p <= high]
     assert len(set(ports)) == len(ports)
+
+
+def test_a_free_port_is_still_found_where_the_ephemeral_range_is_every_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(plan_module, "_ephemeral_range", lambda: (1024, 65535))
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free
 
 
 def test_gpu_plan_pins_devices_and_protocol() -> None:
