@@ -34,7 +34,6 @@ from pdactors import (
     serve_sender,
 )
 from pdactors.core.plan import packed_layout
-from pdactors.deploy.plan import free_port
 from pdactors.transport import ZMQ, Transport
 
 
@@ -260,9 +259,3 @@ class TimedPlane:
             out["after"].append(spent)
             out["from_call"].append(end - calls[0][1] - spent)
         return out
-
-
-def bootstrap_port() -> int:
-    """A free port for a server that binds it a minute or two later (P's bootstrap, a proxy):
-    below the kernel's ephemeral range, never given twice in this process."""
-    return free_port()

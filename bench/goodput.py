@@ -65,7 +65,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (
-    bootstrap_port,
     group_cpu_seconds,
     placed,
     process_cpu_seconds,
@@ -73,6 +72,7 @@ from bench.common import (
     worktree,
 )
 from bench.vllm_pd import ROOT, Result, direct, proxy_process, stream
+from pdactors.deploy.plan import free_port
 from pdactors_vllm.tiny_model import ANY_SHAPE, SHAPES, ensure_tiny_model
 from tests.vllm.servers import Server, both_config, consumer_config, producer_config, servers
 from tests.vllm.test_e2e import prompt_ids
@@ -189,7 +189,7 @@ def main() -> None:
     args = ap.parse_args()
     engine_args = ("--block-size", str(args.block_size), "--no-enable-prefix-caching")
     engine_args += tuple(shlex.split(args.engine_args))
-    port = bootstrap_port()
+    port = free_port()
     bootstrap = f"http://127.0.0.1:{port}"
     specs = {
         "P": {"core": 0, "kv_transfer_config": producer_config(ENGINE, port)},
@@ -197,7 +197,7 @@ def main() -> None:
         "R0": {"core": 0},
         "R1": {"core": 1},
     }
-    pool_ports = [bootstrap_port(), bootstrap_port()] if args.pool else []
+    pool_ports = [free_port(), free_port()] if args.pool else []
     for i, e_port in enumerate(pool_ports):
         specs[f"E{i}"] = {"core": i, "kv_transfer_config": both_config(f"pool-{i}", e_port)}
     specs = {name: {**spec, "extra_args": engine_args} for name, spec in specs.items()}

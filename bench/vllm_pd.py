@@ -53,7 +53,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from common import bootstrap_port, group_cpu_seconds, placed, settle, worktree  # noqa: E402  (bench/ is the script's directory)
+from common import group_cpu_seconds, placed, settle, worktree  # noqa: E402  (bench/ is the script's directory)
 
 from pdactors import timeline  # noqa: E402
 from pdactors_vllm.tiny_model import ANY_SHAPE, SHAPES, ensure_tiny_model  # noqa: E402
@@ -267,8 +267,8 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    ports = {"eager": bootstrap_port(), "whole": bootstrap_port()}
-    pool_ports = [bootstrap_port(), bootstrap_port()] if args.pool else []
+    ports = {"eager": free_port(), "whole": free_port()}
+    pool_ports = [free_port(), free_port()] if args.pool else []
 
     def p_config(kind: str) -> dict[str, Any]:
         return producer_config(f"prefill-{kind}", ports[kind], eager_send=kind == "eager")
